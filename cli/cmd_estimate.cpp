@@ -1,0 +1,120 @@
+// `pipewright trace` (write an analytic trace) and `pipewright estimate` (closed-form step time
+// and memory of a plan, written as a run report with "source": "analytic").
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/options.hpp"
+#include "planner/cost_model.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::cli {
+
+namespace {
+
+struct EstimateArgs {
+  std::string model = "pd2bw-gpt-3.9b";
+  ClusterOptions cluster;
+  PlanOptions plan;
+  std::string trace;
+  std::string out;
+};
+
+// The built-in default scenario: the PipeDream-2BW paper's GPT 3.9B on 8 x p3.16xlarge (64 V100s)
+// with 2BW, 8 stages of 8 replicas, global batch 512.
+void apply_default_scenario(EstimateArgs& a) {
+  a.plan.schedule = "2bw";
+  a.plan.d = 8;
+  a.plan.m = 64;
+  a.plan.b = 1;
+  fmt::print("(default scenario: {} on {}, 2bw, w=8 d=8 b=1 m=64; see --help)\n", a.model,
+             a.cluster.cluster);
+}
+
+void print_estimate(const planner::Estimate& est, const models::ModelSpec& model,
+                    const clusters::Cluster& cluster) {
+  const auto& r = est.report;
+  const auto& p = r.plan;
+  fmt::print("{} on {} ({} x {} x {}): {} w={} d={} b={} m={}{}, global batch {}\n", model.name,
+             cluster.name, cluster.nodes, cluster.gpus_per_node, cluster.device.name,
+             to_string(p.schedule), p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
+             p.global_batch());
+  fmt::print("  step time {} (pipeline {}, all-reduce {}, optimizer {})\n",
+             human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
+             human_seconds(est.allreduce_s), human_seconds(est.optimizer_s));
+  fmt::print("  {:.2f} samples/s, {} , {}, MFU {:.1f}%\n", r.samples_per_s,
+             human_rate(r.tokens_per_s, "tokens"), human_rate(r.model_flops_per_s, "FLOP"),
+             100 * r.mfu);
+  fmt::print("  {:>5} {:>6} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {}\n",
+             "stage", "blocks", "rc", "t_f", "t_b", "weights", "versions", "grads", "optimizer",
+             "activ.", "stash", "peak / capacity");
+  for (const auto& st : est.stages) {
+    const auto& d = r.devices[p.rank_of(st.stage, 0)];
+    fmt::print("  {:>5} {:>6} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {} / {}{}\n",
+               st.stage, st.blocks, st.recompute ? "yes" : "no", human_seconds(st.forward_s),
+               human_seconds(st.backward_s), human_bytes(st.memory.weights),
+               human_bytes(st.memory.weight_versions), human_bytes(st.memory.gradients),
+               human_bytes(st.memory.optimizer), human_bytes(st.memory.activations), st.in_flight,
+               human_bytes(d.peak_memory_bytes), human_bytes(d.capacity_bytes),
+               d.fits ? "" : "  DOES NOT FIT");
+  }
+  if (!r.fits()) fmt::print("  the plan does not fit in device memory\n");
+}
+
+}  // namespace
+
+void add_estimate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "estimate", "closed-form step time, throughput and per-device memory of a plan");
+  auto a = std::make_shared<EstimateArgs>();
+  cmd->add_option("--model", a->model, "model preset or JSON file")->capture_default_str();
+  a->cluster.add(*cmd, "p3.16xlarge:8");
+  a->plan.add(*cmd);
+  cmd->add_option("--trace,-t", a->trace, "trace JSON (default: analytic for the cluster's device)");
+  cmd->add_option("--out,-o", a->out, "write the run report (JSON) here");
+  cmd->callback([a, cmd] {
+    const bool defaults = cmd->count("--model") == 0 && cmd->count("--cluster") == 0 &&
+                          cmd->count("--nodes") == 0 && a->plan.plan_file.empty() &&
+                          !a->plan.given_as_flags(*cmd);
+    if (defaults) apply_default_scenario(*a);
+    models::ModelSpec model = models::load_model(a->model);
+    clusters::Cluster cluster = a->cluster.load();
+    planner::Plan plan = a->plan.build(model.layers, cluster.devices());
+    planner::place(plan, {cluster.nodes, cluster.gpus_per_node}, a->plan.ranks_per_gpu);
+    traces::Trace trace = load_or_make_trace(a->trace, model, cluster.device, plan.b);
+    planner::Estimate est = planner::estimate(model, trace, cluster, plan);
+    print_estimate(est, model, cluster);
+    if (!a->out.empty()) {
+      common::write_json_file(a->out, planner::to_json(est.report));
+      fmt::print("wrote {}\n", a->out);
+    }
+  });
+}
+
+void add_trace_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "trace", "write the analytic (roofline) trace of a model on a device");
+  auto model = std::make_shared<std::string>();
+  auto device = std::make_shared<std::string>();
+  auto micro = std::make_shared<std::string>("1,2,4");
+  auto out = std::make_shared<std::string>();
+  cmd->add_option("--model", *model, "model preset or JSON file")->required();
+  cmd->add_option("--device", *device, "device preset (V100-16GB, A100-80GB, H100-SXM, ...) or file")
+      ->required();
+  cmd->add_option("--microbatch", *micro, "microbatch sizes, comma-separated")
+      ->capture_default_str();
+  cmd->add_option("--out,-o", *out, "output file (default: standard output)");
+  cmd->callback([=] {
+    std::vector<std::int64_t> sizes = parse_int_list(*micro, "--microbatch");
+    traces::Trace t = traces::analytic_trace(models::load_model(*model),
+                                             clusters::load_device(*device), sizes);
+    common::Json j = traces::to_json(t);
+    if (out->empty()) {
+      fmt::print("{}\n", j.dump(2));
+    } else {
+      common::write_json_file(*out, j);
+      fmt::print("wrote {} ({} microbatch sizes)\n", *out, sizes.size());
+    }
+  });
+}
+
+}  // namespace pw::cli

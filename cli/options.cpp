@@ -1,0 +1,129 @@
+// Options shared by several subcommands and the human formatting of figures.
+#include "cli/options.hpp"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "traces/analytic.hpp"
+
+namespace pw::cli {
+
+void ClusterOptions::add(CLI::App& app, const std::string& default_cluster) {
+  cluster = default_cluster;
+  app.add_option("--cluster,-c", cluster,
+                 "cluster preset (p3.16xlarge, dgx-a100, ...), NAME:NODES, or a JSON file")
+      ->capture_default_str();
+  app.add_option("--nodes", nodes, "number of nodes (overrides NAME:NODES and the file)");
+  app.add_option("--set", sets,
+                 "override a cluster field, e.g. --set network.bandwidth_bytes_per_s=1.25e10 "
+                 "(repeatable)");
+}
+
+clusters::Cluster ClusterOptions::load() const {
+  return clusters::load_cluster(cluster, nodes, sets);
+}
+
+void PlanOptions::add(CLI::App& app) {
+  app.add_option("--plan,-p", plan_file, "plan JSON file (instead of the plan flags)");
+  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, 2bw, interleaved or dp")
+      ->capture_default_str();
+  app.add_option("-w,--width", w, "data-parallel width (default: devices / d)");
+  app.add_option("-d,--depth", d, "pipeline depth (default 1)");
+  app.add_option("-m,--microbatches", m, "microbatches per optimizer step (default d)");
+  app.add_option("-b,--microbatch-size", b, "samples per microbatch")->capture_default_str();
+  app.add_option("-v,--chunks", v, "model chunks per device (interleaved)");
+  app.add_flag("--recompute", recompute, "recompute activations on every stage");
+  app.add_option("--stage-blocks", stage_blocks,
+                 "blocks per stage, comma-separated (default: balanced)")
+      ->delimiter(',');
+  app.add_option("--ranks-per-gpu", ranks_per_gpu,
+                 "put this many ranks on each GPU (e.g. a 4-stage plan on one GPU)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+bool PlanOptions::given_as_flags(const CLI::App& app) const {
+  for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--recompute",
+                           "--stage-blocks"})
+    if (app.count(name) > 0) return true;
+  return false;
+}
+
+planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
+  planner::Plan p;
+  if (!plan_file.empty()) {
+    p = planner::load_plan(plan_file);
+  } else {
+    p.schedule = planner::parse_schedule(schedule);
+    p.d = d.value_or(1);
+    p.v = v.value_or(1);
+    p.b = b;
+    p.m = m.value_or(p.d);
+    const int ranks = devices * ranks_per_gpu;
+    p.w = w.value_or(p.d > 0 && ranks % p.d == 0 ? std::max(1, ranks / p.d) : 1);
+    if (recompute) p.recompute.assign(std::max(p.d, 0), true);
+    p.stage_blocks = stage_blocks;
+  }
+  if (layers > 0) planner::resolve_stages(p, layers);
+  else planner::check(p);
+  return p;
+}
+
+traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
+                                 const clusters::DeviceSpec& device, std::int64_t b) {
+  if (trace_file.empty()) return traces::analytic_trace(model, device, {b});
+  traces::Trace t = traces::read_trace(trace_file);
+  if (t.model != model.name)
+    throw InputError(fmt::format("{}: /model: trace is for model \"{}\", not \"{}\"", trace_file,
+                                 t.model, model.name));
+  return t;
+}
+
+std::vector<std::int64_t> parse_int_list(const std::string& text, const std::string& option) {
+  std::vector<std::int64_t> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    std::size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(pos, end - pos);
+    try {
+      std::size_t used = 0;
+      long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      out.push_back(v);
+    } catch (const std::exception&) {
+      throw InputError(fmt::format("{}: \"{}\" is not a positive integer", option, item));
+    }
+    pos = end + 1;
+  }
+  return out;
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(bytes) >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+std::string human_seconds(double s) {
+  if (s >= 1) return fmt::format("{:.3f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.3f} ms", s * 1e3);
+  return fmt::format("{:.3f} us", s * 1e6);
+}
+
+std::string human_rate(double per_s, const std::string& unit) {
+  const char* prefixes[] = {"", "k", "M", "G", "T", "P"};
+  int p = 0;
+  while (per_s >= 1000 && p < 5) {
+    per_s /= 1000;
+    ++p;
+  }
+  return fmt::format("{:.2f} {}{}/s", per_s, prefixes[p], unit);
+}
+
+}  // namespace pw::cli

@@ -1,0 +1,109 @@
+// Transformer model description and the per-layer costs derived from it (params, FLOPs, bytes).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/json_reader.hpp"
+
+namespace pw::models {
+
+enum class Arch { gpt, bert };           // causal decoder (pre-LN) or encoder (post-LN)
+enum class DType { fp32, fp16, bf16 };   // training compute dtype of weights and activations
+enum class Mlp { gelu, swiglu };         // 2-matrix GELU MLP (GPT/BERT) or 3-matrix SwiGLU (LLaMA)
+enum class Norm { layernorm, rmsnorm };  // LayerNorm (scale + shift) or RMSNorm (scale only)
+enum class Positions { learned, rope };  // learned position table, or rotary (no parameters)
+
+int dtype_bytes(DType t);
+std::string to_string(DType t);
+std::string to_string(Arch a);
+DType parse_dtype(const std::string& s);  // throws InputError naming the value
+Arch parse_arch(const std::string& s);
+
+// The shape of a transformer: embedding, `layers` identical blocks, final norm + head.
+struct ModelSpec {
+  std::string name;
+  Arch arch = Arch::gpt;
+  std::int64_t layers = 0;
+  std::int64_t hidden = 0;         // C
+  std::int64_t heads = 0;          // NH, hidden % heads == 0
+  std::int64_t ffn = 0;            // F, usually 4C
+  std::int64_t seq_len = 0;        // T, tokens per sample
+  std::int64_t vocab = 0;          // V
+  std::int64_t max_positions = 0;  // rows of the position embedding (>= seq_len)
+  std::int64_t type_vocab = 0;     // BERT token-type rows (2); 0 for GPT
+  bool tied_embeddings = true;     // LM head shares the token embedding
+  bool bias = true;                // linear layers have biases (GPT-2, BERT) or not (LLaMA)
+  Mlp mlp = Mlp::gelu;
+  Norm norm = Norm::layernorm;
+  Positions positions = Positions::learned;
+  DType dtype = DType::fp16;
+  std::string description;
+};
+
+// The three layer kinds a pipeline stage can hold. Stage 0 holds the embedding, the last stage the
+// head; blocks are split among stages.
+enum class LayerKind { embedding, block, head };
+std::string to_string(LayerKind k);
+
+// One matrix multiply C[m x n] = A[m x k] * B[k x n], `batch` times (attention uses batch = b*NH).
+struct Gemm {
+  std::string label;
+  std::int64_t m = 0, n = 0, k = 0, batch = 1;
+  double flops() const { return 2.0 * double(m) * double(n) * double(k) * double(batch); }
+};
+
+// Costs of one layer for ONE sample (microbatch size 1). Everything scales linearly in b.
+// Formulas and the tensors behind them: docs/formulas.md.
+struct LayerCosts {
+  LayerKind kind = LayerKind::block;
+  std::int64_t parameters = 0;
+  double forward_flops = 0;          // GEMMs + attention matmuls
+  double backward_input_flops = 0;   // dL/dx: same matmul FLOPs as forward
+  double backward_weight_flops = 0;  // dL/dW: forward FLOPs of the weight GEMMs
+  double elementwise_bytes = 0;      // forward memory traffic of non-GEMM ops (norm, softmax, GELU,
+                                     // residual adds, embedding gather), read + write
+  std::int64_t activation_bytes = 0;            // stashed for backward without recompute,
+                                                // including the layer's own input
+  std::int64_t activation_recompute_bytes = 0;  // stashed with recompute: the input only
+  std::int64_t input_bytes = 0;                 // the layer's input activation
+  std::int64_t output_bytes = 0;                // what it hands the next layer / stage
+  std::int64_t workspace_bytes = 0;             // transient scratch while it runs backward
+  double backward_flops() const { return backward_input_flops + backward_weight_flops; }
+};
+
+struct ModelCosts {
+  LayerCosts embedding, block, head;
+  std::int64_t total_parameters = 0;  // embedding + layers * block + head (tied weights once)
+  // Parameters of the tied token embedding that the last stage must hold as a copy when the
+  // embedding and the head sit on different stages (0 when untied).
+  std::int64_t tied_copy_parameters = 0;
+  double flops_per_sample = 0;  // forward + backward, whole model
+  const LayerCosts& layer(LayerKind k) const;
+};
+
+ModelCosts derive_costs(const ModelSpec& spec);
+// The forward GEMMs of one layer for microbatch size b.
+std::vector<Gemm> forward_gemms(const ModelSpec& spec, LayerKind kind, std::int64_t b);
+
+// Throws InputError naming the field when a shape is impossible (hidden % heads, seq_len >
+// max_positions, non-positive sizes).
+void validate(const ModelSpec& spec, const std::string& source);
+
+// JSON (format "pipewright.model/1"); see docs/formats.md.
+ModelSpec parse_model(const common::Json& json, const std::string& source);
+common::Json to_json(const ModelSpec& spec);
+
+// A preset name ("gpt2-124m") or a path to a model JSON file or a Hugging Face config.json.
+ModelSpec load_model(const std::string& name_or_path);
+std::vector<std::string> preset_names();
+
+// Hugging Face config.json (GPT-2: n_layer/n_embd/n_head/n_inner/n_positions/vocab_size;
+// LLaMA-style: num_hidden_layers/hidden_size/num_attention_heads/intermediate_size/
+// max_position_embeddings; BERT: model_type "bert", type_vocab_size).
+ModelSpec import_hf_config(const common::Json& json, const std::string& source,
+                           const std::string& name);
+bool is_hf_config(const common::Json& json);
+
+}  // namespace pw::models

@@ -1,0 +1,196 @@
+// Plan checks, stage splitting, placement and the plan JSON format.
+#include "planner/plan.hpp"
+
+#include <numeric>
+#include <set>
+
+#include <fmt/format.h>
+
+namespace pw::planner {
+
+using common::Json;
+using common::JsonReader;
+
+std::string to_string(Schedule s) {
+  switch (s) {
+    case Schedule::gpipe: return "gpipe";
+    case Schedule::one_f_one_b: return "1f1b";
+    case Schedule::two_bw: return "2bw";
+    case Schedule::interleaved: return "interleaved";
+    case Schedule::dp: return "dp";
+  }
+  return "?";
+}
+
+Schedule parse_schedule(const std::string& s) {
+  for (Schedule x : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
+                     Schedule::interleaved, Schedule::dp})
+    if (s == to_string(x)) return x;
+  throw InputError(
+      fmt::format("unknown schedule \"{}\" (expected gpipe, 1f1b, 2bw, interleaved or dp)", s));
+}
+
+namespace {
+
+[[noreturn]] void reject(const std::string& field, const std::string& why) {
+  throw PlanError(fmt::format("plan: {}: {}", field, why));
+}
+
+}  // namespace
+
+void check(const Plan& p) {
+  const std::pair<const char*, int> positive[] = {
+      {"w", p.w}, {"d", p.d}, {"b", p.b}, {"m", p.m}, {"v", p.v}};
+  for (auto [field, value] : positive)
+    if (value < 1) reject(field, fmt::format("must be at least 1, found {}", value));
+  if (p.schedule == Schedule::dp && p.d != 1)
+    reject("d", fmt::format("schedule dp is data parallelism only and needs d = 1, found {}", p.d));
+  if (p.schedule == Schedule::two_bw && p.m < p.d)
+    reject("m", fmt::format("2bw needs m >= d (found m = {}, d = {}) so that at most two weight "
+                            "versions are live",
+                            p.m, p.d));
+  if (p.schedule == Schedule::interleaved) {
+    if (p.m % p.d != 0)
+      reject("m", fmt::format("interleaved needs m to be a multiple of d (found m = {}, d = {})",
+                              p.m, p.d));
+  } else if (p.v != 1) {
+    reject("v", fmt::format("v = {} needs schedule interleaved (schedule is {})", p.v,
+                            to_string(p.schedule)));
+  }
+  if (!p.stage_blocks.empty() && int(p.stage_blocks.size()) != p.virtual_stages())
+    reject("stage_blocks", fmt::format("has {} entries but the plan has d*v = {} stages",
+                                       p.stage_blocks.size(), p.virtual_stages()));
+  for (std::size_t i = 0; i < p.stage_blocks.size(); ++i)
+    if (p.stage_blocks[i] < 1)
+      reject(fmt::format("stage_blocks[{}]", i), "a stage must hold at least one block");
+  if (!p.recompute.empty() && int(p.recompute.size()) != p.d)
+    reject("recompute", fmt::format("has {} entries but the plan has d = {} stages",
+                                    p.recompute.size(), p.d));
+  if (!p.placement.empty() && int(p.placement.size()) != p.ranks())
+    reject("placement", fmt::format("has {} entries but the plan has w*d = {} ranks",
+                                    p.placement.size(), p.ranks()));
+}
+
+std::vector<std::int64_t> balanced_split(std::int64_t layers, int parts) {
+  std::vector<std::int64_t> out(parts, layers / parts);
+  for (int i = 0; i < int(layers % parts); ++i) ++out[i];
+  return out;
+}
+
+void resolve_stages(Plan& p, std::int64_t layers) {
+  check(p);
+  if (p.virtual_stages() > layers)
+    reject("d", fmt::format("d*v = {} stages but the model has only {} blocks", p.virtual_stages(),
+                            layers));
+  if (p.stage_blocks.empty()) {
+    p.stage_blocks = balanced_split(layers, p.virtual_stages());
+    return;
+  }
+  std::int64_t sum = std::accumulate(p.stage_blocks.begin(), p.stage_blocks.end(), std::int64_t{0});
+  if (sum != layers)
+    reject("stage_blocks",
+           fmt::format("blocks sum to {} but the model has {} blocks", sum, layers));
+}
+
+void place(Plan& p, const DeviceGrid& grid, int ranks_per_gpu) {
+  check(p);
+  if (ranks_per_gpu < 1) reject("ranks_per_gpu", "must be at least 1");
+  const int devices = grid.devices();
+  if (!p.placement.empty()) {
+    for (int r = 0; r < p.ranks(); ++r) {
+      const auto& pl = p.placement[r];
+      if (pl.node < 0 || pl.node >= grid.nodes || pl.gpu < 0 || pl.gpu >= grid.gpus_per_node)
+        reject(fmt::format("placement[{}]", r),
+               fmt::format("rank {} is placed on node {} gpu {}, outside the cluster's {} x {}", r,
+                           pl.node, pl.gpu, grid.nodes, grid.gpus_per_node));
+    }
+    return;
+  }
+  if (p.ranks() != devices * ranks_per_gpu) {
+    if (ranks_per_gpu == 1)
+      reject("w*d", fmt::format("w*d = {}*{} = {} ranks but the cluster has {} devices", p.w, p.d,
+                                p.ranks(), devices));
+    reject("w*d", fmt::format("w*d = {} ranks but the cluster has {} devices x {} ranks per GPU",
+                              p.ranks(), devices, ranks_per_gpu));
+  }
+  p.placement.assign(p.ranks(), {});
+  const bool replicas_inside_node = p.w <= grid.gpus_per_node;
+  for (int r = 0; r < p.ranks(); ++r) {
+    const int s = p.stage_of(r), rep = p.replica_of(r);
+    // Slot order: stage-major (a stage's replicas adjacent) or pipeline-major.
+    const int slot = replicas_inside_node ? s * p.w + rep : rep * p.d + s;
+    const int device = slot / ranks_per_gpu;
+    p.placement[r] = {device / grid.gpus_per_node, device % grid.gpus_per_node};
+  }
+}
+
+Plan parse_plan(const Json& json, const std::string& source) {
+  JsonReader r(json, source);
+  r.expect_format("pipewright.plan/1");
+  Plan p;
+  try {
+    p.schedule = parse_schedule(r.get_string("schedule"));
+  } catch (const InputError& e) {
+    r.fail_member("schedule", e.what());
+  }
+  auto small_int = [&](const char* key) {
+    std::int64_t v = r.get_positive_int(key);
+    if (v > 1'000'000) r.fail_member(key, fmt::format("{} is too large", v));
+    return int(v);
+  };
+  p.w = small_int("w");
+  p.d = small_int("d");
+  p.b = small_int("b");
+  p.m = small_int("m");
+  p.v = r.has("v") ? small_int("v") : 1;
+  if (auto sb = r.find("stage_blocks"))
+    for (std::size_t i = 0; i < sb->size(); ++i) p.stage_blocks.push_back(sb->at(i).as_int());
+  if (auto rc = r.find("recompute")) {
+    if (rc->value().is_boolean()) {
+      p.recompute.assign(p.d, rc->as_bool());
+    } else {
+      for (std::size_t i = 0; i < rc->size(); ++i) p.recompute.push_back(rc->at(i).as_bool());
+    }
+  }
+  if (auto pl = r.find("placement"))
+    for (std::size_t i = 0; i < pl->size(); ++i) {
+      auto e = pl->at(i);
+      if (e.has("rank") && e.get_int("rank") != std::int64_t(i))
+        e.fail_member("rank", fmt::format("entries must be in rank order; expected {}", i));
+      p.placement.push_back({int(e.get_nonnegative_int("node")), int(e.get_nonnegative_int("gpu"))});
+    }
+  try {
+    check(p);
+  } catch (const PlanError& e) {
+    throw PlanError(fmt::format("{}: {}", source, e.what()));
+  }
+  return p;
+}
+
+Json to_json(const Plan& p) {
+  Json j = {{"format", "pipewright.plan/1"},
+            {"schedule", to_string(p.schedule)},
+            {"w", p.w},
+            {"d", p.d},
+            {"b", p.b},
+            {"m", p.m},
+            {"v", p.v},
+            {"global_batch", p.global_batch()},
+            {"stage_blocks", p.stage_blocks}};
+  Json rc = Json::array();
+  for (int s = 0; s < p.d; ++s) rc.push_back(p.recomputes(s));
+  j["recompute"] = rc;
+  Json pl = Json::array();
+  for (int r = 0; r < int(p.placement.size()); ++r)
+    pl.push_back({{"rank", r},
+                  {"stage", p.stage_of(r)},
+                  {"replica", p.replica_of(r)},
+                  {"node", p.placement[r].node},
+                  {"gpu", p.placement[r].gpu}});
+  j["placement"] = pl;
+  return j;
+}
+
+Plan load_plan(const std::string& path) { return parse_plan(common::read_json_file(path), path); }
+
+}  // namespace pw::planner

@@ -1,0 +1,85 @@
+// The plan: how a model is split and replicated over devices, and which schedule runs it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/json_reader.hpp"
+
+namespace pw::planner {
+
+// gpipe: all forwards, all backwards, flush. one_f_one_b: PipeDream-Flush. two_bw: PipeDream-2BW
+// (no flush, double-buffered weights). interleaved: Megatron, v chunks per device. dp: d == 1.
+enum class Schedule { gpipe, one_f_one_b, two_bw, interleaved, dp };
+std::string to_string(Schedule s);  // "gpipe", "1f1b", "2bw", "interleaved", "dp"
+Schedule parse_schedule(const std::string& s);  // throws InputError listing the valid names
+
+// Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
+struct Placement {
+  int node = 0;
+  int gpu = 0;  // index inside the node
+  bool operator==(const Placement&) const = default;
+};
+
+// Ranks are numbered pipeline-major: rank = replica * d + stage. Stage s of every replica holds
+// the same blocks. With interleaved, device stage s holds chunks c = 0..v-1, which are virtual
+// stages c*d + s.
+struct Plan {
+  Schedule schedule = Schedule::one_f_one_b;
+  int w = 1;  // data-parallel width (replicas of each stage)
+  int d = 1;  // pipeline depth (stages)
+  int b = 1;  // microbatch size (samples)
+  int m = 1;  // microbatches per optimizer step per replica
+  int v = 1;  // model chunks per device (interleaved only)
+  // Blocks per virtual stage, in pipeline order (d*v entries). Empty: balanced over the model.
+  std::vector<std::int64_t> stage_blocks;
+  // Recompute activations on each stage (d entries). Empty: no recomputation anywhere.
+  std::vector<bool> recompute;
+  // rank -> device (w*d entries). Empty: not placed yet (place() fills it from a cluster).
+  std::vector<Placement> placement;
+
+  int ranks() const { return w * d; }
+  int virtual_stages() const { return d * v; }
+  std::int64_t global_batch() const { return std::int64_t(w) * m * b; }
+  int stage_of(int rank) const { return rank % d; }
+  int replica_of(int rank) const { return rank / d; }
+  int rank_of(int stage, int replica) const { return replica * d + stage; }
+  bool recomputes(int stage) const { return !recompute.empty() && recompute[stage]; }
+};
+
+// Structural checks that need no model or cluster: w, d, b, m, v >= 1; d == 1 for dp; m >= d for
+// 2bw; v > 1 only for interleaved and m % d == 0 there; list lengths. Throws PlanError naming the
+// field.
+void check(const Plan& plan);
+
+// Balanced split of `layers` blocks into `parts` contiguous stages (the first layers % parts
+// stages get one more block).
+std::vector<std::int64_t> balanced_split(std::int64_t layers, int parts);
+
+// Fills stage_blocks when empty (balanced) and checks it against the model: d*v entries, each
+// >= 1, summing to `layers`. Throws PlanError naming the field.
+void resolve_stages(Plan& plan, std::int64_t layers);
+
+// Cluster shape needed to place ranks.
+struct DeviceGrid {
+  int nodes = 1;
+  int gpus_per_node = 1;
+  int devices() const { return nodes * gpus_per_node; }
+};
+
+// Fills placement when empty, as in the PipeDream-2BW paper: when w <= GPUs per node the w
+// replicas of a stage sit inside one node (the all-reduce stays on NVLink); otherwise each
+// pipeline's stages are packed into consecutive GPUs (pipelines inside nodes).
+// ranks_per_gpu > 1 puts that many consecutive ranks on each GPU (a d-stage plan on one GPU).
+// Checks w*d == devices * ranks_per_gpu and that every given placement exists on the grid.
+// Throws PlanError naming the field.
+void place(Plan& plan, const DeviceGrid& grid, int ranks_per_gpu = 1);
+
+// JSON (format "pipewright.plan/1"); see docs/formats.md.
+Plan parse_plan(const common::Json& json, const std::string& source);
+common::Json to_json(const Plan& plan);
+Plan load_plan(const std::string& path);
+
+}  // namespace pw::planner

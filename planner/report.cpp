@@ -1,0 +1,113 @@
+// Run report JSON: writer and strict reader.
+#include "planner/report.hpp"
+
+#include <algorithm>
+
+namespace pw::planner {
+
+using common::Json;
+using common::JsonReader;
+
+MemoryBreakdown& MemoryBreakdown::operator+=(const MemoryBreakdown& o) {
+  weights += o.weights;
+  weight_versions += o.weight_versions;
+  gradients += o.gradients;
+  optimizer += o.optimizer;
+  activations += o.activations;
+  workspace += o.workspace;
+  return *this;
+}
+
+bool RunReport::fits() const {
+  return std::all_of(devices.begin(), devices.end(), [](const DeviceReport& d) { return d.fits; });
+}
+
+namespace {
+
+Json memory_json(const MemoryBreakdown& m) {
+  return {{"weights", m.weights},     {"weight_versions", m.weight_versions},
+          {"gradients", m.gradients}, {"optimizer", m.optimizer},
+          {"activations", m.activations}, {"workspace", m.workspace}};
+}
+
+MemoryBreakdown parse_memory(const JsonReader& r) {
+  MemoryBreakdown m;
+  m.weights = r.get_nonnegative_int("weights");
+  m.weight_versions = r.get_nonnegative_int("weight_versions");
+  m.gradients = r.get_nonnegative_int("gradients");
+  m.optimizer = r.get_nonnegative_int("optimizer");
+  m.activations = r.get_nonnegative_int("activations");
+  m.workspace = r.get_nonnegative_int("workspace");
+  return m;
+}
+
+}  // namespace
+
+Json to_json(const RunReport& r) {
+  Json devices = Json::array();
+  for (const auto& d : r.devices)
+    devices.push_back({{"rank", d.rank},
+                       {"node", d.node},
+                       {"gpu", d.gpu},
+                       {"stage", d.stage},
+                       {"replica", d.replica},
+                       {"peak_memory_bytes", d.peak_memory_bytes},
+                       {"capacity_bytes", d.capacity_bytes},
+                       {"fits", d.fits},
+                       {"memory_breakdown_bytes", memory_json(d.memory)},
+                       {"busy_s", d.busy_s},
+                       {"bubble_fraction", d.bubble_fraction}});
+  Json j = {{"format", "pipewright.report/1"},
+            {"source", r.source},
+            {"model", r.model},
+            {"cluster", r.cluster},
+            {"plan", to_json(r.plan)},
+            {"iteration_time_s", r.iteration_time_s},
+            {"samples_per_s", r.samples_per_s},
+            {"tokens_per_s", r.tokens_per_s},
+            {"model_flops_per_s", r.model_flops_per_s},
+            {"mfu", r.mfu},
+            {"fits", r.fits()},
+            {"devices", devices}};
+  if (!r.timeline.empty()) j["timeline"] = r.timeline;
+  for (auto it = r.extra.begin(); it != r.extra.end(); ++it) j[it.key()] = it.value();
+  return j;
+}
+
+RunReport parse_report(const Json& json, const std::string& source) {
+  JsonReader r(json, source);
+  r.expect_format("pipewright.report/1");
+  RunReport rep;
+  rep.source = r.get_string("source");
+  if (rep.source != "analytic" && rep.source != "simulated" && rep.source != "measured")
+    r.fail_member("source", "expected analytic, simulated or measured, found \"" + rep.source + "\"");
+  rep.model = r.get_string("model");
+  rep.cluster = r.get_string("cluster");
+  rep.plan = parse_plan(r.at("plan").value(), source);
+  rep.iteration_time_s = r.get_nonnegative("iteration_time_s");
+  rep.samples_per_s = r.get_nonnegative("samples_per_s");
+  rep.tokens_per_s = r.get_nonnegative("tokens_per_s");
+  rep.model_flops_per_s = r.get_nonnegative("model_flops_per_s");
+  rep.mfu = r.get_nonnegative("mfu");
+  auto devs = r.at("devices");
+  for (std::size_t i = 0; i < devs.size(); ++i) {
+    auto d = devs.at(i);
+    DeviceReport dr;
+    dr.rank = int(d.get_nonnegative_int("rank"));
+    dr.node = int(d.get_nonnegative_int("node"));
+    dr.gpu = d.has("gpu") ? int(d.get_nonnegative_int("gpu")) : 0;
+    dr.stage = int(d.get_nonnegative_int("stage"));
+    dr.replica = int(d.get_nonnegative_int("replica"));
+    dr.peak_memory_bytes = d.get_nonnegative_int("peak_memory_bytes");
+    if (d.has("capacity_bytes")) dr.capacity_bytes = d.get_nonnegative_int("capacity_bytes");
+    if (d.has("fits")) dr.fits = d.get_bool("fits");
+    dr.memory = parse_memory(d.at("memory_breakdown_bytes"));
+    dr.busy_s = d.get_nonnegative("busy_s");
+    dr.bubble_fraction = d.get_number("bubble_fraction");
+    rep.devices.push_back(dr);
+  }
+  if (r.has("timeline")) rep.timeline = r.get_string("timeline");
+  return rep;
+}
+
+}  // namespace pw::planner
