@@ -78,8 +78,10 @@ void add_models_command(CLI::App& app) {
       if (*json) {
         list.push_back(model_json(s));
       } else {
-        fmt::print("{:<16} {:>8.3f} B params  {:>3} x {:<5} T={:<5} {}\n", n,
-                   c.total_parameters / 1e9, s.layers, s.hidden, s.seq_len, s.description);
+        const double p = double(c.total_parameters);
+        fmt::print("{:<16} {:>9} params  {:>3} x {:<5} T={:<5} {}\n", n,
+                   p >= 1e9 ? fmt::format("{:.2f} B", p / 1e9) : fmt::format("{:.1f} M", p / 1e6),
+                   s.layers, s.hidden, s.seq_len, s.description);
       }
     }
     if (*json) fmt::print("{}\n", list.dump(2));

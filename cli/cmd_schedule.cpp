@@ -55,9 +55,17 @@ void add_schedule_command(CLI::App& app) {
       fmt::print("\ntimeline (forward = 1, backward = 2, recompute = 1 unit; communication free):\n"
                  "{}",
                  planner::render_timeline(programs, tl, ro));
-      planner::StepTiming st = planner::step_timing(programs, tl, a->steps - 1);
-      fmt::print("step {}: {:.2f} units, bubble {:.1f}% of the step\n", a->steps - 1, st.time,
-                 100 * st.fraction());
+      // Flush schedules: one step's window. 2bw's steps overlap, so its steady-state step is the
+      // interval between two optimizer steps of rank 0 in the middle of the run.
+      const int step = a->steps / 2;
+      planner::StepTiming st = planner::step_timing(programs, tl, step);
+      double time = st.time;
+      if (plan.schedule == planner::Schedule::two_bw && a->steps >= 3) {
+        std::vector<double> opt = planner::optimizer_times(programs, tl, 0);
+        time = opt[step] - opt[step - 1];
+      }
+      fmt::print("step {} of {}: {:.2f} units, busiest device computes {:.2f}, bubble {:.1f}%\n",
+                 step, a->steps, time, st.compute, time > 0 ? 100 * (1 - st.compute / time) : 0.0);
     }
   });
 }

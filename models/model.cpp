@@ -168,8 +168,8 @@ std::vector<Gemm> forward_gemms(const ModelSpec& s, LayerKind kind, std::int64_t
     case LayerKind::embedding: return {};
     case LayerKind::block: {
       std::vector<Gemm> g = {{"qkv", rows, 3 * C, C, 1},
-                             {"attn_scores", T, T, hd, b * NH},
-                             {"attn_values", T, hd, T, b * NH},
+                             {"attn_scores", T, T, hd, b * NH, false},
+                             {"attn_values", T, hd, T, b * NH, false},
                              {"attn_proj", rows, C, C, 1}};
       if (s.mlp == Mlp::swiglu) {
         g.push_back({"mlp_gate", rows, F, C, 1});

@@ -51,6 +51,7 @@ std::string to_string(LayerKind k);
 struct Gemm {
   std::string label;
   std::int64_t m = 0, n = 0, k = 0, batch = 1;
+  bool has_weight = true;  // a weight operand (it has a dW GEMM); false for attention's matmuls
   double flops() const { return 2.0 * double(m) * double(n) * double(k) * double(batch); }
 };
 

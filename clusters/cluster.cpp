@@ -1,0 +1,215 @@
+// Cluster documents: parsing with file + JSON-path errors, the canonical JSON form, and loading
+// from a preset name, "name:N" or a file.
+#include "clusters/cluster.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "common/presets.hpp"
+
+namespace pw::clusters {
+
+namespace {
+
+constexpr const char* kClusterFormat = "pipewright.cluster/1";
+
+using common::Json;
+using common::JsonReader;
+
+int get_count(const JsonReader& r, const std::string& key) {
+  std::int64_t v = r.get_positive_int(key);
+  if (v > std::numeric_limits<int>::max()) r.fail_member(key, fmt::format("too large: {}", v));
+  return static_cast<int>(v);
+}
+
+double get_efficiency(const JsonReader& r) {
+  double v = r.get_positive("efficiency");
+  if (v > 1) r.fail_member("efficiency", fmt::format("must be in (0, 1], found {}", v));
+  return v;
+}
+
+IntraKind parse_intra_kind(const JsonReader& r) {
+  std::string s = r.get_string("kind");
+  for (auto k : {IntraKind::nvlink_mesh, IntraKind::nvswitch, IntraKind::pcie, IntraKind::none})
+    if (s == to_string(k)) return k;
+  r.fail_member("kind", fmt::format("unknown kind \"{}\"; expected nvlink-mesh, nvswitch, pcie "
+                                    "or none",
+                                    s));
+}
+
+NicPer parse_nic_per(const JsonReader& r) {
+  std::string s = r.get_string("nic_per");
+  if (s == "node") return NicPer::node;
+  if (s == "gpu") return NicPer::gpu;
+  r.fail_member("nic_per", fmt::format("unknown value \"{}\"; expected node or gpu", s));
+}
+
+IntraNode parse_intra(const JsonReader& r, int gpus_per_node) {
+  IntraNode in;
+  in.kind = parse_intra_kind(r);
+  in.bandwidth_bytes_per_s = r.get_nonnegative("bandwidth_bytes_per_s");
+  in.latency_s = r.get_nonnegative("latency_s");
+  in.efficiency = get_efficiency(r);
+  if (gpus_per_node > 1 && in.kind == IntraKind::none)
+    r.fail_member("kind", fmt::format("\"none\" needs gpus_per_node 1, found {}", gpus_per_node));
+  if (gpus_per_node > 1 && in.bandwidth_bytes_per_s <= 0)
+    r.fail_member("bandwidth_bytes_per_s", "must be positive when gpus_per_node > 1");
+  return in;
+}
+
+Network parse_network(const JsonReader& r, int nodes) {
+  Network n;
+  n.nic_per = parse_nic_per(r);
+  n.bandwidth_bytes_per_s = r.get_nonnegative("bandwidth_bytes_per_s");
+  n.latency_s = r.get_nonnegative("latency_s");
+  n.oversubscription = r.get_number("oversubscription");
+  if (n.oversubscription < 1)
+    r.fail_member("oversubscription", fmt::format("must be >= 1, found {}", n.oversubscription));
+  n.efficiency = get_efficiency(r);
+  if (nodes > 1 && n.bandwidth_bytes_per_s <= 0)
+    r.fail_member("bandwidth_bytes_per_s", "must be positive when nodes > 1");
+  return n;
+}
+
+Host parse_host(const JsonReader& r) {
+  Host h;
+  h.memory_bytes = r.get_nonnegative_int("memory_bytes");
+  h.pcie_bandwidth_bytes_per_s = r.get_nonnegative("pcie_bandwidth_bytes_per_s");
+  h.pcie_latency_s = r.get_nonnegative("pcie_latency_s");
+  return h;
+}
+
+DeviceSpec parse_device_field(const JsonReader& r, const std::string& base_dir) {
+  JsonReader d = r.at("device");
+  if (d.value().is_object()) return parse_device(d, /*require_format=*/false);
+  if (!d.value().is_string()) d.fail("expected a device preset name or a device object");
+  std::string name = d.as_string();
+  if (common::looks_like_path(name) && !base_dir.empty() &&
+      std::filesystem::path(name).is_relative())
+    name = (std::filesystem::path(base_dir) / name).string();
+  try {
+    return load_device(name);
+  } catch (const InputError& e) {
+    d.fail(e.what());
+  }
+}
+
+// "dgx-a100:4" -> ("dgx-a100", 4); "dgx-a100" -> ("dgx-a100", none).
+std::pair<std::string, std::optional<int>> split_node_suffix(const std::string& spec) {
+  auto colon = spec.rfind(':');
+  if (colon == std::string::npos || colon + 1 == spec.size()) return {spec, std::nullopt};
+  std::string tail = spec.substr(colon + 1);
+  if (!std::all_of(tail.begin(), tail.end(), [](unsigned char ch) { return std::isdigit(ch); }))
+    return {spec, std::nullopt};
+  if (tail.size() > 9 || std::stoi(tail) < 1)
+    throw InputError(fmt::format("cluster \"{}\": node count must be 1 .. 999999999", spec));
+  return {spec.substr(0, colon), std::stoi(tail)};
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names)
+    out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+std::string to_string(IntraKind k) {
+  switch (k) {
+    case IntraKind::nvlink_mesh:
+      return "nvlink-mesh";
+    case IntraKind::nvswitch:
+      return "nvswitch";
+    case IntraKind::pcie:
+      return "pcie";
+    case IntraKind::none:
+      return "none";
+  }
+  return "?";
+}
+
+std::string to_string(NicPer n) {
+  return n == NicPer::gpu ? "gpu" : "node";
+}
+
+Cluster parse_cluster(const Json& json, const std::string& source, const std::string& base_dir) {
+  JsonReader r(json, source);
+  r.expect_format(kClusterFormat);
+  Cluster c;
+  c.name = r.get_string("name");
+  c.nodes = get_count(r, "nodes");
+  c.gpus_per_node = get_count(r, "gpus_per_node");
+  c.device = parse_device_field(r, base_dir);
+  c.intra_node = parse_intra(r.at("intra_node"), c.gpus_per_node);
+  c.network = parse_network(r.at("network"), c.nodes);
+  c.host = parse_host(r.at("host"));
+  if (auto notes = r.find("notes")) c.notes = notes->as_string();
+  return c;
+}
+
+Json to_json(const Cluster& c) {
+  Json j = Json::object();
+  j["format"] = kClusterFormat;
+  j["name"] = c.name;
+  j["nodes"] = c.nodes;
+  j["gpus_per_node"] = c.gpus_per_node;
+  j["device"] = to_json(c.device);
+  j["intra_node"] = {{"kind", to_string(c.intra_node.kind)},
+                     {"bandwidth_bytes_per_s", c.intra_node.bandwidth_bytes_per_s},
+                     {"latency_s", c.intra_node.latency_s},
+                     {"efficiency", c.intra_node.efficiency}};
+  j["network"] = {{"nic_per", to_string(c.network.nic_per)},
+                  {"bandwidth_bytes_per_s", c.network.bandwidth_bytes_per_s},
+                  {"latency_s", c.network.latency_s},
+                  {"oversubscription", c.network.oversubscription},
+                  {"efficiency", c.network.efficiency}};
+  j["host"] = {{"memory_bytes", c.host.memory_bytes},
+               {"pcie_bandwidth_bytes_per_s", c.host.pcie_bandwidth_bytes_per_s},
+               {"pcie_latency_s", c.host.pcie_latency_s}};
+  if (!c.notes.empty()) j["notes"] = c.notes;
+  return j;
+}
+
+std::vector<std::string> cluster_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& f : common::embedded_clusters())
+    names.push_back(f.name);
+  return names;
+}
+
+Cluster load_cluster(const std::string& spec, std::optional<int> nodes,
+                     const std::vector<std::string>& sets) {
+  auto [base, spec_nodes] = split_node_suffix(spec);
+  Json doc;
+  std::string source, base_dir;
+  if (common::looks_like_path(base)) {
+    doc = common::read_json_file(base);
+    source = base;
+    base_dir = std::filesystem::path(base).parent_path().string();
+  } else {
+    const auto* file = common::find_embedded(common::embedded_clusters(), base);
+    if (file == nullptr)
+      throw InputError(
+          fmt::format("unknown cluster \"{}\"; presets: {} (or a path to a .json file)", base,
+                      joined(cluster_preset_names())));
+    source = "cluster preset " + base;
+    doc = common::parse_json(file->text, source);
+  }
+  if (!nodes) nodes = spec_nodes;
+  if (nodes && doc.is_object()) {
+    if (*nodes < 1)
+      throw InputError(fmt::format("{}: nodes must be at least 1, found {}", source, *nodes));
+    doc["nodes"] = *nodes;
+  }
+  for (const auto& s : sets)
+    apply_set(doc, s);
+  if (!sets.empty()) source += " (with --set)";
+  return parse_cluster(doc, source, base_dir);
+}
+
+}  // namespace pw::clusters

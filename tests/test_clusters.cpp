@@ -1,0 +1,258 @@
+// Device and cluster presets, "name:N", --set overrides, reader errors and point-to-point links.
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "clusters/cluster.hpp"
+
+namespace pw::clusters {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Runs `f`, expects an InputError, and returns its message.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no InputError thrown";
+  return "";
+}
+
+class TempDir {
+ public:
+  TempDir()
+      : path_(fs::temp_directory_path() / ("pw_test_clusters_" + std::to_string(::getpid()))) {
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(path_ / name) << text;
+    return (path_ / name).string();
+  }
+  std::string write(const std::string& name, const common::Json& j) const {
+    return write(name, j.dump(2));
+  }
+
+ private:
+  fs::path path_;
+};
+
+TEST(Devices, PresetsCarryPublishedFigures) {
+  struct Row {
+    const char* name;
+    double fp16, fp32, hbm;
+    std::int64_t gib;
+  };
+  const Row rows[] = {
+      {"V100-16GB", 125e12, 15.7e12, 900e9, 16},    {"V100-32GB", 125e12, 15.7e12, 900e9, 32},
+      {"A100-40GB", 312e12, 19.5e12, 1.555e12, 40}, {"A100-80GB", 312e12, 19.5e12, 2.039e12, 80},
+      {"H100-SXM", 989e12, 67e12, 3.35e12, 80},     {"H200", 989e12, 67e12, 4.8e12, 141}};
+  EXPECT_EQ(device_preset_names().size(), std::size(rows));
+  for (const auto& row : rows) {
+    SCOPED_TRACE(row.name);
+    DeviceSpec d = load_device(row.name);
+    EXPECT_EQ(d.name, row.name);
+    EXPECT_DOUBLE_EQ(d.peak_fp16_flops_per_s, row.fp16);
+    EXPECT_DOUBLE_EQ(d.peak_fp32_flops_per_s, row.fp32);
+    EXPECT_DOUBLE_EQ(d.memory_bandwidth_bytes_per_s, row.hbm);
+    EXPECT_EQ(d.memory_bytes, row.gib << 30);
+    EXPECT_EQ(parse_device(common::JsonReader(to_json(d), "round trip")), d);
+  }
+}
+
+TEST(Devices, UnknownPresetListsTheNames) {
+  std::string msg = error_of([] { load_device("B200"); });
+  EXPECT_NE(msg.find("unknown device \"B200\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("H100-SXM"), std::string::npos) << msg;
+}
+
+TEST(Clusters, PresetsCarryTheirFigures) {
+  Cluster p3 = load_cluster("p3.16xlarge");
+  EXPECT_EQ(p3.devices(), 8);
+  EXPECT_EQ(p3.device.name, "V100-16GB");
+  EXPECT_EQ(p3.intra_node.kind, IntraKind::nvlink_mesh);
+  EXPECT_DOUBLE_EQ(p3.network.bandwidth_bytes_per_s, 3.125e9);  // 25 Gb/s per instance
+  EXPECT_EQ(p3.nics_per_node(), 1);
+
+  Cluster a100 = load_cluster("dgx-a100");
+  EXPECT_EQ(a100.device.name, "A100-80GB");
+  EXPECT_EQ(a100.intra_node.kind, IntraKind::nvswitch);
+  EXPECT_DOUBLE_EQ(a100.intra_node.bandwidth_bytes_per_s, 300e9);  // 600 GB/s bidirectional
+  EXPECT_DOUBLE_EQ(a100.network.bandwidth_bytes_per_s, 25e9);      // 200 Gb/s HDR
+  EXPECT_EQ(a100.nics_per_node(), 8);
+
+  Cluster h100 = load_cluster("dgx-h100");
+  EXPECT_EQ(h100.device.name, "H100-SXM");
+  EXPECT_DOUBLE_EQ(h100.intra_node.bandwidth_bytes_per_s, 450e9);  // 900 GB/s bidirectional
+  EXPECT_DOUBLE_EQ(h100.network.bandwidth_bytes_per_s, 50e9);      // 400 Gb/s NDR
+
+  for (const char* name : {"h100-x1", "h200-x1"}) {
+    Cluster one = load_cluster(name);
+    EXPECT_EQ(one.devices(), 1) << name;
+    EXPECT_EQ(one.intra_node.kind, IntraKind::none) << name;
+  }
+  EXPECT_EQ(load_cluster("h200-x1").device.name, "H200");
+}
+
+TEST(Clusters, EveryPresetRoundTripsThroughCanonicalJson) {
+  for (const auto& name : cluster_preset_names()) {
+    SCOPED_TRACE(name);
+    Cluster c = load_cluster(name);
+    EXPECT_EQ(c.name, name);
+    EXPECT_EQ(parse_cluster(to_json(c), "round trip"), c);
+    EXPECT_NE(describe(c).find(c.device.name), std::string::npos);
+  }
+}
+
+TEST(Clusters, NodeCountFromSpecOrArgument) {
+  EXPECT_EQ(load_cluster("dgx-a100:4").nodes, 4);
+  EXPECT_EQ(load_cluster("dgx-a100:4").devices(), 32);
+  EXPECT_EQ(load_cluster("dgx-a100", 2).nodes, 2);
+  EXPECT_EQ(load_cluster("dgx-a100:4", 3).nodes, 3);  // the argument wins
+  std::string msg = error_of([] { load_cluster("nope:2"); });
+  EXPECT_NE(msg.find("unknown cluster \"nope\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("dgx-h100"), std::string::npos) << msg;
+}
+
+TEST(Clusters, SingleGpuPresetNeedsANetworkForMoreNodes) {
+  std::string msg = error_of([] { load_cluster("h100-x1:2"); });
+  EXPECT_NE(msg.find("/network/bandwidth_bytes_per_s"), std::string::npos) << msg;
+  Cluster c = load_cluster("h100-x1:2", {}, {"network.bandwidth_bytes_per_s=12.5e9"});
+  EXPECT_EQ(c.devices(), 2);
+}
+
+TEST(Overrides, SetANumber) {
+  Cluster c = load_cluster("dgx-a100", {}, {"network.bandwidth_bytes_per_s=1.25e10", "nodes=4"});
+  EXPECT_DOUBLE_EQ(c.network.bandwidth_bytes_per_s, 1.25e10);
+  EXPECT_EQ(c.nodes, 4);
+}
+
+TEST(Overrides, SwapTheDevicePreset) {
+  Cluster c = load_cluster("p3.16xlarge", {}, {"device=H100-SXM"});
+  EXPECT_EQ(c.device, load_device("H100-SXM"));
+}
+
+TEST(Overrides, EditADeviceField) {
+  Cluster c = load_cluster("p3.16xlarge", {}, {"device.memory_bytes=3.2e10"});
+  EXPECT_EQ(c.device.name, "V100-16GB");
+  EXPECT_EQ(c.device.memory_bytes, 32000000000);
+  // Swap, then edit the swapped device.
+  c = load_cluster("p3.16xlarge", {},
+                   {"device=A100-40GB", "device.memory_bandwidth_bytes_per_s=2e12"});
+  EXPECT_EQ(c.device.name, "A100-40GB");
+  EXPECT_DOUBLE_EQ(c.device.memory_bandwidth_bytes_per_s, 2e12);
+}
+
+TEST(Overrides, StringsAndBools) {
+  Cluster c = load_cluster("dgx-a100", {}, {"network.nic_per=node", "name=my cluster"});
+  EXPECT_EQ(c.network.nic_per, NicPer::node);
+  EXPECT_EQ(c.name, "my cluster");
+}
+
+TEST(Overrides, UnknownKeyIsNamed) {
+  std::string msg =
+      error_of([] { load_cluster("dgx-a100", {}, {"network.bandwith_bytes_per_s=1"}); });
+  EXPECT_NE(msg.find("unknown key \"network.bandwith_bytes_per_s\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bandwidth_bytes_per_s"), std::string::npos) << msg;  // lists the real ones
+  msg = error_of([] { load_cluster("dgx-a100", {}, {"device.flops=1"}); });
+  EXPECT_NE(msg.find("unknown key \"device.flops\""), std::string::npos) << msg;
+  msg = error_of([] { load_cluster("dgx-a100", {}, {"network=5"}); });
+  EXPECT_NE(msg.find("is an object"), std::string::npos) << msg;
+  msg = error_of([] { load_cluster("dgx-a100", {}, {"nodes"}); });
+  EXPECT_NE(msg.find("expected dotted.path=value"), std::string::npos) << msg;
+}
+
+TEST(Overrides, ABadValueIsReportedAtItsPath) {
+  std::string msg = error_of([] { load_cluster("dgx-a100", {}, {"network.efficiency=1.5"}); });
+  EXPECT_NE(msg.find("/network/efficiency"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
+}
+
+TEST(Reader, ErrorsNameTheFileAndJsonPath) {
+  TempDir dir;
+  const common::Json good = to_json(load_cluster("dgx-a100"));
+  struct Case {
+    const char* what;
+    std::function<void(common::Json&)> edit;
+    const char* path;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"format", [](auto& j) { j["format"] = "pipewright.cluster/9"; }, "/format",
+       "unknown format"},
+      {"missing", [](auto& j) { j["network"].erase("latency_s"); }, "/network/latency_s",
+       "missing required field"},
+      {"type", [](auto& j) { j["gpus_per_node"] = "8"; }, "/gpus_per_node", "expected a number"},
+      {"negative", [](auto& j) { j["host"]["memory_bytes"] = -1; }, "/host/memory_bytes",
+       "must not be negative"},
+      {"device", [](auto& j) { j["device"]["memory_bytes"] = -5; }, "/device/memory_bytes",
+       "must be at least 1"},
+      {"device name", [](auto& j) { j["device"] = "TPUv4"; }, "/device", "unknown device"},
+      {"kind", [](auto& j) { j["intra_node"]["kind"] = "ethernet"; }, "/intra_node/kind",
+       "unknown kind"},
+      {"oversub", [](auto& j) { j["network"]["oversubscription"] = 0.5; },
+       "/network/oversubscription", "must be >= 1"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    common::Json j = good;
+    c.edit(j);
+    std::string file = dir.write(std::string("bad_") + c.what + ".json", j);
+    std::string msg = error_of([&] { load_cluster(file); });
+    EXPECT_NE(msg.find(file + ": " + c.path + ": "), std::string::npos) << msg;
+    EXPECT_NE(msg.find(c.message), std::string::npos) << msg;
+  }
+}
+
+TEST(Reader, FileWithNodeSuffixAndRelativeDevicePath) {
+  TempDir dir;
+  dir.write("gpu.json", to_json(load_device("A100-40GB")).dump());
+  common::Json j = to_json(load_cluster("dgx-a100"));
+  j["device"] = "gpu.json";  // resolved beside the cluster file
+  std::string file = dir.write("mine.json", j);
+  Cluster c = load_cluster(file + ":3");
+  EXPECT_EQ(c.nodes, 3);
+  EXPECT_EQ(c.device.name, "A100-40GB");
+  EXPECT_NE(error_of([&] { load_cluster(file + ".missing"); }).find("cannot open"),
+            std::string::npos);
+}
+
+TEST(Links, SameGpuIsADeviceMemoryCopy) {
+  Cluster c = load_cluster("dgx-h100:2");
+  Link l = p2p_link(c, 1, 3, 1, 3);
+  EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s, 3.35e12 / 2);  // every byte read and written
+  EXPECT_EQ(l.via, "device-memory");
+}
+
+TEST(Links, SameNodeUsesTheFabric) {
+  Cluster c = load_cluster("dgx-h100:2");
+  Link l = p2p_link(c, 0, 0, 0, 7);
+  EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s, 450e9 * 0.8);
+  EXPECT_DOUBLE_EQ(l.latency_s, 3e-6);
+  EXPECT_EQ(l.via, "nvswitch");
+  EXPECT_DOUBLE_EQ(l.time_s(360e6), 3e-6 + 1e-3);
+  // Hybrid cube-mesh: a pair gets a quarter of the GPU's NVLink bandwidth (1.5 of 6 links).
+  Link mesh = p2p_link(load_cluster("p3.16xlarge"), 0, 0, 0, 1);
+  EXPECT_DOUBLE_EQ(mesh.bandwidth_bytes_per_s, 150e9 * 0.8 / 4);
+}
+
+TEST(Links, AcrossNodesUsesTheNicWithOversubscription) {
+  Cluster c = load_cluster("dgx-a100:2", {}, {"network.oversubscription=2"});
+  Link l = p2p_link(c, 0, 5, 1, 5);
+  EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s, 25e9 * 0.9 / 2);
+  EXPECT_DOUBLE_EQ(l.latency_s, 5e-6);
+  EXPECT_EQ(l.via, "network");
+  EXPECT_THROW(p2p_link(c, 2, 0, 0, 0), InputError);
+  EXPECT_THROW(p2p_link(c, 0, 8, 0, 0), InputError);
+}
+
+}  // namespace
+}  // namespace pw::clusters

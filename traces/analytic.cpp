@@ -1,0 +1,122 @@
+// Roofline trace generator: GEMM time at a size-dependent fraction of peak plus elementwise
+// traffic at HBM bandwidth, per layer kind and microbatch size.
+#include "traces/analytic.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace pw::traces {
+
+namespace {
+
+double dim_factor(std::int64_t x) {
+  return double(x) / (double(x) + kHalfDim);
+}
+
+struct GemmTimes {
+  double weight_s = 0;     // GEMMs with a weight operand
+  double attention_s = 0;  // activation x activation matmuls
+};
+
+GemmTimes layer_gemm_times(const models::ModelSpec& spec, models::LayerKind kind, std::int64_t b,
+                           const clusters::DeviceSpec& d) {
+  GemmTimes t;
+  for (const auto& g : models::forward_gemms(spec, kind, b))
+    (is_weight_gemm(g) ? t.weight_s : t.attention_s) += gemm_time_s(g, d, spec.dtype);
+  return t;
+}
+
+LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& costs,
+                       std::int64_t b, const clusters::DeviceSpec& d) {
+  const GemmTimes g = layer_gemm_times(spec, costs.kind, b, d);
+  const double elementwise_s = costs.elementwise_bytes * double(b) / d.memory_bandwidth_bytes_per_s;
+  LayerTimes t;
+  t.forward_s = g.weight_s + g.attention_s + elementwise_s;
+  // dX of each weight GEMM has its forward shape; each attention matmul needs two (dQ and dK,
+  // dP and dV), of shapes with the same efficiency and traffic as the forward one.
+  t.backward_input_s = g.weight_s + 2 * g.attention_s;
+  t.backward_weight_s = g.weight_s;
+  // The elementwise backward reads the saved input and the incoming gradient and writes one.
+  t.backward_s = t.backward_input_s + t.backward_weight_s + 2 * elementwise_s;
+  t.recompute_s = t.forward_s;
+  t.activation_bytes = costs.activation_bytes * b;
+  t.activation_recompute_bytes = costs.activation_recompute_bytes * b;
+  t.output_bytes = costs.output_bytes * b;
+  t.workspace_bytes = costs.workspace_bytes * b;
+  return t;
+}
+
+std::vector<std::int64_t> checked_sizes(std::vector<std::int64_t> sizes) {
+  if (sizes.empty()) throw InputError("analytic trace: no microbatch sizes given");
+  std::sort(sizes.begin(), sizes.end());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 1)
+      throw InputError(
+          fmt::format("analytic trace: microbatch size must be >= 1, found {}", sizes[i]));
+    if (i > 0 && sizes[i] == sizes[i - 1])
+      throw InputError(fmt::format("analytic trace: microbatch size {} given twice", sizes[i]));
+  }
+  return sizes;
+}
+
+}  // namespace
+
+double peak_flops_per_s(const clusters::DeviceSpec& d, models::DType t) {
+  return t == models::DType::fp32 ? d.peak_fp32_flops_per_s : d.peak_fp16_flops_per_s;
+}
+
+bool is_weight_gemm(const models::Gemm& g) { return g.has_weight; }
+
+double gemm_efficiency(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t) {
+  const double compute = kMaxGemmEfficiency * dim_factor(g.m) * dim_factor(g.n) * dim_factor(g.k);
+  // Memory roofline: A, B and C each cross HBM once.
+  const double bytes = double(models::dtype_bytes(t)) * double(g.batch) *
+                       (double(g.m) * g.k + double(g.k) * g.n + double(g.m) * g.n);
+  const double intensity_flops_per_byte = g.flops() / bytes;
+  const double memory =
+      intensity_flops_per_byte * d.memory_bandwidth_bytes_per_s / peak_flops_per_s(d, t);
+  return std::min(compute, memory);
+}
+
+double gemm_time_s(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t) {
+  if (g.flops() <= 0) return 0;
+  return g.flops() / (peak_flops_per_s(d, t) * gemm_efficiency(g, d, t));
+}
+
+double adamw_bytes_per_parameter(models::DType t) {
+  const double moments = 16;                             // m and v, fp32, read + write
+  if (t == models::DType::fp32) return moments + 8 + 4;  // weights r+w, fp32 gradient read
+  const double e = models::dtype_bytes(t);
+  return moments + 8 + e + e;  // fp32 master r+w, 16-bit gradient read, 16-bit weight write
+}
+
+Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& device,
+                     const std::vector<std::int64_t>& microbatch_sizes) {
+  const auto sizes = checked_sizes(microbatch_sizes);
+  const models::ModelCosts costs = models::derive_costs(spec);
+  Trace t;
+  t.model = spec.name;
+  t.device = device.name;
+  t.dtype = spec.dtype;
+  t.source = {"analytic", device.name, "", "",
+              fmt::format("pipewright {} analytic roofline", PW_VERSION)};
+  t.origin =
+      fmt::format("analytic({}, {}, {})", spec.name, device.name, models::to_string(spec.dtype));
+  for (auto k : kLayerKinds) {
+    const auto p = costs.layer(k).parameters;
+    t.statics[k] = {
+        p, p * models::dtype_bytes(spec.dtype),
+        adamw_bytes_per_parameter(spec.dtype) * double(p) / device.memory_bandwidth_bytes_per_s};
+  }
+  for (auto b : sizes) {
+    Entry e;
+    e.microbatch_size = b;
+    for (auto k : kLayerKinds)
+      e.layers[k] = layer_times(spec, costs.layer(k), b, device);
+    t.entries.push_back(e);
+  }
+  return t;
+}
+
+}  // namespace pw::traces
