@@ -1,0 +1,83 @@
+// Schedule programs: the ordered list of ops each device runs. sim/ and exec/ interpret these.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/plan.hpp"
+
+namespace pw::planner {
+
+enum class OpKind {
+  forward,          // forward of (microbatch, chunk) with weight `version`
+  backward,         // backward of (microbatch, chunk) with weight `version`
+  recompute,        // re-run the forward of (microbatch, chunk) just before its backward
+  send_activation,  // to `peer` (asynchronous, buffered)
+  recv_activation,  // from `peer` (blocks until it arrives)
+  send_gradient,    // to `peer`
+  recv_gradient,    // from `peer`
+  all_reduce,       // gradient `bucket` of `chunk`, a collective over the w replicas of the stage
+  optimizer_step,   // applies the step's gradients, creating weight `version`
+  free_version,     // drops weight `version`
+};
+// "forward", "send_activation", ...
+std::string to_string(OpKind kind);
+
+bool is_compute(OpKind kind);  // forward, backward, recompute
+bool is_send(OpKind kind);
+bool is_recv(OpKind kind);
+
+struct Op {
+  OpKind kind = OpKind::forward;
+  int step = 0;         // optimizer step this op belongs to
+  int microbatch = -1;  // 0-based within the step; -1 for per-step ops
+  int chunk = 0;        // interleaved model chunk (virtual stage chunk*d + stage), else 0
+  int peer = -1;        // rank at the other end of a send/recv, else -1
+  int version = -1;     // weight version used (compute), created (optimizer), freed (free)
+  int bucket = -1;      // all_reduce bucket, else -1
+  bool operator==(const Op&) const = default;
+};
+
+struct Program {
+  int rank = 0;
+  int stage = 0;
+  int replica = 0;
+  std::vector<Op> ops;
+};
+
+struct Programs {
+  Plan plan;
+  int steps = 0;                 // optimizer steps generated
+  int buckets = 0;               // gradient buckets per chunk
+  std::vector<Program> devices;  // indexed by rank
+};
+
+// Global 1-based microbatch number k = step*m + microbatch + 1 (the 2BW version rule uses it).
+inline int global_microbatch(const Plan& plan, int step, int microbatch) {
+  return step * plan.m + microbatch + 1;
+}
+
+// Weight version a microbatch's forward, recompute and backward use. Flush schedules: the step.
+// 2BW: max(floor((k-1)/m) - 1, 0) for global microbatch k.
+int expected_version(const Plan& plan, int step, int microbatch);
+
+// Most weight versions a stage may hold at once: 2 for 2BW, 1 for flush schedules.
+int version_limit(const Plan& plan);
+
+// Virtual stage (chunk*d + stage) of an op on `stage`.
+inline int virtual_stage(const Plan& plan, int stage, int chunk) {
+  return chunk * plan.d + stage;
+}
+
+// The per-device programs of `plan` over `steps` optimizer steps with `gradient_buckets` all-reduce
+// buckets per chunk. Pure; calls check(plan). Throws PlanError for steps or buckets < 1.
+Programs generate_programs(const Plan& plan, int steps = 3, int gradient_buckets = 1);
+
+// Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
+// "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)".
+std::string format_op(const Op& op, const Plan& plan);
+
+std::int64_t total_ops(const Programs& programs);
+
+}  // namespace pw::planner

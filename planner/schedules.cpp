@@ -1,0 +1,266 @@
+// Schedule generators: a plan -> per-device programs (compute order, then communication around it).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/error.hpp"
+#include "planner/program.hpp"
+
+namespace pw::planner {
+
+std::string to_string(OpKind kind) {
+  switch (kind) {
+    case OpKind::forward:
+      return "forward";
+    case OpKind::backward:
+      return "backward";
+    case OpKind::recompute:
+      return "recompute";
+    case OpKind::send_activation:
+      return "send_activation";
+    case OpKind::recv_activation:
+      return "recv_activation";
+    case OpKind::send_gradient:
+      return "send_gradient";
+    case OpKind::recv_gradient:
+      return "recv_gradient";
+    case OpKind::all_reduce:
+      return "all_reduce";
+    case OpKind::optimizer_step:
+      return "optimizer_step";
+    case OpKind::free_version:
+      return "free_version";
+  }
+  return "unknown";
+}
+
+bool is_compute(OpKind kind) {
+  return kind == OpKind::forward || kind == OpKind::backward || kind == OpKind::recompute;
+}
+bool is_send(OpKind kind) {
+  return kind == OpKind::send_activation || kind == OpKind::send_gradient;
+}
+bool is_recv(OpKind kind) {
+  return kind == OpKind::recv_activation || kind == OpKind::recv_gradient;
+}
+
+int expected_version(const Plan& plan, int step, int microbatch) {
+  if (plan.schedule != Schedule::two_bw) return step;
+  const int k = global_microbatch(plan, step, microbatch);
+  return std::max((k - 1) / plan.m - 1, 0);
+}
+
+int version_limit(const Plan& plan) {
+  return plan.schedule == Schedule::two_bw ? 2 : 1;
+}
+
+std::string format_op(const Op& op, const Plan& plan) {
+  const std::string mb =
+      op.microbatch >= 0 ? std::to_string(global_microbatch(plan, op.step, op.microbatch)) : "";
+  const std::string chunk = plan.v > 1 ? "." + std::to_string(op.chunk) : "";
+  const std::string peer = std::to_string(op.peer);
+  switch (op.kind) {
+    case OpKind::forward:
+      return "F" + mb + chunk;
+    case OpKind::backward:
+      return "B" + mb + chunk;
+    case OpKind::recompute:
+      return "R" + mb + chunk;
+    case OpKind::send_activation:
+      return "sendA" + mb + chunk + "->" + peer;
+    case OpKind::recv_activation:
+      return "recvA" + mb + chunk + "<-" + peer;
+    case OpKind::send_gradient:
+      return "sendG" + mb + chunk + "->" + peer;
+    case OpKind::recv_gradient:
+      return "recvG" + mb + chunk + "<-" + peer;
+    case OpKind::all_reduce:
+      return "AR" + std::to_string(op.bucket) + chunk;
+    case OpKind::optimizer_step:
+      return "opt(v" + std::to_string(op.version) + ")";
+    case OpKind::free_version:
+      return "free(v" + std::to_string(op.version) + ")";
+  }
+  return "?";
+}
+
+std::int64_t total_ops(const Programs& programs) {
+  std::int64_t n = 0;
+  for (const auto& device : programs.devices)
+    n += std::int64_t(device.ops.size());
+  return n;
+}
+
+namespace {
+
+// One compute slot of a schedule, before communication is added around it.
+struct Slot {
+  bool backward = false;
+  int step = 0;
+  int microbatch = 0;
+  int chunk = 0;
+};
+
+// The one-forward-one-backward pattern over n forwards: `warmup` forwards, then pairs (forward
+// warmup+j, backward j), then the remaining backwards. Returns (is_backward, index) pairs.
+std::vector<std::pair<bool, int>> one_f_one_b_pattern(int n, int warmup) {
+  std::vector<std::pair<bool, int>> order;
+  order.reserve(2 * std::size_t(n));
+  for (int i = 0; i < warmup; ++i)
+    order.emplace_back(false, i);
+  for (int j = 0; j + warmup < n; ++j) {
+    order.emplace_back(false, warmup + j);
+    order.emplace_back(true, j);
+  }
+  for (int j = n - warmup; j < n; ++j)
+    order.emplace_back(true, j);
+  return order;
+}
+
+// GPipe: all m forwards, then all m backwards.
+std::vector<Slot> gpipe_step(const Plan& plan, int step) {
+  std::vector<Slot> slots;
+  for (int mb = 0; mb < plan.m; ++mb)
+    slots.push_back({false, step, mb, 0});
+  for (int mb = 0; mb < plan.m; ++mb)
+    slots.push_back({true, step, mb, 0});
+  return slots;
+}
+
+// PipeDream-Flush (and dp, d == 1): min(d-s-1, m) warm-up forwards, 1F1B, cool-down backwards.
+std::vector<Slot> one_f_one_b_step(const Plan& plan, int stage, int step) {
+  std::vector<Slot> slots;
+  for (auto [backward, i] : one_f_one_b_pattern(plan.m, std::min(plan.d - stage - 1, plan.m))) {
+    slots.push_back({backward, step, i, 0});
+  }
+  return slots;
+}
+
+// Megatron interleaved: the i-th forward runs chunk (i/d)%v of microbatch (i/(d*v))*d + i%d; the
+// i-th backward runs chunk v-1-(i/d)%v of the same microbatch. Warm-up (d-s-1)*2 + (v-1)*d.
+std::vector<Slot> interleaved_step(const Plan& plan, int stage, int step) {
+  const int d = plan.d, v = plan.v, n = plan.m * plan.v;
+  const int warmup = std::min((d - stage - 1) * 2 + (v - 1) * d, n);
+  std::vector<Slot> slots;
+  for (auto [backward, i] : one_f_one_b_pattern(n, warmup)) {
+    const int mb = (i / (d * v)) * d + i % d;
+    const int chunk = backward ? v - 1 - (i / d) % v : (i / d) % v;
+    slots.push_back({backward, step, mb, chunk});
+  }
+  return slots;
+}
+
+// PipeDream-2BW: one continuous 1F1B stream over steps*m microbatches (no flush).
+std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int steps) {
+  const int n = steps * plan.m;
+  std::vector<Slot> slots;
+  for (auto [backward, k] : one_f_one_b_pattern(n, std::min(plan.d - stage - 1, n))) {
+    slots.push_back({backward, k / plan.m, k % plan.m, 0});
+  }
+  return slots;
+}
+
+// Appends the ops of one device: communication around compute, per-step tails.
+class ProgramBuilder {
+ public:
+  ProgramBuilder(const Plan& plan, int buckets, Program& program)
+      : plan_(plan), buckets_(buckets), program_(program) {}
+
+  void compute(const Slot& slot) {
+    const int s = program_.stage, d = plan_.d;
+    const int vs = virtual_stage(plan_, s, slot.chunk);
+    const bool first = vs == 0, last = vs == plan_.virtual_stages() - 1;
+    const int prev = peer((s - 1 + d) % d), next = peer((s + 1) % d);
+    const int version = expected_version(plan_, slot.step, slot.microbatch);
+    if (!slot.backward) {
+      if (!first) add(OpKind::recv_activation, slot, prev);
+      add(OpKind::forward, slot, -1, version);
+      if (!last) add(OpKind::send_activation, slot, next);
+      return;
+    }
+    if (!last) add(OpKind::recv_gradient, slot, next);
+    if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
+    add(OpKind::backward, slot, -1, version);
+    if (!first) add(OpKind::send_gradient, slot, prev);
+  }
+
+  // Gradient all-reduce (w > 1), then the weight update creating version step+1. Flush schedules
+  // free the step's version first; 2BW frees the shadow version step-1, whose last user is done.
+  void step_tail(int step) {
+    if (plan_.w > 1) {
+      for (int chunk = plan_.v - 1; chunk >= 0; --chunk) {
+        for (int bucket = 0; bucket < buckets_; ++bucket) {
+          Op op{OpKind::all_reduce, step, -1, chunk, -1, -1, bucket};
+          program_.ops.push_back(op);
+        }
+      }
+    }
+    const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
+    if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
+    program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
+  }
+
+ private:
+  int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
+
+  void add(OpKind kind, const Slot& slot, int peer, int version = -1) {
+    program_.ops.push_back(Op{kind, slot.step, slot.microbatch, slot.chunk, peer, version, -1});
+  }
+
+  const Plan& plan_;
+  int buckets_;
+  Program& program_;
+};
+
+void generate_device(const Plan& plan, int steps, int buckets, Program& program) {
+  ProgramBuilder builder(plan, buckets, program);
+  const int s = program.stage;
+  if (plan.schedule == Schedule::two_bw) {
+    for (const Slot& slot : two_bw_stream(plan, s, steps)) {
+      builder.compute(slot);
+      if (slot.backward && slot.microbatch == plan.m - 1) builder.step_tail(slot.step);
+    }
+    return;
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Slot> slots;
+    switch (plan.schedule) {
+      case Schedule::gpipe:
+        slots = gpipe_step(plan, step);
+        break;
+      case Schedule::interleaved:
+        slots = interleaved_step(plan, s, step);
+        break;
+      default:
+        slots = one_f_one_b_step(plan, s, step);
+        break;
+    }
+    for (const Slot& slot : slots)
+      builder.compute(slot);
+    builder.step_tail(step);
+  }
+}
+
+}  // namespace
+
+Programs generate_programs(const Plan& plan, int steps, int gradient_buckets) {
+  check(plan);
+  if (steps < 1)
+    throw PlanError("generate_programs: steps must be >= 1, got " + std::to_string(steps));
+  if (gradient_buckets < 1) {
+    throw PlanError("generate_programs: gradient_buckets must be >= 1, got " +
+                    std::to_string(gradient_buckets));
+  }
+  Programs programs{plan, steps, gradient_buckets, {}};
+  programs.devices.resize(std::size_t(plan.ranks()));
+  for (int rank = 0; rank < plan.ranks(); ++rank) {
+    Program& program = programs.devices[std::size_t(rank)];
+    program.rank = rank;
+    program.stage = plan.stage_of(rank);
+    program.replica = plan.replica_of(rank);
+    generate_device(plan, steps, gradient_buckets, program);
+  }
+  return programs;
+}
+
+}  // namespace pw::planner

@@ -1,0 +1,224 @@
+// planner/cost_model: the closed forms of PipeDream-2BW (Appendix A) and the pipeline formulas,
+// checked against hand derivations on a synthetic trace with uniform stages.
+#include <gtest/gtest.h>
+
+#include "planner/cost_model.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::planner {
+namespace {
+
+using models::LayerKind;
+
+// A trace with exact times: a block takes t_f = 1 ms forward and t_b = 2 ms backward; embedding
+// and head are free, so stages with equal blocks are uniform.
+traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t b) {
+  traces::Trace t;
+  t.model = model.name;
+  t.device = "test";
+  t.dtype = model.dtype;
+  t.source.kind = "analytic";
+  const models::ModelCosts mc = models::derive_costs(model);
+  for (LayerKind k : traces::kLayerKinds) {
+    t.statics[k].parameters = mc.layer(k).parameters;
+    t.statics[k].optimizer_step_s = 0;
+  }
+  traces::Entry e;
+  e.microbatch_size = b;
+  for (LayerKind k : traces::kLayerKinds) {
+    const auto& l = mc.layer(k);
+    auto& x = e.layers[k];
+    x.forward_s = k == LayerKind::block ? 1e-3 : 0;
+    x.backward_s = k == LayerKind::block ? 2e-3 : 0;
+    x.recompute_s = x.forward_s;
+    x.activation_bytes = b * l.activation_bytes;
+    x.activation_recompute_bytes = b * l.activation_recompute_bytes;
+    x.output_bytes = b * l.output_bytes;
+    x.workspace_bytes = b * l.workspace_bytes;
+  }
+  t.entries.push_back(e);
+  return t;
+}
+
+// dgx-a100 with free links (infinite bandwidth, zero latency), so only compute counts.
+clusters::Cluster free_links(int nodes = 1) {
+  return clusters::load_cluster("dgx-a100", nodes,
+                                {"intra_node.latency_s=0", "intra_node.bandwidth_bytes_per_s=1e30",
+                                 "network.latency_s=0", "network.bandwidth_bytes_per_s=1e30"});
+}
+
+Plan plan_of(Schedule s, int w, int d, int b, int m, int v, std::int64_t layers,
+             const clusters::Cluster& c, int ranks_per_gpu = 1) {
+  Plan p;
+  p.schedule = s;
+  p.w = w;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  p.v = v;
+  resolve_stages(p, layers);
+  place(p, {c.nodes, c.gpus_per_node}, ranks_per_gpu);
+  return p;
+}
+
+struct Fixture : ::testing::Test {
+  models::ModelSpec model = models::load_model("gpt2-124m");  // 12 blocks
+  traces::Trace trace = uniform_trace(model, 2);
+  clusters::Cluster cluster = free_links();
+  double t(int blocks_per_stage) { return blocks_per_stage * 3e-3; }  // t_f + t_b of a stage
+};
+
+using PipelineTime = Fixture;
+
+// Flush schedules with uniform stages and free communication: (m + d - 1)(t_f + t_b).
+TEST_F(PipelineTime, FlushSchedulesTakeMPlusDMinusOneStageTimes) {
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b}) {
+    Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, cluster);
+    Estimate e = estimate(model, trace, cluster, p);
+    EXPECT_NEAR(e.pipeline_s, (8 + 4 - 1) * t(3), 1e-12) << to_string(s);
+    // Busy time per step is m(t_f + t_b): the bubble is (d-1)/(m+d-1) without all-reduce.
+    EXPECT_NEAR(e.report.devices[0].busy_s / e.pipeline_s, 8.0 / 11.0, 1e-12);
+  }
+}
+
+// 2BW steady state: m(t_f + t_b) per step, no bubble.
+TEST_F(PipelineTime, TwoBwSteadyStateHasNoBubble) {
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, 8 * t(3), 1e-12);
+}
+
+// Megatron interleaved: (m + (d-1)/v)(t_f + t_b), i.e. bubble/compute = (1/v)(d-1)/m.
+TEST_F(PipelineTime, InterleavedShrinksTheBubbleByV) {
+  Plan p = plan_of(Schedule::interleaved, 2, 4, 2, 8, 3, 12, cluster);
+  EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, (8 + 3.0 / 3) * t(3), 1e-12);
+}
+
+// Communication c per hop adds 2(d-1)c to the fill and drain of a flush schedule.
+TEST_F(PipelineTime, CommunicationAddsTwoHopsPerStageBoundary) {
+  clusters::Cluster c = clusters::load_cluster(
+      "dgx-a100", 1, {"intra_node.latency_s=1e-4", "intra_node.bandwidth_bytes_per_s=1e30"});
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, c);
+  EXPECT_NEAR(estimate(model, trace, c, p).pipeline_s, 11 * t(3) + 2 * 3 * 1e-4, 1e-12);
+}
+
+// A 4-stage plan on one GPU: the ranks share its compute, so a step is at least m x sum of all
+// stages' t_f + t_b, and their memory adds up.
+TEST_F(PipelineTime, RanksOnOneGpuShareItsCompute) {
+  clusters::Cluster one = clusters::load_cluster("h100-x1");
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, one, 4);
+  Estimate e = estimate(model, trace, one, p);
+  EXPECT_NEAR(e.pipeline_s, 8 * t(12), 1e-12);
+  std::int64_t sum = 0;
+  for (const auto& st : e.stages) sum += st.memory.total();
+  EXPECT_EQ(e.report.devices[0].peak_memory_bytes, sum);
+}
+
+// Ring all-reduce of S bytes over n GPUs: 2(n-1)(alpha + S/(n beta)).
+TEST(AllReduce, RingFormula) {
+  clusters::Link l{1e11, 5e-6, "test"};
+  EXPECT_DOUBLE_EQ(ring_allreduce_s(8e9, 8, l), 2 * 7 * (5e-6 + 8e9 / (8 * 1e11)));
+  EXPECT_EQ(ring_allreduce_s(8e9, 1, l), 0);
+}
+
+using Memory = Fixture;
+
+// Paper (Appendix A), per stage with |W|/d the stage's weights and |A_total(b)|/d its activations
+// for one microbatch, |A_input(b)| its input activation; n = d - s microbatches in flight.
+TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
+  // 2|W|/d + |A_total(b)|/d + d|A_input(b)|, here for a middle stage s with n = d - s.
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  p.recompute.assign(4, true);
+  Estimate e = estimate(model, trace, cluster, p);
+  const models::ModelCosts mc = models::derive_costs(model);
+  const int s = 1;
+  const auto& st = e.stages[s];
+  const std::int64_t W = 3 * mc.block.parameters * 2;        // fp16 weights of the stage
+  const std::int64_t A = 2 * 3 * mc.block.activation_bytes;  // b = 2, 3 blocks
+  const std::int64_t I = 2 * mc.block.input_bytes;
+  EXPECT_EQ(st.memory.weights + st.memory.weight_versions, 2 * W);
+  EXPECT_EQ(st.memory.activations, A + (4 - s) * I);
+  // Mixed-precision AdamW: 16 bytes per parameter with weights and gradients.
+  EXPECT_EQ(st.memory.weights + st.memory.gradients + st.memory.optimizer,
+            16 * 3 * mc.block.parameters);
+}
+
+TEST_F(Memory, TwoBwWithoutRecomputeStashesDMicrobatches) {
+  // Paper: 2|W|/d + d|A_total(b)|/d + d|A_input(b)|. Our per-microbatch stash already holds the
+  // stage input (it is the first block's x), so the last term is inside the first.
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Estimate e = estimate(model, trace, cluster, p);
+  const models::ModelCosts mc = models::derive_costs(model);
+  for (int s = 1; s < 3; ++s)
+    EXPECT_EQ(e.stages[s].memory.activations, (4 - s) * 2 * 3 * mc.block.activation_bytes);
+  // Stage 0 stashes d microbatches, plus the embedding's token ids.
+  EXPECT_EQ(e.stages[0].memory.activations,
+            4 * 2 * (3 * mc.block.activation_bytes + mc.embedding.activation_bytes));
+}
+
+TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
+  // Paper: |W|/d + |A_total(b)|/d + m|A_input(b)|; one weight version.
+  Plan p = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, cluster);
+  p.recompute.assign(4, true);
+  Estimate e = estimate(model, trace, cluster, p);
+  const models::ModelCosts mc = models::derive_costs(model);
+  const auto& st = e.stages[2];
+  EXPECT_EQ(st.memory.weight_versions, 0);
+  EXPECT_EQ(st.memory.activations,
+            2 * 3 * mc.block.activation_bytes + 8 * 2 * mc.block.input_bytes);
+}
+
+TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, cluster);
+  Estimate e = estimate(model, trace, cluster, p);
+  for (int s = 0; s < 4; ++s) EXPECT_EQ(e.stages[s].in_flight, 4 - s);
+  EXPECT_EQ(e.stages[0].memory.weight_versions, 0);
+}
+
+TEST_F(Memory, LastStageHoldsTheTiedEmbeddingCopy) {
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, cluster);
+  Estimate e = estimate(model, trace, cluster, p);
+  const models::ModelCosts mc = models::derive_costs(model);
+  EXPECT_EQ(e.stages[3].parameters,
+            3 * mc.block.parameters + mc.head.parameters + mc.tied_copy_parameters);
+  EXPECT_EQ(e.stages[0].parameters, 3 * mc.block.parameters + mc.embedding.parameters);
+}
+
+TEST(Fits, AModelTooBigForTheGpuIsFlagged) {
+  models::ModelSpec big = models::load_model("gpt3-175b");
+  clusters::Cluster one = clusters::load_cluster("h100-x1");
+  Plan p = plan_of(Schedule::dp, 1, 1, 1, 1, 1, big.layers, one);
+  traces::Trace t = traces::analytic_trace(big, one.device, {1});
+  Estimate e = estimate(big, t, one, p);
+  EXPECT_FALSE(e.report.fits());
+  EXPECT_FALSE(e.report.devices[0].fits);
+  EXPECT_GT(e.report.devices[0].peak_memory_bytes, one.device.memory_bytes);
+}
+
+TEST(Estimate, MissingMicrobatchSizeIsAnInputError) {
+  models::ModelSpec m = models::load_model("gpt-tiny");
+  clusters::Cluster one = clusters::load_cluster("h100-x1");
+  Plan p = plan_of(Schedule::dp, 1, 1, 4, 1, 1, m.layers, one);
+  traces::Trace t = traces::analytic_trace(m, one.device, {1, 2});
+  try {
+    estimate(m, t, one, p);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("microbatch size 4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Estimate, ReportIsDeterministicAndRoundTrips) {
+  models::ModelSpec m = models::load_model("pd2bw-gpt-1.3b");
+  clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 2);
+  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, c);
+  traces::Trace t = traces::analytic_trace(m, c.device, {2});
+  std::string a = to_json(estimate(m, t, c, p).report).dump();
+  std::string b = to_json(estimate(m, t, c, p).report).dump();
+  EXPECT_EQ(a, b);
+  RunReport r = parse_report(common::Json::parse(a), "report");
+  EXPECT_EQ(r.devices.size(), 16u);
+  EXPECT_EQ(r.source, "analytic");
+}
+
+}  // namespace
+}  // namespace pw::planner
