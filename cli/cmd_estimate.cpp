@@ -49,13 +49,14 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
              "activ.", "stash", "peak / capacity");
   for (const auto& st : est.stages) {
     const auto& d = r.devices[p.rank_of(st.stage, 0)];
-    fmt::print("  {:>5} {:>6} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {} / {}{}\n",
-               st.stage, st.blocks, st.recompute ? "yes" : "no", human_seconds(st.forward_s),
-               human_seconds(st.backward_s), human_bytes(st.memory.weights),
-               human_bytes(st.memory.weight_versions), human_bytes(st.memory.gradients),
-               human_bytes(st.memory.optimizer), human_bytes(st.memory.activations), st.in_flight,
-               human_bytes(d.peak_memory_bytes), human_bytes(d.capacity_bytes),
-               d.fits ? "" : "  DOES NOT FIT");
+    fmt::print(
+        "  {:>5} {:>6} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {} / {}{}\n",
+        st.stage, st.blocks, st.recompute ? "yes" : "no", human_seconds(st.forward_s),
+        human_seconds(st.backward_s), human_bytes(st.memory.weights),
+        human_bytes(st.memory.weight_versions), human_bytes(st.memory.gradients),
+        human_bytes(st.memory.optimizer), human_bytes(st.memory.activations), st.in_flight,
+        human_bytes(d.peak_memory_bytes), human_bytes(d.capacity_bytes),
+        d.fits ? "" : "  DOES NOT FIT");
   }
   if (!r.fits()) fmt::print("  the plan does not fit in device memory\n");
 }
@@ -69,7 +70,8 @@ void add_estimate_command(CLI::App& app) {
   cmd->add_option("--model", a->model, "model preset or JSON file")->capture_default_str();
   a->cluster.add(*cmd, "p3.16xlarge:8");
   a->plan.add(*cmd);
-  cmd->add_option("--trace,-t", a->trace, "trace JSON (default: analytic for the cluster's device)");
+  cmd->add_option("--trace,-t", a->trace,
+                  "trace JSON (default: analytic for the cluster's device)");
   cmd->add_option("--out,-o", a->out, "write the run report (JSON) here");
   cmd->callback([a, cmd] {
     const bool defaults = cmd->count("--model") == 0 && cmd->count("--cluster") == 0 &&
@@ -91,22 +93,23 @@ void add_estimate_command(CLI::App& app) {
 }
 
 void add_trace_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "trace", "write the analytic (roofline) trace of a model on a device");
+  auto* cmd =
+      app.add_subcommand("trace", "write the analytic (roofline) trace of a model on a device");
   auto model = std::make_shared<std::string>();
   auto device = std::make_shared<std::string>();
   auto micro = std::make_shared<std::string>("1,2,4");
   auto out = std::make_shared<std::string>();
   cmd->add_option("--model", *model, "model preset or JSON file")->required();
-  cmd->add_option("--device", *device, "device preset (V100-16GB, A100-80GB, H100-SXM, ...) or file")
+  cmd->add_option("--device", *device,
+                  "device preset (V100-16GB, A100-80GB, H100-SXM, ...) or file")
       ->required();
   cmd->add_option("--microbatch", *micro, "microbatch sizes, comma-separated")
       ->capture_default_str();
   cmd->add_option("--out,-o", *out, "output file (default: standard output)");
   cmd->callback([=] {
     std::vector<std::int64_t> sizes = parse_int_list(*micro, "--microbatch");
-    traces::Trace t = traces::analytic_trace(models::load_model(*model),
-                                             clusters::load_device(*device), sizes);
+    traces::Trace t =
+        traces::analytic_trace(models::load_model(*model), clusters::load_device(*device), sizes);
     common::Json j = traces::to_json(t);
     if (out->empty()) {
       fmt::print("{}\n", j.dump(2));

@@ -122,8 +122,10 @@ void add_clusters_command(CLI::App& app) {
       fmt::print("{}\n", common::Json{{"clusters", list}, {"devices", devices}}.dump(2));
     } else {
       fmt::print("devices: ");
-      for (const auto& n : clusters::device_preset_names()) fmt::print("{} ", n);
-      fmt::print("\n(a preset takes a node count: p3.16xlarge:8; see `pipewright clusters NAME`)\n");
+      for (const auto& n : clusters::device_preset_names())
+        fmt::print("{} ", n);
+      fmt::print(
+          "\n(a preset takes a node count: p3.16xlarge:8; see `pipewright clusters NAME`)\n");
     }
   });
 }

@@ -40,21 +40,22 @@ void add_schedule_command(CLI::App& app) {
     planner::resolve_stages(plan, a->layers > 0 ? a->layers : plan.virtual_stages());
     planner::Programs programs = planner::generate_programs(plan, a->steps, a->buckets);
     planner::CheckReport check = planner::check_programs(programs);
-    fmt::print("{} w={} d={} b={} m={}{}{}: {} ranks, {} steps, {} ops; checker: ok (max stash {}, "
-               "max live weight versions {})\n",
-               to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
-               plan.v > 1 ? fmt::format(" v={}", plan.v) : "",
-               plan.recompute.empty() ? "" : " recompute", plan.ranks(), a->steps, check.ops,
-               check.max_stash, check.max_live_versions);
+    fmt::print(
+        "{} w={} d={} b={} m={}{}{}: {} ranks, {} steps, {} ops; checker: ok (max stash {}, "
+        "max live weight versions {})\n",
+        to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
+        plan.v > 1 ? fmt::format(" v={}", plan.v) : "", plan.recompute.empty() ? "" : " recompute",
+        plan.ranks(), a->steps, check.ops, check.max_stash, check.max_live_versions);
     if (!a->timeline_only) fmt::print("\n{}", planner::print_programs(programs, a->columns));
     if (!a->programs_only) {
       planner::Timeline tl = planner::run_unit_timeline(programs);
       planner::RenderOptions ro;
       ro.max_columns = a->columns;
       ro.show_comm = a->comm;
-      fmt::print("\ntimeline (forward = 1, backward = 2, recompute = 1 unit; communication free):\n"
-                 "{}",
-                 planner::render_timeline(programs, tl, ro));
+      fmt::print(
+          "\ntimeline (forward = 1, backward = 2, recompute = 1 unit; communication free):\n"
+          "{}",
+          planner::render_timeline(programs, tl, ro));
       // Flush schedules: one step's window. 2bw's steps overlap, so its steady-state step is the
       // interval between two optimizer steps of rank 0 in the middle of the run.
       const int step = a->steps / 2;

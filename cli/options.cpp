@@ -44,8 +44,8 @@ void PlanOptions::add(CLI::App& app) {
 }
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
-  for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--recompute",
-                           "--stage-blocks"})
+  for (const char* name :
+       {"--schedule", "-w", "-d", "-m", "-b", "-v", "--recompute", "--stage-blocks"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -65,8 +65,10 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     if (recompute) p.recompute.assign(std::max(p.d, 0), true);
     p.stage_blocks = stage_blocks;
   }
-  if (layers > 0) planner::resolve_stages(p, layers);
-  else planner::check(p);
+  if (layers > 0)
+    planner::resolve_stages(p, layers);
+  else
+    planner::check(p);
   return p;
 }
 

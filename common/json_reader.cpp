@@ -14,7 +14,9 @@ namespace pw::common {
 
 namespace {
 
-const char* type_name(const Json& v) { return v.type_name(); }
+const char* type_name(const Json& v) {
+  return v.type_name();
+}
 
 std::string child_path(const std::string& path, const std::string& key) {
   return path + "/" + key;
@@ -78,19 +80,29 @@ double JsonReader::as_number() const {
 std::int64_t JsonReader::as_int() const {
   if (value_->is_number_integer()) return value_->get<std::int64_t>();
   double v = as_number();
-  if (v != std::floor(v) || std::fabs(v) > 9.0e18) fail(fmt::format("expected an integer, found {}", v));
+  if (v != std::floor(v) || std::fabs(v) > 9.0e18)
+    fail(fmt::format("expected an integer, found {}", v));
   return static_cast<std::int64_t>(v);
 }
 
 bool JsonReader::as_bool() const {
-  if (!value_->is_boolean()) fail(fmt::format("expected true or false, found {}", type_name(*value_)));
+  if (!value_->is_boolean())
+    fail(fmt::format("expected true or false, found {}", type_name(*value_)));
   return value_->get<bool>();
 }
 
-std::string JsonReader::get_string(const std::string& key) const { return at(key).as_string(); }
-double JsonReader::get_number(const std::string& key) const { return at(key).as_number(); }
-std::int64_t JsonReader::get_int(const std::string& key) const { return at(key).as_int(); }
-bool JsonReader::get_bool(const std::string& key) const { return at(key).as_bool(); }
+std::string JsonReader::get_string(const std::string& key) const {
+  return at(key).as_string();
+}
+double JsonReader::get_number(const std::string& key) const {
+  return at(key).as_number();
+}
+std::int64_t JsonReader::get_int(const std::string& key) const {
+  return at(key).as_int();
+}
+bool JsonReader::get_bool(const std::string& key) const {
+  return at(key).as_bool();
+}
 
 double JsonReader::get_nonnegative(const std::string& key) const {
   double v = get_number(key);
@@ -149,7 +161,8 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   namespace fs = std::filesystem;
   fs::path target(path);
   fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::string tmp = (dir / fmt::format(".{}.tmp.{}", target.filename().string(), ::getpid())).string();
+  std::string tmp =
+      (dir / fmt::format(".{}.tmp.{}", target.filename().string(), ::getpid())).string();
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw InputError(fmt::format("{}: cannot write file", path));

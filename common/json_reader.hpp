@@ -12,7 +12,8 @@
 
 namespace pw::common {
 
-using Json = nlohmann::json;
+// Insertion-ordered, so written files keep "format" first and read in the order they were made.
+using Json = nlohmann::ordered_json;
 
 // A JSON value plus where it came from ("gpt2.json", "/blocks/0"), for error messages.
 class JsonReader {
@@ -32,11 +33,11 @@ class JsonReader {
   std::size_t size() const;  // array length (throws if not an array)
 
   std::string get_string(const std::string& key) const;
-  double get_number(const std::string& key) const;               // finite number
-  double get_nonnegative(const std::string& key) const;          // finite, >= 0
-  double get_positive(const std::string& key) const;             // finite, > 0
-  std::int64_t get_int(const std::string& key) const;            // integral number
-  std::int64_t get_positive_int(const std::string& key) const;   // integral, >= 1
+  double get_number(const std::string& key) const;              // finite number
+  double get_nonnegative(const std::string& key) const;         // finite, >= 0
+  double get_positive(const std::string& key) const;            // finite, > 0
+  std::int64_t get_int(const std::string& key) const;           // integral number
+  std::int64_t get_positive_int(const std::string& key) const;  // integral, >= 1
   std::int64_t get_nonnegative_int(const std::string& key) const;
   bool get_bool(const std::string& key) const;
 

@@ -8,24 +8,34 @@
 
 namespace pw::models {
 
-int dtype_bytes(DType t) { return t == DType::fp32 ? 4 : 2; }
+int dtype_bytes(DType t) {
+  return t == DType::fp32 ? 4 : 2;
+}
 
 std::string to_string(DType t) {
   switch (t) {
-    case DType::fp32: return "fp32";
-    case DType::fp16: return "fp16";
-    case DType::bf16: return "bf16";
+    case DType::fp32:
+      return "fp32";
+    case DType::fp16:
+      return "fp16";
+    case DType::bf16:
+      return "bf16";
   }
   return "?";
 }
 
-std::string to_string(Arch a) { return a == Arch::gpt ? "gpt" : "bert"; }
+std::string to_string(Arch a) {
+  return a == Arch::gpt ? "gpt" : "bert";
+}
 
 std::string to_string(LayerKind k) {
   switch (k) {
-    case LayerKind::embedding: return "embedding";
-    case LayerKind::block: return "block";
-    case LayerKind::head: return "head";
+    case LayerKind::embedding:
+      return "embedding";
+    case LayerKind::block:
+      return "block";
+    case LayerKind::head:
+      return "head";
   }
   return "?";
 }
@@ -67,7 +77,9 @@ std::int64_t linear_params(const ModelSpec& s, std::int64_t in, std::int64_t out
 
 // Number of F-wide tensors the MLP keeps: GELU keeps the pre-activation and the activation;
 // SwiGLU keeps gate, up and their product.
-std::int64_t mlp_hidden_tensors(const ModelSpec& s) { return s.mlp == Mlp::gelu ? 2 : 3; }
+std::int64_t mlp_hidden_tensors(const ModelSpec& s) {
+  return s.mlp == Mlp::gelu ? 2 : 3;
+}
 
 LayerCosts block_costs(const ModelSpec& s) {
   const std::int64_t C = s.hidden, F = s.ffn, T = s.seq_len, NH = s.heads, e = dtype_bytes(s.dtype);
@@ -81,12 +93,12 @@ LayerCosts block_costs(const ModelSpec& s) {
   c.forward_flops = gemm + attn;
   // dX for every GEMM; attention backward needs two matmuls per forward one (dP, dV; dQ, dK).
   c.backward_input_flops = gemm + 2.0 * attn;
-  c.backward_weight_flops = gemm;        // dW for every weight GEMM
+  c.backward_weight_flops = gemm;  // dW for every weight GEMM
   // Stashed tensors (per sample): x_in, ln1_out, qkv (3C), attention probabilities (NH x T x T),
   // attention output before the projection, residual after attention, ln2_out, MLP hidden
   // tensors, and the normalization statistics of both norms.
-  c.activation_bytes = e * T * (8 * C + mlp_hidden_tensors(s) * F + NH * T) +
-                       2 * norm_stat_bytes(s);
+  c.activation_bytes =
+      e * T * (8 * C + mlp_hidden_tensors(s) * F + NH * T) + 2 * norm_stat_bytes(s);
   c.input_bytes = e * T * C;
   c.activation_recompute_bytes = c.input_bytes;
   c.output_bytes = e * T * C;
@@ -151,7 +163,8 @@ ModelCosts derive_costs(const ModelSpec& spec) {
   m.embedding = embedding_costs(spec);
   m.block = block_costs(spec);
   m.head = head_costs(spec);
-  m.total_parameters = m.embedding.parameters + spec.layers * m.block.parameters + m.head.parameters;
+  m.total_parameters =
+      m.embedding.parameters + spec.layers * m.block.parameters + m.head.parameters;
   m.tied_copy_parameters = spec.tied_embeddings ? spec.vocab * spec.hidden : 0;
   double per_layer[3] = {0, 0, 0};
   const LayerCosts* layers[3] = {&m.embedding, &m.block, &m.head};
@@ -165,7 +178,8 @@ std::vector<Gemm> forward_gemms(const ModelSpec& s, LayerKind kind, std::int64_t
   const std::int64_t C = s.hidden, F = s.ffn, T = s.seq_len, NH = s.heads, hd = C / NH;
   const std::int64_t rows = b * T;
   switch (kind) {
-    case LayerKind::embedding: return {};
+    case LayerKind::embedding:
+      return {};
     case LayerKind::block: {
       std::vector<Gemm> g = {{"qkv", rows, 3 * C, C, 1},
                              {"attn_scores", T, T, hd, b * NH, false},
@@ -195,8 +209,8 @@ void validate(const ModelSpec& s, const std::string& source) {
     throw InputError(fmt::format("{}: /{}: {}", source, field, why));
   };
   const std::pair<const char*, std::int64_t> positive[] = {
-      {"layers", s.layers}, {"hidden", s.hidden}, {"heads", s.heads},   {"ffn", s.ffn},
-      {"seq_len", s.seq_len}, {"vocab", s.vocab}};
+      {"layers", s.layers}, {"hidden", s.hidden},   {"heads", s.heads},
+      {"ffn", s.ffn},       {"seq_len", s.seq_len}, {"vocab", s.vocab}};
   for (auto [field, v] : positive)
     if (v < 1) bad(field, fmt::format("must be at least 1, found {}", v));
   if (s.hidden % s.heads != 0)

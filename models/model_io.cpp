@@ -27,9 +27,15 @@ Enum parse_choice(const JsonReader& r, const std::string& key, Enum dflt,
   v->fail(fmt::format("unknown value \"{}\" (expected one of {})", s, names));
 }
 
-const char* mlp_name(Mlp m) { return m == Mlp::gelu ? "gelu" : "swiglu"; }
-const char* norm_name(Norm n) { return n == Norm::layernorm ? "layernorm" : "rmsnorm"; }
-const char* positions_name(Positions p) { return p == Positions::learned ? "learned" : "rope"; }
+const char* mlp_name(Mlp m) {
+  return m == Mlp::gelu ? "gelu" : "swiglu";
+}
+const char* norm_name(Norm n) {
+  return n == Norm::layernorm ? "layernorm" : "rmsnorm";
+}
+const char* positions_name(Positions p) {
+  return p == Positions::learned ? "learned" : "rope";
+}
 
 }  // namespace
 
@@ -85,7 +91,8 @@ Json to_json(const ModelSpec& s) {
 
 std::vector<std::string> preset_names() {
   std::vector<std::string> names;
-  for (const auto& f : common::embedded_models()) names.emplace_back(f.name);
+  for (const auto& f : common::embedded_models())
+    names.emplace_back(f.name);
   return names;
 }
 
@@ -125,7 +132,8 @@ ModelSpec import_hf_config(const Json& json, const std::string& source, const st
   s.heads = hf_int(r, {"n_head", "num_attention_heads"});
   s.vocab = hf_int(r, {"vocab_size"});
   if (auto kv = r.find("num_key_value_heads"); kv && kv->as_int() != s.heads)
-    kv->fail("grouped-query attention (num_key_value_heads != num_attention_heads) is not modelled");
+    kv->fail(
+        "grouped-query attention (num_key_value_heads != num_attention_heads) is not modelled");
   if (auto inner = r.find("n_inner"); inner)
     s.ffn = inner->as_int();
   else if (r.has("intermediate_size"))
@@ -146,8 +154,8 @@ ModelSpec import_hf_config(const Json& json, const std::string& source, const st
     s.bias = r.has("attention_bias") ? r.get_bool("attention_bias") : false;
     s.max_positions = hf_int(r, {"max_position_embeddings"});
   }
-  s.tied_embeddings = r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings")
-                                                    : s.mlp != Mlp::swiglu;
+  s.tied_embeddings =
+      r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : s.mlp != Mlp::swiglu;
   s.seq_len = s.max_positions;
   std::string dtype = hf_string(r, "torch_dtype", "float16");
   s.dtype = dtype == "float32" ? DType::fp32 : (dtype == "bfloat16" ? DType::bf16 : DType::fp16);
@@ -161,9 +169,10 @@ ModelSpec load_model(const std::string& spec) {
     const auto* f = common::find_embedded(common::embedded_models(), spec);
     if (!f) {
       std::string names;
-      for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
-      throw InputError(fmt::format("unknown model \"{}\" (presets: {}; or give a path to a JSON file)",
-                                   spec, names));
+      for (const auto& n : preset_names())
+        names += (names.empty() ? "" : ", ") + n;
+      throw InputError(fmt::format(
+          "unknown model \"{}\" (presets: {}; or give a path to a JSON file)", spec, names));
     }
     return parse_model(common::parse_json(f->text, fmt::format("preset {}", spec)),
                        fmt::format("preset {}", spec));

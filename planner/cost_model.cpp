@@ -25,10 +25,13 @@ namespace {
 // Microbatches (or, interleaved, microbatch-chunks) a device stashes at its peak.
 std::int64_t in_flight(const Plan& p, int s) {
   switch (p.schedule) {
-    case Schedule::gpipe: return p.m;
+    case Schedule::gpipe:
+      return p.m;
     case Schedule::one_f_one_b:
-    case Schedule::two_bw: return std::min(p.d - s, p.m);
-    case Schedule::dp: return 1;
+    case Schedule::two_bw:
+      return std::min(p.d - s, p.m);
+    case Schedule::dp:
+      return 1;
     case Schedule::interleaved:
       return std::min<std::int64_t>(std::int64_t(p.d - s - 1) * 2 + std::int64_t(p.v - 1) * p.d + 1,
                                     std::int64_t(p.m) * p.v);
@@ -87,7 +90,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
               vs != 0);
     if (vs == last_vs) {
       st.has_head = true;
-      add_layer(st, trace, e.layers[LayerKind::head], LayerKind::head, 1, mc.head.parameters, false);
+      add_layer(st, trace, e.layers[LayerKind::head], LayerKind::head, 1, mc.head.parameters,
+                false);
       // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
       if (last_vs != 0) st.parameters += mc.tied_copy_parameters;
     }
@@ -101,8 +105,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   // Interleaved stashes microbatch-chunks: each is on average 1/v of the device's stash.
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
-  st.memory.activations = st.recompute ? st.in_flight * input_unit + st.stash_bytes
-                                       : st.in_flight * per_unit;
+  st.memory.activations =
+      st.recompute ? st.in_flight * input_unit + st.stash_bytes : st.in_flight * per_unit;
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk.
   if (p.d > 1 && (s < p.d - 1 || p.v > 1)) {
     const int next = p.rank_of((s + 1) % p.d, 0);
@@ -110,8 +114,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
                           .time_s(double(e.layers[LayerKind::block].output_bytes));
   }
   if (p.w > 1)
-    st.allreduce_s = ring_allreduce_s(double(st.memory.gradients), p.w,
-                                      replica_ring_link(cluster, p, s));
+    st.allreduce_s =
+        ring_allreduce_s(double(st.memory.gradients), p.w, replica_ring_link(cluster, p, s));
   return st;
 }
 
@@ -125,11 +129,15 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
     if (s.stage < p.d - 1) comm += 2 * s.send_s / p.v;
   }
   switch (p.schedule) {
-    case Schedule::dp: return p.m * slowest;
-    case Schedule::two_bw: return p.m * slowest;
-    case Schedule::interleaved: return (p.m - 1.0 / p.v) * slowest + sum / p.v + comm;
+    case Schedule::dp:
+      return p.m * slowest;
+    case Schedule::two_bw:
+      return p.m * slowest;
+    case Schedule::interleaved:
+      return (p.m - 1.0 / p.v) * slowest + sum / p.v + comm;
     case Schedule::gpipe:
-    case Schedule::one_f_one_b: return (p.m - 1) * slowest + sum + comm;
+    case Schedule::one_f_one_b:
+      return (p.m - 1) * slowest + sum + comm;
   }
   return 0;
 }
@@ -139,12 +147,14 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
 Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
                   const clusters::Cluster& cluster, const Plan& p) {
   check(p);
-  if (int(p.placement.size()) != p.ranks()) throw PlanError("plan: placement: the plan is not placed");
+  if (int(p.placement.size()) != p.ranks())
+    throw PlanError("plan: placement: the plan is not placed");
   if (int(p.stage_blocks.size()) != p.virtual_stages())
     throw PlanError("plan: stage_blocks: the plan's stages are not resolved");
   const models::ModelCosts mc = models::derive_costs(model);
   Estimate est;
-  for (int s = 0; s < p.d; ++s) est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
+  for (int s = 0; s < p.d; ++s)
+    est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
 
   // Ranks sharing a GPU serialize their work: a GPU can finish no sooner than its summed compute.
   std::map<std::pair<int, int>, double> gpu_work;
@@ -156,7 +166,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     gpu_memory[key] += st.memory;
   }
   est.pipeline_s = pipeline_time(p, est.stages);
-  for (const auto& [gpu, work] : gpu_work) est.pipeline_s = std::max(est.pipeline_s, work);
+  for (const auto& [gpu, work] : gpu_work)
+    est.pipeline_s = std::max(est.pipeline_s, work);
   for (const auto& st : est.stages) {
     est.allreduce_s = std::max(est.allreduce_s, st.allreduce_s);
     est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);

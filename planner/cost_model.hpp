@@ -20,16 +20,16 @@ struct StageCost {
   bool has_embedding = false;
   bool has_head = false;
   bool recompute = false;
-  std::int64_t parameters = 0;    // including the tied-embedding copy on the last stage
-  double forward_s = 0;           // t_f(s)
-  double backward_s = 0;          // t_b(s), including the recompute forward when recomputing
-  double optimizer_s = 0;         // AdamW over the stage's parameters
-  double send_s = 0;              // activation to stage s+1 (and gradient back), one microbatch
-  double allreduce_s = 0;         // ring all-reduce of the stage's gradients over w replicas
-  std::int64_t in_flight = 0;     // microbatches stashed at once (n_s)
-  std::int64_t stash_bytes = 0;   // A_s(b): one microbatch's stash without recompute
-  std::int64_t input_bytes = 0;   // I_s(b): one microbatch's stage input (kept with recompute)
-  MemoryBreakdown memory;         // one rank of this stage
+  std::int64_t parameters = 0;   // including the tied-embedding copy on the last stage
+  double forward_s = 0;          // t_f(s)
+  double backward_s = 0;         // t_b(s), including the recompute forward when recomputing
+  double optimizer_s = 0;        // AdamW over the stage's parameters
+  double send_s = 0;             // activation to stage s+1 (and gradient back), one microbatch
+  double allreduce_s = 0;        // ring all-reduce of the stage's gradients over w replicas
+  std::int64_t in_flight = 0;    // microbatches stashed at once (n_s)
+  std::int64_t stash_bytes = 0;  // A_s(b): one microbatch's stash without recompute
+  std::int64_t input_bytes = 0;  // I_s(b): one microbatch's stage input (kept with recompute)
+  MemoryBreakdown memory;        // one rank of this stage
 };
 
 struct Estimate {

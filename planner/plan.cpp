@@ -13,11 +13,16 @@ using common::JsonReader;
 
 std::string to_string(Schedule s) {
   switch (s) {
-    case Schedule::gpipe: return "gpipe";
-    case Schedule::one_f_one_b: return "1f1b";
-    case Schedule::two_bw: return "2bw";
-    case Schedule::interleaved: return "interleaved";
-    case Schedule::dp: return "dp";
+    case Schedule::gpipe:
+      return "gpipe";
+    case Schedule::one_f_one_b:
+      return "1f1b";
+    case Schedule::two_bw:
+      return "2bw";
+    case Schedule::interleaved:
+      return "interleaved";
+    case Schedule::dp:
+      return "dp";
   }
   return "?";
 }
@@ -64,8 +69,8 @@ void check(const Plan& p) {
     if (p.stage_blocks[i] < 1)
       reject(fmt::format("stage_blocks[{}]", i), "a stage must hold at least one block");
   if (!p.recompute.empty() && int(p.recompute.size()) != p.d)
-    reject("recompute", fmt::format("has {} entries but the plan has d = {} stages",
-                                    p.recompute.size(), p.d));
+    reject("recompute",
+           fmt::format("has {} entries but the plan has d = {} stages", p.recompute.size(), p.d));
   if (!p.placement.empty() && int(p.placement.size()) != p.ranks())
     reject("placement", fmt::format("has {} entries but the plan has w*d = {} ranks",
                                     p.placement.size(), p.ranks()));
@@ -73,7 +78,8 @@ void check(const Plan& p) {
 
 std::vector<std::int64_t> balanced_split(std::int64_t layers, int parts) {
   std::vector<std::int64_t> out(parts, layers / parts);
-  for (int i = 0; i < int(layers % parts); ++i) ++out[i];
+  for (int i = 0; i < int(layers % parts); ++i)
+    ++out[i];
   return out;
 }
 
@@ -144,12 +150,14 @@ Plan parse_plan(const Json& json, const std::string& source) {
   p.m = small_int("m");
   p.v = r.has("v") ? small_int("v") : 1;
   if (auto sb = r.find("stage_blocks"))
-    for (std::size_t i = 0; i < sb->size(); ++i) p.stage_blocks.push_back(sb->at(i).as_int());
+    for (std::size_t i = 0; i < sb->size(); ++i)
+      p.stage_blocks.push_back(sb->at(i).as_int());
   if (auto rc = r.find("recompute")) {
     if (rc->value().is_boolean()) {
       p.recompute.assign(p.d, rc->as_bool());
     } else {
-      for (std::size_t i = 0; i < rc->size(); ++i) p.recompute.push_back(rc->at(i).as_bool());
+      for (std::size_t i = 0; i < rc->size(); ++i)
+        p.recompute.push_back(rc->at(i).as_bool());
     }
   }
   if (auto pl = r.find("placement"))
@@ -157,7 +165,8 @@ Plan parse_plan(const Json& json, const std::string& source) {
       auto e = pl->at(i);
       if (e.has("rank") && e.get_int("rank") != std::int64_t(i))
         e.fail_member("rank", fmt::format("entries must be in rank order; expected {}", i));
-      p.placement.push_back({int(e.get_nonnegative_int("node")), int(e.get_nonnegative_int("gpu"))});
+      p.placement.push_back(
+          {int(e.get_nonnegative_int("node")), int(e.get_nonnegative_int("gpu"))});
     }
   try {
     check(p);
@@ -178,7 +187,8 @@ Json to_json(const Plan& p) {
             {"global_batch", p.global_batch()},
             {"stage_blocks", p.stage_blocks}};
   Json rc = Json::array();
-  for (int s = 0; s < p.d; ++s) rc.push_back(p.recomputes(s));
+  for (int s = 0; s < p.d; ++s)
+    rc.push_back(p.recomputes(s));
   j["recompute"] = rc;
   Json pl = Json::array();
   for (int r = 0; r < int(p.placement.size()); ++r)
@@ -191,6 +201,8 @@ Json to_json(const Plan& p) {
   return j;
 }
 
-Plan load_plan(const std::string& path) { return parse_plan(common::read_json_file(path), path); }
+Plan load_plan(const std::string& path) {
+  return parse_plan(common::read_json_file(path), path);
+}
 
 }  // namespace pw::planner

@@ -13,7 +13,7 @@ namespace pw::planner {
 // gpipe: all forwards, all backwards, flush. one_f_one_b: PipeDream-Flush. two_bw: PipeDream-2BW
 // (no flush, double-buffered weights). interleaved: Megatron, v chunks per device. dp: d == 1.
 enum class Schedule { gpipe, one_f_one_b, two_bw, interleaved, dp };
-std::string to_string(Schedule s);  // "gpipe", "1f1b", "2bw", "interleaved", "dp"
+std::string to_string(Schedule s);              // "gpipe", "1f1b", "2bw", "interleaved", "dp"
 Schedule parse_schedule(const std::string& s);  // throws InputError listing the valid names
 
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.

@@ -25,8 +25,8 @@ bool RunReport::fits() const {
 namespace {
 
 Json memory_json(const MemoryBreakdown& m) {
-  return {{"weights", m.weights},     {"weight_versions", m.weight_versions},
-          {"gradients", m.gradients}, {"optimizer", m.optimizer},
+  return {{"weights", m.weights},         {"weight_versions", m.weight_versions},
+          {"gradients", m.gradients},     {"optimizer", m.optimizer},
           {"activations", m.activations}, {"workspace", m.workspace}};
 }
 
@@ -70,7 +70,8 @@ Json to_json(const RunReport& r) {
             {"fits", r.fits()},
             {"devices", devices}};
   if (!r.timeline.empty()) j["timeline"] = r.timeline;
-  for (auto it = r.extra.begin(); it != r.extra.end(); ++it) j[it.key()] = it.value();
+  for (auto it = r.extra.begin(); it != r.extra.end(); ++it)
+    j[it.key()] = it.value();
   return j;
 }
 
@@ -80,7 +81,8 @@ RunReport parse_report(const Json& json, const std::string& source) {
   RunReport rep;
   rep.source = r.get_string("source");
   if (rep.source != "analytic" && rep.source != "simulated" && rep.source != "measured")
-    r.fail_member("source", "expected analytic, simulated or measured, found \"" + rep.source + "\"");
+    r.fail_member("source",
+                  "expected analytic, simulated or measured, found \"" + rep.source + "\"");
   rep.model = r.get_string("model");
   rep.cluster = r.get_string("cluster");
   rep.plan = parse_plan(r.at("plan").value(), source);

@@ -33,9 +33,9 @@ struct DeviceReport {
   std::int64_t peak_memory_bytes = 0;  // of the GPU the rank runs on (shared when co-located)
   std::int64_t capacity_bytes = 0;     // that GPU's memory
   bool fits = true;
-  MemoryBreakdown memory;              // this rank's own share
-  double busy_s = 0;                   // compute time of this rank in one steady-state step
-  double bubble_fraction = 0;          // 1 - busy / iteration time
+  MemoryBreakdown memory;      // this rank's own share
+  double busy_s = 0;           // compute time of this rank in one steady-state step
+  double bubble_fraction = 0;  // 1 - busy / iteration time
 };
 
 struct RunReport {

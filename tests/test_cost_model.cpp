@@ -109,7 +109,8 @@ TEST_F(PipelineTime, RanksOnOneGpuShareItsCompute) {
   Estimate e = estimate(model, trace, one, p);
   EXPECT_NEAR(e.pipeline_s, 8 * t(12), 1e-12);
   std::int64_t sum = 0;
-  for (const auto& st : e.stages) sum += st.memory.total();
+  for (const auto& st : e.stages)
+    sum += st.memory.total();
   EXPECT_EQ(e.report.devices[0].peak_memory_bytes, sum);
 }
 
@@ -170,7 +171,8 @@ TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
 TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {
   Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, cluster);
   Estimate e = estimate(model, trace, cluster, p);
-  for (int s = 0; s < 4; ++s) EXPECT_EQ(e.stages[s].in_flight, 4 - s);
+  for (int s = 0; s < 4; ++s)
+    EXPECT_EQ(e.stages[s].in_flight, 4 - s);
   EXPECT_EQ(e.stages[0].memory.weight_versions, 0);
 }
 

@@ -78,7 +78,8 @@ TEST(ModelCosts, ForwardGemmsSumToForwardFlops) {
     ModelCosts c = derive_costs(s);
     for (LayerKind k : {LayerKind::block, LayerKind::head}) {
       double sum = 0;
-      for (const Gemm& g : forward_gemms(s, k, 4)) sum += g.flops();
+      for (const Gemm& g : forward_gemms(s, k, 4))
+        sum += g.flops();
       EXPECT_DOUBLE_EQ(sum, 4 * c.layer(k).forward_flops) << name << " " << to_string(k);
     }
   }
@@ -136,7 +137,7 @@ std::string load_error(const std::string& text) {
   } catch (const InputError& e) {
     std::string msg = e.what();
     EXPECT_NE(msg.find(f.path()), std::string::npos) << msg;  // names the file
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;       // one line
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;      // one line
     return msg;
   }
   ADD_FAILURE() << "no error for " << text;

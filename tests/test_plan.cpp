@@ -90,7 +90,8 @@ TEST(PlanPlacement, PipelinesInsideNodesWhenWidthExceedsNode) {
 TEST(PlanPlacement, SeveralRanksOnOneGpu) {
   Plan p = make(Schedule::one_f_one_b, 1, 4, 1, 8);
   place(p, {1, 1}, 4);
-  for (const auto& pl : p.placement) EXPECT_EQ(pl, (Placement{0, 0}));
+  for (const auto& pl : p.placement)
+    EXPECT_EQ(pl, (Placement{0, 0}));
   Plan q = make(Schedule::one_f_one_b, 1, 4, 1, 8);
   EXPECT_THROW(place(q, {1, 1}), PlanError);  // 4 ranks, 1 device, 1 rank per GPU
   try {

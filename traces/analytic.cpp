@@ -66,7 +66,9 @@ double peak_flops_per_s(const clusters::DeviceSpec& d, models::DType t) {
   return t == models::DType::fp32 ? d.peak_fp32_flops_per_s : d.peak_fp16_flops_per_s;
 }
 
-bool is_weight_gemm(const models::Gemm& g) { return g.has_weight; }
+bool is_weight_gemm(const models::Gemm& g) {
+  return g.has_weight;
+}
 
 double gemm_efficiency(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t) {
   const double compute = kMaxGemmEfficiency * dim_factor(g.m) * dim_factor(g.n) * dim_factor(g.k);
