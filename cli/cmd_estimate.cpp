@@ -1,5 +1,7 @@
 // `pipewright trace` (write an analytic trace) and `pipewright estimate` (closed-form step time
 // and memory of a plan, written as a run report with "source": "analytic").
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
@@ -17,6 +19,7 @@ struct EstimateArgs {
   PlanOptions plan;
   std::string trace;
   std::string out;
+  bool allow_oom = false;
 };
 
 // The built-in default scenario: the PipeDream-2BW paper's GPT 3.9B on 8 x p3.16xlarge (64 V100s)
@@ -58,7 +61,26 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
         human_bytes(d.peak_memory_bytes), human_bytes(d.capacity_bytes),
         d.fits ? "" : "  DOES NOT FIT");
   }
-  if (!r.fits()) fmt::print("  the plan does not fit in device memory\n");
+}
+
+// The first rank whose GPU is over capacity, with its largest memory term, as one line.
+std::string oom_message(const planner::RunReport& r) {
+  for (const auto& d : r.devices) {
+    if (d.fits) continue;
+    const std::pair<const char*, std::int64_t> terms[] = {
+        {"weights", d.memory.weights},         {"weight_versions", d.memory.weight_versions},
+        {"gradients", d.memory.gradients},     {"optimizer", d.memory.optimizer},
+        {"activations", d.memory.activations}, {"workspace", d.memory.workspace}};
+    auto biggest = *std::max_element(std::begin(terms), std::end(terms),
+                                     [](auto& a, auto& b) { return a.second < b.second; });
+    return fmt::format(
+        "the plan does not fit: rank {} (stage {}) needs {} on node {} gpu {}, which has {} "
+        "(largest term: {} {}); use --recompute, a deeper pipeline or a smaller -b, or "
+        "--allow-oom to write the report anyway",
+        d.rank, d.stage, human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
+        human_bytes(double(d.capacity_bytes)), biggest.first, human_bytes(double(biggest.second)));
+  }
+  return "";
 }
 
 }  // namespace
@@ -73,6 +95,8 @@ void add_estimate_command(CLI::App& app) {
   cmd->add_option("--trace,-t", a->trace,
                   "trace JSON (default: analytic for the cluster's device)");
   cmd->add_option("--out,-o", a->out, "write the run report (JSON) here");
+  cmd->add_flag("--allow-oom", a->allow_oom,
+                "exit 0 and write the report even when a device runs out of memory");
   cmd->callback([a, cmd] {
     const bool defaults = cmd->count("--model") == 0 && cmd->count("--cluster") == 0 &&
                           cmd->count("--nodes") == 0 && a->plan.plan_file.empty() &&
@@ -85,6 +109,7 @@ void add_estimate_command(CLI::App& app) {
     traces::Trace trace = load_or_make_trace(a->trace, model, cluster.device, plan.b);
     planner::Estimate est = planner::estimate(model, trace, cluster, plan);
     print_estimate(est, model, cluster);
+    if (!est.report.fits() && !a->allow_oom) throw PlanError(oom_message(est.report));
     if (!a->out.empty()) {
       common::write_json_file(a->out, planner::to_json(est.report));
       fmt::print("wrote {}\n", a->out);

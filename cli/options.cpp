@@ -79,6 +79,13 @@ traces::Trace load_or_make_trace(const std::string& trace_file, const models::Mo
   if (t.model != model.name)
     throw InputError(fmt::format("{}: /model: trace is for model \"{}\", not \"{}\"", trace_file,
                                  t.model, model.name));
+  if (t.dtype != model.dtype)
+    throw InputError(fmt::format("{}: /dtype: trace is in {}, but model {} trains in {}",
+                                 trace_file, models::to_string(t.dtype), model.name,
+                                 models::to_string(model.dtype)));
+  if (t.device != device.name)
+    fmt::print("note: trace {} was made on {}; the cluster's device is {} (its timings are used)\n",
+               trace_file, t.device, device.name);
   return t;
 }
 

@@ -93,6 +93,9 @@ expect_error "trace lacks b" "microbatch size 8" "$O" $PW estimate --model gpt-t
 expect_error "trace for another model" "trace is for model" "$O" $PW estimate --model gpt2-124m --cluster h100-x1 --trace "$TMP/trace.json" --out "$O"
 expect_error "bad microbatch list" "--microbatch" "$O" $PW trace --model gpt-tiny --device H100-SXM --microbatch 1,x --out "$O"
 expect_error "unknown device" "V100-64GB" "$O" $PW trace --model gpt-tiny --device V100-64GB --out "$O"
+expect_error "does not fit" "does not fit: rank 0" "$O" $PW estimate --model gpt3-175b --cluster h100-x1 --schedule dp --out "$O"
+expect_ok "allow oom" $PW estimate --model gpt3-175b --cluster h100-x1 --schedule dp --allow-oom --out "$TMP/oom.json"
+python3 -c "import json; d=json.load(open('$TMP/oom.json')); assert d['fits'] is False and d['devices'][0]['fits'] is False" && ok || bad "--allow-oom report says fits false"
 expect_error "unknown option" "--frobnicate" - $PW estimate --frobnicate
 expect_error "no subcommand" "subcommand" - $PW
 expect_error "schedule bad plan" "m >= d" - $PW schedule --schedule 2bw -d 4 -m 2
