@@ -7,43 +7,16 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/test_util.hpp"
+
 #include "clusters/cluster.hpp"
 
 namespace pw::clusters {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Runs `f`, expects an InputError, and returns its message.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no InputError thrown";
-  return "";
-}
-
-class TempDir {
- public:
-  TempDir()
-      : path_(fs::temp_directory_path() / ("pw_test_clusters_" + std::to_string(::getpid()))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::ofstream(path_ / name) << text;
-    return (path_ / name).string();
-  }
-  std::string write(const std::string& name, const common::Json& j) const {
-    return write(name, j.dump(2));
-  }
-
- private:
-  fs::path path_;
-};
+using pw::testing::error_of;
+using pw::testing::TempDir;
 
 TEST(Devices, PresetsCarryPublishedFigures) {
   struct Row {
@@ -177,7 +150,7 @@ TEST(Overrides, ABadValueIsReportedAtItsPath) {
 }
 
 TEST(Reader, ErrorsNameTheFileAndJsonPath) {
-  TempDir dir;
+  TempDir dir("clusters");
   const common::Json good = to_json(load_cluster("dgx-a100"));
   struct Case {
     const char* what;
@@ -213,7 +186,7 @@ TEST(Reader, ErrorsNameTheFileAndJsonPath) {
 }
 
 TEST(Reader, FileWithNodeSuffixAndRelativeDevicePath) {
-  TempDir dir;
+  TempDir dir("clusters");
   dir.write("gpu.json", to_json(load_device("A100-40GB")).dump());
   common::Json j = to_json(load_cluster("dgx-a100"));
   j["device"] = "gpu.json";  // resolved beside the cluster file

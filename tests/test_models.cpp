@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/test_util.hpp"
+
 #include "models/model.hpp"
 
 namespace pw::models {
@@ -115,33 +117,13 @@ TEST(ModelIo, HuggingFaceBertConfigImports) {
   EXPECT_EQ(derive_costs(s).total_parameters, 335'174'458);
 }
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& text) {
-    path_ = std::filesystem::temp_directory_path() /
-            ("pw-test-model-" + std::to_string(counter_++) + ".json");
-    std::ofstream(path_) << text;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  std::string path() const { return path_.string(); }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
-
 std::string load_error(const std::string& text) {
-  TempFile f(text);
-  try {
-    load_model(f.path());
-  } catch (const InputError& e) {
-    std::string msg = e.what();
-    EXPECT_NE(msg.find(f.path()), std::string::npos) << msg;  // names the file
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;      // one line
-    return msg;
-  }
-  ADD_FAILURE() << "no error for " << text;
-  return "";
+  testing::TempDir dir("models");
+  const std::string path = dir.write("model.json", text);
+  std::string msg = testing::error_of([&] { load_model(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;  // names the file
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;  // one line
+  return msg;
 }
 
 TEST(ModelIo, BadInputsNameTheFileAndField) {

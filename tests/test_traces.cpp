@@ -5,7 +5,9 @@
 #include <functional>
 
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "tests/test_util.hpp"
 
 #include "clusters/device.hpp"
 #include "traces/analytic.hpp"
@@ -16,29 +18,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using models::LayerKind;
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no InputError thrown";
-  return "";
-}
-
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / ("pw_test_traces_" + std::to_string(::getpid()))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using pw::testing::error_of;
+using pw::testing::TempDir;
 
 const double kH100Peak = 989e12, kH100Hbm = 3.35e12;
 
@@ -154,7 +135,7 @@ TEST(Roofline, MonotonicInMicrobatchSize) {
 }
 
 TEST(TraceFormat, RoundTripsThroughJsonFile) {
-  TempDir dir;
+  TempDir dir("traces");
   Trace t =
       analytic_trace(models::load_model("gpt2-124m"), clusters::load_device("H100-SXM"), {1, 2, 4});
   write_trace(dir.file("t.json"), t);
@@ -174,7 +155,7 @@ TEST(TraceFormat, AtNamesTheSizesItHas) {
 }
 
 TEST(TraceFormat, ReaderErrorsNameTheFileAndPath) {
-  TempDir dir;
+  TempDir dir("traces");
   const common::Json good = to_json(
       analytic_trace(models::load_model("gpt-tiny"), clusters::load_device("H100-SXM"), {1, 2}));
   struct Case {
