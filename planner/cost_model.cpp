@@ -176,7 +176,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   RunReport& rep = est.report;
   rep.source = "analytic";
   rep.model = model.name;
-  rep.cluster = cluster.name;
+  rep.cluster = fmt::format("{}:{}", cluster.name, cluster.nodes);  // preset:nodes
   rep.plan = p;
   rep.iteration_time_s = est.pipeline_s + est.allreduce_s + est.optimizer_s;
   rep.samples_per_s = double(p.global_batch()) / rep.iteration_time_s;

@@ -24,5 +24,10 @@ if ((${#missing[@]})); then
 fi
 
 JOBS=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+mkdir -p build
+if ! cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >build/configure.log 2>&1; then
+  cat build/configure.log
+  exit 1
+fi
+grep "pipewright:" build/configure.log || true
 cmake --build build -j "$JOBS"

@@ -2,7 +2,9 @@
 // checked against hand derivations on a synthetic trace with uniform stages.
 #include <gtest/gtest.h>
 
+#include "planner/checker.hpp"
 #include "planner/cost_model.hpp"
+#include "planner/unit_timeline.hpp"
 #include "traces/analytic.hpp"
 
 namespace pw::planner {
@@ -183,6 +185,40 @@ TEST_F(Memory, LastStageHoldsTheTiedEmbeddingCopy) {
   EXPECT_EQ(e.stages[3].parameters,
             3 * mc.block.parameters + mc.head.parameters + mc.tied_copy_parameters);
   EXPECT_EQ(e.stages[0].parameters, 3 * mc.block.parameters + mc.embedding.parameters);
+}
+
+// The closed form's stash count n_s is what the generated programs really hold: the checker's
+// measured maximum of forwarded-but-not-backwarded microbatch(-chunk)s on each device.
+TEST_F(Memory, InFlightCountEqualsTheProgramsStash) {
+  const std::pair<Schedule, int> cases[] = {{Schedule::gpipe, 1},
+                                            {Schedule::one_f_one_b, 1},
+                                            {Schedule::two_bw, 1},
+                                            {Schedule::interleaved, 3}};
+  for (auto [schedule, v] : cases) {
+    Plan p = plan_of(schedule, 2, 4, 2, 8, v, 12, cluster);
+    Estimate e = estimate(model, trace, cluster, p);
+    CheckReport c = check_programs(generate_programs(p, 3));
+    for (const auto& dev : c.devices)
+      EXPECT_EQ(dev.max_stash, e.stages[p.stage_of(dev.rank)].in_flight)
+          << to_string(schedule) << " rank " << dev.rank;
+  }
+}
+
+// The closed-form pipeline time equals the unit-time timeline of the same programs when every
+// stage takes t_f = 1 and t_b = 2 units and communication is free.
+TEST_F(PipelineTime, ClosedFormEqualsTheProgramsTimeline) {
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::interleaved}) {
+    Plan p = plan_of(s, 2, 4, 2, 8, s == Schedule::interleaved ? 3 : 1, 12, cluster);
+    Programs programs = generate_programs(p, 1);
+    StepTiming st = step_timing(programs, run_unit_timeline(programs), 0);
+    // One unit = t(3) / 3: a stage of 3 blocks takes 1 ms forward and 2 ms backward per block.
+    EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, st.time * t(3) / 3, 1e-12)
+        << to_string(s);
+  }
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Programs programs = generate_programs(p, 4);
+  std::vector<double> opt = optimizer_times(programs, run_unit_timeline(programs), 0);
+  EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, (opt[2] - opt[1]) * t(3) / 3, 1e-12);
 }
 
 TEST(Fits, AModelTooBigForTheGpuIsFlagged) {
