@@ -1,7 +1,5 @@
 // `pipewright trace` (write an analytic trace) and `pipewright estimate` (closed-form step time
 // and memory of a plan, written as a run report with "source": "analytic").
-#include <algorithm>
-
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
@@ -12,26 +10,6 @@
 namespace pw::cli {
 
 namespace {
-
-struct EstimateArgs {
-  std::string model = "pd2bw-gpt-3.9b";
-  ClusterOptions cluster;
-  PlanOptions plan;
-  std::string trace;
-  std::string out;
-  bool allow_oom = false;
-};
-
-// The built-in default scenario: the PipeDream-2BW paper's GPT 3.9B on 8 x p3.16xlarge (64 V100s)
-// with 2BW, 8 stages of 8 replicas, global batch 512.
-void apply_default_scenario(EstimateArgs& a) {
-  a.plan.schedule = "2bw";
-  a.plan.d = 8;
-  a.plan.m = 64;
-  a.plan.b = 1;
-  fmt::print("(default scenario: {} on {}, 2bw, w=8 d=8 b=1 m=64; see --help)\n", a.model,
-             a.cluster.cluster);
-}
 
 void print_estimate(const planner::Estimate& est, const models::ModelSpec& model,
                     const clusters::Cluster& cluster) {
@@ -63,52 +41,17 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
   }
 }
 
-// The first rank whose GPU is over capacity, with its largest memory term, as one line.
-std::string oom_message(const planner::RunReport& r) {
-  for (const auto& d : r.devices) {
-    if (d.fits) continue;
-    const std::pair<const char*, std::int64_t> terms[] = {
-        {"weights", d.memory.weights},         {"weight_versions", d.memory.weight_versions},
-        {"gradients", d.memory.gradients},     {"optimizer", d.memory.optimizer},
-        {"activations", d.memory.activations}, {"workspace", d.memory.workspace}};
-    auto biggest = *std::max_element(std::begin(terms), std::end(terms),
-                                     [](auto& a, auto& b) { return a.second < b.second; });
-    return fmt::format(
-        "the plan does not fit: rank {} (stage {}) needs {} on node {} gpu {}, which has {} "
-        "(largest term: {} {}); use --recompute, a deeper pipeline or a smaller -b, or "
-        "--allow-oom to write the report anyway",
-        d.rank, d.stage, human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
-        human_bytes(double(d.capacity_bytes)), biggest.first, human_bytes(double(biggest.second)));
-  }
-  return "";
-}
-
 }  // namespace
 
 void add_estimate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "estimate", "closed-form step time, throughput and per-device memory of a plan");
-  auto a = std::make_shared<EstimateArgs>();
-  cmd->add_option("--model", a->model, "model preset or JSON file")->capture_default_str();
-  a->cluster.add(*cmd, "p3.16xlarge:8");
-  a->plan.add(*cmd);
-  cmd->add_option("--trace,-t", a->trace,
-                  "trace JSON (default: analytic for the cluster's device)");
-  cmd->add_option("--out,-o", a->out, "write the run report (JSON) here");
-  cmd->add_flag("--allow-oom", a->allow_oom,
-                "exit 0 and write the report even when a device runs out of memory");
+  auto a = std::make_shared<ScenarioOptions>();
+  a->add(*cmd);
   cmd->callback([a, cmd] {
-    const bool defaults = cmd->count("--model") == 0 && cmd->count("--cluster") == 0 &&
-                          cmd->count("--nodes") == 0 && a->plan.plan_file.empty() &&
-                          !a->plan.given_as_flags(*cmd);
-    if (defaults) apply_default_scenario(*a);
-    models::ModelSpec model = models::load_model(a->model);
-    clusters::Cluster cluster = a->cluster.load();
-    planner::Plan plan = a->plan.build(model.layers, cluster.devices());
-    planner::place(plan, {cluster.nodes, cluster.gpus_per_node}, a->plan.ranks_per_gpu);
-    traces::Trace trace = load_or_make_trace(a->trace, model, cluster.device, plan.b);
-    planner::Estimate est = planner::estimate(model, trace, cluster, plan);
-    print_estimate(est, model, cluster);
+    Scenario sc = a->resolve(*cmd);
+    planner::Estimate est = planner::estimate(sc.model, sc.trace, sc.cluster, sc.plan);
+    print_estimate(est, sc.model, sc.cluster);
     if (!est.report.fits() && !a->allow_oom) throw PlanError(oom_message(est.report));
     if (!a->out.empty()) {
       common::write_json_file(a->out, planner::to_json(est.report));

@@ -10,5 +10,6 @@ void add_clusters_command(CLI::App& app);
 void add_trace_command(CLI::App& app);
 void add_schedule_command(CLI::App& app);
 void add_estimate_command(CLI::App& app);
+void add_simulate_command(CLI::App& app);
 
 }  // namespace pw::cli

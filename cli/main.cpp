@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   pw::cli::add_trace_command(app);
   pw::cli::add_schedule_command(app);
   pw::cli::add_estimate_command(app);
+  pw::cli::add_simulate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

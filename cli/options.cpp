@@ -1,6 +1,7 @@
 // Options shared by several subcommands and the human formatting of figures.
 #include "cli/options.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -70,6 +71,54 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
   else
     planner::check(p);
   return p;
+}
+
+void ScenarioOptions::add(CLI::App& app) {
+  app.add_option("--model", model, "model preset or JSON file")->capture_default_str();
+  cluster.add(app, "p3.16xlarge:8");
+  plan.add(app);
+  app.add_option("--trace,-t", trace, "trace JSON (default: analytic for the cluster's device)");
+  app.add_option("--out,-o", out, "write the run report (JSON) here");
+  app.add_flag("--allow-oom", allow_oom,
+               "exit 0 and write the report even when a device runs out of memory");
+}
+
+Scenario ScenarioOptions::resolve(const CLI::App& app) {
+  const bool defaults = app.count("--model") == 0 && app.count("--cluster") == 0 &&
+                        app.count("--nodes") == 0 && plan.plan_file.empty() &&
+                        !plan.given_as_flags(app);
+  if (defaults) {
+    plan.schedule = "2bw";
+    plan.d = 8;
+    plan.m = 64;
+    plan.b = 1;
+    fmt::print("(default scenario: {} on {}, 2bw, w=8 d=8 b=1 m=64; see --help)\n", model,
+               cluster.cluster);
+  }
+  Scenario sc{models::load_model(model), cluster.load(), {}, {}};
+  sc.plan = plan.build(sc.model.layers, sc.cluster.devices());
+  planner::place(sc.plan, {sc.cluster.nodes, sc.cluster.gpus_per_node}, plan.ranks_per_gpu);
+  sc.trace = load_or_make_trace(trace, sc.model, sc.cluster.device, sc.plan.b);
+  return sc;
+}
+
+std::string oom_message(const planner::RunReport& r) {
+  for (const auto& d : r.devices) {
+    if (d.fits) continue;
+    const std::pair<const char*, std::int64_t> terms[] = {
+        {"weights", d.memory.weights},         {"weight_versions", d.memory.weight_versions},
+        {"gradients", d.memory.gradients},     {"optimizer", d.memory.optimizer},
+        {"activations", d.memory.activations}, {"workspace", d.memory.workspace}};
+    auto biggest = *std::max_element(std::begin(terms), std::end(terms),
+                                     [](auto& a, auto& b) { return a.second < b.second; });
+    return fmt::format(
+        "the plan does not fit: rank {} (stage {}) needs {} on node {} gpu {}, which has {} "
+        "(largest term: {} {}); use --recompute, a deeper pipeline or a smaller -b, or "
+        "--allow-oom to write the report anyway",
+        d.rank, d.stage, human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
+        human_bytes(double(d.capacity_bytes)), biggest.first, human_bytes(double(biggest.second)));
+  }
+  return "";
 }
 
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,

@@ -10,6 +10,7 @@
 #include "clusters/cluster.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
+#include "planner/report.hpp"
 #include "traces/trace.hpp"
 
 namespace pw::cli {
@@ -37,6 +38,31 @@ struct PlanOptions {
   // `devices` x --ranks-per-gpu gives the default w. Unplaced.
   planner::Plan build(std::int64_t layers, int devices) const;
 };
+
+struct Scenario {
+  models::ModelSpec model;
+  clusters::Cluster cluster;
+  planner::Plan plan;  // resolved and placed
+  traces::Trace trace;
+};
+
+// --model, the cluster options, the plan options, --trace, --out and --allow-oom, shared by
+// estimate and simulate. With none of model, cluster and plan given, the built-in default
+// scenario: the PipeDream-2BW paper's GPT 3.9B on 8 x p3.16xlarge (64 V100s), 2bw, w=8 d=8 b=1
+// m=64 (global batch 512).
+struct ScenarioOptions {
+  std::string model = "pd2bw-gpt-3.9b";
+  ClusterOptions cluster;
+  PlanOptions plan;
+  std::string trace;
+  std::string out;
+  bool allow_oom = false;
+  void add(CLI::App& app);
+  Scenario resolve(const CLI::App& app);
+};
+
+// "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)", or "" if all fit.
+std::string oom_message(const planner::RunReport& r);
 
 // Analytic trace for the cluster's device, or --trace FILE (checked against the model).
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,

@@ -15,6 +15,16 @@ std::int64_t optimizer_bytes_per_parameter(models::DType dtype) {
   return dtype == models::DType::fp32 ? 8 : 12;
 }
 
+void set_throughput(RunReport& r, const models::ModelSpec& model, const clusters::Cluster& cluster,
+                    int gpus_used) {
+  r.samples_per_s = double(r.plan.global_batch()) / r.iteration_time_s;
+  r.tokens_per_s = r.samples_per_s * double(model.seq_len);
+  r.model_flops_per_s = r.samples_per_s * models::derive_costs(model).flops_per_sample;
+  const double peak = model.dtype == models::DType::fp32 ? cluster.device.peak_fp32_flops_per_s
+                                                         : cluster.device.peak_fp16_flops_per_s;
+  r.mfu = r.model_flops_per_s / (double(gpus_used) * peak);
+}
+
 double ring_allreduce_s(double bytes, int n, const clusters::Link& link) {
   if (n <= 1) return 0;
   return 2.0 * (n - 1) * (link.latency_s + bytes / (n * link.bandwidth_bytes_per_s));
@@ -57,17 +67,52 @@ clusters::Link replica_ring_link(const clusters::Cluster& c, const Plan& p, int 
   return worst;
 }
 
-// Adds one layer's per-microbatch costs (trace entry at b) to a stage.
-void add_layer(StageCost& st, const traces::Trace& trace, const traces::LayerTimes& t,
-               LayerKind kind, std::int64_t count, std::int64_t parameters, bool chunk_input) {
-  st.forward_s += count * t.forward_s;
-  st.backward_s += count * (t.backward_s + (st.recompute ? t.recompute_s : 0.0));
-  st.optimizer_s += count * trace.statics[kind].optimizer_step_s;
-  st.parameters += count * parameters;
-  st.stash_bytes += count * t.activation_bytes;
-  if (chunk_input) st.input_bytes += t.activation_recompute_bytes;
-  st.memory.workspace = std::max(st.memory.workspace, t.workspace_bytes);
+// Adds `count` layers' per-microbatch costs (trace entry at b) to a chunk.
+void add_layer(ChunkCost& ch, const traces::Trace& trace, const traces::LayerTimes& t,
+               LayerKind kind, std::int64_t count, std::int64_t parameters) {
+  ch.forward_s += count * t.forward_s;
+  ch.backward_s += count * t.backward_s;
+  ch.recompute_s += count * t.recompute_s;
+  ch.optimizer_s += count * trace.statics[kind].optimizer_step_s;
+  ch.parameters += count * parameters;
+  ch.stash_bytes += count * t.activation_bytes;
+  ch.workspace_bytes = std::max(ch.workspace_bytes, t.workspace_bytes);
 }
+
+}  // namespace
+
+ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& p,
+                     int stage, int chunk) {
+  const traces::Entry& e = trace.at(p.b);
+  ChunkCost ch;
+  ch.stage = stage;
+  ch.chunk = chunk;
+  ch.virtual_stage = chunk * p.d + stage;
+  ch.blocks = p.stage_blocks[ch.virtual_stage];
+  const bool first = ch.virtual_stage == 0;
+  const bool last = ch.virtual_stage == p.virtual_stages() - 1;
+  if (first) {
+    ch.has_embedding = true;
+    add_layer(ch, trace, e.layers[LayerKind::embedding], LayerKind::embedding, 1,
+              mc.embedding.parameters);
+  }
+  add_layer(ch, trace, e.layers[LayerKind::block], LayerKind::block, ch.blocks,
+            mc.block.parameters);
+  // With recomputation a chunk keeps only its input: the token ids on the first virtual stage,
+  // the first block's input elsewhere.
+  ch.input_bytes = first ? e.layers[LayerKind::embedding].activation_recompute_bytes
+                         : e.layers[LayerKind::block].activation_recompute_bytes;
+  ch.output_bytes = last ? 0 : e.layers[LayerKind::block].output_bytes;
+  if (last) {
+    ch.has_head = true;
+    add_layer(ch, trace, e.layers[LayerKind::head], LayerKind::head, 1, mc.head.parameters);
+    // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
+    if (!first) ch.parameters += mc.tied_copy_parameters;
+  }
+  return ch;
+}
+
+namespace {
 
 StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& mc,
                      const traces::Trace& trace, const clusters::Cluster& cluster, const Plan& p,
@@ -76,25 +121,18 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   StageCost st;
   st.stage = s;
   st.recompute = p.recomputes(s);
-  const int last_vs = p.virtual_stages() - 1;
   for (int c = 0; c < p.v; ++c) {
-    const int vs = c * p.d + s;
-    const std::int64_t blocks = p.stage_blocks[vs];
-    st.blocks += blocks;
-    if (vs == 0) {
-      st.has_embedding = true;
-      add_layer(st, trace, e.layers[LayerKind::embedding], LayerKind::embedding, 1,
-                mc.embedding.parameters, true);
-    }
-    add_layer(st, trace, e.layers[LayerKind::block], LayerKind::block, blocks, mc.block.parameters,
-              vs != 0);
-    if (vs == last_vs) {
-      st.has_head = true;
-      add_layer(st, trace, e.layers[LayerKind::head], LayerKind::head, 1, mc.head.parameters,
-                false);
-      // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
-      if (last_vs != 0) st.parameters += mc.tied_copy_parameters;
-    }
+    const ChunkCost ch = chunk_cost(mc, trace, p, s, c);
+    st.blocks += ch.blocks;
+    st.has_embedding |= ch.has_embedding;
+    st.has_head |= ch.has_head;
+    st.forward_s += ch.forward_s;
+    st.backward_s += ch.backward_s + (st.recompute ? ch.recompute_s : 0.0);
+    st.optimizer_s += ch.optimizer_s;
+    st.parameters += ch.parameters;
+    st.stash_bytes += ch.stash_bytes;
+    st.input_bytes += ch.input_bytes;
+    st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
   const std::int64_t eb = models::dtype_bytes(model.dtype);
   st.memory.weights = st.parameters * eb;
@@ -179,12 +217,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   rep.cluster = fmt::format("{}:{}", cluster.name, cluster.nodes);  // preset:nodes
   rep.plan = p;
   rep.iteration_time_s = est.pipeline_s + est.allreduce_s + est.optimizer_s;
-  rep.samples_per_s = double(p.global_batch()) / rep.iteration_time_s;
-  rep.tokens_per_s = rep.samples_per_s * double(model.seq_len);
-  rep.model_flops_per_s = rep.samples_per_s * mc.flops_per_sample;
-  const double peak = model.dtype == models::DType::fp32 ? cluster.device.peak_fp32_flops_per_s
-                                                         : cluster.device.peak_fp16_flops_per_s;
-  rep.mfu = rep.model_flops_per_s / (double(gpu_work.size()) * peak);
+  set_throughput(rep, model, cluster, int(gpu_work.size()));
   for (int r = 0; r < p.ranks(); ++r) {
     const auto& st = est.stages[p.stage_of(r)];
     DeviceReport d;

@@ -13,6 +13,29 @@
 
 namespace pw::planner {
 
+// What one model chunk (the layers of one virtual stage) costs for one microbatch of size b.
+// The simulator replays these; the closed form sums them per stage.
+struct ChunkCost {
+  int stage = 0;
+  int chunk = 0;
+  int virtual_stage = 0;
+  std::int64_t blocks = 0;
+  bool has_embedding = false;
+  bool has_head = false;
+  double forward_s = 0;
+  double backward_s = 0;   // without the recompute forward
+  double recompute_s = 0;  // the recompute forward before the backward
+  double optimizer_s = 0;
+  std::int64_t parameters = 0;       // including the tied-embedding copy on the last stage
+  std::int64_t stash_bytes = 0;      // one microbatch's stash without recompute
+  std::int64_t input_bytes = 0;      // the chunk's input (all it keeps with recompute)
+  std::int64_t output_bytes = 0;     // activation sent to the next virtual stage (0 for the last)
+  std::int64_t workspace_bytes = 0;  // largest transient of its layers
+};
+
+ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
+                     int stage, int chunk);
+
 // What one pipeline stage (all chunks a device holds) costs for one microbatch of size b.
 struct StageCost {
   int stage = 0;
@@ -49,6 +72,10 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
 // Bytes of optimizer state per parameter: AdamW m and v in fp32, plus an fp32 master copy when
 // the compute dtype is 16-bit.
 std::int64_t optimizer_bytes_per_parameter(models::DType dtype);
+
+// Fills samples/s, tokens/s, model FLOP/s and MFU of a report from its iteration time and plan.
+void set_throughput(RunReport& r, const models::ModelSpec& model, const clusters::Cluster& cluster,
+                    int gpus_used);
 
 // Ring all-reduce time of `bytes` over n participants on a link: 2(n-1)(alpha + bytes/(n*beta)).
 double ring_allreduce_s(double bytes, int n, const clusters::Link& link);

@@ -109,6 +109,15 @@ RunReport parse_report(const Json& json, const std::string& source) {
     rep.devices.push_back(dr);
   }
   if (r.has("timeline")) rep.timeline = r.get_string("timeline");
+  // Source-specific sections ("estimate", "simulation", ...) are kept as they are.
+  static const char* const known[] = {"format",        "source",       "model",
+                                      "cluster",       "plan",         "iteration_time_s",
+                                      "samples_per_s", "tokens_per_s", "model_flops_per_s",
+                                      "mfu",           "fits",         "devices",
+                                      "timeline"};
+  for (auto it = json.begin(); it != json.end(); ++it)
+    if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
+      rep.extra[it.key()] = it.value();
   return rep;
 }
 

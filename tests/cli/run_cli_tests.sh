@@ -9,6 +9,7 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 pass=0
 fail=0
+O="$TMP/never.json"  # an output that bad input must never create
 
 ok() { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
@@ -36,7 +37,7 @@ expect_error() {
 }
 
 # --help everywhere.
-for cmd in "" models clusters trace schedule estimate; do
+for cmd in "" models clusters trace schedule estimate simulate; do
   expect_ok "help $cmd" $PW $cmd --help
 done
 expect_ok "version" $PW --version
@@ -72,8 +73,33 @@ for s in "gpipe -d 4 -m 6" "1f1b -d 4 -m 6" "2bw -d 4 -m 6 --steps 3" "interleav
 done
 expect_ok "estimate plan file" $PW estimate --model gpt-tiny --cluster h100-x1 --plan "$SRC/tests/data/plan-tiny-2bw.json" --ranks-per-gpu 2
 
+# simulate: report, timeline, platform XML; byte-identical reports.
+expect_ok "simulate" $PW simulate --model pd2bw-gpt-1.3b --cluster p3.16xlarge:2 -d 4 -m 8 -b 2 --schedule 2bw --out "$TMP/s1.json" --timeline "$TMP/tl.json" --export-platform "$TMP/platform.xml"
+python3 -c "
+import json
+d = json.load(open('$TMP/s1.json'))
+assert d['source'] == 'simulated' and len(d['devices']) == 16 and d['iteration_time_s'] > 0
+assert d['timeline'] == '$TMP/tl.json' and len(d['simulation']['links']) > 0
+t = json.load(open('$TMP/tl.json'))
+names = {e['args']['name'] for e in t['traceEvents'] if e['ph'] == 'M' and e['name'] == 'thread_name'}
+assert {'compute', 'send', 'recv', 'collective'} <= names
+assert any(e['ph'] == 'C' for e in t['traceEvents']) and any(e['ph'] == 'X' for e in t['traceEvents'])
+" && ok || bad "simulate report and timeline"
+grep -q "<platform" "$TMP/platform.xml" && grep -q "n1g7" "$TMP/platform.xml" && ok || bad "exported platform XML"
+expect_ok "simulate again" $PW simulate --model pd2bw-gpt-1.3b --cluster p3.16xlarge:2 -d 4 -m 8 -b 2 --schedule 2bw --out "$TMP/s2.json"
+python3 -c "
+import json
+a = json.load(open('$TMP/s1.json')); b = json.load(open('$TMP/s2.json'))
+a.pop('timeline'); assert a == b" && ok || bad "simulate is deterministic"
+expect_ok "simulate defaults" $PW simulate
+expect_ok "simulate one gpu" $PW simulate --model gpt2-124m --cluster h100-x1 -d 4 --ranks-per-gpu 4 -m 8 -b 2 --schedule 1f1b
+expect_error "simulate oom" "does not fit: rank 0" "$O" $PW simulate --model gpt3-175b --cluster h100-x1 --schedule dp --out "$O"
+expect_error "simulate trace lacks b" "microbatch size 8" "$O" $PW simulate --model gpt-tiny --cluster h100-x1 -b 8 --trace "$TMP/trace.json" --out "$O"
+expect_error "simulate wrong device count" "w\*d" "$O" $PW simulate --model gpt-tiny --cluster dgx-a100 -w 3 -d 2 --out "$O"
+expect_error "simulate unknown preset" "unknown cluster" "$O" $PW simulate --model gpt-tiny --cluster dgx-b200 --out "$O"
+expect_error "simulate bad steps" "steps" "$O" $PW simulate --model gpt-tiny --cluster h100-x1 --steps 0 --out "$O"
+
 # Bad inputs.
-O="$TMP/never.json"
 echo '{ "format": "pipewright.model/1", "name": "x", ' >"$TMP/broken.json"
 echo '{"format":"pipewright.plan/1","schedule":"2bw","w":1,"d":4,"b":1,"m":2}' >"$TMP/plan-m.json"
 echo '{"format":"pipewright.plan/1","schedule":"1f1b","w":1,"d":"2","b":1,"m":2}' >"$TMP/plan-type.json"

@@ -1,0 +1,257 @@
+// One actor per rank replays its program: compute ops take their trace duration, activations and
+// gradients travel as SimGrid communications, all-reduce buckets overlap the last backward.
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "sim/collectives.hpp"
+#include "sim/observer.hpp"
+#include "sim/world.hpp"
+
+namespace pw::sim::detail {
+
+namespace {
+
+using planner::Op;
+using planner::OpKind;
+
+int kToken = 0;  // SimGrid needs a real payload pointer; only the simulated size matters
+
+std::string mailbox_name(int dst, bool gradient, int src) {
+  return fmt::format("{}{}<{}", dst, gradient ? 'G' : 'A', src);
+}
+
+bool is_gradient(OpKind k) {
+  return k == OpKind::send_gradient || k == OpKind::recv_gradient;
+}
+
+class Replayer {
+ public:
+  Replayer(World& w, int rank)
+      : w_(w), me_(w.ranks[std::size_t(rank)]), program_(w.programs->devices[std::size_t(rank)]) {}
+
+  void run() {
+    claim_mailboxes(true);
+    mark_bucketed_backwards();
+    allocate_static();
+    for (op_ = 0; op_ < int(program_.ops.size()); ++op_)
+      step(program_.ops[std::size_t(op_)]);
+    for (auto& [comm, op] : sends_) {
+      comm->wait();
+      record(kSend, comm->get_start_time(), comm->get_finish_time(), op);
+    }
+    claim_mailboxes(false);
+  }
+
+ private:
+  const planner::ChunkCost& chunk(const Op& op) const { return me_.chunks[std::size_t(op.chunk)]; }
+
+  // Mailboxes this rank receives on are eager: a send starts at once, as into a posted buffer.
+  void claim_mailboxes(bool claim) {
+    for (const Op& op : program_.ops)
+      if (planner::is_recv(op.kind))
+        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer))
+            ->set_receiver(claim ? sg4::Actor::self() : nullptr);
+  }
+
+  // The last backward of each (step, chunk) that is followed by its all-reduces runs in bucket
+  // slices, each slice starting its bucket's all-reduce (gradients are ready layer by layer).
+  void mark_bucketed_backwards() {
+    bucketed_.assign(program_.ops.size(), false);
+    for (int i = int(program_.ops.size()) - 1, pending_step = -1, pending_chunk = -1; i >= 0; --i) {
+      const Op& op = program_.ops[std::size_t(i)];
+      if (op.kind == OpKind::all_reduce) {
+        pending_step = op.step;
+        pending_chunk = op.chunk;
+      } else if (op.kind == OpKind::backward && op.step == pending_step &&
+                 op.chunk == pending_chunk) {
+        bucketed_[std::size_t(i)] = true;
+        pending_step = -1;
+      }
+    }
+  }
+
+  void step(const Op& op) {
+    switch (op.kind) {
+      case OpKind::forward:
+        allocate(&planner::MemoryBreakdown::activations,
+                 me_.recompute ? chunk(op).input_bytes : chunk(op).stash_bytes);
+        compute(chunk(op).forward_s);
+        break;
+      case OpKind::recompute:
+        allocate(&planner::MemoryBreakdown::activations, chunk(op).stash_bytes);
+        compute(chunk(op).recompute_s);
+        break;
+      case OpKind::backward:
+        backward(op);
+        allocate(&planner::MemoryBreakdown::activations,
+                 -(me_.recompute ? chunk(op).input_bytes + chunk(op).stash_bytes
+                                 : chunk(op).stash_bytes));
+        break;
+      case OpKind::send_activation:
+      case OpKind::send_gradient:
+        send(op);
+        break;
+      case OpKind::recv_activation:
+      case OpKind::recv_gradient:
+        receive(op);
+        break;
+      case OpKind::all_reduce:
+        trigger(op.step, op.chunk, op.bucket);
+        break;
+      case OpKind::free_version:
+        versions_ -= 1;
+        set_versions();
+        break;
+      case OpKind::optimizer_step:
+        optimizer_step(op);
+        break;
+    }
+  }
+
+  // Alone on its GPU a rank replays the duration (sleep_for: no resource to share). Ranks sharing
+  // a GPU execute on its host, which SimGrid shares max-min fairly: two busy ranks each run at
+  // half speed, as two streams contending for one GPU.
+  void compute(double seconds) {
+    const double start = sg4::Engine::get_clock();
+    if (seconds > 0) {
+      if (me_.shares_gpu) {
+        sg4::this_actor::execute(seconds * kGpuSpeed);
+      } else {
+        sg4::this_actor::sleep_for(seconds);
+        ++w_.timed_ops;  // executions are counted with the transfers, sleeps here
+      }
+    }
+    record(kCompute, start, sg4::Engine::get_clock(), op_);
+  }
+
+  void backward(const Op& op) {
+    const double t = chunk(op).backward_s;
+    if (!bucketed_[std::size_t(op_)]) return compute(t);
+    const int buckets = w_.programs->buckets;
+    for (int b = 0; b < buckets; ++b) {
+      compute(t / buckets);
+      trigger(op.step, op.chunk, b);
+    }
+  }
+
+  void send(const Op& op) {
+    const auto bytes = std::uint64_t(std::max<std::int64_t>(chunk(op).output_bytes, 1));
+    sg4::Mailbox* box =
+        sg4::Mailbox::by_name(mailbox_name(op.peer, is_gradient(op.kind), me_.rank));
+    sends_.emplace_back(box->put_async(&kToken, bytes), op_);
+    observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
+  }
+
+  void receive(const Op& op) {
+    sg4::Mailbox* box =
+        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer));
+    int* data = nullptr;
+    sg4::CommPtr comm = box->get_async<int>(&data);
+    comm->wait();
+    record(kRecv, comm->get_start_time(), comm->get_finish_time(), op_);
+  }
+
+  Collective& collective(int step, int chunk, int bucket) {
+    Collective& c = w_.collectives[{me_.stage, step, chunk, bucket}];
+    if (!c.mutex) {
+      c.mutex = sg4::Mutex::create();
+      c.finished = sg4::ConditionVariable::create();
+    }
+    return c;
+  }
+
+  // This rank's gradients of the bucket are ready; the last replica to get there starts the
+  // all-reduce on its own actor (the collective stream), so compute goes on meanwhile.
+  void trigger(int step, int chunk, int bucket) {
+    const auto key = std::make_tuple(step, chunk, bucket);
+    if (std::find(me_.triggered.begin(), me_.triggered.end(), key) != me_.triggered.end()) return;
+    me_.triggered.push_back(key);
+    Collective& c = collective(step, chunk, bucket);
+    if (++c.arrived < w_.plan().w) return;
+    std::vector<std::pair<int, int>> members;
+    for (int r = 0; r < w_.plan().w; ++r) {
+      const RankState& m = w_.ranks[std::size_t(w_.plan().rank_of(me_.stage, r))];
+      members.emplace_back(m.node, m.gpu);
+    }
+    const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
+    const Platform* platform = w_.platform;
+    sg4::Actor::create("allreduce", me_.host, [&c, members, bytes, platform] {
+      c.start = sg4::Engine::get_clock();
+      allreduce(*platform, members, bytes);
+      c.end = sg4::Engine::get_clock();
+      std::unique_lock<sg4::Mutex> lock(*c.mutex);
+      c.done = true;
+      c.finished->notify_all();
+    });
+  }
+
+  void optimizer_step(const Op& op) {
+    for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
+      for (int b = 0; b < w_.programs->buckets; ++b) {
+        trigger(op.step, chunk, b);
+        Collective& c = collective(op.step, chunk, b);
+        std::unique_lock<sg4::Mutex> lock(*c.mutex);
+        while (!c.done)
+          c.finished->wait(lock);
+        record(kCollective, c.start, c.end, op_);
+      }
+    double opt = 0;
+    for (const auto& ch : me_.chunks)
+      opt += ch.optimizer_s;
+    compute(opt);
+    versions_ += 1;  // the step's update becomes a new weight version
+    set_versions();
+    me_.optimizer_end[std::size_t(op.step)] = sg4::Engine::get_clock();
+  }
+
+  void set_versions() {
+    const std::int64_t extra = std::max<std::int64_t>(versions_ - 1, 0) * me_.version_bytes;
+    allocate(&planner::MemoryBreakdown::weight_versions, extra - me_.memory.now.weight_versions);
+  }
+
+  void allocate_static() {
+    const planner::MemoryBreakdown& m = w_.rank_static[std::size_t(me_.rank)];
+    allocate(&planner::MemoryBreakdown::weights, m.weights);
+    allocate(&planner::MemoryBreakdown::gradients, m.gradients);
+    allocate(&planner::MemoryBreakdown::optimizer, m.optimizer);
+    allocate(&planner::MemoryBreakdown::workspace, m.workspace);
+  }
+
+  void allocate(std::int64_t planner::MemoryBreakdown::*category, std::int64_t bytes) {
+    if (bytes == 0) return;
+    Ledger& l = me_.memory;
+    l.now.*category += bytes;
+    const std::int64_t total = l.now.total();
+    if (total > l.peak) {
+      l.peak = total;
+      l.at_peak = l.now;
+    }
+    GpuMemory& g = w_.gpus[std::size_t(me_.node * w_.platform->gpus_per_node + me_.gpu)];
+    g.now += bytes;
+    g.peak = std::max(g.peak, g.now);
+    if (w_.options.timeline) l.samples.emplace_back(sg4::Engine::get_clock(), total);
+  }
+
+  void record(int stream, double start, double end, int op) {
+    me_.events.push_back({stream, start, end, op});
+  }
+
+  World& w_;
+  RankState& me_;
+  const planner::Program& program_;
+  std::vector<bool> bucketed_;
+  std::vector<std::pair<sg4::CommPtr, int>> sends_;
+  std::int64_t versions_ = 1;
+  int op_ = 0;
+};
+
+}  // namespace
+
+void replay(World& world, int rank) {
+  Replayer(world, rank).run();
+}
+
+}  // namespace pw::sim::detail

@@ -1,0 +1,209 @@
+// Sets up one simulation (engine, platform, one actor per rank), runs it, and turns the ranks'
+// ledgers and events into the run report, per-link statistics and the timeline.
+#include "sim/simulator.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include "sim/engine.hpp"
+#include "sim/observer.hpp"
+#include "sim/timeline.hpp"
+#include "sim/world.hpp"
+
+namespace pw::sim {
+
+using detail::RankState;
+using detail::World;
+
+namespace {
+
+void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& trace,
+                 const Platform& platform) {
+  const planner::Plan& p = w.plan();
+  const models::ModelCosts mc = models::derive_costs(model);
+  const std::int64_t e = models::dtype_bytes(model.dtype);
+  std::map<std::pair<int, int>, int> per_gpu;
+  for (const auto& pl : p.placement)
+    ++per_gpu[{pl.node, pl.gpu}];
+  w.gpus.assign(std::size_t(platform.nodes * platform.gpus_per_node), {});
+  w.bucket_bytes.assign(std::size_t(p.d * p.v), 0);
+  for (int r = 0; r < p.ranks(); ++r) {
+    RankState rs;
+    rs.rank = r;
+    rs.stage = p.stage_of(r);
+    rs.replica = p.replica_of(r);
+    rs.node = p.placement[std::size_t(r)].node;
+    rs.gpu = p.placement[std::size_t(r)].gpu;
+    rs.shares_gpu = per_gpu[{rs.node, rs.gpu}] > 1;
+    rs.host = platform.gpu(rs.node, rs.gpu);
+    rs.recompute = p.recomputes(rs.stage);
+    planner::MemoryBreakdown fixed;
+    std::int64_t parameters = 0;
+    for (int c = 0; c < p.v; ++c) {
+      rs.chunks.push_back(planner::chunk_cost(mc, trace, p, rs.stage, c));
+      parameters += rs.chunks.back().parameters;
+      fixed.workspace = std::max(fixed.workspace, rs.chunks.back().workspace_bytes);
+      w.bucket_bytes[std::size_t(rs.stage * p.v + c)] =
+          double(rs.chunks.back().parameters * e) / w.programs->buckets;
+    }
+    rs.version_bytes = parameters * e;
+    fixed.weights = parameters * e;
+    fixed.gradients = parameters * e;
+    fixed.optimizer = parameters * planner::optimizer_bytes_per_parameter(model.dtype);
+    rs.optimizer_end.assign(std::size_t(w.programs->steps), 0);
+    w.ranks.push_back(std::move(rs));
+    w.rank_static.push_back(fixed);
+  }
+}
+
+// Steady state: the step in the middle of the run, between two moments when every rank had
+// finished its optimizer step (2bw's fill and drain, and the first step's warm-up, stay out).
+std::pair<double, double> steady_window(const std::vector<double>& step_end) {
+  if (step_end.size() < 2) return {0, step_end.empty() ? 0 : step_end[0]};
+  const std::size_t k = step_end.size() / 2;
+  return {step_end[k - 1], step_end[k]};
+}
+
+double busy_in(const RankState& r, double a, double b) {
+  double busy = 0;
+  for (const auto& e : r.events)
+    if (e.stream == detail::kCompute)
+      busy += std::max(0.0, std::min(e.end, b) - std::max(e.start, a));
+  return busy;
+}
+
+}  // namespace
+
+// Bytes each link carries: every transfer adds its size to the links of its route (SimGrid's
+// link-load plugin would also count the latency phase as traffic, and 3.32 exports no comm-start
+// signal, so the senders report their transfers here).
+void detail::LinkCounter::count(sg4::Host* src, sg4::Host* dst, double bytes) {
+  auto [it, fresh] = routes_.try_emplace({src, dst});
+  if (fresh) src->route_to(dst, it->second, nullptr);
+  for (sg4::Link* l : it->second)
+    bytes_[l] += bytes;
+}
+
+std::vector<LinkStat> detail::LinkCounter::stats(const Platform& platform,
+                                                 double simulated_s) const {
+  std::map<const sg4::Link*, const Platform::LinkInfo*> info;
+  for (const auto& l : platform.links)
+    info[l.link] = &l;
+  std::vector<LinkStat> out;
+  for (const auto& [link, bytes] : bytes_) {
+    LinkStat s;
+    s.name = link->get_name();
+    auto it = info.find(link);
+    s.kind = it != info.end() ? it->second->kind : "other";
+    s.bandwidth_bytes_per_s = link->get_bandwidth();
+    s.bytes = bytes;
+    s.utilization = simulated_s > 0 ? bytes / (s.bandwidth_bytes_per_s * simulated_s) : 0;
+    out.push_back(s);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const LinkStat& a, const LinkStat& b) { return a.name < b.name; });
+  return out;
+}
+
+namespace {
+
+planner::RunReport make_report(const World& w, const models::ModelSpec& model,
+                               const clusters::Cluster& cluster, const SimResult& result) {
+  const planner::Plan& p = w.plan();
+  planner::RunReport rep;
+  rep.source = "simulated";
+  rep.model = model.name;
+  rep.cluster = fmt::format("{}:{}", cluster.name, cluster.nodes);
+  rep.plan = p;
+  const auto [a, b] = steady_window(result.step_end_s);
+  rep.iteration_time_s = b - a;
+  std::map<std::pair<int, int>, int> gpus;
+  for (const auto& pl : p.placement)
+    gpus[{pl.node, pl.gpu}] = 1;
+  planner::set_throughput(rep, model, cluster, int(gpus.size()));
+  for (const RankState& r : w.ranks) {
+    planner::DeviceReport d;
+    d.rank = r.rank;
+    d.node = r.node;
+    d.gpu = r.gpu;
+    d.stage = r.stage;
+    d.replica = r.replica;
+    d.memory = r.memory.at_peak;
+    d.peak_memory_bytes = w.gpus[std::size_t(r.node * w.platform->gpus_per_node + r.gpu)].peak;
+    d.capacity_bytes = cluster.device.memory_bytes;
+    d.fits = d.peak_memory_bytes <= d.capacity_bytes;
+    d.busy_s = busy_in(r, a, b);
+    d.bubble_fraction = rep.iteration_time_s > 0 ? 1.0 - d.busy_s / rep.iteration_time_s : 0;
+    rep.devices.push_back(d);
+  }
+  common::Json links = common::Json::array();
+  for (const auto& l : result.links)
+    links.push_back({{"name", l.name},
+                     {"kind", l.kind},
+                     {"bandwidth_bytes_per_s", l.bandwidth_bytes_per_s},
+                     {"bytes", l.bytes},
+                     {"utilization", l.utilization}});
+  rep.extra["simulation"] = {{"steps", w.programs->steps},
+                             {"gradient_buckets", w.programs->buckets},
+                             {"steady_step", result.step_end_s.size() / 2},
+                             {"simulated_s", result.simulated_s},
+                             {"step_end_s", result.step_end_s},
+                             {"activities", result.activities},
+                             {"links", links}};
+  return rep;
+}
+
+std::int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return std::int64_t(u.ru_maxrss) * 1024;
+}
+
+}  // namespace
+
+SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trace& trace,
+                              const clusters::Cluster& cluster, const planner::Plan& plan,
+                              const SimOptions& options) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  if (options.steps < 1) throw InputError("--steps must be at least 1");
+  const planner::Programs programs =
+      planner::generate_programs(plan, options.steps, options.gradient_buckets);
+  auto engine = make_engine();
+  const Platform platform = build_platform(cluster);
+  World w;
+  w.programs = &programs;
+  w.platform = &platform;
+  w.options = options;
+  setup_ranks(w, model, trace, platform);
+  set_transfer_observer(
+      [&w](sg4::Host* from, sg4::Host* to, double bytes) { w.links.count(from, to, bytes); });
+  for (int r = 0; r < plan.ranks(); ++r)
+    sg4::Actor::create(fmt::format("rank{}", r), w.ranks[std::size_t(r)].host,
+                       [&w, r] { detail::replay(w, r); });
+  std::int64_t transfers = 0;
+  sg4::Activity::on_completion_cb([&transfers](const sg4::Activity&) { ++transfers; });
+  engine->run();
+
+  SimResult result;
+  result.simulated_s = sg4::Engine::get_clock();
+  result.step_end_s.assign(std::size_t(options.steps), 0);
+  for (const RankState& r : w.ranks)
+    for (int s = 0; s < options.steps; ++s)
+      result.step_end_s[std::size_t(s)] =
+          std::max(result.step_end_s[std::size_t(s)], r.optimizer_end[std::size_t(s)]);
+  result.activities = w.timed_ops + transfers;
+  result.links = w.links.stats(platform, result.simulated_s);
+  set_transfer_observer(nullptr);
+  result.report = make_report(w, model, cluster, result);
+  if (options.timeline) result.timeline = detail::chrome_trace(w);
+  result.wall_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  result.peak_rss_bytes = peak_rss_bytes();
+  return result;
+}
+
+}  // namespace pw::sim

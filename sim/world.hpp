@@ -1,0 +1,95 @@
+// Internal to sim/: the shared state of one simulation (ranks, memory ledgers, collectives).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <simgrid/s4u.hpp>
+
+#include "planner/cost_model.hpp"
+#include "planner/program.hpp"
+#include "sim/platform.hpp"
+#include "sim/simulator.hpp"
+
+namespace pw::sim::detail {
+
+namespace sg4 = simgrid::s4u;
+
+enum Stream { kCompute = 0, kSend = 1, kRecv = 2, kCollective = 3 };
+inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective"};
+
+struct Event {
+  int stream = kCompute;
+  double start = 0;
+  double end = 0;
+  int op = 0;  // index into the rank's program
+};
+
+// One rank's memory, by category, at every allocation and free the program implies.
+struct Ledger {
+  planner::MemoryBreakdown now;
+  planner::MemoryBreakdown at_peak;
+  std::int64_t peak = 0;
+  std::vector<std::pair<double, std::int64_t>> samples;  // (time, total), with a timeline
+};
+
+struct GpuMemory {
+  std::int64_t now = 0;
+  std::int64_t peak = 0;
+};
+
+// One all-reduce bucket of one chunk of one stage in one step, over the stage's w replicas.
+struct Collective {
+  int arrived = 0;
+  bool done = false;
+  double start = 0;
+  double end = 0;
+  sg4::MutexPtr mutex;
+  sg4::ConditionVariablePtr finished;
+};
+
+struct RankState {
+  int rank = 0, stage = 0, replica = 0, node = 0, gpu = 0;
+  bool shares_gpu = false;  // another rank runs on the same GPU: compute shares it (execute)
+  sg4::Host* host = nullptr;
+  std::vector<planner::ChunkCost> chunks;  // by chunk
+  std::int64_t version_bytes = 0;          // one weight version of this rank
+  bool recompute = false;
+  Ledger memory;
+  std::vector<Event> events;                         // every op that took time
+  std::vector<double> optimizer_end;                 // per step
+  std::vector<std::tuple<int, int, int>> triggered;  // (step, chunk, bucket) started
+};
+
+class LinkCounter {
+ public:
+  void count(sg4::Host* src, sg4::Host* dst, double bytes);
+  std::vector<LinkStat> stats(const Platform& platform, double simulated_s) const;
+
+ private:
+  std::map<std::pair<sg4::Host*, sg4::Host*>, std::vector<sg4::Link*>> routes_;
+  std::map<const sg4::Link*, double> bytes_;
+};
+
+struct World {
+  const planner::Programs* programs = nullptr;
+  const Platform* platform = nullptr;
+  SimOptions options;
+  std::vector<RankState> ranks;
+  std::vector<GpuMemory> gpus;                                       // node * gpus_per_node + gpu
+  std::map<std::tuple<int, int, int, int>, Collective> collectives;  // (stage, step, chunk, bucket)
+  std::vector<double> bucket_bytes;  // per (stage * v + chunk): gradient bytes of one bucket
+  std::vector<planner::MemoryBreakdown> rank_static;  // weights, gradients, optimizer, workspace
+  std::int64_t timed_ops = 0;                         // sleeps the actors ran
+  LinkCounter links;
+
+  const planner::Plan& plan() const { return programs->plan; }
+};
+
+// The body of rank `rank`'s actor: interprets its program (sim/replay.cpp).
+void replay(World& world, int rank);
+
+}  // namespace pw::sim::detail

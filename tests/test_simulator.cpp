@@ -1,0 +1,265 @@
+// sim/: the simulator against hand derivations. simulate() runs each simulation in a child
+// process, so one TEST may run several.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <map>
+#include <tuple>
+
+#include "planner/cost_model.hpp"
+#include "planner/program.hpp"
+#include "sim/simulator.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::sim {
+namespace {
+
+using models::LayerKind;
+using planner::Plan;
+using planner::Schedule;
+
+// Exact times: a block takes t_f = 1 ms forward and t_b = 2 ms backward (recompute 1 ms);
+// embedding, head and optimizer take no time, so equal-sized stages are uniform.
+traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t b) {
+  traces::Trace t;
+  t.model = model.name;
+  t.device = "test";
+  t.dtype = model.dtype;
+  t.source.kind = "analytic";
+  const models::ModelCosts mc = models::derive_costs(model);
+  traces::Entry e;
+  e.microbatch_size = b;
+  for (LayerKind k : traces::kLayerKinds) {
+    const auto& l = mc.layer(k);
+    auto& x = e.layers[k];
+    x.forward_s = k == LayerKind::block ? 1e-3 : 0;
+    x.backward_s = k == LayerKind::block ? 2e-3 : 0;
+    x.recompute_s = x.forward_s;
+    x.activation_bytes = b * l.activation_bytes;
+    x.activation_recompute_bytes = b * l.activation_recompute_bytes;
+    x.output_bytes = b * l.output_bytes;
+    x.workspace_bytes = b * l.workspace_bytes;
+    t.statics[k].parameters = l.parameters;
+  }
+  t.entries.push_back(e);
+  return t;
+}
+
+Plan plan_of(Schedule s, int w, int d, int b, int m, int v, std::int64_t layers,
+             const clusters::Cluster& c, int ranks_per_gpu = 1) {
+  Plan p;
+  p.schedule = s;
+  p.w = w;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  p.v = v;
+  planner::resolve_stages(p, layers);
+  planner::place(p, {c.nodes, c.gpus_per_node}, ranks_per_gpu);
+  return p;
+}
+
+// One node of `gpus` GPUs whose links take `latency_s` and have (practically) infinite bandwidth.
+clusters::Cluster node_with_latency(double latency_s, int gpus = 4) {
+  return clusters::load_cluster("dgx-a100", 1,
+                                {"gpus_per_node=" + std::to_string(gpus),
+                                 "intra_node.latency_s=" + fmt::format("{}", latency_s),
+                                 "intra_node.bandwidth_bytes_per_s=1e30"});
+}
+
+struct Uniform : ::testing::Test {
+  models::ModelSpec model = models::load_model("gpt2-124m");  // 12 blocks
+  traces::Trace trace = uniform_trace(model, 2);
+  double stage(int blocks) const { return blocks * 3e-3; }  // t_f + t_b of a stage
+};
+
+// One device: the step is the sum of its ops, m (t_f + t_b) + the optimizer step.
+TEST(OneDevice, StepIsTheSumOfItsOps) {
+  models::ModelSpec m = models::load_model("gpt-tiny");
+  clusters::Cluster c = clusters::load_cluster("h100-x1");
+  traces::Trace t = traces::analytic_trace(m, c.device, {4});
+  Plan p = plan_of(Schedule::dp, 1, 1, 4, 3, 1, m.layers, c);
+  const planner::ChunkCost ch = planner::chunk_cost(models::derive_costs(m), t, p, 0, 0);
+  SimResult r = simulate(m, t, c, p);
+  EXPECT_NEAR(r.report.iteration_time_s, 3 * (ch.forward_s + ch.backward_s) + ch.optimizer_s,
+              1e-12);
+  EXPECT_NEAR(r.report.devices[0].bubble_fraction, 0, 1e-9);
+}
+
+// GPipe, d stages, link latency c: stage s starts F(0) at s(t_f + c); the last stage's forwards
+// end at (d-1)(t_f + c) + m t_f; each gradient hop back adds t_b + c; stage 0 ends after its m
+// backwards: (m + d - 1)(t_f + t_b) + 2(d - 1)c.
+TEST_F(Uniform, GPipeIsMPlusDMinusOneStagesPlusTwoHopsPerBoundary) {
+  const double c = 1e-4;
+  clusters::Cluster cl = node_with_latency(c);
+  Plan p = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, cl, 1);
+  EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s,
+              (8 + 4 - 1) * stage(3) + 2 * 3 * c, 1e-12);
+}
+
+// Reference for any flush schedule with link latency c: the programs run with one stream per
+// device; a compute op takes its time; a send costs the device nothing and its message arrives c
+// after it was sent; a receive waits for its message (FIFO per sender, kind). One step's
+// makespan. In 1F1B's steady state a stage waits on a round trip to its neighbour, so latency
+// shows up per microbatch, not only in the fill and drain as for GPipe.
+double reference_step(const planner::Programs& pr, double f, double b, double c) {
+  using planner::OpKind;
+  const int n = int(pr.devices.size());
+  std::vector<std::size_t> pc(std::size_t(n), 0);
+  std::vector<double> clock(std::size_t(n), 0);
+  std::map<std::tuple<int, int, bool>, std::deque<double>> channel;  // (src, dst, gradient)
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < n; ++r) {
+      const auto& ops = pr.devices[std::size_t(r)].ops;
+      while (pc[std::size_t(r)] < ops.size()) {
+        const planner::Op& op = ops[pc[std::size_t(r)]];
+        double& t = clock[std::size_t(r)];
+        const bool grad = op.kind == OpKind::send_gradient || op.kind == OpKind::recv_gradient;
+        if (op.kind == OpKind::recv_activation || op.kind == OpKind::recv_gradient) {
+          auto& q = channel[{op.peer, r, grad}];
+          if (q.empty()) break;
+          t = std::max(t, q.front());
+          q.pop_front();
+        } else if (op.kind == OpKind::send_activation || op.kind == OpKind::send_gradient) {
+          channel[{r, op.peer, grad}].push_back(t + c);
+        } else if (op.kind == OpKind::forward || op.kind == OpKind::recompute) {
+          t += f;
+        } else if (op.kind == OpKind::backward) {
+          t += b;
+        }
+        ++pc[std::size_t(r)];
+        progress = true;
+      }
+    }
+  }
+  return *std::max_element(clock.begin(), clock.end());
+}
+
+TEST_F(Uniform, OneFOneBMatchesTheReferenceWithLatency) {
+  const double c = 1e-4;
+  clusters::Cluster cl = node_with_latency(c);
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, cl, 1);
+  const double ref = reference_step(planner::generate_programs(p, 1), 3e-3, 6e-3, c);
+  EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, ref, 1e-12);
+  // GPipe: the same reference gives the closed form of the test above.
+  Plan g = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, cl, 1);
+  EXPECT_NEAR(reference_step(planner::generate_programs(g, 1), 3e-3, 6e-3, c),
+              (8 + 4 - 1) * stage(3) + 2 * 3 * c, 1e-12);
+  // Free links: every flush schedule takes (m + d - 1)(t_f + t_b).
+  clusters::Cluster free_links = node_with_latency(0);
+  Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, free_links, 1);
+  EXPECT_NEAR(simulate(model, trace, free_links, q).report.iteration_time_s, 11 * stage(3), 1e-12);
+}
+
+// 2BW in steady state with free communication: m (t_f + t_b) per step, no bubble.
+TEST_F(Uniform, TwoBwSteadyStateIsMStages) {
+  clusters::Cluster cl = node_with_latency(0);
+  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, cl, 1);
+  SimResult r = simulate(model, trace, cl, p, {.steps = 4});
+  EXPECT_NEAR(r.report.iteration_time_s, 8 * stage(3), 1e-12);
+  for (const auto& d : r.report.devices)
+    EXPECT_NEAR(d.bubble_fraction, 0, 1e-9);
+}
+
+// Megatron interleaved: (m + (d-1)/v)(t_f + t_b) with free communication.
+TEST_F(Uniform, InterleavedBubbleShrinksByV) {
+  clusters::Cluster cl = node_with_latency(0);
+  Plan p = plan_of(Schedule::interleaved, 1, 4, 2, 8, 3, 12, cl, 1);
+  EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, (8 + 1.0) * stage(3), 1e-12);
+}
+
+// Where the closed form is exact (uniform stages, no contention) simulate and estimate agree.
+TEST_F(Uniform, SimulateAgreesWithEstimate) {
+  clusters::Cluster cl = node_with_latency(2e-5);
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
+    Plan p = plan_of(s, 1, 4, 2, 8, 1, 12, cl, 1);
+    const double est = planner::estimate(model, trace, cl, p).report.iteration_time_s;
+    const double sim = simulate(model, trace, cl, p).report.iteration_time_s;
+    EXPECT_NEAR(sim / est, 1.0, 0.02) << to_string(s);
+  }
+}
+
+// Four stages on one GPU share its compute: a step takes m x (all stages' t_f + t_b) at least,
+// and with 2bw's steady state exactly that.
+TEST_F(Uniform, StagesOnOneGpuShareItsCompute) {
+  clusters::Cluster one = clusters::load_cluster("h100-x1");
+  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, one, 4);
+  SimResult r = simulate(model, trace, one, p, {.steps = 4});
+  EXPECT_GE(r.report.iteration_time_s, 8 * stage(12) * (1 - 1e-9));
+  EXPECT_LT(r.report.iteration_time_s, 8 * stage(12) * 1.05);
+}
+
+// Peak memory per stage equals planner/'s closed form, for each schedule, with and without
+// recomputation (one rank per GPU).
+TEST_F(Uniform, PeakMemoryEqualsTheClosedForm) {
+  clusters::Cluster cl = node_with_latency(1e-5, 8);
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
+    for (bool rc : {false, true}) {
+      Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, cl, 1);
+      if (rc) p.recompute.assign(4, true);
+      const planner::RunReport est = planner::estimate(model, trace, cl, p).report;
+      const planner::RunReport sim = simulate(model, trace, cl, p).report;
+      for (int r = 0; r < p.ranks(); ++r) {
+        const auto& a = est.devices[std::size_t(r)];
+        const auto& b = sim.devices[std::size_t(r)];
+        EXPECT_EQ(a.peak_memory_bytes, b.peak_memory_bytes) << to_string(s) << " rc " << rc;
+        EXPECT_EQ(a.memory.activations, b.memory.activations) << to_string(s) << " rank " << r;
+        EXPECT_EQ(a.memory.weight_versions, b.memory.weight_versions) << to_string(s);
+      }
+    }
+}
+
+// Same inputs, byte-identical report.
+TEST(Determinism, SameInputsSameReport) {
+  models::ModelSpec m = models::load_model("pd2bw-gpt-1.3b");
+  clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 2);
+  traces::Trace t = traces::analytic_trace(m, c.device, {2});
+  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, c);
+  const std::string a = planner::to_json(simulate(m, t, c, p).report).dump();
+  const std::string b = planner::to_json(simulate(m, t, c, p).report).dump();
+  EXPECT_EQ(a, b);
+}
+
+// Data-parallel replicas all-reduce their gradients: with w = 2 the step is longer than with
+// w = 1 by at most the ring time, and bytes cross the links between the replicas.
+TEST(AllReduce, ReplicasExchangeTheirGradients) {
+  models::ModelSpec m = models::load_model("gpt2-124m");
+  clusters::Cluster c = clusters::load_cluster("dgx-a100", 1);
+  traces::Trace t = traces::analytic_trace(m, c.device, {4});
+  Plan one;
+  one.schedule = Schedule::dp;
+  one.b = one.m = 4;
+  planner::resolve_stages(one, m.layers);
+  planner::place(one, {1, 1});  // the first GPU of the node only
+  Plan two = plan_of(Schedule::dp, 8, 1, 4, 4, 1, m.layers, c);
+  SimResult r1 = simulate(m, t, c, one), r2 = simulate(m, t, c, two);
+  const double grads = 2.0 * double(models::derive_costs(m).total_parameters);
+  const clusters::Link link = clusters::p2p_link(c, 0, 0, 0, 1);
+  EXPECT_GT(r2.report.iteration_time_s, r1.report.iteration_time_s);
+  EXPECT_LE(r2.report.iteration_time_s,
+            r1.report.iteration_time_s + planner::ring_allreduce_s(grads, 8, link) * 1.0001);
+  double bytes = 0;
+  for (const auto& l : r2.links)
+    bytes += l.bytes;
+  // Per step a ring moves 2(n-1)/n x S out of each of the n GPUs, counted once on the sender's
+  // port (UP) and once on the receiver's (DOWN): 4(n-1)S per step, 3 steps.
+  EXPECT_NEAR(bytes, 3 * 4 * 7 * grads, 1e-6 * bytes);
+}
+
+TEST(BadInput, MissingMicrobatchSizeIsAnInputError) {
+  models::ModelSpec m = models::load_model("gpt-tiny");
+  clusters::Cluster c = clusters::load_cluster("h100-x1");
+  traces::Trace t = traces::analytic_trace(m, c.device, {1});
+  Plan p = plan_of(Schedule::dp, 1, 1, 2, 2, 1, m.layers, c);
+  try {
+    simulate(m, t, c, p);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("microbatch size 2"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace pw::sim
