@@ -26,7 +26,8 @@ void BM_Simulate(benchmark::State& state, const char* model_name, const char* cl
   planner::place(plan, {cluster.nodes, cluster.gpus_per_node});
   const traces::Trace trace = traces::analytic_trace(model, cluster.device, {1});
   sim::SimResult r;
-  for (auto _ : state) r = sim::simulate(model, trace, cluster, plan);
+  for (auto _ : state)
+    r = sim::simulate(model, trace, cluster, plan);
   state.counters["devices"] = plan.ranks();
   state.counters["activities"] = double(r.activities);
   state.counters["activities_per_s"] = double(r.activities) / r.wall_s;
@@ -35,8 +36,7 @@ void BM_Simulate(benchmark::State& state, const char* model_name, const char* cl
   state.counters["step_s"] = r.report.iteration_time_s;
 }
 
-BENCHMARK_CAPTURE(BM_Simulate, gpt39b_64xV100_2bw, "pd2bw-gpt-3.9b", "p3.16xlarge", 8, 8, 64,
-                  false)
+BENCHMARK_CAPTURE(BM_Simulate, gpt39b_64xV100_2bw, "pd2bw-gpt-3.9b", "p3.16xlarge", 8, 8, 64, false)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
 BENCHMARK_CAPTURE(BM_Simulate, gpt3_13b_1024xA100_2bw, "gpt3-13b", "dgx-a100", 128, 8, 32, true)

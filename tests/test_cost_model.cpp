@@ -2,6 +2,8 @@
 // checked against hand derivations on a synthetic trace with uniform stages.
 #include <gtest/gtest.h>
 
+#include "tests/test_util.hpp"
+
 #include "planner/checker.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/unit_timeline.hpp"
@@ -10,57 +12,20 @@
 namespace pw::planner {
 namespace {
 
-using models::LayerKind;
+using pw::testing::plan_of;
+using pw::testing::uniform_trace;
 
-// A trace with exact times: a block takes t_f = 1 ms forward and t_b = 2 ms backward; embedding
-// and head are free, so stages with equal blocks are uniform.
-traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t b) {
-  traces::Trace t;
-  t.model = model.name;
-  t.device = "test";
-  t.dtype = model.dtype;
-  t.source.kind = "analytic";
-  const models::ModelCosts mc = models::derive_costs(model);
-  for (LayerKind k : traces::kLayerKinds) {
-    t.statics[k].parameters = mc.layer(k).parameters;
-    t.statics[k].optimizer_step_s = 0;
-  }
-  traces::Entry e;
-  e.microbatch_size = b;
-  for (LayerKind k : traces::kLayerKinds) {
-    const auto& l = mc.layer(k);
-    auto& x = e.layers[k];
-    x.forward_s = k == LayerKind::block ? 1e-3 : 0;
-    x.backward_s = k == LayerKind::block ? 2e-3 : 0;
-    x.recompute_s = x.forward_s;
-    x.activation_bytes = b * l.activation_bytes;
-    x.activation_recompute_bytes = b * l.activation_recompute_bytes;
-    x.output_bytes = b * l.output_bytes;
-    x.workspace_bytes = b * l.workspace_bytes;
-  }
-  t.entries.push_back(e);
-  return t;
+planner::DeviceGrid grid(const clusters::Cluster& c) {
+  return {c.nodes, c.gpus_per_node};
 }
+
+using models::LayerKind;
 
 // dgx-a100 with free links (infinite bandwidth, zero latency), so only compute counts.
 clusters::Cluster free_links(int nodes = 1) {
   return clusters::load_cluster("dgx-a100", nodes,
                                 {"intra_node.latency_s=0", "intra_node.bandwidth_bytes_per_s=1e30",
                                  "network.latency_s=0", "network.bandwidth_bytes_per_s=1e30"});
-}
-
-Plan plan_of(Schedule s, int w, int d, int b, int m, int v, std::int64_t layers,
-             const clusters::Cluster& c, int ranks_per_gpu = 1) {
-  Plan p;
-  p.schedule = s;
-  p.w = w;
-  p.d = d;
-  p.b = b;
-  p.m = m;
-  p.v = v;
-  resolve_stages(p, layers);
-  place(p, {c.nodes, c.gpus_per_node}, ranks_per_gpu);
-  return p;
 }
 
 struct Fixture : ::testing::Test {
@@ -75,7 +40,7 @@ using PipelineTime = Fixture;
 // Flush schedules with uniform stages and free communication: (m + d - 1)(t_f + t_b).
 TEST_F(PipelineTime, FlushSchedulesTakeMPlusDMinusOneStageTimes) {
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b}) {
-    Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, cluster);
+    Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, grid(cluster));
     Estimate e = estimate(model, trace, cluster, p);
     EXPECT_NEAR(e.pipeline_s, (8 + 4 - 1) * t(3), 1e-12) << to_string(s);
     // Busy time per step is m(t_f + t_b): the bubble is (d-1)/(m+d-1) without all-reduce.
@@ -85,13 +50,13 @@ TEST_F(PipelineTime, FlushSchedulesTakeMPlusDMinusOneStageTimes) {
 
 // 2BW steady state: m(t_f + t_b) per step, no bubble.
 TEST_F(PipelineTime, TwoBwSteadyStateHasNoBubble) {
-  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
   EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, 8 * t(3), 1e-12);
 }
 
 // Megatron interleaved: (m + (d-1)/v)(t_f + t_b), i.e. bubble/compute = (1/v)(d-1)/m.
 TEST_F(PipelineTime, InterleavedShrinksTheBubbleByV) {
-  Plan p = plan_of(Schedule::interleaved, 2, 4, 2, 8, 3, 12, cluster);
+  Plan p = plan_of(Schedule::interleaved, 2, 4, 2, 8, 3, 12, grid(cluster));
   EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, (8 + 3.0 / 3) * t(3), 1e-12);
 }
 
@@ -99,7 +64,7 @@ TEST_F(PipelineTime, InterleavedShrinksTheBubbleByV) {
 TEST_F(PipelineTime, CommunicationAddsTwoHopsPerStageBoundary) {
   clusters::Cluster c = clusters::load_cluster(
       "dgx-a100", 1, {"intra_node.latency_s=1e-4", "intra_node.bandwidth_bytes_per_s=1e30"});
-  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, c);
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(c));
   EXPECT_NEAR(estimate(model, trace, c, p).pipeline_s, 11 * t(3) + 2 * 3 * 1e-4, 1e-12);
 }
 
@@ -107,7 +72,7 @@ TEST_F(PipelineTime, CommunicationAddsTwoHopsPerStageBoundary) {
 // stages' t_f + t_b, and their memory adds up.
 TEST_F(PipelineTime, RanksOnOneGpuShareItsCompute) {
   clusters::Cluster one = clusters::load_cluster("h100-x1");
-  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, one, 4);
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(one), 4);
   Estimate e = estimate(model, trace, one, p);
   EXPECT_NEAR(e.pipeline_s, 8 * t(12), 1e-12);
   std::int64_t sum = 0;
@@ -129,7 +94,7 @@ using Memory = Fixture;
 // for one microbatch, |A_input(b)| its input activation; n = d - s microbatches in flight.
 TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
   // 2|W|/d + |A_total(b)|/d + d|A_input(b)|, here for a middle stage s with n = d - s.
-  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
   p.recompute.assign(4, true);
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
@@ -148,7 +113,7 @@ TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
 TEST_F(Memory, TwoBwWithoutRecomputeStashesDMicrobatches) {
   // Paper: 2|W|/d + d|A_total(b)|/d + d|A_input(b)|. Our per-microbatch stash already holds the
   // stage input (it is the first block's x), so the last term is inside the first.
-  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
   for (int s = 1; s < 3; ++s)
@@ -160,7 +125,7 @@ TEST_F(Memory, TwoBwWithoutRecomputeStashesDMicrobatches) {
 
 TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
   // Paper: |W|/d + |A_total(b)|/d + m|A_input(b)|; one weight version.
-  Plan p = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, grid(cluster));
   p.recompute.assign(4, true);
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
@@ -171,7 +136,7 @@ TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
 }
 
 TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {
-  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(cluster));
   Estimate e = estimate(model, trace, cluster, p);
   for (int s = 0; s < 4; ++s)
     EXPECT_EQ(e.stages[s].in_flight, 4 - s);
@@ -179,7 +144,7 @@ TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {
 }
 
 TEST_F(Memory, LastStageHoldsTheTiedEmbeddingCopy) {
-  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(cluster));
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
   EXPECT_EQ(e.stages[3].parameters,
@@ -195,7 +160,7 @@ TEST_F(Memory, InFlightCountEqualsTheProgramsStash) {
                                             {Schedule::two_bw, 1},
                                             {Schedule::interleaved, 3}};
   for (auto [schedule, v] : cases) {
-    Plan p = plan_of(schedule, 2, 4, 2, 8, v, 12, cluster);
+    Plan p = plan_of(schedule, 2, 4, 2, 8, v, 12, grid(cluster));
     Estimate e = estimate(model, trace, cluster, p);
     CheckReport c = check_programs(generate_programs(p, 3));
     for (const auto& dev : c.devices)
@@ -208,14 +173,14 @@ TEST_F(Memory, InFlightCountEqualsTheProgramsStash) {
 // stage takes t_f = 1 and t_b = 2 units and communication is free.
 TEST_F(PipelineTime, ClosedFormEqualsTheProgramsTimeline) {
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::interleaved}) {
-    Plan p = plan_of(s, 2, 4, 2, 8, s == Schedule::interleaved ? 3 : 1, 12, cluster);
+    Plan p = plan_of(s, 2, 4, 2, 8, s == Schedule::interleaved ? 3 : 1, 12, grid(cluster));
     Programs programs = generate_programs(p, 1);
     StepTiming st = step_timing(programs, run_unit_timeline(programs), 0);
     // One unit = t(3) / 3: a stage of 3 blocks takes 1 ms forward and 2 ms backward per block.
     EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, st.time * t(3) / 3, 1e-12)
         << to_string(s);
   }
-  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, cluster);
+  Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
   Programs programs = generate_programs(p, 4);
   std::vector<double> opt = optimizer_times(programs, run_unit_timeline(programs), 0);
   EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, (opt[2] - opt[1]) * t(3) / 3, 1e-12);
@@ -224,7 +189,7 @@ TEST_F(PipelineTime, ClosedFormEqualsTheProgramsTimeline) {
 TEST(Fits, AModelTooBigForTheGpuIsFlagged) {
   models::ModelSpec big = models::load_model("gpt3-175b");
   clusters::Cluster one = clusters::load_cluster("h100-x1");
-  Plan p = plan_of(Schedule::dp, 1, 1, 1, 1, 1, big.layers, one);
+  Plan p = plan_of(Schedule::dp, 1, 1, 1, 1, 1, big.layers, grid(one));
   traces::Trace t = traces::analytic_trace(big, one.device, {1});
   Estimate e = estimate(big, t, one, p);
   EXPECT_FALSE(e.report.fits());
@@ -235,7 +200,7 @@ TEST(Fits, AModelTooBigForTheGpuIsFlagged) {
 TEST(Estimate, MissingMicrobatchSizeIsAnInputError) {
   models::ModelSpec m = models::load_model("gpt-tiny");
   clusters::Cluster one = clusters::load_cluster("h100-x1");
-  Plan p = plan_of(Schedule::dp, 1, 1, 4, 1, 1, m.layers, one);
+  Plan p = plan_of(Schedule::dp, 1, 1, 4, 1, 1, m.layers, grid(one));
   traces::Trace t = traces::analytic_trace(m, one.device, {1, 2});
   try {
     estimate(m, t, one, p);
@@ -248,7 +213,7 @@ TEST(Estimate, MissingMicrobatchSizeIsAnInputError) {
 TEST(Estimate, ReportIsDeterministicAndRoundTrips) {
   models::ModelSpec m = models::load_model("pd2bw-gpt-1.3b");
   clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 2);
-  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, c);
+  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, grid(c));
   traces::Trace t = traces::analytic_trace(m, c.device, {2});
   std::string a = to_json(estimate(m, t, c, p).report).dump();
   std::string b = to_json(estimate(m, t, c, p).report).dump();

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "tests/test_util.hpp"
+
 #include <deque>
 #include <map>
 #include <tuple>
@@ -15,50 +17,16 @@
 namespace pw::sim {
 namespace {
 
+using pw::testing::plan_of;
+using pw::testing::uniform_trace;
+
+planner::DeviceGrid grid(const clusters::Cluster& c) {
+  return {c.nodes, c.gpus_per_node};
+}
+
 using models::LayerKind;
 using planner::Plan;
 using planner::Schedule;
-
-// Exact times: a block takes t_f = 1 ms forward and t_b = 2 ms backward (recompute 1 ms);
-// embedding, head and optimizer take no time, so equal-sized stages are uniform.
-traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t b) {
-  traces::Trace t;
-  t.model = model.name;
-  t.device = "test";
-  t.dtype = model.dtype;
-  t.source.kind = "analytic";
-  const models::ModelCosts mc = models::derive_costs(model);
-  traces::Entry e;
-  e.microbatch_size = b;
-  for (LayerKind k : traces::kLayerKinds) {
-    const auto& l = mc.layer(k);
-    auto& x = e.layers[k];
-    x.forward_s = k == LayerKind::block ? 1e-3 : 0;
-    x.backward_s = k == LayerKind::block ? 2e-3 : 0;
-    x.recompute_s = x.forward_s;
-    x.activation_bytes = b * l.activation_bytes;
-    x.activation_recompute_bytes = b * l.activation_recompute_bytes;
-    x.output_bytes = b * l.output_bytes;
-    x.workspace_bytes = b * l.workspace_bytes;
-    t.statics[k].parameters = l.parameters;
-  }
-  t.entries.push_back(e);
-  return t;
-}
-
-Plan plan_of(Schedule s, int w, int d, int b, int m, int v, std::int64_t layers,
-             const clusters::Cluster& c, int ranks_per_gpu = 1) {
-  Plan p;
-  p.schedule = s;
-  p.w = w;
-  p.d = d;
-  p.b = b;
-  p.m = m;
-  p.v = v;
-  planner::resolve_stages(p, layers);
-  planner::place(p, {c.nodes, c.gpus_per_node}, ranks_per_gpu);
-  return p;
-}
 
 // One node of `gpus` GPUs whose links take `latency_s` and have (practically) infinite bandwidth.
 clusters::Cluster node_with_latency(double latency_s, int gpus = 4) {
@@ -79,7 +47,7 @@ TEST(OneDevice, StepIsTheSumOfItsOps) {
   models::ModelSpec m = models::load_model("gpt-tiny");
   clusters::Cluster c = clusters::load_cluster("h100-x1");
   traces::Trace t = traces::analytic_trace(m, c.device, {4});
-  Plan p = plan_of(Schedule::dp, 1, 1, 4, 3, 1, m.layers, c);
+  Plan p = plan_of(Schedule::dp, 1, 1, 4, 3, 1, m.layers, grid(c));
   const planner::ChunkCost ch = planner::chunk_cost(models::derive_costs(m), t, p, 0, 0);
   SimResult r = simulate(m, t, c, p);
   EXPECT_NEAR(r.report.iteration_time_s, 3 * (ch.forward_s + ch.backward_s) + ch.optimizer_s,
@@ -93,7 +61,7 @@ TEST(OneDevice, StepIsTheSumOfItsOps) {
 TEST_F(Uniform, GPipeIsMPlusDMinusOneStagesPlusTwoHopsPerBoundary) {
   const double c = 1e-4;
   clusters::Cluster cl = node_with_latency(c);
-  Plan p = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, cl, 1);
+  Plan p = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, grid(cl), 1);
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s,
               (8 + 4 - 1) * stage(3) + 2 * 3 * c, 1e-12);
 }
@@ -140,23 +108,23 @@ double reference_step(const planner::Programs& pr, double f, double b, double c)
 TEST_F(Uniform, OneFOneBMatchesTheReferenceWithLatency) {
   const double c = 1e-4;
   clusters::Cluster cl = node_with_latency(c);
-  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, cl, 1);
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(cl), 1);
   const double ref = reference_step(planner::generate_programs(p, 1), 3e-3, 6e-3, c);
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, ref, 1e-12);
   // GPipe: the same reference gives the closed form of the test above.
-  Plan g = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, cl, 1);
+  Plan g = plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, grid(cl), 1);
   EXPECT_NEAR(reference_step(planner::generate_programs(g, 1), 3e-3, 6e-3, c),
               (8 + 4 - 1) * stage(3) + 2 * 3 * c, 1e-12);
   // Free links: every flush schedule takes (m + d - 1)(t_f + t_b).
   clusters::Cluster free_links = node_with_latency(0);
-  Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, free_links, 1);
+  Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(free_links), 1);
   EXPECT_NEAR(simulate(model, trace, free_links, q).report.iteration_time_s, 11 * stage(3), 1e-12);
 }
 
 // 2BW in steady state with free communication: m (t_f + t_b) per step, no bubble.
 TEST_F(Uniform, TwoBwSteadyStateIsMStages) {
   clusters::Cluster cl = node_with_latency(0);
-  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, cl, 1);
+  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, grid(cl), 1);
   SimResult r = simulate(model, trace, cl, p, {.steps = 4});
   EXPECT_NEAR(r.report.iteration_time_s, 8 * stage(3), 1e-12);
   for (const auto& d : r.report.devices)
@@ -166,7 +134,7 @@ TEST_F(Uniform, TwoBwSteadyStateIsMStages) {
 // Megatron interleaved: (m + (d-1)/v)(t_f + t_b) with free communication.
 TEST_F(Uniform, InterleavedBubbleShrinksByV) {
   clusters::Cluster cl = node_with_latency(0);
-  Plan p = plan_of(Schedule::interleaved, 1, 4, 2, 8, 3, 12, cl, 1);
+  Plan p = plan_of(Schedule::interleaved, 1, 4, 2, 8, 3, 12, grid(cl), 1);
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, (8 + 1.0) * stage(3), 1e-12);
 }
 
@@ -174,7 +142,7 @@ TEST_F(Uniform, InterleavedBubbleShrinksByV) {
 TEST_F(Uniform, SimulateAgreesWithEstimate) {
   clusters::Cluster cl = node_with_latency(2e-5);
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
-    Plan p = plan_of(s, 1, 4, 2, 8, 1, 12, cl, 1);
+    Plan p = plan_of(s, 1, 4, 2, 8, 1, 12, grid(cl), 1);
     const double est = planner::estimate(model, trace, cl, p).report.iteration_time_s;
     const double sim = simulate(model, trace, cl, p).report.iteration_time_s;
     EXPECT_NEAR(sim / est, 1.0, 0.02) << to_string(s);
@@ -185,7 +153,7 @@ TEST_F(Uniform, SimulateAgreesWithEstimate) {
 // and with 2bw's steady state exactly that.
 TEST_F(Uniform, StagesOnOneGpuShareItsCompute) {
   clusters::Cluster one = clusters::load_cluster("h100-x1");
-  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, one, 4);
+  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, grid(one), 4);
   SimResult r = simulate(model, trace, one, p, {.steps = 4});
   EXPECT_GE(r.report.iteration_time_s, 8 * stage(12) * (1 - 1e-9));
   EXPECT_LT(r.report.iteration_time_s, 8 * stage(12) * 1.05);
@@ -197,7 +165,7 @@ TEST_F(Uniform, PeakMemoryEqualsTheClosedForm) {
   clusters::Cluster cl = node_with_latency(1e-5, 8);
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
     for (bool rc : {false, true}) {
-      Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, cl, 1);
+      Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, grid(cl), 1);
       if (rc) p.recompute.assign(4, true);
       const planner::RunReport est = planner::estimate(model, trace, cl, p).report;
       const planner::RunReport sim = simulate(model, trace, cl, p).report;
@@ -216,7 +184,7 @@ TEST(Determinism, SameInputsSameReport) {
   models::ModelSpec m = models::load_model("pd2bw-gpt-1.3b");
   clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 2);
   traces::Trace t = traces::analytic_trace(m, c.device, {2});
-  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, c);
+  Plan p = plan_of(Schedule::two_bw, 4, 4, 2, 8, 1, m.layers, grid(c));
   const std::string a = planner::to_json(simulate(m, t, c, p).report).dump();
   const std::string b = planner::to_json(simulate(m, t, c, p).report).dump();
   EXPECT_EQ(a, b);
@@ -233,7 +201,7 @@ TEST(AllReduce, ReplicasExchangeTheirGradients) {
   one.b = one.m = 4;
   planner::resolve_stages(one, m.layers);
   planner::place(one, {1, 1});  // the first GPU of the node only
-  Plan two = plan_of(Schedule::dp, 8, 1, 4, 4, 1, m.layers, c);
+  Plan two = plan_of(Schedule::dp, 8, 1, 4, 4, 1, m.layers, grid(c));
   SimResult r1 = simulate(m, t, c, one), r2 = simulate(m, t, c, two);
   const double grads = 2.0 * double(models::derive_costs(m).total_parameters);
   const clusters::Link link = clusters::p2p_link(c, 0, 0, 0, 1);
@@ -252,7 +220,7 @@ TEST(BadInput, MissingMicrobatchSizeIsAnInputError) {
   models::ModelSpec m = models::load_model("gpt-tiny");
   clusters::Cluster c = clusters::load_cluster("h100-x1");
   traces::Trace t = traces::analytic_trace(m, c.device, {1});
-  Plan p = plan_of(Schedule::dp, 1, 1, 2, 2, 1, m.layers, c);
+  Plan p = plan_of(Schedule::dp, 1, 1, 2, 2, 1, m.layers, grid(c));
   try {
     simulate(m, t, c, p);
     FAIL();

@@ -10,6 +10,8 @@
 
 #include "common/error.hpp"
 #include "common/json_reader.hpp"
+#include "planner/plan.hpp"
+#include "traces/trace.hpp"
 
 namespace pw::testing {
 
@@ -49,5 +51,50 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// A trace with exact times: a block takes t_f = 1 ms forward, t_b = 2 ms backward and 1 ms to
+// recompute; embedding, head and optimizer take no time, so stages with equal blocks are uniform.
+// Memory figures are the model's per-sample bytes x b.
+inline traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t b) {
+  traces::Trace t;
+  t.model = model.name;
+  t.device = "test";
+  t.dtype = model.dtype;
+  t.source.kind = "analytic";
+  const models::ModelCosts mc = models::derive_costs(model);
+  traces::Entry e;
+  e.microbatch_size = b;
+  for (models::LayerKind k : traces::kLayerKinds) {
+    const auto& l = mc.layer(k);
+    auto& x = e.layers[k];
+    const bool block = k == models::LayerKind::block;
+    x.forward_s = block ? 1e-3 : 0;
+    x.backward_s = block ? 2e-3 : 0;
+    x.recompute_s = x.forward_s;
+    x.activation_bytes = b * l.activation_bytes;
+    x.activation_recompute_bytes = b * l.activation_recompute_bytes;
+    x.output_bytes = b * l.output_bytes;
+    x.workspace_bytes = b * l.workspace_bytes;
+    t.statics[k].parameters = l.parameters;
+  }
+  t.entries.push_back(e);
+  return t;
+}
+
+// A plan with balanced stages over `layers` blocks, placed on a grid.
+inline planner::Plan plan_of(planner::Schedule s, int w, int d, int b, int m, int v,
+                             std::int64_t layers, const planner::DeviceGrid& grid,
+                             int ranks_per_gpu = 1) {
+  planner::Plan p;
+  p.schedule = s;
+  p.w = w;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  p.v = v;
+  planner::resolve_stages(p, layers);
+  planner::place(p, grid, ranks_per_gpu);
+  return p;
+}
 
 }  // namespace pw::testing
