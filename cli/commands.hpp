@@ -11,5 +11,7 @@ void add_trace_command(CLI::App& app);
 void add_schedule_command(CLI::App& app);
 void add_estimate_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
+void add_plan_command(CLI::App& app);
+void add_sweep_command(CLI::App& app);
 
 }  // namespace pw::cli

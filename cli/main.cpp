@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   pw::cli::add_schedule_command(app);
   pw::cli::add_estimate_command(app);
   pw::cli::add_simulate_command(app);
+  pw::cli::add_plan_command(app);
+  pw::cli::add_sweep_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include "traces/analytic.hpp"
 
@@ -103,22 +104,21 @@ Scenario ScenarioOptions::resolve(const CLI::App& app) {
 }
 
 std::string oom_message(const planner::RunReport& r) {
-  for (const auto& d : r.devices) {
-    if (d.fits) continue;
-    const std::pair<const char*, std::int64_t> terms[] = {
-        {"weights", d.memory.weights},         {"weight_versions", d.memory.weight_versions},
-        {"gradients", d.memory.gradients},     {"optimizer", d.memory.optimizer},
-        {"activations", d.memory.activations}, {"workspace", d.memory.workspace}};
-    auto biggest = *std::max_element(std::begin(terms), std::end(terms),
-                                     [](auto& a, auto& b) { return a.second < b.second; });
-    return fmt::format(
-        "the plan does not fit: rank {} (stage {}) needs {} on node {} gpu {}, which has {} "
-        "(largest term: {} {}); use --recompute, a deeper pipeline or a smaller -b, or "
-        "--allow-oom to write the report anyway",
-        d.rank, d.stage, human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
-        human_bytes(double(d.capacity_bytes)), biggest.first, human_bytes(double(biggest.second)));
-  }
-  return "";
+  return fmt::format(
+      "the plan does not fit: {}; use --recompute, a deeper pipeline or a smaller -b, or "
+      "--allow-oom to write the report anyway",
+      planner::describe_oom(r));
+}
+
+std::function<void(int, int)> progress_bar(const std::string& what) {
+  if (::isatty(STDERR_FILENO) != 1) return {};
+  return [what](int done, int total) {
+    const int width = 30, filled = total > 0 ? width * done / total : width;
+    fmt::print(stderr, "\r[{}{}] {}/{} {}", std::string(std::size_t(filled), '#'),
+               std::string(std::size_t(width - filled), '.'), done, total, what);
+    if (done == total) fmt::print(stderr, "\n");
+    std::fflush(stderr);
+  };
 }
 
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
@@ -156,32 +156,6 @@ std::vector<std::int64_t> parse_int_list(const std::string& text, const std::str
     pos = end + 1;
   }
   return out;
-}
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
-}
-
-std::string human_seconds(double s) {
-  if (s >= 1) return fmt::format("{:.3f} s", s);
-  if (s >= 1e-3) return fmt::format("{:.3f} ms", s * 1e3);
-  return fmt::format("{:.3f} us", s * 1e6);
-}
-
-std::string human_rate(double per_s, const std::string& unit) {
-  const char* prefixes[] = {"", "k", "M", "G", "T", "P"};
-  int p = 0;
-  while (per_s >= 1000 && p < 5) {
-    per_s /= 1000;
-    ++p;
-  }
-  return fmt::format("{:.2f} {}{}/s", per_s, prefixes[p], unit);
 }
 
 }  // namespace pw::cli

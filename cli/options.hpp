@@ -1,6 +1,7 @@
 // Options shared by several subcommands: model, cluster, plan (file or flags), trace, output.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -8,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "clusters/cluster.hpp"
+#include "common/format.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
 #include "planner/report.hpp"
@@ -61,8 +63,12 @@ struct ScenarioOptions {
   Scenario resolve(const CLI::App& app);
 };
 
-// "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)", or "" if all fit.
+// "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)" + what to try.
 std::string oom_message(const planner::RunReport& r);
+
+// A progress bar on stderr ("[#####.....] 3/8 plans simulated"), or an empty function when
+// stderr is not a terminal (CI logs stay clean).
+std::function<void(int, int)> progress_bar(const std::string& what);
 
 // Analytic trace for the cluster's device, or --trace FILE (checked against the model).
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
@@ -70,9 +76,8 @@ traces::Trace load_or_make_trace(const std::string& trace_file, const models::Mo
 
 std::vector<std::int64_t> parse_int_list(const std::string& text, const std::string& option);
 
-// Human figures: "1.23 GiB", "12.3 ms", "4.56 TFLOP/s".
-std::string human_bytes(double bytes);
-std::string human_seconds(double s);
-std::string human_rate(double per_s, const std::string& unit);
+using common::human_bytes;
+using common::human_rate;
+using common::human_seconds;
 
 }  // namespace pw::cli

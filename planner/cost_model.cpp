@@ -67,6 +67,20 @@ clusters::Link replica_ring_link(const clusters::Cluster& c, const Plan& p, int 
   return worst;
 }
 
+// Replicas of stage s whose activations leave replica 0's node through the same NIC at once (one
+// NIC per node, next stage on another node); 1 otherwise.
+int nic_sharers(const clusters::Cluster& c, const Plan& p, int s) {
+  if (c.network.nic_per != clusters::NicPer::node) return 1;
+  const int next = (s + 1) % p.d;
+  const int node = p.placement[std::size_t(p.rank_of(s, 0))].node;
+  int k = 0;
+  for (int r = 0; r < p.w; ++r)
+    if (p.placement[std::size_t(p.rank_of(s, r))].node == node &&
+        p.placement[std::size_t(p.rank_of(next, r))].node != node)
+      ++k;
+  return std::max(k, 1);
+}
+
 // Adds `count` layers' per-microbatch costs (trace entry at b) to a chunk.
 void add_layer(ChunkCost& ch, const traces::Trace& trace, const traces::LayerTimes& t,
                LayerKind kind, std::int64_t count, std::int64_t parameters) {
@@ -145,11 +159,14 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
   st.memory.activations =
       st.recompute ? st.in_flight * input_unit + st.stash_bytes : st.in_flight * per_unit;
-  // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk.
+  // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
+  // replicas leaving a node through its one NIC at the same moment share it.
   if (p.d > 1 && (s < p.d - 1 || p.v > 1)) {
     const int next = p.rank_of((s + 1) % p.d, 0);
-    st.send_s = p.v * rank_link(cluster, p, p.rank_of(s, 0), next)
-                          .time_s(double(e.layers[LayerKind::block].output_bytes));
+    const clusters::Link link = rank_link(cluster, p, p.rank_of(s, 0), next);
+    st.send_s = p.v * (link.latency_s + nic_sharers(cluster, p, s) *
+                                            double(e.layers[LayerKind::block].output_bytes) /
+                                            link.bandwidth_bytes_per_s);
   }
   if (p.w > 1)
     st.allreduce_s =
@@ -157,25 +174,35 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   return st;
 }
 
-// Forward/backward part of one steady-state step. Uniform stages: (m+d-1)(t_f+t_b) for flush
-// schedules, m(t_f+t_b) for 2BW, (m + (d-1)/v)(t_f+t_b) for interleaved.
+// Forward/backward part of one steady-state step. Uniform stages and hop time c:
+//   gpipe        (m + d - 1)(t_f + t_b) + 2(d - 1)c
+//   1f1b         the same + (2(d-1)m/d - 2)c: in steady state a stage waits for a round trip to
+//                its neighbour, 2c(d-1)/d per microbatch (fitted exactly to the event-by-event
+//                reference in tests/test_simulator.cpp for d <= 8, m >= d)
+//   2bw          m (t_f + t_b + 2c(d-1)/d)
+//   interleaved  (m + (d-1)/v)(t_f + t_b) + 2(d - 1)c
 double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
-  double slowest = 0, sum = 0, comm = 0;
+  double slowest = 0, sum = 0, comm = 0, hop = 0, link_bound = 0;
   for (const auto& s : st) {
-    slowest = std::max({slowest, s.forward_s + s.backward_s, s.send_s});
+    slowest = std::max(slowest, s.forward_s + s.backward_s);
+    link_bound = std::max(link_bound, s.send_s);
     sum += s.forward_s + s.backward_s;
     if (s.stage < p.d - 1) comm += 2 * s.send_s / p.v;
+    hop = std::max(hop, s.send_s / p.v);
   }
+  const double round_trip = p.d > 1 ? 2.0 * hop * (p.d - 1) / p.d : 0.0;
   switch (p.schedule) {
     case Schedule::dp:
       return p.m * slowest;
     case Schedule::two_bw:
-      return p.m * slowest;
+      return p.m * std::max(slowest + round_trip, link_bound);
     case Schedule::interleaved:
-      return (p.m - 1.0 / p.v) * slowest + sum / p.v + comm;
+      return (p.m - 1.0 / p.v) * std::max(slowest, link_bound) + sum / p.v + comm;
     case Schedule::gpipe:
+      return (p.m - 1) * std::max(slowest, link_bound) + sum + comm;
     case Schedule::one_f_one_b:
-      return (p.m - 1) * slowest + sum + comm;
+      return (p.m - 1) * std::max(slowest, link_bound) + sum + comm +
+             std::max(0.0, p.m * round_trip - 2 * hop);
   }
   return 0;
 }

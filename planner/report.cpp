@@ -3,6 +3,10 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
+#include "common/format.hpp"
+
 namespace pw::planner {
 
 using common::Json;
@@ -119,6 +123,23 @@ RunReport parse_report(const Json& json, const std::string& source) {
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       rep.extra[it.key()] = it.value();
   return rep;
+}
+
+std::string describe_oom(const RunReport& r) {
+  for (const auto& d : r.devices) {
+    if (d.fits) continue;
+    const std::pair<const char*, std::int64_t> terms[] = {
+        {"weights", d.memory.weights},         {"weight_versions", d.memory.weight_versions},
+        {"gradients", d.memory.gradients},     {"optimizer", d.memory.optimizer},
+        {"activations", d.memory.activations}, {"workspace", d.memory.workspace}};
+    auto biggest = *std::max_element(std::begin(terms), std::end(terms),
+                                     [](auto& a, auto& b) { return a.second < b.second; });
+    return fmt::format(
+        "rank {} (stage {}) needs {} on node {} gpu {}, which has {} (largest term: {} {})",
+        d.rank, d.stage, common::human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
+        common::human_bytes(double(d.capacity_bytes)), biggest.first, common::human_bytes(double(biggest.second)));
+  }
+  return "";
 }
 
 }  // namespace pw::planner

@@ -58,4 +58,8 @@ struct RunReport {
 common::Json to_json(const RunReport& r);
 RunReport parse_report(const common::Json& json, const std::string& source);
 
+// "rank 3 (stage 3) needs 17.2 GiB on node 0 gpu 3, which has 16.0 GiB (largest term: activations
+// 9.1 GiB)" for the first device that does not fit, or "" when all fit.
+std::string describe_oom(const RunReport& r);
+
 }  // namespace pw::planner

@@ -1,10 +1,12 @@
 // Runs each simulation in a child process (SimGrid's engine is once per process) and carries the
 // result back as JSON over a pipe; errors come back with their type and message.
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 
 #include <fmt/format.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -60,26 +62,13 @@ void write_all(int fd, const std::string& text) {
   }
 }
 
-std::string read_all(int fd) {
-  std::string out;
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    out.append(buf, std::size_t(n));
-  }
-  return out;
-}
-
 // In the child: run, send {"ok": ...} back, and leave without running the parent's exit handlers.
-[[noreturn]] void child(int fd, const models::ModelSpec& model, const traces::Trace& trace,
-                        const clusters::Cluster& cluster, const planner::Plan& plan,
-                        const SimOptions& options) {
+[[noreturn]] void child(int fd, const SimJob& job) {
   Json out;
   try {
     out = {{"ok", true},
-           {"result", to_json(simulate_in_process(model, trace, cluster, plan, options))}};
+           {"result", to_json(simulate_in_process(job.model, job.trace, job.cluster, job.plan,
+                                                  job.options))}};
   } catch (const PlanError& e) {
     out = {{"ok", false}, {"kind", "plan"}, {"message", e.what()}};
   } catch (const InputError& e) {
@@ -92,11 +81,14 @@ std::string read_all(int fd) {
   ::_exit(0);
 }
 
-}  // namespace
+struct Running {
+  std::size_t job = 0;
+  pid_t pid = -1;
+  int fd = -1;
+  std::string text;
+};
 
-SimResult simulate(const models::ModelSpec& model, const traces::Trace& trace,
-                   const clusters::Cluster& cluster, const planner::Plan& plan,
-                   const SimOptions& options) {
+Running spawn(const SimJob& job, std::size_t index) {
   int fds[2];
   if (::pipe(fds) != 0) throw Error(fmt::format("simulate: pipe: {}", std::strerror(errno)));
   std::fflush(nullptr);
@@ -104,24 +96,88 @@ SimResult simulate(const models::ModelSpec& model, const traces::Trace& trace,
   if (pid < 0) throw Error(fmt::format("simulate: fork: {}", std::strerror(errno)));
   if (pid == 0) {
     ::close(fds[0]);
-    child(fds[1], model, trace, cluster, plan, options);
+    child(fds[1], job);
   }
   ::close(fds[1]);
-  const std::string text = read_all(fds[0]);
-  ::close(fds[0]);
+  return {index, pid, fds[0], {}};
+}
+
+SimOutcome finish(Running& r) {
+  ::close(r.fd);
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (::waitpid(r.pid, &status, 0) < 0 && errno == EINTR) {
   }
-  if (WIFSIGNALED(status))
-    throw Error(fmt::format("simulation crashed (signal {})", WTERMSIG(status)));
-  if (text.empty()) throw Error("simulation ended without a result");
-  const Json out = Json::parse(text);
-  if (out.at("ok").get<bool>()) return sim_result_from_json(out.at("result"));
-  const std::string kind = out.at("kind").get<std::string>();
-  const std::string message = out.at("message").get<std::string>();
-  if (kind == "plan") throw PlanError(message);
-  if (kind == "input") throw InputError(message);
-  throw Error(message);
+  SimOutcome o;
+  o.error_kind = "error";
+  if (WIFSIGNALED(status)) {
+    o.error = fmt::format("simulation crashed (signal {})", WTERMSIG(status));
+  } else if (r.text.empty()) {
+    o.error = "simulation ended without a result";
+  } else {
+    const Json out = Json::parse(r.text);
+    o.ok = out.at("ok").get<bool>();
+    if (o.ok) {
+      o.result = sim_result_from_json(out.at("result"));
+      o.error_kind.clear();
+    } else {
+      o.error_kind = out.at("kind").get<std::string>();
+      o.error = out.at("message").get<std::string>();
+    }
+  }
+  return o;
+}
+
+// Reads what is available from the running children; returns the index of one that has finished
+// writing (EOF), or -1.
+int read_some(std::vector<Running>& running) {
+  std::vector<pollfd> fds;
+  for (const auto& r : running) fds.push_back({r.fd, POLLIN, 0});
+  while (::poll(fds.data(), fds.size(), -1) < 0)
+    if (errno != EINTR) throw Error(fmt::format("simulate: poll: {}", std::strerror(errno)));
+  char buf[1 << 16];
+  for (std::size_t i = 0; i < fds.size(); ++i) {
+    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+    if (n > 0) {
+      running[i].text.append(buf, std::size_t(n));
+    } else if (n == 0 || errno != EINTR) {
+      return int(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::vector<SimOutcome> simulate_batch(const std::vector<SimJob>& jobs, int parallel,
+                                       const std::function<void(int, int)>& progress) {
+  if (parallel <= 0) parallel = std::max(1, int(::sysconf(_SC_NPROCESSORS_ONLN)));
+  std::vector<SimOutcome> outcomes(jobs.size());
+  std::vector<Running> running;
+  std::size_t next = 0, done = 0;
+  while (done < jobs.size()) {
+    while (next < jobs.size() && int(running.size()) < parallel) {
+      running.push_back(spawn(jobs[next], next));
+      ++next;
+    }
+    const int ended = read_some(running);
+    if (ended < 0) continue;
+    outcomes[running[std::size_t(ended)].job] = finish(running[std::size_t(ended)]);
+    running.erase(running.begin() + ended);
+    ++done;
+    if (progress) progress(int(done), int(jobs.size()));
+  }
+  return outcomes;
+}
+
+SimResult simulate(const models::ModelSpec& model, const traces::Trace& trace,
+                   const clusters::Cluster& cluster, const planner::Plan& plan,
+                   const SimOptions& options) {
+  SimOutcome o = simulate_batch({SimJob{model, trace, cluster, plan, options}}, 1).front();
+  if (o.ok) return std::move(o.result);
+  if (o.error_kind == "plan") throw PlanError(o.error);
+  if (o.error_kind == "input") throw InputError(o.error);
+  throw Error(o.error);
 }
 
 }  // namespace pw::sim

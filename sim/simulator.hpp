@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,5 +56,31 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
 // Transport of a result between processes (and the report's "links" section).
 common::Json to_json(const SimResult& r);
 SimResult sim_result_from_json(const common::Json& j);
+
+}  // namespace pw::sim
+
+namespace pw::sim {
+
+struct SimJob {
+  models::ModelSpec model;
+  traces::Trace trace;
+  clusters::Cluster cluster;
+  planner::Plan plan;
+  SimOptions options;
+};
+
+// What became of one job: a result, or the one-line error it raised (the job is not retried).
+struct SimOutcome {
+  bool ok = false;
+  SimResult result;
+  std::string error;       // with ok == false
+  std::string error_kind;  // "plan", "input" or "error"
+};
+
+// Runs the jobs in child processes, at most `parallel` at once (0: one per core), from this thread
+// only (no threads: fork stays safe). `progress(done, total)` is called after each job finishes.
+// Outcomes are in job order, whatever order the jobs finished in.
+std::vector<SimOutcome> simulate_batch(const std::vector<SimJob>& jobs, int parallel = 0,
+                                       const std::function<void(int, int)>& progress = {});
 
 }  // namespace pw::sim

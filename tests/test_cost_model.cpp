@@ -60,12 +60,34 @@ TEST_F(PipelineTime, InterleavedShrinksTheBubbleByV) {
   EXPECT_NEAR(estimate(model, trace, cluster, p).pipeline_s, (8 + 3.0 / 3) * t(3), 1e-12);
 }
 
-// Communication c per hop adds 2(d-1)c to the fill and drain of a flush schedule.
+// Communication c per hop adds 2(d-1)c to GPipe's fill and drain; 1F1B also waits for a round
+// trip to its neighbour each microbatch in steady state: + (2(d-1)m/d - 2)c (the simulator test
+// checks the same figure against an event-by-event reference).
 TEST_F(PipelineTime, CommunicationAddsTwoHopsPerStageBoundary) {
   clusters::Cluster c = clusters::load_cluster(
       "dgx-a100", 1, {"intra_node.latency_s=1e-4", "intra_node.bandwidth_bytes_per_s=1e30"});
+  const double hop = 1e-4;
+  Plan g = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, grid(c));
+  EXPECT_NEAR(estimate(model, trace, c, g).pipeline_s, 11 * t(3) + 2 * 3 * hop, 1e-12);
   Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(c));
-  EXPECT_NEAR(estimate(model, trace, c, p).pipeline_s, 11 * t(3) + 2 * 3 * 1e-4, 1e-12);
+  EXPECT_NEAR(estimate(model, trace, c, p).pipeline_s,
+              11 * t(3) + 2 * 3 * hop + (2.0 * 3 * 8 / 4 - 2) * hop, 1e-12);
+  Plan q = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(c));
+  EXPECT_NEAR(estimate(model, trace, c, q).pipeline_s, 8 * (t(3) + 2 * hop * 3 / 4), 1e-12);
+}
+
+// Replicas of a stage that leave their node through one shared NIC divide its bandwidth: on
+// p3.16xlarge (one 25 Gb/s NIC per node) the 8 replicas of each stage of a w=8 d=8 plan all
+// send to the next node at once.
+TEST_F(PipelineTime, PipelinesSharingANicDivideIt) {
+  clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 8);
+  models::ModelSpec big = models::load_model("pd2bw-gpt-3.9b");
+  traces::Trace tr = uniform_trace(big, 1);
+  Plan p = plan_of(Schedule::two_bw, 8, 8, 1, 64, 1, big.layers, grid(c));
+  const clusters::Link nic = clusters::p2p_link(c, 0, 0, 1, 0);
+  const double bytes = double(models::derive_costs(big).block.output_bytes);
+  EXPECT_NEAR(estimate(big, tr, c, p).stages[0].send_s,
+              nic.latency_s + 8 * bytes / nic.bandwidth_bytes_per_s, 1e-15);
 }
 
 // A 4-stage plan on one GPU: the ranks share its compute, so a step is at least m x sum of all

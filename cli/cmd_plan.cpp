@@ -1,0 +1,189 @@
+// `pipewright plan`: the fastest plan that fits, found by the closed form and proved by
+// simulating the best candidates.
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/options.hpp"
+#include "planner/search.hpp"
+#include "sim/simulator.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string model;
+  ClusterOptions cluster;
+  std::int64_t batch = 0;
+  std::vector<std::string> schedules = {"2bw", "1f1b", "gpipe"};
+  int top = 8;
+  int steps = 3;
+  int parallel = 0;
+  std::string trace;
+  std::string out;
+  std::string ranked;
+  planner::SearchOptions search;
+};
+
+planner::SimulateFn simulate_fn(const Scenario& base, double headroom, int steps, int parallel) {
+  return [=](const std::vector<planner::Plan>& plans) {
+    std::vector<sim::SimJob> jobs;
+    for (const auto& p : plans)
+      jobs.push_back({base.model, base.trace, base.cluster, p, sim::SimOptions{.steps = steps}});
+    const auto outcomes = sim::simulate_batch(jobs, parallel, progress_bar("plans simulated"));
+    const double usable = double(base.cluster.device.memory_bytes) * (1.0 - headroom);
+    std::vector<planner::Simulated> out;
+    for (const auto& o : outcomes) {
+      planner::Simulated s;
+      s.ok = o.ok;
+      s.error = o.error;
+      if (o.ok) {
+        s.samples_per_s = o.result.report.samples_per_s;
+        s.iteration_time_s = o.result.report.iteration_time_s;
+        for (const auto& d : o.result.report.devices)
+          s.peak_memory_bytes = std::max(s.peak_memory_bytes, d.peak_memory_bytes);
+        s.fits = double(s.peak_memory_bytes) <= usable;
+      }
+      out.push_back(s);
+    }
+    return out;
+  };
+}
+
+std::string plan_label(const planner::Plan& p) {
+  return fmt::format("{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "");
+}
+
+void print_ranked(const std::vector<planner::Ranked>& ranked, std::size_t rows) {
+  fmt::print("  {:>4} {:<15} {:>4} {:>4} {:>4} {:>5} {:>3} {:>12} {:>12} {:>12} {:>5}\n", "rank",
+             "schedule", "w", "d", "b", "m", "rc", "est samp/s", "sim samp/s", "peak mem", "fits");
+  for (std::size_t i = 0; i < std::min(rows, ranked.size()); ++i) {
+    const auto& r = ranked[i];
+    const auto& p = r.candidate.plan;
+    const bool rc = !p.recompute.empty() && p.recompute[0];
+    const bool sim = r.simulated && r.simulated->ok;
+    fmt::print(
+        "  {:>4} {:<15} {:>4} {:>4} {:>4} {:>5} {:>3} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,
+        plan_label(p), p.w, p.d, p.b, p.m, rc ? "yes" : "no", r.candidate.samples_per_s(),
+        sim ? fmt::format("{:.2f}", r.simulated->samples_per_s) : "-",
+        human_bytes(double(sim ? r.simulated->peak_memory_bytes : r.candidate.peak_memory_bytes())),
+        r.simulated ? (r.simulated->ok && r.simulated->fits ? "yes" : "NO") : "yes*");
+  }
+  if (ranked.size() > rows) fmt::print("  ... {} more that fit\n", ranked.size() - rows);
+}
+
+common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::SearchResult& res,
+                         const std::vector<planner::Ranked>& ranked) {
+  common::Json rows = common::Json::array();
+  for (std::size_t i = 0; i < ranked.size(); ++i) {
+    const auto& r = ranked[i];
+    common::Json row = {
+        {"rank", i + 1},
+        {"plan", planner::to_json(r.candidate.plan)},
+        {"estimated_samples_per_s", r.candidate.samples_per_s()},
+        {"estimated_iteration_time_s", r.candidate.estimate.report.iteration_time_s},
+        {"estimated_peak_memory_bytes", r.candidate.peak_memory_bytes()},
+        {"simulated", r.simulated.has_value()}};
+    if (r.simulated) {
+      row["simulation_ok"] = r.simulated->ok;
+      if (r.simulated->ok) {
+        row["simulated_samples_per_s"] = r.simulated->samples_per_s;
+        row["simulated_iteration_time_s"] = r.simulated->iteration_time_s;
+        row["simulated_peak_memory_bytes"] = r.simulated->peak_memory_bytes;
+      } else {
+        row["error"] = r.simulated->error;
+      }
+    }
+    row["fits"] = !r.simulated || (r.simulated->ok && r.simulated->fits);
+    rows.push_back(row);
+  }
+  return {{"format", "pipewright.ranked/1"},
+          {"model", sc.model.name},
+          {"cluster", fmt::format("{}:{}", sc.cluster.name, sc.cluster.nodes)},
+          {"global_batch", a.batch},
+          {"memory_headroom", a.search.memory_headroom},
+          {"candidates_considered", res.considered},
+          {"candidates_fitting", res.fitting.size()},
+          {"simulated_top", a.top},
+          {"rows", rows}};
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "plan", "find the fastest plan that fits: closed-form search, best candidates simulated");
+  auto a = std::make_shared<PlanArgs>();
+  cmd->add_option("--model", a->model, "model preset or JSON file")->required();
+  a->cluster.add(*cmd, "p3.16xlarge:8");
+  cmd->add_option("--batch,-B", a->batch, "global batch size B = w*m*b")->required();
+  cmd->add_option("--schedules", a->schedules, "schedules to consider, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--top", a->top, "simulate this many of the best closed-form candidates")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-microbatch", a->search.max_microbatch, "largest microbatch size b")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--memory-headroom", a->search.memory_headroom,
+                  "fraction of device memory to keep free, in [0, 1)")
+      ->capture_default_str();
+  cmd->add_option("--depth,-d", a->search.depth, "only plans with this pipeline depth");
+  cmd->add_option("--width,-w", a->search.width, "only plans with this data-parallel width");
+  cmd->add_option("--chunks", a->search.chunks, "v values tried for interleaved")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--ranks-per-gpu", a->search.ranks_per_gpu, "ranks sharing each GPU")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--trace,-t", a->trace, "trace JSON (default: analytic, every b)");
+  cmd->add_option("--steps", a->steps, "optimizer steps per simulation")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--parallel", a->parallel, "simulations at once (default: cores)");
+  cmd->add_option("--out,-o", a->out, "write the winning plan (a plan file) here");
+  cmd->add_option("--ranked", a->ranked, "write every fitting candidate, ranked, as JSON here");
+  cmd->callback([a] {
+    a->search.global_batch = a->batch;
+    a->search.schedules.clear();
+    for (const auto& s : a->schedules)
+      a->search.schedules.push_back(planner::parse_schedule(s));
+    Scenario sc{models::load_model(a->model), a->cluster.load(), {}, {}};
+    std::vector<std::int64_t> sizes;
+    for (int b = 1; b <= a->search.max_microbatch; b *= 2)
+      sizes.push_back(b);
+    sc.trace = a->trace.empty() ? traces::analytic_trace(sc.model, sc.cluster.device, sizes)
+                                : load_or_make_trace(a->trace, sc.model, sc.cluster.device, 1);
+    const planner::SearchResult res =
+        planner::search_plans(sc.model, sc.trace, sc.cluster, a->search);
+    fmt::print("{} on {} ({} x {} x {}), global batch {}: {} candidate plans, {} fit in memory\n",
+               sc.model.name, sc.cluster.name, sc.cluster.nodes, sc.cluster.gpus_per_node,
+               sc.cluster.device.name, a->batch, res.considered, res.fitting.size());
+    if (res.fitting.empty()) throw PlanError("plan: " + planner::explain_no_fit(res));
+    const auto ranked = planner::rank_by_simulation(
+        res, a->top, simulate_fn(sc, a->search.memory_headroom, a->steps, a->parallel));
+    print_ranked(ranked, std::size_t(std::max(a->top, 10)));
+    const planner::Ranked& best = ranked.front();
+    if (best.simulated && !(best.simulated->ok && best.simulated->fits))
+      throw PlanError(fmt::format("plan: none of the {} simulated candidates ran within memory: {}",
+                                  a->top,
+                                  best.simulated->ok ? "over capacity" : best.simulated->error));
+    const planner::Plan& p = best.candidate.plan;
+    fmt::print("best: {} w={} d={} b={} m={}{}: {:.2f} samples/s {}\n", plan_label(p), p.w, p.d,
+               p.b, p.m, p.recomputes(0) ? " with recompute" : "",
+               best.simulated ? best.simulated->samples_per_s : best.candidate.samples_per_s(),
+               best.simulated ? "(simulated)" : "(closed form)");
+    if (!a->out.empty()) {
+      common::write_json_file(a->out, planner::to_json(p));
+      fmt::print("wrote {}\n", a->out);
+    }
+    if (!a->ranked.empty()) {
+      common::write_json_file(a->ranked, ranked_json(*a, sc, res, ranked));
+      fmt::print("wrote {}\n", a->ranked);
+    }
+  });
+}
+
+}  // namespace pw::cli

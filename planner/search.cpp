@@ -1,0 +1,217 @@
+// Plan search: enumerate (w, d, b, recompute, schedule), estimate each in closed form, keep what
+// fits, rank by throughput (PipeDream-2BW's planner, extended to more schedules).
+#include "planner/search.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "common/format.hpp"
+
+namespace pw::planner {
+
+std::int64_t Candidate::peak_memory_bytes() const {
+  std::int64_t peak = 0;
+  for (const auto& d : estimate.report.devices)
+    peak = std::max(peak, d.peak_memory_bytes);
+  return peak;
+}
+
+namespace {
+
+int schedule_rank(Schedule s) {
+  switch (s) {
+    case Schedule::dp:
+      return 0;
+    case Schedule::gpipe:
+      return 1;
+    case Schedule::one_f_one_b:
+      return 2;
+    case Schedule::two_bw:
+      return 3;
+    case Schedule::interleaved:
+      return 4;
+  }
+  return 5;
+}
+
+bool any_recompute(const Plan& p) {
+  return std::any_of(p.recompute.begin(), p.recompute.end(), [](bool r) { return r; });
+}
+
+// Candidate shapes (w, d) for n ranks.
+std::vector<std::pair<int, int>> shapes(int n, std::int64_t layers, const SearchOptions& o) {
+  std::vector<std::pair<int, int>> out;
+  for (int d = 1; d <= n; ++d) {
+    if (n % d != 0 || d > layers) continue;
+    if (o.depth && d != *o.depth) continue;
+    if (o.width && n / d != *o.width) continue;
+    out.emplace_back(n / d, d);
+  }
+  return out;
+}
+
+// The plans one (w, d, b) gives: each schedule (and v for interleaved), recompute off and on.
+std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const SearchOptions& o) {
+  std::vector<Plan> out;
+  if (o.global_batch % (std::int64_t(w) * b) != 0) return out;
+  const std::int64_t m = o.global_batch / (std::int64_t(w) * b);
+  if (m < 1 || m > 1'000'000) return out;
+  for (Schedule s : o.schedules) {
+    std::vector<int> vs = {1};
+    if (s == Schedule::interleaved) vs = o.chunks;
+    for (int v : vs) {
+      if (s == Schedule::two_bw && m < d) continue;
+      if (s == Schedule::dp && d != 1) continue;
+      if (s == Schedule::interleaved && (d < 2 || v < 2 || m % d != 0 || d * v > layers)) continue;
+      for (bool rc : {false, true}) {
+        Plan p;
+        p.schedule = s;
+        p.w = w;
+        p.d = d;
+        p.b = b;
+        p.m = int(m);
+        p.v = v;
+        if (rc) p.recompute.assign(std::size_t(d), true);
+        out.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+bool better(double ta, const Plan& a, double tb, const Plan& b) {
+  if (ta != tb) return ta > tb;
+  if (a.d != b.d) return a.d < b.d;
+  if (a.b != b.b) return a.b < b.b;
+  if (any_recompute(a) != any_recompute(b)) return !any_recompute(a);
+  if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
+  return a.v < b.v;
+}
+
+SearchResult search_plans(const models::ModelSpec& model, const traces::Trace& trace,
+                          const clusters::Cluster& cluster, const SearchOptions& o) {
+  if (o.global_batch < 1) throw InputError("plan search: --batch must be at least 1");
+  if (!(o.memory_headroom >= 0 && o.memory_headroom < 1))
+    throw InputError(fmt::format("plan search: --memory-headroom must be in [0, 1), found {}",
+                                 o.memory_headroom));
+  const std::vector<std::int64_t> have = trace.microbatch_sizes();
+  const std::set<std::int64_t> traced(have.begin(), have.end());
+  const int ranks = cluster.devices() * o.ranks_per_gpu;
+  const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
+  SearchResult result;
+  for (auto [w, d] : shapes(ranks, model.layers, o))
+    for (int b = 1; b <= o.max_microbatch; b *= 2) {
+      if (!traced.count(b)) continue;
+      for (Plan p : plans_for(w, d, b, model.layers, o)) {
+        try {
+          resolve_stages(p, model.layers);
+          place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
+        } catch (const PlanError&) {
+          continue;  // e.g. more virtual stages than blocks
+        }
+        Candidate c{p, estimate(model, trace, cluster, p), true, ""};
+        for (auto& dev : c.estimate.report.devices) {
+          dev.fits = double(dev.peak_memory_bytes) <= usable;
+          c.fits = c.fits && dev.fits;
+        }
+        if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
+        ++result.considered;
+        (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+      }
+    }
+  if (result.considered == 0)
+    throw InputError(fmt::format(
+        "plan search: no valid plan for global batch {} on {} ranks (B must be a multiple of w*b "
+        "for some w dividing the ranks and b a power of two <= {} in the trace)",
+        o.global_batch, ranks, o.max_microbatch));
+  auto order = [](const Candidate& a, const Candidate& b) {
+    return better(a.samples_per_s(), a.plan, b.samples_per_s(), b.plan);
+  };
+  std::stable_sort(result.fitting.begin(), result.fitting.end(), order);
+  std::stable_sort(result.rejected.begin(), result.rejected.end(), order);
+  return result;
+}
+
+std::string explain_no_fit(const SearchResult& r) {
+  if (r.rejected.empty()) return "no candidate plan";
+  // The candidate that comes closest: smallest peak relative to its capacity.
+  const Candidate* best = &r.rejected.front();
+  for (const auto& c : r.rejected)
+    if (c.peak_memory_bytes() < best->peak_memory_bytes()) best = &c;
+  const Plan& p = best->plan;
+  return fmt::format(
+      "nothing fits in memory ({} candidates); the smallest, {} w={} d={} b={} m={}{}, "
+      "still needs more: {}",
+      r.considered, to_string(p.schedule), p.w, p.d, p.b, p.m,
+      any_recompute(p) ? " with recompute" : "", best->memory_note);
+}
+
+}  // namespace pw::planner
+
+namespace pw::planner {
+
+std::vector<Ranked> rank_by_simulation(const SearchResult& result, int top_k,
+                                       const SimulateFn& simulate) {
+  const std::size_t k =
+      std::min<std::size_t>(std::size_t(std::max(top_k, 0)), result.fitting.size());
+  std::vector<Plan> plans;
+  for (std::size_t i = 0; i < k; ++i)
+    plans.push_back(result.fitting[i].plan);
+  const std::vector<Simulated> sims = k > 0 ? simulate(plans) : std::vector<Simulated>{};
+  std::vector<Ranked> top;
+  for (std::size_t i = 0; i < k; ++i)
+    top.push_back({result.fitting[i], sims.at(i)});
+  std::stable_sort(top.begin(), top.end(), [](const Ranked& a, const Ranked& b) {
+    const bool ga = a.simulated->ok && a.simulated->fits;
+    const bool gb = b.simulated->ok && b.simulated->fits;
+    if (ga != gb) return ga;
+    if (!ga) return false;  // keep closed-form order among the failures
+    return better(a.simulated->samples_per_s, a.candidate.plan, b.simulated->samples_per_s,
+                  b.candidate.plan);
+  });
+  for (std::size_t i = k; i < result.fitting.size(); ++i)
+    top.push_back({result.fitting[i], std::nullopt});
+  return top;
+}
+
+namespace {
+
+std::vector<double> ranks_of(const std::vector<double>& x) {
+  std::vector<std::size_t> idx(x.size());
+  for (std::size_t i = 0; i < idx.size(); ++i)
+    idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return x[a] < x[b]; });
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < idx.size();) {
+    std::size_t j = i;
+    while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]])
+      ++j;
+    for (std::size_t t = i; t <= j; ++t)
+      r[idx[t]] = (double(i) + double(j)) / 2.0 + 1.0;
+    i = j + 1;
+  }
+  return r;
+}
+
+}  // namespace
+
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size() || a.size() < 2)
+    throw Error("spearman: need two lists of equal size >= 2");
+  const std::vector<double> ra = ranks_of(a), rb = ranks_of(b);
+  const double n = double(a.size()), mean = (n + 1) / 2;
+  double cov = 0, va = 0, vb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    cov += (ra[i] - mean) * (rb[i] - mean);
+    va += (ra[i] - mean) * (ra[i] - mean);
+    vb += (rb[i] - mean) * (rb[i] - mean);
+  }
+  return va > 0 && vb > 0 ? cov / std::sqrt(va * vb) : 1.0;
+}
+
+}  // namespace pw::planner
