@@ -1,0 +1,96 @@
+// `pipewright sweep`: a what-if study over the cross product of --vary lists; every point is
+// planned and simulated, and the results are written as CSV and JSON (docs/formats.md, "Sweep").
+#include <unistd.h>
+
+#include <cstdio>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/sweep.hpp"
+
+namespace pw::cli {
+
+namespace {
+
+// "[#####.....] 12/40 points" on stderr, redrawn in place; only on a terminal.
+void draw_progress(int done, int total) {
+  constexpr int width = 30;
+  const int filled = total > 0 ? done * width / total : width;
+  fmt::print(stderr, "\r[{}{}] {}/{} points", std::string(std::size_t(filled), '#'),
+             std::string(std::size_t(width - filled), '.'), done, total);
+  if (done == total) fmt::print(stderr, "\n");
+  std::fflush(stderr);
+}
+
+struct SweepArgs {
+  sweep::SweepSpec spec;
+  std::vector<std::string> vary;
+  std::int64_t batch = 0;
+  std::string csv;
+  std::string json;
+};
+
+void add_options(CLI::App& cmd, SweepArgs& a) {
+  a.spec.model = "pd2bw-gpt-3.9b";
+  cmd.add_option("--model", a.spec.model, "model preset or JSON file")->capture_default_str();
+  a.spec.cluster.add(cmd, "p3.16xlarge:8");
+  a.spec.plan.add(cmd);
+  cmd.add_flag("--plan-best", a.spec.plan_best,
+               "at each point, simulate the planner's best fitting plan for --batch / B");
+  cmd.add_option("--batch", a.batch,
+                 "global batch B: the planner's batch, or m = B/(w*b) with a fixed plan")
+      ->check(CLI::PositiveNumber);
+  cmd.add_option("--vary", a.vary,
+                 "KEY=v1,v2,... (repeatable; the cross product is swept). KEY: a cluster field "
+                 "as in --set (network.bandwidth_bytes_per_s, device, nodes, ...), model, "
+                 "schedule, b, m, B, w, d or recompute")
+      ->required();
+  cmd.add_option("--out,-o", a.csv, "write the rows as CSV here");
+  cmd.add_option("--json", a.json, "write the sweep as JSON (pipewright.sweep/1) here");
+  cmd.add_option("--parallel,-j", a.spec.parallel, "simulations at once (default: cores)")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--steps", a.spec.steps, "optimizer steps simulated per point")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+void run(SweepArgs& a, const CLI::App& cmd) {
+  auto& spec = a.spec;
+  if (a.batch > 0) spec.batch = a.batch;
+  if (spec.plan_best && (!spec.plan.plan_file.empty() || spec.plan.given_as_flags(cmd)))
+    throw InputError("sweep: --plan-best chooses the plan; drop --plan and the plan flags");
+  for (const auto& v : a.vary) spec.axes.push_back(sweep::parse_vary(v));
+  sweep::validate(spec);
+  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const auto rows = sweep::run_sweep(spec, tty ? draw_progress : std::function<void(int, int)>{});
+  sweep::print_table(spec, rows);
+  // Render both before writing either, so a failure leaves no file behind.
+  const std::string csv = sweep::to_csv(spec, rows);
+  const std::string json = sweep::to_json(spec, rows).dump(2) + "\n";
+  if (!a.csv.empty()) common::write_file_atomic(a.csv, csv);
+  try {
+    if (!a.json.empty()) common::write_file_atomic(a.json, json);
+  } catch (const Error&) {
+    if (!a.csv.empty()) std::remove(a.csv.c_str());  // both files or neither
+    throw;
+  }
+  int failed = 0;
+  for (const auto& r : rows) failed += r.error.empty() ? 0 : 1;
+  if (!a.csv.empty()) fmt::print("wrote {}\n", a.csv);
+  if (!a.json.empty()) fmt::print("wrote {}\n", a.json);
+  fmt::print("{} point{}, {} failed{}\n", rows.size(), rows.size() == 1 ? "" : "s", failed,
+             failed > 0 ? " (see the error column)" : "");
+}
+
+}  // namespace
+
+void add_sweep_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "sweep", "what-if study: simulate the cross product of --vary lists, write CSV and JSON");
+  auto a = std::make_shared<SweepArgs>();
+  add_options(*cmd, *a);
+  cmd->callback([a, cmd] { run(*a, *cmd); });
+}
+
+}  // namespace pw::cli
