@@ -60,7 +60,8 @@ void run(SweepArgs& a, const CLI::App& cmd) {
   if (a.batch > 0) spec.batch = a.batch;
   if (spec.plan_best && (!spec.plan.plan_file.empty() || spec.plan.given_as_flags(cmd)))
     throw InputError("sweep: --plan-best chooses the plan; drop --plan and the plan flags");
-  for (const auto& v : a.vary) spec.axes.push_back(sweep::parse_vary(v));
+  for (const auto& v : a.vary)
+    spec.axes.push_back(sweep::parse_vary(v));
   sweep::validate(spec);
   const bool tty = ::isatty(STDERR_FILENO) == 1;
   const auto rows = sweep::run_sweep(spec, tty ? draw_progress : std::function<void(int, int)>{});
@@ -76,7 +77,8 @@ void run(SweepArgs& a, const CLI::App& cmd) {
     throw;
   }
   int failed = 0;
-  for (const auto& r : rows) failed += r.error.empty() ? 0 : 1;
+  for (const auto& r : rows)
+    failed += r.error.empty() ? 0 : 1;
   if (!a.csv.empty()) fmt::print("wrote {}\n", a.csv);
   if (!a.json.empty()) fmt::print("wrote {}\n", a.json);
   fmt::print("{} point{}, {} failed{}\n", rows.size(), rows.size() == 1 ? "" : "s", failed,

@@ -18,8 +18,9 @@ namespace {
 
 const std::map<std::string, KeyKind>& plan_keys() {
   static const std::map<std::string, KeyKind> keys = {
-      {"model", KeyKind::model}, {"schedule", KeyKind::schedule}, {"b", KeyKind::b},
-      {"m", KeyKind::m},         {"B", KeyKind::B},               {"w", KeyKind::w},
+      {"model", KeyKind::model}, {"schedule", KeyKind::schedule},
+      {"b", KeyKind::b},         {"m", KeyKind::m},
+      {"B", KeyKind::B},         {"w", KeyKind::w},
       {"d", KeyKind::d},         {"recompute", KeyKind::recompute}};
   return keys;
 }
@@ -70,9 +71,15 @@ std::string strip_set_prefix(const std::string& message, const std::string& set)
 
 void check_value(const SweepSpec& spec, const Axis& axis, const std::string& value) {
   switch (axis.kind) {
-    case KeyKind::model: models::load_model(value); return;
-    case KeyKind::schedule: planner::parse_schedule(value); return;
-    case KeyKind::recompute: parse_bool(value); return;
+    case KeyKind::model:
+      models::load_model(value);
+      return;
+    case KeyKind::schedule:
+      planner::parse_schedule(value);
+      return;
+    case KeyKind::recompute:
+      parse_bool(value);
+      return;
     case KeyKind::cluster: {
       std::vector<std::string> sets = spec.cluster.sets;
       sets.push_back(axis.key + "=" + value);
@@ -81,14 +88,17 @@ void check_value(const SweepSpec& spec, const Axis& axis, const std::string& val
       } catch (const InputError& e) {
         std::string msg = strip_set_prefix(e.what(), sets.back());
         if (msg.find("unknown key") != std::string::npos)
-          throw InputError(fmt::format("sweep: --vary {}: {}; or a plan key: model, schedule, b, "
-                                       "m, B, w, d, recompute",
-                                       axis.key, msg));
+          throw InputError(
+              fmt::format("sweep: --vary {}: {}; or a plan key: model, schedule, b, "
+                          "m, B, w, d, recompute",
+                          axis.key, msg));
         throw InputError(fmt::format("sweep: --vary {}={}: {}", axis.key, value, msg));
       }
       return;
     }
-    default: parse_positive(value); return;
+    default:
+      parse_positive(value);
+      return;
   }
 }
 
@@ -179,14 +189,29 @@ Overrides overrides_of(const SweepSpec& spec, const Point& pt) {
   for (std::size_t i = 0; i < spec.axes.size(); ++i) {
     const std::string& v = pt[i];
     switch (spec.axes[i].kind) {
-      case KeyKind::schedule: o.schedule = v; break;
-      case KeyKind::w: o.w = int(parse_positive(v)); break;
-      case KeyKind::d: o.d = int(parse_positive(v)); break;
-      case KeyKind::b: o.b = int(parse_positive(v)); break;
-      case KeyKind::m: o.m = int(parse_positive(v)); break;
-      case KeyKind::B: o.batch = parse_positive(v); break;
-      case KeyKind::recompute: o.recompute = parse_bool(v); break;
-      default: break;
+      case KeyKind::schedule:
+        o.schedule = v;
+        break;
+      case KeyKind::w:
+        o.w = int(parse_positive(v));
+        break;
+      case KeyKind::d:
+        o.d = int(parse_positive(v));
+        break;
+      case KeyKind::b:
+        o.b = int(parse_positive(v));
+        break;
+      case KeyKind::m:
+        o.m = int(parse_positive(v));
+        break;
+      case KeyKind::B:
+        o.batch = parse_positive(v);
+        break;
+      case KeyKind::recompute:
+        o.recompute = parse_bool(v);
+        break;
+      default:
+        break;
     }
   }
   return o;
@@ -251,9 +276,10 @@ std::optional<planner::Plan> best_plan(const SweepSpec& spec, const Overrides& o
   opt.width = o.w;
   opt.depth = o.d;
   std::vector<std::int64_t> sizes;
-  for (std::int64_t b = 1; b <= opt.max_microbatch; b *= 2) sizes.push_back(b);
-  const auto result = planner::search_plans(model, traces::analytic_trace(model, c.device, sizes),
-                                            c, opt);
+  for (std::int64_t b = 1; b <= opt.max_microbatch; b *= 2)
+    sizes.push_back(b);
+  const auto result =
+      planner::search_plans(model, traces::analytic_trace(model, c.device, sizes), c, opt);
   if (result.fitting.empty()) {
     note = "no plan fits: " + planner::explain_no_fit(result);
     return std::nullopt;
@@ -275,8 +301,8 @@ std::optional<sim::SimJob> prepare(const SweepSpec& spec, Row& row, sim::SimOpti
   try {
     const Overrides o = overrides_of(spec, row.point);
     models::ModelSpec model = models::load_model(model_of(spec, row.point));
-    clusters::Cluster c =
-        clusters::load_cluster(spec.cluster.cluster, spec.cluster.nodes, cluster_sets(spec, row.point));
+    clusters::Cluster c = clusters::load_cluster(spec.cluster.cluster, spec.cluster.nodes,
+                                                 cluster_sets(spec, row.point));
     std::optional<planner::Plan> plan;
     if (spec.plan_best)
       plan = best_plan(spec, o, model, c, row.note);

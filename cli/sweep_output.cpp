@@ -61,7 +61,8 @@ void add_results(Json& j, const Row& row) {
 // One row's fields, in column order (the per-device list last).
 Json row_json(const SweepSpec& spec, const Row& row) {
   Json j = Json::object();
-  for (std::size_t i = 0; i < spec.axes.size(); ++i) j[spec.axes[i].key] = typed(row.point[i]);
+  for (std::size_t i = 0; i < spec.axes.size(); ++i)
+    j[spec.axes[i].key] = typed(row.point[i]);
   const auto& p = row.plan;
   const std::pair<const char*, Json> plan_fields[] = {
       {"schedule", row.planned ? Json(planner::to_string(p.schedule)) : Json()},
@@ -83,7 +84,8 @@ std::string csv_cell(const Json& v) {
   const std::string s = v.get<std::string>();
   if (s.find_first_of(",\"\n") == std::string::npos) return s;
   std::string quoted = "\"";
-  for (char c : s) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  for (char c : s)
+    quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
   return quoted + "\"";
 }
 
@@ -100,7 +102,8 @@ Json to_json(const SweepSpec& spec, const std::vector<Row>& rows) {
   Json vary = Json::object();
   for (const auto& a : spec.axes) {
     vary[a.key] = Json::array();
-    for (const auto& v : a.values) vary[a.key].push_back(typed(v));
+    for (const auto& v : a.values)
+      vary[a.key].push_back(typed(v));
   }
   Json out = {{"format", "pipewright.sweep/1"},
               {"model", spec.model},
@@ -110,14 +113,16 @@ Json to_json(const SweepSpec& spec, const std::vector<Row>& rows) {
               {"steps", spec.steps},
               {"vary", vary},
               {"rows", Json::array()}};
-  for (const auto& r : rows) out["rows"].push_back(row_json(spec, r));
+  for (const auto& r : rows)
+    out["rows"].push_back(row_json(spec, r));
   return out;
 }
 
 std::string to_csv(const SweepSpec& spec, const std::vector<Row>& rows) {
   const std::size_t stages = max_stages(rows);
   std::vector<Json> objects;
-  for (const auto& r : rows) objects.push_back(row_json(spec, r));
+  for (const auto& r : rows)
+    objects.push_back(row_json(spec, r));
   // The header from a row's keys (every row has the same keys), per-stage lists spread out.
   std::vector<std::string> header;
   Row blank;
@@ -152,7 +157,8 @@ std::string to_csv(const SweepSpec& spec, const std::vector<Row>& rows) {
 void print_table(const SweepSpec& spec, const std::vector<Row>& rows) {
   std::vector<std::vector<std::string>> table;
   std::vector<std::string> head;
-  for (const auto& a : spec.axes) head.push_back(a.key);
+  for (const auto& a : spec.axes)
+    head.push_back(a.key);
   for (const char* h : {"plan", "step time", "samples/s", "MFU", "peak memory", ""})
     head.push_back(h);
   table.push_back(head);
@@ -164,7 +170,8 @@ void print_table(const SweepSpec& spec, const std::vector<Row>& rows) {
                              : "-");
     const auto& rep = r.report;
     std::int64_t peak = 0;
-    for (const auto& d : rep.devices) peak = std::max(peak, d.peak_memory_bytes);
+    for (const auto& d : rep.devices)
+      peak = std::max(peak, d.peak_memory_bytes);
     line.push_back(r.simulated ? human_seconds(rep.iteration_time_s) : "-");
     line.push_back(r.simulated ? fmt::format("{:.2f}", rep.samples_per_s) : "-");
     line.push_back(r.simulated ? fmt::format("{:.1f}%", 100 * rep.mfu) : "-");
@@ -176,12 +183,14 @@ void print_table(const SweepSpec& spec, const std::vector<Row>& rows) {
   }
   std::vector<std::size_t> width(head.size(), 0);
   for (const auto& line : table)
-    for (std::size_t c = 0; c < line.size(); ++c) width[c] = std::max(width[c], line[c].size());
+    for (std::size_t c = 0; c < line.size(); ++c)
+      width[c] = std::max(width[c], line[c].size());
   for (const auto& line : table) {
     std::string text = " ";
     for (std::size_t c = 0; c < line.size(); ++c)
       text += fmt::format(" {:<{}}", line[c], c + 1 == line.size() ? 0 : width[c]);
-    while (!text.empty() && text.back() == ' ') text.pop_back();
+    while (!text.empty() && text.back() == ' ')
+      text.pop_back();
     fmt::print("{}\n", text);
   }
 }

@@ -37,7 +37,7 @@ expect_error() {
 }
 
 # --help everywhere.
-for cmd in "" models clusters trace schedule estimate simulate; do
+for cmd in "" models clusters trace schedule estimate simulate plan sweep; do
   expect_ok "help $cmd" $PW $cmd --help
 done
 expect_ok "version" $PW --version
@@ -98,6 +98,66 @@ expect_error "simulate trace lacks b" "microbatch size 8" "$O" $PW simulate --mo
 expect_error "simulate wrong device count" "w\*d" "$O" $PW simulate --model gpt-tiny --cluster dgx-a100 -w 3 -d 2 --out "$O"
 expect_error "simulate unknown preset" "unknown cluster" "$O" $PW simulate --model gpt-tiny --cluster dgx-b200 --out "$O"
 expect_error "simulate bad steps" "steps" "$O" $PW simulate --model gpt-tiny --cluster h100-x1 --steps 0 --out "$O"
+
+# sweep: a 2x2 what-if in cross-product order, byte-identical twice; --plan-best; a point that
+# fails becomes a row with an error; a bad key or value is one line and leaves no file.
+SW=(--model gpt-tiny --cluster dgx-a100:2 -d 2 -b 1 --schedule 1f1b --steps 2)
+expect_ok "help sweep" $PW sweep --help
+expect_ok "sweep 2x2" $PW sweep "${SW[@]}" --vary network.bandwidth_bytes_per_s=1.25e9,1.25e10 --vary m=2,4 --out "$TMP/sw1.csv" --json "$TMP/sw1.json"
+[ "$(wc -l <"$TMP/sw1.csv")" -eq 5 ] && ok || bad "sweep 2x2: 4 rows + header"
+python3 -c "
+import csv, json
+rows = list(csv.DictReader(open('$TMP/sw1.csv')))
+assert [(r['network.bandwidth_bytes_per_s'], r['m']) for r in rows] == [('1250000000.0', '2'), ('1250000000.0', '4'), ('12500000000.0', '2'), ('12500000000.0', '4')], rows
+assert all(r['fits'] == 'true' and r['error'] == '' and float(r['samples_per_s']) > 0 for r in rows)
+assert all(r['schedule'] == '1f1b' and r['w'] == '8' and r['d'] == '2' for r in rows)
+assert int(rows[0]['peak_memory_bytes']) == max(int(rows[0]['peak_memory_bytes_stage0']), int(rows[0]['peak_memory_bytes_stage1']))
+j = json.load(open('$TMP/sw1.json'))
+assert j['format'] == 'pipewright.sweep/1' and list(j['vary']) == ['network.bandwidth_bytes_per_s', 'm']
+assert len(j['rows']) == 4 and len(j['rows'][0]['peak_memory_bytes_per_device']) == 16
+assert abs(j['rows'][3]['samples_per_s'] - float(rows[3]['samples_per_s'])) < 1e-9
+" && ok || bad "sweep 2x2 rows"
+expect_ok "sweep 2x2 again" $PW sweep "${SW[@]}" --vary network.bandwidth_bytes_per_s=1.25e9,1.25e10 --vary m=2,4 --out "$TMP/sw2.csv" --json "$TMP/sw2.json" --parallel 1
+cmp -s "$TMP/sw1.csv" "$TMP/sw2.csv" && cmp -s "$TMP/sw1.json" "$TMP/sw2.json" && ok || bad "sweep is deterministic"
+expect_ok "sweep plan-best" $PW sweep --model gpt2-124m --cluster dgx-a100 --plan-best --vary B=16,32 --steps 2 --out "$TMP/sw3.csv"
+python3 -c "
+import csv
+rows = list(csv.DictReader(open('$TMP/sw3.csv')))
+assert [r['B'] for r in rows] == ['16', '32'] and all(r['fits'] == 'true' and r['error'] == '' for r in rows), rows
+assert all(int(r['w']) * int(r['d']) == 8 and r['global_batch'] == r['B'] for r in rows), rows
+" && ok || bad "sweep --plan-best rows"
+expect_ok "sweep invalid point" $PW sweep "${SW[@]}" --vary w=8,3 --out "$TMP/sw4.csv"
+grep -q "1 failed" "$TMP/out" && ok || bad "sweep says how many failed"
+python3 -c "
+import csv
+rows = list(csv.DictReader(open('$TMP/sw4.csv')))
+assert rows[0]['error'] == '' and rows[0]['fits'] == 'true'
+assert 'w*d' in rows[1]['error'] and rows[1]['samples_per_s'] == '' and rows[1]['fits'] == '', rows[1]
+" && ok || bad "sweep invalid point carries an error"
+expect_error "sweep bad key" "sweep: --vary netwrk.bandwidth_bytes_per_s: unknown key" "$O" $PW sweep "${SW[@]}" --vary netwrk.bandwidth_bytes_per_s=1.25e9,2e9 --out "$O" --json "$O"
+expect_error "sweep bad value" "sweep: --vary m=x" "$O" $PW sweep "${SW[@]}" --vary m=2,x --out "$O"
+expect_error "sweep bad cluster value" "--vary network.bandwidth_bytes_per_s=fast" "$O" $PW sweep "${SW[@]}" --vary network.bandwidth_bytes_per_s=fast --out "$O"
+expect_error "sweep unknown device" "V100-64GB" "$O" $PW sweep "${SW[@]}" --vary device=H100-SXM,V100-64GB --out "$O"
+expect_error "sweep plan-best without B" "needs --batch" "$O" $PW sweep --model gpt-tiny --cluster dgx-a100 --plan-best --vary d=1,2 --out "$O"
+
+# plan: the winner is a plan file every command accepts; the ranked list is JSON.
+expect_ok "plan" $PW plan --model gpt2-124m --cluster dgx-a100 --batch 32 --top 4 --out "$TMP/best.json" --ranked "$TMP/ranked.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/ranked.json'))
+assert r['format'] == 'pipewright.ranked/1' and r['candidates_fitting'] == len(r['rows']) > 4
+assert [x['simulated'] for x in r['rows'][:4]] == [True] * 4 and not r['rows'][4]['simulated']
+s = [x['simulated_samples_per_s'] for x in r['rows'][:4]]
+assert s == sorted(s, reverse=True)
+assert json.load(open('$TMP/best.json')) == r['rows'][0]['plan']
+" && ok || bad "plan ranked list"
+expect_ok "simulate the planned plan" $PW simulate --model gpt2-124m --cluster dgx-a100 --plan "$TMP/best.json"
+expect_ok "plan 2bw only" $PW plan --model gpt2-124m --cluster dgx-a100 --batch 64 --schedules 2bw --depth 2 --top 2
+grep -q "best: 2bw w=4 d=2" "$TMP/out" && ok || bad "plan --schedules/--depth restrict the search"
+expect_error "plan nothing fits" "nothing fits in memory" "$O" $PW plan --model gpt3-175b --cluster h100-x1 --batch 8 --out "$O"
+expect_error "plan bad batch" "no valid plan" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 3 --out "$O"
+expect_error "plan bad schedule" "unknown schedule" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 8 --schedules 2bw,pipedream --out "$O"
+expect_error "plan bad headroom" "memory-headroom" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 8 --memory-headroom 1.5 --out "$O"
 
 # Bad inputs.
 echo '{ "format": "pipewright.model/1", "name": "x", ' >"$TMP/broken.json"
