@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake pkg-config git python3
-  nlohmann-json3-dev libcli11-dev libfmt-dev libsimgrid-dev
+  nlohmann-json3-dev libcli11-dev libfmt-dev libsimgrid-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   jupyter-nbconvert python3-nbconvert python3-ipykernel python3-matplotlib python3-pandas
 )

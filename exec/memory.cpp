@@ -1,0 +1,85 @@
+// Byte counting by category (see memory.hpp).
+#include "exec/memory.hpp"
+
+namespace pw::exec {
+
+namespace {
+std::int64_t& slot(planner::MemoryBreakdown& m, Category c) {
+  switch (c) {
+    case Category::weights:
+      return m.weights;
+    case Category::weight_versions:
+      return m.weight_versions;
+    case Category::gradients:
+      return m.gradients;
+    case Category::optimizer:
+      return m.optimizer;
+    case Category::activations:
+      return m.activations;
+    case Category::workspace:
+      return m.workspace;
+  }
+  return m.workspace;
+}
+}  // namespace
+
+void MemoryCounter::add(Category c, std::int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  slot(now_, c) += bytes;
+  if (now_.total() > peak_) {
+    peak_ = now_.total();
+    at_peak_ = now_;
+  }
+}
+
+std::int64_t MemoryCounter::current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return now_.total();
+}
+
+std::int64_t MemoryCounter::peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_;
+}
+
+planner::MemoryBreakdown MemoryCounter::at_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return at_peak_;
+}
+
+Buffer::Buffer(MemoryCounter* counter, Category category, std::int64_t floats)
+    : counter_(counter), category_(category), data_(std::size_t(floats), 0.0f) {
+  if (counter_) counter_->add(category_, floats * std::int64_t(sizeof(float)));
+}
+
+Buffer::Buffer(Buffer&& o) noexcept
+    : counter_(o.counter_), category_(o.category_), data_(std::move(o.data_)) {
+  o.counter_ = nullptr;
+  o.data_.clear();
+}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    counter_ = o.counter_;
+    category_ = o.category_;
+    data_ = std::move(o.data_);
+    o.counter_ = nullptr;
+    o.data_.clear();
+  }
+  return *this;
+}
+
+Buffer::~Buffer() {
+  release();
+}
+
+void Buffer::release() {
+  if (counter_ && !data_.empty())
+    counter_->add(category_, -std::int64_t(data_.size() * sizeof(float)));
+  counter_ = nullptr;
+  data_.clear();
+  data_.shrink_to_fit();
+}
+
+}  // namespace pw::exec

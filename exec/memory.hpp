@@ -1,0 +1,53 @@
+// The executor's byte-counting allocator: every buffer a worker holds is counted by category, so a
+// measured run reports peak memory with the same breakdown as the planner and the simulator.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "planner/report.hpp"
+
+namespace pw::exec {
+
+enum class Category { weights, weight_versions, gradients, optimizer, activations, workspace };
+
+// Current and peak bytes of one device, by category. Thread-safe (ranks on one device share it).
+class MemoryCounter {
+ public:
+  void add(Category c, std::int64_t bytes);
+  std::int64_t current() const;
+  std::int64_t peak() const;
+  planner::MemoryBreakdown at_peak() const;  // the breakdown when the total peaked
+
+ private:
+  mutable std::mutex mutex_;
+  planner::MemoryBreakdown now_, at_peak_;
+  std::int64_t peak_ = 0;
+};
+
+// A float buffer whose bytes are counted while it lives.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(MemoryCounter* counter, Category category, std::int64_t floats);
+  Buffer(Buffer&& o) noexcept;
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  float* data() { return data_.data(); }
+  const float* data() const { return data_.data(); }
+  std::int64_t size() const { return std::int64_t(data_.size()); }
+  bool empty() const { return data_.empty(); }
+
+ private:
+  void release();
+  MemoryCounter* counter_ = nullptr;
+  Category category_ = Category::activations;
+  std::vector<float> data_;
+};
+
+}  // namespace pw::exec

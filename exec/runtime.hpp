@@ -1,0 +1,57 @@
+// The runtime: one worker per rank (a thread each on the CPU backend) interprets its program from
+// planner/ — the same programs the simulator replays — with real compute, a transport, 2BW's
+// double-buffered weights, gradient coalescing, data-parallel all-reduce and the optimizer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/model.hpp"
+#include "planner/plan.hpp"
+#include "planner/report.hpp"
+
+namespace pw::exec {
+
+struct TrainOptions {
+  int steps = 10;
+  std::string optimizer = "adamw";  // "adamw" or "sgd" (with momentum)
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;  // AdamW
+  float weight_decay = 0.0f;                       // AdamW, decoupled, on every parameter
+  float momentum = 0.9f;                           // SGD
+  std::uint64_t seed = 1234;                       // weights and the synthetic corpus
+  std::string data;                                // token file; empty: synthetic corpus
+  int gradient_buckets = 1;                        // all-reduce buckets per chunk
+};
+
+struct StepLog {
+  int step = 0;
+  double loss = 0;     // mean cross-entropy over the global batch
+  double seconds = 0;  // wall time from the previous step's end on every rank to this one's
+  double tokens_per_s = 0;
+};
+
+struct RankResult {
+  int rank = 0;
+  std::int64_t peak_memory_bytes = 0;       // the executor's own byte count (its device)
+  planner::MemoryBreakdown memory;          // at that peak
+  double busy_s = 0;                        // compute time over the whole run
+  std::vector<std::vector<float>> weights;  // newest weights per chunk, at the end
+  std::vector<std::string> slot_names;      // of chunk 0's layout (for tests)
+};
+
+struct TrainResult {
+  std::vector<StepLog> steps;
+  std::vector<RankResult> ranks;
+  double wall_s = 0;
+};
+
+// Trains `plan` (resolved; placement not needed: every rank is a thread here) for options.steps
+// optimizer steps; `on_step` is called once per step, in order, when every rank has finished it.
+TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
+                      const TrainOptions& options,
+                      const std::function<void(const StepLog&)>& on_step = {});
+
+}  // namespace pw::exec

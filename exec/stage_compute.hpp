@@ -1,0 +1,79 @@
+// The backend interface: forward, recompute and backward of one pipeline stage's layers for one
+// microbatch. exec/cpu implements it with OpenBLAS in fp32; exec/cuda will implement it too.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/model.hpp"
+
+namespace pw::exec {
+
+// The layers one stage (one model chunk) holds: the embedding on the first, blocks
+// [first_block, first_block + blocks), the final norm and LM head on the last.
+struct StageSpec {
+  models::ModelSpec model;
+  bool has_embedding = false;
+  std::int64_t first_block = 0;
+  std::int64_t blocks = 0;
+  bool has_head = false;
+};
+
+// A named tensor inside a stage's parameter blob (and, at the same offset, its gradient blob).
+struct TensorSlot {
+  std::string name;  // "wte", "wpe", "h3.ln1_w", "h3.qkv_w", ..., "lnf_w", "lm_head" (tied copy)
+  std::int64_t offset = 0;
+  std::int64_t size = 0;  // floats
+};
+
+// Sizes in floats (4 bytes) for a microbatch of b samples. These equal models::derive_costs() x b
+// for the stage's layers in fp32 exactly: the executor allocates what the planner predicts.
+struct StageSizes {
+  std::int64_t parameters = 0;
+  std::int64_t stash = 0;            // kept from forward to backward without recompute
+  std::int64_t stash_recompute = 0;  // kept with recompute (the stage input)
+  std::int64_t output = 0;           // activation sent to the next stage (0 on the last stage)
+  std::int64_t input = 0;            // activation received (0 on the first stage: token ids)
+  std::int64_t workspace = 0;        // scratch the backward may use
+};
+
+class StageCompute {
+ public:
+  virtual ~StageCompute() = default;
+  virtual const StageSpec& spec() const = 0;
+  virtual const std::vector<TensorSlot>& layout() const = 0;
+  virtual StageSizes sizes(int b) const = 0;
+
+  // GPT-2 initialisation (normal(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at
+  // 1/0), deterministic in (seed, tensor name): the same tensor gets the same values on every
+  // stage split, so a d-stage run starts from the single-device weights. The last stage's tied
+  // LM head copy gets the token embedding's values.
+  virtual void init_parameters(float* params, std::uint64_t seed) const = 0;
+
+  // Forward of one microbatch. First stage: `tokens` (b*T ids); other stages: `input` (b,T,C).
+  // Writes `stash` (sizes().stash floats, or stash_recompute with `recompute`), and `output`
+  // (b,T,C) unless last. The last stage reads `targets` (b*T) and returns the mean cross-entropy
+  // of the microbatch; other stages return 0.
+  virtual float forward(const float* params, const std::int32_t* tokens, const float* input,
+                        const std::int32_t* targets, int b, bool recompute, float* stash,
+                        float* output) = 0;
+
+  // Rebuilds the full stash (sizes().stash floats) from the stash kept with recompute.
+  virtual void recompute(const float* params, const std::int32_t* tokens,
+                         const std::int32_t* targets, int b, const float* kept,
+                         float* full_stash) = 0;
+
+  // Backward of one microbatch from the full stash. `d_output` (b,T,C) is the gradient of the
+  // stage output (ignored on the last stage, whose loss gradient is `loss_scale` per token: the
+  // runtime passes 1 / (tokens in the global batch) so summed gradients are those of the mean
+  // loss). Adds parameter gradients into `grads` (same layout as params) and writes `d_input`
+  // (b,T,C) unless first. `workspace` has sizes().workspace floats.
+  virtual void backward(const float* params, const float* full_stash, const float* d_output, int b,
+                        float loss_scale, float* grads, float* d_input, float* workspace) = 0;
+};
+
+std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);
+
+}  // namespace pw::exec

@@ -1,0 +1,71 @@
+// train_cpu: programs for the plan, one thread per rank, step logs as steps complete.
+#include <exception>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "exec/worker.hpp"
+
+namespace pw::exec {
+
+TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
+                      const TrainOptions& options,
+                      const std::function<void(const StepLog&)>& on_step) {
+  if (model.dtype != models::DType::fp32)
+    throw InputError(
+        fmt::format("model {}: the CPU backend trains in fp32 (the model says {}); "
+                    "use a model file with \"dtype\": \"fp32\"",
+                    model.name, models::to_string(model.dtype)));
+  if (options.optimizer != "adamw" && options.optimizer != "sgd")
+    throw InputError(fmt::format("--optimizer: unknown \"{}\" (adamw or sgd)", options.optimizer));
+  if (options.steps < 1) throw InputError("--steps must be at least 1");
+  const planner::Programs programs =
+      planner::generate_programs(plan, options.steps, options.gradient_buckets);
+  const TokenSource data(options.data, model.vocab, options.seed);
+  detail::Shared shared;
+  shared.model = &model;
+  shared.programs = &programs;
+  shared.options = &options;
+  shared.data = &data;
+  shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks()));
+  shared.finished.assign(std::size_t(options.steps), 0);
+  shared.loss_sum.assign(std::size_t(options.steps), 0.0);
+  shared.on_step = on_step;
+  std::vector<std::unique_ptr<detail::Worker>> workers;
+  for (int r = 0; r < plan.ranks(); ++r)
+    workers.push_back(std::make_unique<detail::Worker>(shared, r));
+  shared.start = detail::Clock::now();
+  std::vector<std::exception_ptr> errors(workers.size());
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < workers.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        workers[r]->run();
+      } catch (...) {
+        errors[r] = std::current_exception();
+        shared.transport.abort();
+      }
+    });
+  for (auto& t : threads)
+    t.join();
+  // The first real failure, not the aborts it caused elsewhere.
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (std::string(err.what()).rfind("transport aborted", 0) == 0) continue;
+      throw;
+    }
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  TrainResult result;
+  result.steps = shared.logs;
+  result.wall_s = std::chrono::duration<double>(detail::Clock::now() - shared.start).count();
+  for (const auto& w : workers)
+    result.ranks.push_back(w->result());
+  return result;
+}
+
+}  // namespace pw::exec

@@ -1,0 +1,294 @@
+// One rank's worker: interprets its program op by op with real compute (see runtime.hpp).
+#include "exec/worker.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace pw::exec::detail {
+
+using planner::Op;
+using planner::OpKind;
+
+void Shared::add_loss(int step, double loss) {
+  std::lock_guard<std::mutex> lock(mutex);
+  loss_sum[std::size_t(step)] += loss;
+}
+
+void Shared::finish_step(int step) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (++finished[std::size_t(step)] < plan().ranks()) return;
+  const double now = std::chrono::duration<double>(Clock::now() - start).count();
+  const planner::Plan& p = plan();
+  StepLog log;
+  log.step = step;
+  log.loss = loss_sum[std::size_t(step)] / (double(p.m) * p.w);
+  log.seconds = now - last_end_s;
+  log.tokens_per_s = double(p.global_batch()) * double(model->seq_len) / log.seconds;
+  last_end_s = now;
+  logs.push_back(log);
+  if (on_step) on_step(log);
+}
+
+Worker::Worker(Shared& s, int rank)
+    : s_(s),
+      rank_(rank),
+      stage_(s.plan().stage_of(rank)),
+      replica_(s.plan().replica_of(rank)),
+      memory_(&s.devices[std::size_t(rank)]) {
+  const planner::Plan& p = s.plan();
+  std::int64_t workspace = 0;
+  for (int c = 0; c < p.v; ++c) {
+    const int vs = c * p.d + stage_;
+    StageSpec spec;
+    spec.model = *s.model;
+    for (int i = 0; i < vs; ++i)
+      spec.first_block += p.stage_blocks[std::size_t(i)];
+    spec.blocks = p.stage_blocks[std::size_t(vs)];
+    spec.has_embedding = vs == 0;
+    spec.has_head = vs == p.virtual_stages() - 1;
+    Chunk ch;
+    ch.stage = make_cpu_stage(spec);
+    ch.sizes = ch.stage->sizes(p.b);
+    ch.first = spec.has_embedding;
+    ch.last = spec.has_head;
+    const std::int64_t n = ch.sizes.parameters;
+    ch.slots[0] = Buffer(memory_, Category::weights, n);
+    ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
+    ch.grads = Buffer(memory_, Category::gradients, n);
+    ch.m = Buffer(memory_, Category::optimizer, n);
+    if (s.options->optimizer == "adamw") ch.v = Buffer(memory_, Category::optimizer, n);
+    if (s.model->tied_embeddings && ch.first != ch.last)
+      for (const auto& slot : ch.stage->layout())
+        if (slot.name == (ch.first ? "wte" : "lm_head")) {
+          ch.tied_offset = slot.offset;
+          ch.tied_size = slot.size;
+        }
+    workspace = std::max(workspace, ch.sizes.workspace);
+    chunks_.push_back(std::move(ch));
+  }
+  workspace_ = Buffer(memory_, Category::workspace, workspace);
+  version_slot_[0] = 0;
+}
+
+void Worker::run() {
+  const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
+  for (const Op& op : ops)
+    step(op);
+}
+
+void Worker::step(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  const planner::Plan& p = s_.plan();
+  switch (op.kind) {
+    case OpKind::forward:
+      return forward(op);
+    case OpKind::recompute:
+      return recompute(op);
+    case OpKind::backward:
+      return backward(op);
+    case OpKind::send_activation:
+      s_.transport.send(
+          rank_, op.peer, Channel::activation,
+          std::vector<float>(outputs_[key].data(), outputs_[key].data() + outputs_[key].size()));
+      outputs_.erase(key);
+      return;
+    case OpKind::send_gradient:
+      s_.transport.send(
+          rank_, op.peer, Channel::gradient,
+          std::vector<float>(d_inputs_[key].data(), d_inputs_[key].data() + d_inputs_[key].size()));
+      d_inputs_.erase(key);
+      return;
+    case OpKind::recv_activation:
+      inputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::activation));
+      return;
+    case OpKind::recv_gradient:
+      d_outputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::gradient));
+      return;
+    case OpKind::all_reduce:
+      return all_reduce(op);
+    case OpKind::free_version:
+      slot_free_[version_slot_.at(op.version)] = true;
+      version_slot_.erase(op.version);
+      return;
+    case OpKind::optimizer_step:
+      return optimizer_step(op);
+  }
+  (void)p;
+}
+
+Buffer Worker::to_buffer(std::vector<float> data) {
+  Buffer b(memory_, Category::activations, std::int64_t(data.size()));
+  std::memcpy(b.data(), data.data(), data.size() * sizeof(float));
+  return b;
+}
+
+const float* Worker::params(const Chunk& c, int version) const {
+  return c.slots[version_slot_.at(version)].data();
+}
+
+// The samples of (step, microbatch) for this replica: the global batch of step t is samples
+// [t B, (t+1) B); replica r takes its m*b consecutive ones, microbatch j the b after j*b.
+void Worker::samples(const Op& op, std::vector<std::int32_t>& tokens,
+                     std::vector<std::int32_t>& targets) const {
+  const planner::Plan& p = s_.plan();
+  const int T = int(s_.model->seq_len);
+  tokens.resize(std::size_t(p.b) * T);
+  targets.resize(std::size_t(p.b) * T);
+  const std::int64_t first =
+      (std::int64_t(op.step) * p.w + replica_) * p.m * p.b + std::int64_t(op.microbatch) * p.b;
+  for (int i = 0; i < p.b; ++i)
+    s_.data->sample(first + i, T, tokens.data() + std::size_t(i) * T,
+                    targets.data() + std::size_t(i) * T);
+}
+
+void Worker::forward(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const bool rc = s_.plan().recomputes(stage_);
+  std::vector<std::int32_t> tokens, targets;
+  if (c.first || c.last) samples(op, tokens, targets);
+  Buffer stash(memory_, Category::activations, rc ? c.sizes.stash_recompute : c.sizes.stash);
+  Buffer out(memory_, Category::activations, c.sizes.output);
+  const auto t0 = Clock::now();
+  const float loss = c.stage->forward(params(c, op.version), c.first ? tokens.data() : nullptr,
+                                      c.first ? nullptr : inputs_.at(key).data(),
+                                      c.last ? targets.data() : nullptr, s_.plan().b, rc,
+                                      stash.data(), c.last ? nullptr : out.data());
+  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (c.last) s_.add_loss(op.step, loss);
+  inputs_.erase(key);
+  stash_[key] = std::move(stash);
+  if (!c.last) outputs_[key] = std::move(out);
+}
+
+void Worker::recompute(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  std::vector<std::int32_t> tokens, targets;
+  if (c.first || c.last) samples(op, tokens, targets);
+  Buffer full(memory_, Category::activations, c.sizes.stash);
+  const auto t0 = Clock::now();
+  c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
+                     c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
+                     full.data());
+  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  full_[key] = std::move(full);
+}
+
+void Worker::backward(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const planner::Plan& p = s_.plan();
+  const bool rc = p.recomputes(stage_);
+  const float* full = rc ? full_.at(key).data() : stash_.at(key).data();
+  Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input);
+  // Gradients of the mean loss over the global batch: 1 / (B T) per token.
+  const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
+  const auto t0 = Clock::now();
+  c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(), p.b,
+                    scale, c.grads.data(), c.first ? nullptr : d_input.data(), workspace_.data());
+  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  stash_.erase(key);
+  full_.erase(key);
+  d_outputs_.erase(key);
+  if (!c.first) d_inputs_[key] = std::move(d_input);
+}
+
+void Worker::all_reduce(const Op& op) {
+  const planner::Plan& p = s_.plan();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const int buckets = s_.programs->buckets;
+  const std::int64_t n = c.grads.size(), per = (n + buckets - 1) / buckets;
+  const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
+  std::vector<int> group;
+  for (int r = 0; r < p.w; ++r)
+    group.push_back(p.rank_of(stage_, r));
+  s_.transport.all_reduce_sum(fmt::format("ar/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket),
+                              group, rank_, c.grads.data() + begin, end - begin);
+}
+
+// The token embedding (stage 0) and the LM head's copy (last stage) are one parameter: both get
+// the sum of their gradients, added in the same order on both sides, so they stay identical.
+void Worker::sync_tied_gradients() {
+  const planner::Plan& p = s_.plan();
+  for (Chunk& c : chunks_) {
+    if (c.tied_offset < 0) continue;
+    const int partner = p.rank_of(c.first ? p.d - 1 : 0, replica_);
+    float* mine = c.grads.data() + c.tied_offset;
+    s_.transport.send(rank_, partner, Channel::tied, std::vector<float>(mine, mine + c.tied_size));
+    const std::vector<float> theirs = s_.transport.recv(partner, rank_, Channel::tied);
+    for (std::int64_t i = 0; i < c.tied_size; ++i) {
+      const float embedding = c.first ? mine[i] : theirs[std::size_t(i)];
+      const float head = c.first ? theirs[std::size_t(i)] : mine[i];
+      mine[i] = embedding + head;
+    }
+  }
+}
+
+void Worker::optimizer_step(const Op& op) {
+  sync_tied_gradients();
+  ++updates_;
+  // The new version goes into a freed slot (in place for flush schedules, where the version just
+  // freed is the newest), or into the second slot the first time 2BW needs two.
+  int target = slot_free_[0] ? 0 : (slot_free_[1] ? 1 : -1);
+  if (target < 0)
+    throw Error(fmt::format("rank {}: no free weight slot for version {}", rank_, op.version));
+  if (!slot_allocated_[target]) {
+    for (Chunk& c : chunks_)
+      c.slots[target] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+    slot_allocated_[target] = true;
+  }
+  const auto t0 = Clock::now();
+  for (Chunk& c : chunks_)
+    update(c, newest_slot_, target);
+  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  version_slot_[op.version] = target;
+  slot_free_[target] = false;
+  newest_slot_ = target;
+  s_.finish_step(op.step);
+}
+
+void Worker::update(Chunk& c, int source, int target) {
+  const TrainOptions& o = *s_.options;
+  const float* w = c.slots[source].data();
+  float* out = c.slots[target].data();
+  float* g = c.grads.data();
+  float* m = c.m.data();
+  const std::int64_t n = c.grads.size();
+  if (o.optimizer == "sgd") {
+    for (std::int64_t i = 0; i < n; ++i) {
+      m[i] = o.momentum * m[i] + g[i];
+      out[i] = w[i] - o.lr * m[i];
+      g[i] = 0;
+    }
+    return;
+  }
+  float* v = c.v.data();
+  const float c1 = 1.0f - std::pow(o.beta1, float(updates_));
+  const float c2 = 1.0f - std::pow(o.beta2, float(updates_));
+  for (std::int64_t i = 0; i < n; ++i) {
+    m[i] = o.beta1 * m[i] + (1 - o.beta1) * g[i];
+    v[i] = o.beta2 * v[i] + (1 - o.beta2) * g[i] * g[i];
+    const float step = (m[i] / c1) / (std::sqrt(v[i] / c2) + o.eps) + o.weight_decay * w[i];
+    out[i] = w[i] - o.lr * step;
+    g[i] = 0;
+  }
+}
+
+RankResult Worker::result() const {
+  RankResult r;
+  r.rank = rank_;
+  r.peak_memory_bytes = memory_->peak();
+  r.memory = memory_->at_peak();
+  r.busy_s = busy_s_;
+  for (const Chunk& c : chunks_)
+    r.weights.emplace_back(c.slots[newest_slot_].data(),
+                           c.slots[newest_slot_].data() + c.slots[newest_slot_].size());
+  for (const auto& slot : chunks_.front().stage->layout())
+    r.slot_names.push_back(slot.name);
+  return r;
+}
+
+}  // namespace pw::exec::detail

@@ -1,0 +1,88 @@
+// Internal to exec/: one rank's worker and the state the workers share.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "exec/data.hpp"
+#include "exec/memory.hpp"
+#include "exec/runtime.hpp"
+#include "exec/stage_compute.hpp"
+#include "exec/transport.hpp"
+#include "planner/program.hpp"
+
+namespace pw::exec::detail {
+
+using Clock = std::chrono::steady_clock;
+
+struct Shared {
+  const models::ModelSpec* model = nullptr;
+  const planner::Programs* programs = nullptr;
+  const TrainOptions* options = nullptr;
+  const TokenSource* data = nullptr;
+  InProcessTransport transport;
+  std::vector<MemoryCounter> devices;  // one per rank: each thread is its own device
+  Clock::time_point start;
+  std::function<void(const StepLog&)> on_step;
+
+  std::mutex mutex;
+  std::vector<int> finished;     // ranks done with each step
+  std::vector<double> loss_sum;  // microbatch mean losses of each step
+  std::vector<StepLog> logs;
+  double last_end_s = 0;
+
+  const planner::Plan& plan() const { return programs->plan; }
+  void add_loss(int step, double loss);
+  void finish_step(int step);
+};
+
+class Worker {
+ public:
+  Worker(Shared& shared, int rank);
+  void run();
+  RankResult result() const;
+
+ private:
+  using Key = std::tuple<int, int, int>;  // (step, microbatch, chunk)
+  struct Chunk {
+    std::unique_ptr<StageCompute> stage;
+    StageSizes sizes;
+    Buffer slots[2];  // weight versions: slot 0 counted as weights, slot 1 as weight_versions
+    Buffer grads, m, v;
+    std::int64_t tied_offset = -1, tied_size = 0;  // "wte" or "lm_head" when shared across stages
+    bool first = false, last = false;              // first / last virtual stage
+  };
+
+  void step(const planner::Op& op);
+  void forward(const planner::Op& op);
+  void recompute(const planner::Op& op);
+  void backward(const planner::Op& op);
+  void all_reduce(const planner::Op& op);
+  void optimizer_step(const planner::Op& op);
+  void sync_tied_gradients();
+  void update(Chunk& c, int source, int target);
+  const float* params(const Chunk& c, int version) const;
+  void samples(const planner::Op& op, std::vector<std::int32_t>& tokens,
+               std::vector<std::int32_t>& targets) const;
+  Buffer to_buffer(std::vector<float> data);
+
+  Shared& s_;
+  int rank_, stage_, replica_;
+  MemoryCounter* memory_;
+  std::vector<Chunk> chunks_;
+  Buffer workspace_;
+  std::map<int, int> version_slot_;
+  bool slot_free_[2] = {false, true};
+  bool slot_allocated_[2] = {true, false};
+  int newest_slot_ = 0;
+  int updates_ = 0;
+  std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
+  double busy_s_ = 0;
+};
+
+}  // namespace pw::exec::detail
