@@ -37,6 +37,8 @@ struct StageSizes {
   std::int64_t output = 0;           // activation sent to the next stage (0 on the last stage)
   std::int64_t input = 0;            // activation received (0 on the first stage: token ids)
   std::int64_t workspace = 0;        // scratch the backward may use
+  std::int64_t scratch = 0;          // transient activations of forward with recompute: the largest
+                                     // layer's stash (the layers run one at a time in it)
 };
 
 class StageCompute {
@@ -55,10 +57,12 @@ class StageCompute {
   // Forward of one microbatch. First stage: `tokens` (b*T ids); other stages: `input` (b,T,C).
   // Writes `stash` (sizes().stash floats, or stash_recompute with `recompute`), and `output`
   // (b,T,C) unless last. The last stage reads `targets` (b*T) and returns the mean cross-entropy
-  // of the microbatch; other stages return 0.
+  // of the microbatch; other stages return 0. With `recompute` the layers' activations live only
+  // in `scratch` (sizes().scratch floats, free again when forward returns); without, it is unused
+  // and may be null.
   virtual float forward(const float* params, const std::int32_t* tokens, const float* input,
                         const std::int32_t* targets, int b, bool recompute, float* stash,
-                        float* output) = 0;
+                        float* output, float* scratch = nullptr) = 0;
 
   // Rebuilds the full stash (sizes().stash floats) from the stash kept with recompute.
   virtual void recompute(const float* params, const std::int32_t* tokens,

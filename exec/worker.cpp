@@ -1,6 +1,8 @@
 // One rank's worker: interprets its program op by op with real compute (see runtime.hpp).
 #include "exec/worker.hpp"
 
+#include "exec/optimizer.hpp"
+
 #include <cmath>
 #include <cstring>
 
@@ -151,6 +153,8 @@ void Worker::forward(const Op& op) {
   if (c.first || c.last) samples(op, tokens, targets);
   Buffer stash(memory_, Category::activations, rc ? c.sizes.stash_recompute : c.sizes.stash);
   Buffer out(memory_, Category::activations, c.sizes.output);
+  // With recompute the layers run through a scratch as large as one layer's stash, freed at once.
+  Buffer scratch(memory_, Category::activations, rc ? c.sizes.scratch : 0);
   const auto t0 = Clock::now();
   const float loss = c.stage->forward(params(c, op.version), c.first ? tokens.data() : nullptr,
                                       c.first ? nullptr : inputs_.at(key).data(),
@@ -251,30 +255,8 @@ void Worker::optimizer_step(const Op& op) {
 }
 
 void Worker::update(Chunk& c, int source, int target) {
-  const TrainOptions& o = *s_.options;
-  const float* w = c.slots[source].data();
-  float* out = c.slots[target].data();
-  float* g = c.grads.data();
-  float* m = c.m.data();
-  const std::int64_t n = c.grads.size();
-  if (o.optimizer == "sgd") {
-    for (std::int64_t i = 0; i < n; ++i) {
-      m[i] = o.momentum * m[i] + g[i];
-      out[i] = w[i] - o.lr * m[i];
-      g[i] = 0;
-    }
-    return;
-  }
-  float* v = c.v.data();
-  const float c1 = 1.0f - std::pow(o.beta1, float(updates_));
-  const float c2 = 1.0f - std::pow(o.beta2, float(updates_));
-  for (std::int64_t i = 0; i < n; ++i) {
-    m[i] = o.beta1 * m[i] + (1 - o.beta1) * g[i];
-    v[i] = o.beta2 * v[i] + (1 - o.beta2) * g[i] * g[i];
-    const float step = (m[i] / c1) / (std::sqrt(v[i] / c2) + o.eps) + o.weight_decay * w[i];
-    out[i] = w[i] - o.lr * step;
-    g[i] = 0;
-  }
+  optimizer_update(*s_.options, updates_, c.slots[source].data(), c.slots[target].data(),
+                   c.grads.data(), c.m.data(), c.v.data(), c.grads.size());
 }
 
 RankResult Worker::result() const {

@@ -1,0 +1,114 @@
+// `pipewright train --backend cpu`: run a plan for real (one thread per rank, OpenBLAS, fp32) and
+// write the run report with "source": "measured".
+#include <algorithm>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/options.hpp"
+#include "exec/runtime.hpp"
+#include "planner/cost_model.hpp"
+
+namespace pw::cli {
+
+namespace {
+
+struct TrainArgs {
+  std::string model = "gpt-tiny";
+  PlanOptions plan;
+  std::string backend = "cpu";
+  exec::TrainOptions options;
+  std::string out;
+};
+
+planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
+                                   const exec::TrainResult& r) {
+  planner::RunReport rep;
+  rep.source = "measured";
+  rep.model = model.name;
+  rep.cluster = fmt::format("cpu:{}", plan.ranks());
+  rep.plan = plan;
+  // Steady state: the mean step after the first (which includes the pipeline's warm-up).
+  const std::size_t skip = r.steps.size() > 1 ? 1 : 0;
+  double sum = 0;
+  for (std::size_t i = skip; i < r.steps.size(); ++i)
+    sum += r.steps[i].seconds;
+  rep.iteration_time_s = sum / double(r.steps.size() - skip);
+  rep.samples_per_s = double(plan.global_batch()) / rep.iteration_time_s;
+  rep.tokens_per_s = rep.samples_per_s * double(model.seq_len);
+  rep.model_flops_per_s = rep.samples_per_s * models::derive_costs(model).flops_per_sample;
+  for (const auto& rank : r.ranks) {
+    planner::DeviceReport d;
+    d.rank = rank.rank;
+    d.stage = plan.stage_of(rank.rank);
+    d.replica = plan.replica_of(rank.rank);
+    d.peak_memory_bytes = rank.peak_memory_bytes;
+    d.memory = rank.memory;
+    d.busy_s = rank.busy_s / double(r.steps.size());
+    d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
+    rep.devices.push_back(d);
+  }
+  common::Json losses = common::Json::array(), times = common::Json::array();
+  for (const auto& s : r.steps) {
+    losses.push_back(s.loss);
+    times.push_back(s.seconds);
+  }
+  rep.extra["losses"] = losses;
+  rep.extra["step_times_s"] = times;
+  rep.extra["backend"] = "cpu";
+  return rep;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("train",
+                                 "train a plan for real: one log line per step, a "
+                                 "measured run report");
+  auto a = std::make_shared<TrainArgs>();
+  cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
+      ->capture_default_str();
+  a->plan.add(*cmd);
+  cmd->add_option("--backend", a->backend, "cpu (cuda: a later issue)")->capture_default_str();
+  cmd->add_option("--steps", a->options.steps, "optimizer steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--data", a->options.data,
+                  "token file (uint16 little-endian); default: a "
+                  "synthetic corpus");
+  cmd->add_option("--optimizer", a->options.optimizer, "adamw or sgd")->capture_default_str();
+  cmd->add_option("--lr", a->options.lr, "learning rate")->capture_default_str();
+  cmd->add_option("--weight-decay", a->options.weight_decay, "AdamW decoupled weight decay")
+      ->capture_default_str();
+  cmd->add_option("--seed", a->options.seed, "weights and synthetic data")->capture_default_str();
+  cmd->add_option("--buckets", a->options.gradient_buckets, "all-reduce buckets per stage")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
+  cmd->callback([a] {
+    if (a->backend != "cpu")
+      throw InputError(a->backend == "cuda"
+                           ? "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
+                           : fmt::format("--backend: unknown \"{}\" (cpu)", a->backend));
+    const models::ModelSpec model = models::load_model(a->model);
+    planner::Plan plan = a->plan.build(model.layers, 1);
+    if (a->plan.plan_file.empty() && !a->plan.w) plan.w = 1;
+    planner::check(plan);
+    fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads\n", model.name,
+               to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
+               a->options.steps, plan.ranks());
+    const exec::TrainResult r =
+        exec::train_cpu(model, plan, a->options, [](const exec::StepLog& s) {
+          fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s\n", s.step, s.loss,
+                     1e3 * s.seconds, s.tokens_per_s);
+          std::fflush(stdout);
+        });
+    if (!a->out.empty()) {
+      common::write_json_file(a->out, planner::to_json(measured_report(model, plan, r)));
+      fmt::print("wrote {}\n", a->out);
+    }
+  });
+}
+
+}  // namespace pw::cli

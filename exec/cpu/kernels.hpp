@@ -1,0 +1,80 @@
+// fp32 CPU kernels of a GPT-2 block, forward and backward, in the style of llm.c's train_gpt2.c.
+#pragma once
+
+#include <cstdint>
+
+namespace pw::exec::cpu {
+
+// Shapes: B samples, T tokens, C channels, OC output channels, NH heads, V vocabulary, N rows.
+// Backward kernels ADD into parameter gradients; whether they add into or overwrite the input
+// gradient is said per kernel. Every matrix multiply is a row-major cblas_sgemm.
+
+// out = wte[tokens] + wpe[t]. Token ids outside [0, V) throw pw::InputError.
+void embedding_forward(float* out,                  // (B, T, C)
+                       const std::int32_t* tokens,  // (B, T)
+                       const float* wte,            // (V, C)
+                       const float* wpe,            // (maxT, C)
+                       int B, int T, int C, int V);
+// dwte[tokens] += dout; dwpe[t] += dout.
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
+                        int B, int T, int C);
+
+// out = (inp - mean) * rstd * weight + bias per row; keeps mean and rstd for the backward.
+void layernorm_forward(float* out, float* mean, float* rstd,  // (N, C), (N), (N)
+                       const float* inp, const float* weight, const float* bias, int N, int C);
+// dinp = (accumulate ? dinp : 0) + d(inp). In place (dinp == dout, accumulate false) is allowed:
+// each row reads dout before it writes dinp.
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int N, int C, bool accumulate);
+
+// out = residual + inp · weight^T + bias, with weight (OC, C) as in PyTorch's nn.Linear. bias and
+// residual may be null. The residual add is fused: its backward is the identity, which the caller
+// realises by adding every branch's input gradient into one residual-stream gradient.
+void matmul_forward(float* out,             // (N, OC)
+                    const float* inp,       // (N, C)
+                    const float* weight,    // (OC, C)
+                    const float* bias,      // (OC) or null
+                    const float* residual,  // (N, OC) or null; may alias out
+                    int N, int C, int OC);
+// dinp = dout · weight (overwritten); dweight += dout^T · inp; dbias += column sums of dout.
+// dbias may be null (no bias).
+void matmul_backward(float* dinp,          // (N, C)
+                     float* dweight,       // (OC, C)
+                     float* dbias,         // (OC)
+                     const float* dout,    // (N, OC)
+                     const float* inp,     // (N, C)
+                     const float* weight,  // (OC, C)
+                     int N, int C, int OC);
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+void gelu_forward(float* out, const float* inp, std::int64_t n);
+// dinp = gelu'(inp) * dout (overwritten; dinp may alias dout).
+void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n);
+
+// Causal multi-head attention. qkv holds [q | k | v] per token, heads side by side in each.
+// att = softmax(q k^T / sqrt(hd)) with zeros above the diagonal; out = att · v.
+void attention_forward(float* out,        // (B, T, C)
+                       float* att,        // (B, NH, T, T)
+                       const float* qkv,  // (B, T, 3C)
+                       int B, int T, int C, int NH);
+// dqkv = d(qkv) (overwritten). scratch holds rows of dS (T floats each); scratch_floats >= T.
+// More scratch means fewer, larger GEMMs (T * T floats is one GEMM per head).
+void attention_backward(float* dqkv,        // (B, T, 3C)
+                        const float* dout,  // (B, T, C)
+                        const float* qkv,   // (B, T, 3C)
+                        const float* att,   // (B, NH, T, T)
+                        float* scratch, std::int64_t scratch_floats, int B, int T, int C, int NH);
+
+// Softmax over V in place (logits become probabilities) and losses = -log p[target]. Targets
+// outside [0, V) throw pw::InputError. Returns the sum of the N losses (accumulated in double).
+double softmax_crossentropy_forward(float* probs,   // (N, V): logits in, probabilities out
+                                    float* losses,  // (N)
+                                    const std::int32_t* targets,  // (N)
+                                    int N, int V);
+// dlogits = (probs - onehot(target)) * scale, the gradient of scale * sum of the losses.
+void softmax_crossentropy_backward(float* dlogits,      // (N, V)
+                                   const float* probs,  // (N, V)
+                                   const std::int32_t* targets, float scale, int N, int V);
+
+}  // namespace pw::exec::cpu
