@@ -156,10 +156,10 @@ void Worker::forward(const Op& op) {
   // With recompute the layers run through a scratch as large as one layer's stash, freed at once.
   Buffer scratch(memory_, Category::activations, rc ? c.sizes.scratch : 0);
   const auto t0 = Clock::now();
-  const float loss = c.stage->forward(params(c, op.version), c.first ? tokens.data() : nullptr,
-                                      c.first ? nullptr : inputs_.at(key).data(),
-                                      c.last ? targets.data() : nullptr, s_.plan().b, rc,
-                                      stash.data(), c.last ? nullptr : out.data());
+  const float loss = c.stage->forward(
+      params(c, op.version), c.first ? tokens.data() : nullptr,
+      c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
+      rc, stash.data(), c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
   busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
   if (c.last) s_.add_loss(op.step, loss);
   inputs_.erase(key);
