@@ -13,6 +13,7 @@ void add_estimate_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_profile_command(CLI::App& app);
 void add_sweep_command(CLI::App& app);
 
 }  // namespace pw::cli

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   pw::cli::add_simulate_command(app);
   pw::cli::add_plan_command(app);
   pw::cli::add_train_command(app);
+  pw::cli::add_profile_command(app);
   pw::cli::add_sweep_command(app);
   try {
     app.parse(argc, argv);

@@ -37,7 +37,7 @@ expect_error() {
 }
 
 # --help everywhere.
-for cmd in "" models clusters trace schedule estimate simulate plan sweep train; do
+for cmd in "" models clusters trace schedule estimate simulate plan sweep train profile; do
   expect_ok "help $cmd" $PW $cmd --help
 done
 expect_ok "version" $PW --version
@@ -171,6 +171,19 @@ assert all(x['peak_memory_bytes'] > 0 for x in d['devices'])
 expect_error "train cuda without gpu" "CUDA" "$O" $PW train --model gpt-tiny --backend cuda --steps 1 --out "$O"
 expect_error "train fp16 model on cpu" "fp32" "$O" $PW train --model gpt2-124m --steps 1 --out "$O"
 expect_error "train bad token file" "cannot open token file" "$O" $PW train --model gpt-tiny --data "$TMP/none.bin" --steps 1 --out "$O"
+
+# profile: a measured trace that estimate and simulate accept.
+expect_ok "profile" $PW profile --model gpt-tiny --microbatch 1,2 --repeats 1 --out "$TMP/cpu-trace.json"
+python3 -c "
+import json
+t = json.load(open('$TMP/cpu-trace.json'))
+assert t['format'] == 'pipewright.trace/1' and t['source']['kind'] == 'measured'
+assert [e['microbatch_size'] for e in t['entries']] == [1, 2]
+assert all(e['layers']['block']['forward_s'] > 0 for e in t['entries'])
+" && ok || bad "profile trace"
+expect_ok "simulate with the measured trace" $PW simulate --model gpt-tiny --cluster h100-x1 --trace "$TMP/cpu-trace.json" -d 2 --ranks-per-gpu 2 -m 2 -b 2 --schedule 1f1b
+expect_error "profile cuda without gpu" "CUDA" "$O" $PW profile --model gpt-tiny --backend cuda --out "$O"
+expect_error "profile fp16 model" "fp32" "$O" $PW profile --model gpt2-124m --out "$O"
 
 # Bad inputs.
 echo '{ "format": "pipewright.model/1", "name": "x", ' >"$TMP/broken.json"
