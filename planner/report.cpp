@@ -135,9 +135,10 @@ std::string describe_oom(const RunReport& r) {
     auto biggest = *std::max_element(std::begin(terms), std::end(terms),
                                      [](auto& a, auto& b) { return a.second < b.second; });
     return fmt::format(
-        "rank {} (stage {}) needs {} on node {} gpu {}, which has {} (largest term: {} {})",
-        d.rank, d.stage, common::human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
-        common::human_bytes(double(d.capacity_bytes)), biggest.first, common::human_bytes(double(biggest.second)));
+        "rank {} (stage {}) needs {} on node {} gpu {}, which has {} (largest term: {} {})", d.rank,
+        d.stage, common::human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
+        common::human_bytes(double(d.capacity_bytes)), biggest.first,
+        common::human_bytes(double(biggest.second)));
   }
   return "";
 }

@@ -131,7 +131,8 @@ SimOutcome finish(Running& r) {
 // writing (EOF), or -1.
 int read_some(std::vector<Running>& running) {
   std::vector<pollfd> fds;
-  for (const auto& r : running) fds.push_back({r.fd, POLLIN, 0});
+  for (const auto& r : running)
+    fds.push_back({r.fd, POLLIN, 0});
   while (::poll(fds.data(), fds.size(), -1) < 0)
     if (errno != EINTR) throw Error(fmt::format("simulate: poll: {}", std::strerror(errno)));
   char buf[1 << 16];

@@ -44,7 +44,8 @@ Searched search(const Scenario& s) {
 SimulateFn simulator(const Searched& s) {
   return [&s](const std::vector<Plan>& plans) {
     std::vector<sim::SimJob> jobs;
-    for (const auto& p : plans) jobs.push_back({s.model, s.trace, s.cluster, p, {.steps = 3}});
+    for (const auto& p : plans)
+      jobs.push_back({s.model, s.trace, s.cluster, p, {.steps = 3}});
     std::vector<Simulated> out;
     for (const auto& o : sim::simulate_batch(jobs, 2)) {
       Simulated x;
@@ -112,8 +113,7 @@ TEST(Search, EnumeratesOnlyValidPlans) {
       EXPECT_EQ(p.global_batch(), 32);
       if (p.schedule == Schedule::two_bw) EXPECT_GE(p.m, p.d);
     }
-  EXPECT_EQ(s.result.considered,
-            std::int64_t(s.result.fitting.size() + s.result.rejected.size()));
+  EXPECT_EQ(s.result.considered, std::int64_t(s.result.fitting.size() + s.result.rejected.size()));
 }
 
 TEST(Search, NothingFitsExplainsTheBiggestTerm) {
