@@ -20,6 +20,7 @@ struct TrainArgs {
   std::string backend = "cpu";
   exec::TrainOptions options;
   std::string out;
+  std::string timeline;
 };
 
 planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
@@ -86,6 +87,8 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
+  cmd->add_option("--timeline", a->timeline,
+                  "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
   cmd->callback([a] {
     if (a->backend != "cpu")
       throw InputError(a->backend == "cuda"
@@ -104,8 +107,18 @@ void add_train_command(CLI::App& app) {
                      1e3 * s.seconds, s.tokens_per_s);
           std::fflush(stdout);
         });
+    planner::RunReport report = measured_report(model, plan, r);
+    if (!a->timeline.empty()) {
+      std::vector<planner::RankTimeline> ranks;
+      for (const auto& rank : r.ranks)
+        ranks.push_back(rank.timeline);
+      common::write_file_atomic(a->timeline,
+                                planner::chrome_trace(r.programs, ranks).dump() + "\n");
+      report.timeline = a->timeline;
+      fmt::print("wrote {}\n", a->timeline);
+    }
     if (!a->out.empty()) {
-      common::write_json_file(a->out, planner::to_json(measured_report(model, plan, r)));
+      common::write_json_file(a->out, planner::to_json(report));
       fmt::print("wrote {}\n", a->out);
     }
   });

@@ -26,6 +26,7 @@ std::int64_t& slot(planner::MemoryBreakdown& m, Category c) {
 void MemoryCounter::add(Category c, std::int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   slot(now_, c) += bytes;
+  samples_.emplace_back(std::chrono::steady_clock::now(), now_.total());
   if (now_.total() > peak_) {
     peak_ = now_.total();
     at_peak_ = now_;
@@ -45,6 +46,12 @@ std::int64_t MemoryCounter::peak() const {
 planner::MemoryBreakdown MemoryCounter::at_peak() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return at_peak_;
+}
+
+std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> MemoryCounter::samples()
+    const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return samples_;
 }
 
 Buffer::Buffer(MemoryCounter* counter, Category category, std::int64_t floats)

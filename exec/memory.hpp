@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -20,11 +21,14 @@ class MemoryCounter {
   std::int64_t current() const;
   std::int64_t peak() const;
   planner::MemoryBreakdown at_peak() const;  // the breakdown when the total peaked
+  // (time, total bytes) at every change, for the timeline's memory counter.
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> samples() const;
 
  private:
   mutable std::mutex mutex_;
   planner::MemoryBreakdown now_, at_peak_;
   std::int64_t peak_ = 0;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> samples_;
 };
 
 // A float buffer whose bytes are counted while it lives.

@@ -10,7 +10,9 @@
 
 #include "models/model.hpp"
 #include "planner/plan.hpp"
+#include "planner/program.hpp"
 #include "planner/report.hpp"
+#include "planner/timeline.hpp"
 
 namespace pw::exec {
 
@@ -40,9 +42,11 @@ struct RankResult {
   double busy_s = 0;                        // compute time over the whole run
   std::vector<std::vector<float>> weights;  // newest weights per chunk, at the end
   std::vector<std::string> slot_names;      // of chunk 0's layout (for tests)
+  planner::RankTimeline timeline;           // every op's wall-clock interval, memory over time
 };
 
 struct TrainResult {
+  planner::Programs programs;  // what ran (the timeline indexes its ops)
   std::vector<StepLog> steps;
   std::vector<RankResult> ranks;
   double wall_s = 0;

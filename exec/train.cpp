@@ -61,6 +61,7 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   TrainResult result;
+  result.programs = programs;
   result.steps = shared.logs;
   result.wall_s = std::chrono::duration<double>(detail::Clock::now() - shared.start).count();
   for (const auto& w : workers)

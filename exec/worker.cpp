@@ -76,8 +76,13 @@ Worker::Worker(Shared& s, int rank)
 
 void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
-  for (const Op& op : ops)
-    step(op);
+  for (op_ = 0; op_ < int(ops.size()); ++op_)
+    step(ops[std::size_t(op_)]);
+}
+
+void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
+  ops_.push_back({stream, std::chrono::duration<double>(a - s_.start).count(),
+                  std::chrono::duration<double>(b - s_.start).count(), op_});
 }
 
 void Worker::step(const Op& op) {
@@ -91,23 +96,31 @@ void Worker::step(const Op& op) {
     case OpKind::backward:
       return backward(op);
     case OpKind::send_activation:
+      record(planner::kSendStream, Clock::now(), Clock::now());
       s_.transport.send(
           rank_, op.peer, Channel::activation,
           std::vector<float>(outputs_[key].data(), outputs_[key].data() + outputs_[key].size()));
       outputs_.erase(key);
       return;
     case OpKind::send_gradient:
+      record(planner::kSendStream, Clock::now(), Clock::now());
       s_.transport.send(
           rank_, op.peer, Channel::gradient,
           std::vector<float>(d_inputs_[key].data(), d_inputs_[key].data() + d_inputs_[key].size()));
       d_inputs_.erase(key);
       return;
-    case OpKind::recv_activation:
+    case OpKind::recv_activation: {
+      const auto t0 = Clock::now();
       inputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::activation));
+      record(planner::kRecvStream, t0, Clock::now());
       return;
-    case OpKind::recv_gradient:
+    }
+    case OpKind::recv_gradient: {
+      const auto t0 = Clock::now();
       d_outputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::gradient));
+      record(planner::kRecvStream, t0, Clock::now());
       return;
+    }
     case OpKind::all_reduce:
       return all_reduce(op);
     case OpKind::free_version:
@@ -160,7 +173,9 @@ void Worker::forward(const Op& op) {
       params(c, op.version), c.first ? tokens.data() : nullptr,
       c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
       rc, stash.data(), c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
-  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
   if (c.last) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
@@ -177,7 +192,9 @@ void Worker::recompute(const Op& op) {
   c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
                      c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
                      full.data());
-  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
   full_[key] = std::move(full);
 }
 
@@ -193,7 +210,9 @@ void Worker::backward(const Op& op) {
   const auto t0 = Clock::now();
   c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(), p.b,
                     scale, c.grads.data(), c.first ? nullptr : d_input.data(), workspace_.data());
-  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
   stash_.erase(key);
   full_.erase(key);
   d_outputs_.erase(key);
@@ -247,7 +266,9 @@ void Worker::optimizer_step(const Op& op) {
   const auto t0 = Clock::now();
   for (Chunk& c : chunks_)
     update(c, newest_slot_, target);
-  busy_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
   version_slot_[op.version] = target;
   slot_free_[target] = false;
   newest_slot_ = target;
@@ -270,6 +291,12 @@ RankResult Worker::result() const {
                            c.slots[newest_slot_].data() + c.slots[newest_slot_].size());
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
+  r.timeline.rank = rank_;
+  r.timeline.label = fmt::format("rank {} (thread, stage {}, replica {})", rank_, stage_, replica_);
+  r.timeline.ops = ops_;
+  for (const auto& [t, bytes] : memory_->samples())
+    r.timeline.memory.emplace_back(
+        std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);
   return r;
 }
 

@@ -83,6 +83,9 @@ class Worker {
   int updates_ = 0;
   std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
   double busy_s_ = 0;
+  int op_ = 0;                         // index of the op being run
+  std::vector<planner::TimedOp> ops_;  // the timeline
+  void record(int stream, Clock::time_point a, Clock::time_point b);
 };
 
 }  // namespace pw::exec::detail

@@ -11,6 +11,7 @@
 
 #include "planner/cost_model.hpp"
 #include "planner/program.hpp"
+#include "planner/timeline.hpp"
 #include "sim/platform.hpp"
 #include "sim/simulator.hpp"
 
@@ -18,8 +19,13 @@ namespace pw::sim::detail {
 
 namespace sg4 = simgrid::s4u;
 
-enum Stream { kCompute = 0, kSend = 1, kRecv = 2, kCollective = 3 };
-inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective"};
+// Streams as the timeline numbers them (planner/timeline.hpp).
+enum Stream {
+  kCompute = planner::kComputeStream,
+  kSend = planner::kSendStream,
+  kRecv = planner::kRecvStream,
+  kCollective = planner::kCollectiveStream
+};
 
 struct Event {
   int stream = kCompute;

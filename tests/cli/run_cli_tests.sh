@@ -160,14 +160,18 @@ expect_error "plan bad schedule" "unknown schedule" "$O" $PW plan --model gpt-ti
 expect_error "plan bad headroom" "memory-headroom" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 8 --memory-headroom 1.5 --out "$O"
 
 # train on the CPU backend: one line per step, a measured report with every step's loss.
-expect_ok "train" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 -b 2 --steps 3 --out "$TMP/measured.json"
+expect_ok "train" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 -b 2 --steps 3 --out "$TMP/measured.json" --timeline "$TMP/measured-tl.json"
 [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] && ok || bad "train prints one line per step"
 python3 -c "
 import json
 d = json.load(open('$TMP/measured.json'))
 assert d['source'] == 'measured' and len(d['losses']) == 3 and len(d['devices']) == 2
 assert all(x['peak_memory_bytes'] > 0 for x in d['devices'])
-" && ok || bad "train measured report"
+t = json.load(open(d['timeline']))
+x = [e for e in t['traceEvents'] if e['ph'] == 'X']
+assert {e['cat'] for e in x} >= {'compute', 'recv', 'send'} and any(e['ph'] == 'C' for e in t['traceEvents'])
+assert sum(1 for e in x if e['name'].startswith('F') and e['pid'] == 0) == 6
+" && ok || bad "train measured report and timeline"
 expect_error "train cuda without gpu" "CUDA" "$O" $PW train --model gpt-tiny --backend cuda --steps 1 --out "$O"
 expect_error "train fp16 model on cpu" "fp32" "$O" $PW train --model gpt2-124m --steps 1 --out "$O"
 expect_error "train bad token file" "cannot open token file" "$O" $PW train --model gpt-tiny --data "$TMP/none.bin" --steps 1 --out "$O"

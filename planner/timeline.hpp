@@ -1,0 +1,35 @@
+// The Chrome-trace timeline (Perfetto, chrome://tracing) of a run, simulated or measured: a
+// process per rank, a thread per stream, each timed op of the rank's program, memory as a counter.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/json_reader.hpp"
+#include "planner/program.hpp"
+
+namespace pw::planner {
+
+enum Stream { kComputeStream = 0, kSendStream = 1, kRecvStream = 2, kCollectiveStream = 3 };
+inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective"};
+
+struct TimedOp {
+  int stream = kComputeStream;
+  double start_s = 0;
+  double end_s = 0;
+  int op = 0;  // index into the rank's program
+};
+
+struct RankTimeline {
+  int rank = 0;
+  std::string label;  // "rank 3 (node 0 gpu 3, stage 3, replica 0)"
+  std::vector<TimedOp> ops;
+  std::vector<std::pair<double, std::int64_t>> memory;  // (time, bytes) at every change
+};
+
+// Format described in docs/formats.md ("Timeline").
+common::Json chrome_trace(const Programs& programs, const std::vector<RankTimeline>& ranks);
+
+}  // namespace pw::planner
