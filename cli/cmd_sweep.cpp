@@ -1,6 +1,5 @@
 // `pipewright sweep`: a what-if study over the cross product of --vary lists; every point is
 // planned and simulated, and the results are written as CSV and JSON (docs/formats.md, "Sweep").
-#include <unistd.h>
 
 #include <cstdio>
 
@@ -12,16 +11,6 @@
 namespace pw::cli {
 
 namespace {
-
-// "[#####.....] 12/40 points" on stderr, redrawn in place; only on a terminal.
-void draw_progress(int done, int total) {
-  constexpr int width = 30;
-  const int filled = total > 0 ? done * width / total : width;
-  fmt::print(stderr, "\r[{}{}] {}/{} points", std::string(std::size_t(filled), '#'),
-             std::string(std::size_t(width - filled), '.'), done, total);
-  if (done == total) fmt::print(stderr, "\n");
-  std::fflush(stderr);
-}
 
 struct SweepArgs {
   sweep::SweepSpec spec;
@@ -63,8 +52,7 @@ void run(SweepArgs& a, const CLI::App& cmd) {
   for (const auto& v : a.vary)
     spec.axes.push_back(sweep::parse_vary(v));
   sweep::validate(spec);
-  const bool tty = ::isatty(STDERR_FILENO) == 1;
-  const auto rows = sweep::run_sweep(spec, tty ? draw_progress : std::function<void(int, int)>{});
+  const auto rows = sweep::run_sweep(spec, progress_bar("points"));
   sweep::print_table(spec, rows);
   // Render both before writing either, so a failure leaves no file behind.
   const std::string csv = sweep::to_csv(spec, rows);

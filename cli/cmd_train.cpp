@@ -95,9 +95,8 @@ void add_train_command(CLI::App& app) {
                            ? "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
                            : fmt::format("--backend: unknown \"{}\" (cpu)", a->backend));
     const models::ModelSpec model = models::load_model(a->model);
-    planner::Plan plan = a->plan.build(model.layers, 1);
-    if (a->plan.plan_file.empty() && !a->plan.w) plan.w = 1;
-    planner::check(plan);
+    // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
+    const planner::Plan plan = a->plan.build(model.layers, 1);
     fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads\n", model.name,
                to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
                a->options.steps, plan.ranks());

@@ -87,7 +87,6 @@ void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
 
 void Worker::step(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
-  const planner::Plan& p = s_.plan();
   switch (op.kind) {
     case OpKind::forward:
       return forward(op);
@@ -130,7 +129,6 @@ void Worker::step(const Op& op) {
     case OpKind::optimizer_step:
       return optimizer_step(op);
   }
-  (void)p;
 }
 
 Buffer Worker::to_buffer(std::vector<float> data) {

@@ -15,9 +15,7 @@ namespace {
 using pw::testing::plan_of;
 using pw::testing::uniform_trace;
 
-planner::DeviceGrid grid(const clusters::Cluster& c) {
-  return {c.nodes, c.gpus_per_node};
-}
+using pw::testing::grid;
 
 using models::LayerKind;
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "clusters/cluster.hpp"
 #include "common/error.hpp"
 #include "common/json_reader.hpp"
 #include "planner/plan.hpp"
@@ -79,6 +80,11 @@ inline traces::Trace uniform_trace(const models::ModelSpec& model, std::int64_t 
   }
   t.entries.push_back(e);
   return t;
+}
+
+// The device grid of a cluster, for place().
+inline planner::DeviceGrid grid(const clusters::Cluster& c) {
+  return {c.nodes, c.gpus_per_node};
 }
 
 // A plan with balanced stages over `layers` blocks, placed on a grid.
