@@ -7,6 +7,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
+#include "exec/checkpoint.hpp"
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
 
@@ -58,6 +59,7 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.extra["losses"] = losses;
   rep.extra["step_times_s"] = times;
   rep.extra["backend"] = "cpu";
+  rep.extra["first_step"] = r.first_step;
   return rep;
 }
 
@@ -86,6 +88,16 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--buckets", a->options.gradient_buckets, "all-reduce buckets per stage")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  auto* dir = cmd->add_option("--checkpoint-dir", a->options.checkpoint_dir,
+                              "write checkpoints here (atomically; the 2 newest are kept)");
+  cmd->add_option("--checkpoint-every", a->options.checkpoint_every,
+                  "steps between checkpoints (and one after the last step)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--resume", a->options.resume,
+                "continue from the newest complete checkpoint in --checkpoint-dir (from step 0 "
+                "if there is none) up to --steps; bit-identical to an unbroken run")
+      ->needs(dir);
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
@@ -100,6 +112,13 @@ void add_train_command(CLI::App& app) {
     fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads\n", model.name,
                to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
                a->options.steps, plan.ranks());
+    if (a->options.resume) {
+      if (const auto step = exec::latest_checkpoint(a->options.checkpoint_dir))
+        fmt::print("resuming from {} (step {})\n",
+                   exec::checkpoint_path(a->options.checkpoint_dir, *step), *step);
+      else
+        fmt::print("no checkpoint in {}: starting from step 0\n", a->options.checkpoint_dir);
+    }
     const exec::TrainResult r =
         exec::train_cpu(model, plan, a->options, [](const exec::StepLog& s) {
           fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s\n", s.step, s.loss,

@@ -26,6 +26,11 @@ struct TrainOptions {
   std::uint64_t seed = 1234;                       // weights and the synthetic corpus
   std::string data;                                // token file; empty: synthetic corpus
   int gradient_buckets = 1;                        // all-reduce buckets per chunk
+  // Checkpoints (exec/checkpoint.hpp): with a directory, every `checkpoint_every` steps and after
+  // the last; `resume` continues from the newest complete one there (from step 0 if none).
+  std::string checkpoint_dir;
+  int checkpoint_every = 1;
+  bool resume = false;
 };
 
 struct StepLog {
@@ -46,14 +51,21 @@ struct RankResult {
 };
 
 struct TrainResult {
+  int first_step = 0;          // > 0 when resumed from a checkpoint of that step
   planner::Programs programs;  // what ran (the timeline indexes its ops)
   std::vector<StepLog> steps;
   std::vector<RankResult> ranks;
   double wall_s = 0;
 };
 
-// Trains `plan` (resolved; placement not needed: every rank is a thread here) for options.steps
-// optimizer steps; `on_step` is called once per step, in order, when every rank has finished it.
+// Trains `plan` (resolved; placement not needed: every rank is a thread here) up to optimizer step
+// options.steps (from step 0, or from the checkpoint resumed); `on_step` is called once per step,
+// in order, when every rank has finished it.
+// What a checkpoint must match to be resumed by this run: model, plan, optimizer settings, seed,
+// data (the manifest's "run" object).
+common::Json run_identity(const models::ModelSpec& model, const planner::Plan& plan,
+                          const TrainOptions& options);
+
 TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
                       const TrainOptions& options,
                       const std::function<void(const StepLog&)>& on_step = {});

@@ -15,17 +15,25 @@ using planner::OpKind;
 
 void Shared::add_loss(int step, double loss) {
   std::lock_guard<std::mutex> lock(mutex);
-  loss_sum[std::size_t(step)] += loss;
+  loss_sum[std::size_t(step - first_step)] += loss;
+}
+
+bool Shared::checkpoint_after(int step) const {
+  return !options->checkpoint_dir.empty() &&
+         ((step + 1) % options->checkpoint_every == 0 || step + 1 == options->steps);
 }
 
 void Shared::finish_step(int step) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (++finished[std::size_t(step)] < plan().ranks()) return;
+  if (++finished[std::size_t(step - first_step)] < plan().ranks()) return;
+  // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
+  if (checkpoint_after(step))
+    write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
   const double now = std::chrono::duration<double>(Clock::now() - start).count();
   const planner::Plan& p = plan();
   StepLog log;
   log.step = step;
-  log.loss = loss_sum[std::size_t(step)] / (double(p.m) * p.w);
+  log.loss = loss_sum[std::size_t(step - first_step)] / (double(p.m) * p.w);
   log.seconds = now - last_end_s;
   log.tokens_per_s = double(p.global_batch()) * double(model->seq_len) / log.seconds;
   last_end_s = now;
@@ -72,6 +80,57 @@ Worker::Worker(Shared& s, int rank)
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
   version_slot_[0] = 0;
+  if (s.first_step > 0) load_checkpoint(s.first_step);
+}
+
+// The tensors of a shard: per chunk, every weight version held (ascending), then the optimizer's
+// state (momentum; AdamW's second moment).
+std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions) {
+  std::vector<ShardTensor> tensors;
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    for (int version : versions)
+      tensors.push_back({fmt::format("c{}.w{}", i, version),
+                         c.slots[version_slot_.at(version)].data(), c.sizes.parameters});
+    tensors.push_back({fmt::format("c{}.m", i), c.m.data(), c.m.size()});
+    if (!c.v.empty()) tensors.push_back({fmt::format("c{}.v", i), c.v.data(), c.v.size()});
+  }
+  return tensors;
+}
+
+// After `step` + 1 updates this rank holds what the next steps use: the newest version and, for
+// 2BW, the shadow one (initial_versions of a run resumed there). Gradients are zero here.
+void Worker::save_checkpoint(int step) {
+  const int updates = step + 1;
+  const std::vector<int> versions = planner::initial_versions(s_.plan(), updates);
+  common::Json header = {{"format", "pipewright.checkpoint-shard/1"},
+                         {"rank", rank_},
+                         {"stage", stage_},
+                         {"replica", replica_},
+                         {"step", updates},
+                         {"versions", versions}};
+  write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), rank_), header,
+              shard_tensors(versions));
+}
+
+void Worker::load_checkpoint(int step) {
+  const std::vector<int> versions = planner::initial_versions(s_.plan(), step);
+  version_slot_.clear();
+  // The newest version in slot 0, the 2BW shadow (if any) in slot 1: as in an unbroken run, the
+  // next update writes into the shadow's slot once its step frees it.
+  version_slot_[versions.back()] = 0;
+  slot_free_[0] = false;
+  if (versions.size() == 2) {
+    for (Chunk& c : chunks_)
+      c.slots[1] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+    slot_allocated_[1] = true;
+    slot_free_[1] = false;
+    version_slot_[versions.front()] = 1;
+  }
+  newest_slot_ = 0;
+  updates_ = step;
+  read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), rank_),
+             shard_tensors(versions));
 }
 
 void Worker::run() {
@@ -270,6 +329,7 @@ void Worker::optimizer_step(const Op& op) {
   version_slot_[op.version] = target;
   slot_free_[target] = false;
   newest_slot_ = target;
+  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
 }
 

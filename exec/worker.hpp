@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "exec/checkpoint.hpp"
 #include "exec/data.hpp"
 #include "exec/memory.hpp"
 #include "exec/runtime.hpp"
@@ -25,18 +26,22 @@ struct Shared {
   const planner::Programs* programs = nullptr;
   const TrainOptions* options = nullptr;
   const TokenSource* data = nullptr;
+  int first_step = 0;     // the resumed checkpoint's step, else 0
+  common::Json identity;  // written into checkpoint manifests
   InProcessTransport transport;
   std::vector<MemoryCounter> devices;  // one per rank: each thread is its own device
   Clock::time_point start;
   std::function<void(const StepLog&)> on_step;
 
   std::mutex mutex;
-  std::vector<int> finished;     // ranks done with each step
+  std::vector<int> finished;     // ranks done with each step (index: step - first_step)
   std::vector<double> loss_sum;  // microbatch mean losses of each step
   std::vector<StepLog> logs;
   double last_end_s = 0;
 
   const planner::Plan& plan() const { return programs->plan; }
+  // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
+  bool checkpoint_after(int step) const;
   void add_loss(int step, double loss);
   void finish_step(int step);
 };
@@ -65,6 +70,9 @@ class Worker {
   void all_reduce(const planner::Op& op);
   void optimizer_step(const planner::Op& op);
   void sync_tied_gradients();
+  std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions);
+  void save_checkpoint(int step);
+  void load_checkpoint(int step);
   void update(Chunk& c, int source, int target);
   const float* params(const Chunk& c, int version) const;
   void samples(const planner::Op& op, std::vector<std::int32_t>& tokens,

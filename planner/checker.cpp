@@ -42,8 +42,10 @@ class DeviceChecker {
     const std::size_t slots = std::size_t(p.steps) * std::size_t(plan_.m) * std::size_t(plan_.v);
     flags_.assign(slots, 0);
     version_of_.assign(slots, -1);
-    live_.assign(std::size_t(p.steps) + 2, 0);
-    live_[0] = 1;
+    live_.assign(std::size_t(p.first_step + p.steps) + 2, 0);
+    for (int version : initial_versions(plan_, p.first_step))
+      live_[std::size_t(version)] = 1;
+    live_count_ = max_live_ = int(initial_versions(plan_, p.first_step).size());
     users_.assign(live_.size(), 0);
     backwards_.assign(std::size_t(p.steps) * std::size_t(plan_.v), 0);
     all_reduces_.assign(std::size_t(p.steps), 0);
@@ -63,8 +65,10 @@ class DeviceChecker {
   bool first(const Op& op) const { return vs(op) == 0; }
   bool last(const Op& op) const { return vs(op) == plan_.virtual_stages() - 1; }
   std::uint8_t& flags(const Op& op) { return flags_[slot(op)]; }
+  // Step index within the programs (ops carry global steps).
+  std::size_t local(int step) const { return std::size_t(step - p_.first_step); }
   std::size_t slot(const Op& op) const {
-    return (std::size_t(op.step) * std::size_t(plan_.m) + std::size_t(op.microbatch)) *
+    return (local(op.step) * std::size_t(plan_.m) + std::size_t(op.microbatch)) *
                std::size_t(plan_.v) +
            std::size_t(op.chunk);
   }
@@ -78,7 +82,7 @@ class DeviceChecker {
   }
 
   void visit(const Op& op) {
-    if (!in_range(op.step, p_.steps) || !in_range(op.chunk, plan_.v)) {
+    if (!in_range(op.step - p_.first_step, p_.steps) || !in_range(op.chunk, plan_.v)) {
       bad("step or chunk out of range");
     }
     if (op.kind == OpKind::all_reduce && !in_range(op.bucket, p_.buckets)) {
@@ -166,27 +170,26 @@ class DeviceChecker {
     same_version_as_forward(op, "backward");
     --users_[std::size_t(op.version)];
     --stash_;
-    ++backwards_[std::size_t(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)];
+    ++backwards_[local(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)];
   }
 
   void all_reduce(const Op& op) {
-    if (backwards_[std::size_t(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)] !=
-        plan_.m) {
+    if (backwards_[local(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)] != plan_.m) {
       bad("all_reduce before the step's backwards of this chunk");
     }
-    ++all_reduces_[std::size_t(op.step)];
+    ++all_reduces_[local(op.step)];
   }
 
   void optimizer_step(const Op& op) {
-    if (op.step != steps_done_) bad("optimizer step out of order");
+    if (op.step != p_.first_step + steps_done_) bad("optimizer step out of order");
     for (int chunk = 0; chunk < plan_.v; ++chunk) {
-      if (backwards_[std::size_t(op.step) * std::size_t(plan_.v) + std::size_t(chunk)] != plan_.m) {
+      if (backwards_[local(op.step) * std::size_t(plan_.v) + std::size_t(chunk)] != plan_.m) {
         bad("optimizer step before the step's backwards");
       }
     }
     const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
-    if (all_reduces_[std::size_t(op.step)] != reduces) {
-      bad("optimizer step after " + std::to_string(all_reduces_[std::size_t(op.step)]) +
+    if (all_reduces_[local(op.step)] != reduces) {
+      bad("optimizer step after " + std::to_string(all_reduces_[local(op.step)]) +
           " all_reduces, expected " + std::to_string(reduces));
     }
     if (op.version != op.step + 1) bad("optimizer step must create version step+1");
@@ -218,7 +221,7 @@ class DeviceChecker {
                           std::to_string(steps_done_) + " optimizer steps, expected " +
                           std::to_string(p_.steps));
     }
-    for (int step = 0; step < p_.steps; ++step) {
+    for (int step = p_.first_step; step < p_.first_step + p_.steps; ++step) {
       for (int mb = 0; mb < plan_.m; ++mb) {
         for (int chunk = 0; chunk < plan_.v; ++chunk)
           check_slot(Op{OpKind::forward, step, mb, chunk});

@@ -112,12 +112,13 @@ class Runner {
   bool arrive(int r, const Op& op) {
     const Plan& plan = p_.plan;
     const std::size_t index = std::size_t(pc_[r]);
-    if (!in_range(op.step, p_.steps) || !in_range(op.chunk, plan.v) ||
+    const int step = op.step - p_.first_step;
+    if (!in_range(step, p_.steps) || !in_range(op.chunk, plan.v) ||
         !in_range(op.bucket, p_.buckets)) {
       fail(p_, r, index, "all_reduce step, chunk or bucket out of range");
     }
     const std::int64_t key =
-        ((std::int64_t(plan.stage_of(r)) * p_.steps + op.step) * plan.v + op.chunk) * p_.buckets +
+        ((std::int64_t(plan.stage_of(r)) * p_.steps + step) * plan.v + op.chunk) * p_.buckets +
         op.bucket;
     auto& members = pending_[key];
     for (std::int64_t id : members) {

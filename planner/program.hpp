@@ -49,6 +49,7 @@ struct Program {
 struct Programs {
   Plan plan;
   int steps = 0;                 // optimizer steps generated
+  int first_step = 0;            // ops carry global steps first_step .. first_step + steps - 1
   int buckets = 0;               // gradient buckets per chunk
   std::vector<Program> devices;  // indexed by rank
 };
@@ -72,7 +73,15 @@ inline int virtual_stage(const Plan& plan, int stage, int chunk) {
 
 // The per-device programs of `plan` over `steps` optimizer steps with `gradient_buckets` all-reduce
 // buckets per chunk. Pure; calls check(plan). Throws PlanError for steps or buckets < 1.
-Programs generate_programs(const Plan& plan, int steps = 3, int gradient_buckets = 1);
+// `first_step` > 0 generates a resumed segment: steps first_step .. first_step + steps - 1 with
+// the global version rule, starting from the versions a run holds after first_step updates
+// (version first_step; for 2BW also first_step - 1, the shadow its next step still uses). Only
+// the pipeline's fill restarts; every microbatch uses the same weights as in an unbroken run.
+Programs generate_programs(const Plan& plan, int steps = 3, int gradient_buckets = 1,
+                           int first_step = 0);
+
+// Weight versions a device holds before the first op of programs starting at `first_step`.
+std::vector<int> initial_versions(const Plan& plan, int first_step);
 
 // Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
 // "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)".

@@ -151,11 +151,11 @@ std::vector<Slot> interleaved_step(const Plan& plan, int stage, int step) {
 }
 
 // PipeDream-2BW: one continuous 1F1B stream over steps*m microbatches (no flush).
-std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int steps) {
+std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int first_step, int steps) {
   const int n = steps * plan.m;
   std::vector<Slot> slots;
   for (auto [backward, k] : one_f_one_b_pattern(n, std::min(plan.d - stage - 1, n))) {
-    slots.push_back({backward, k / plan.m, k % plan.m, 0});
+    slots.push_back({backward, first_step + k / plan.m, k % plan.m, 0});
   }
   return slots;
 }
@@ -212,17 +212,17 @@ class ProgramBuilder {
   Program& program_;
 };
 
-void generate_device(const Plan& plan, int steps, int buckets, Program& program) {
+void generate_device(const Plan& plan, int first_step, int steps, int buckets, Program& program) {
   ProgramBuilder builder(plan, buckets, program);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
-    for (const Slot& slot : two_bw_stream(plan, s, steps)) {
+    for (const Slot& slot : two_bw_stream(plan, s, first_step, steps)) {
       builder.compute(slot);
       if (slot.backward && slot.microbatch == plan.m - 1) builder.step_tail(slot.step);
     }
     return;
   }
-  for (int step = 0; step < steps; ++step) {
+  for (int step = first_step; step < first_step + steps; ++step) {
     std::vector<Slot> slots;
     switch (plan.schedule) {
       case Schedule::gpipe:
@@ -243,22 +243,30 @@ void generate_device(const Plan& plan, int steps, int buckets, Program& program)
 
 }  // namespace
 
-Programs generate_programs(const Plan& plan, int steps, int gradient_buckets) {
+std::vector<int> initial_versions(const Plan& plan, int first_step) {
+  if (plan.schedule == Schedule::two_bw && first_step > 0) return {first_step - 1, first_step};
+  return {first_step};
+}
+
+Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, int first_step) {
   check(plan);
   if (steps < 1)
     throw PlanError("generate_programs: steps must be >= 1, got " + std::to_string(steps));
+  if (first_step < 0)
+    throw PlanError("generate_programs: first_step must be >= 0, got " +
+                    std::to_string(first_step));
   if (gradient_buckets < 1) {
     throw PlanError("generate_programs: gradient_buckets must be >= 1, got " +
                     std::to_string(gradient_buckets));
   }
-  Programs programs{plan, steps, gradient_buckets, {}};
+  Programs programs{plan, steps, first_step, gradient_buckets, {}};
   programs.devices.resize(std::size_t(plan.ranks()));
   for (int rank = 0; rank < plan.ranks(); ++rank) {
     Program& program = programs.devices[std::size_t(rank)];
     program.rank = rank;
     program.stage = plan.stage_of(rank);
     program.replica = plan.replica_of(rank);
-    generate_device(plan, steps, gradient_buckets, program);
+    generate_device(plan, first_step, steps, gradient_buckets, program);
   }
   return programs;
 }

@@ -185,6 +185,44 @@ TEST(Schedules, TwoBwVersionRule) {
   EXPECT_EQ(check_programs(p).max_live_versions, 2);
 }
 
+// A resumed segment (first_step > 0) carries global steps, passes the checker starting from the
+// versions a run holds after first_step updates, and gives every compute op the version it has in
+// the unbroken run.
+TEST(Schedules, ResumedSegmentKeepsTheGlobalVersions) {
+  for (Schedule s :
+       {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw, Schedule::interleaved}) {
+    const Plan plan = make_plan(s, 4, 8, s == Schedule::interleaved ? 2 : 1, 2);
+    const Programs whole = generate_programs(plan, 5, 2);
+    for (int first = 1; first <= 3; ++first) {
+      SCOPED_TRACE(to_string(s) + " first_step " + std::to_string(first));
+      const Programs part = generate_programs(plan, 5 - first, 2, first);
+      EXPECT_EQ(part.first_step, first);
+      CheckReport report;
+      ASSERT_NO_THROW(report = check_programs(part));
+      EXPECT_EQ(report.max_live_versions, version_limit(plan));
+      std::map<std::tuple<int, int, int, int, int>, int> versions;  // (rank, kind, step, mb, chunk)
+      for (const Program& dev : whole.devices)
+        for (const Op& op : dev.ops)
+          if (is_compute(op.kind))
+            versions[{dev.rank, int(op.kind), op.step, op.microbatch, op.chunk}] = op.version;
+      int computes = 0;
+      for (const Program& dev : part.devices)
+        for (const Op& op : dev.ops) {
+          EXPECT_GE(op.step, first);
+          if (!is_compute(op.kind)) continue;
+          ++computes;
+          EXPECT_EQ(op.version,
+                    versions.at({dev.rank, int(op.kind), op.step, op.microbatch, op.chunk}));
+        }
+      EXPECT_EQ(computes, (5 - first) * plan.m * plan.v * 2 * plan.ranks());
+    }
+  }
+  EXPECT_EQ(initial_versions(make_plan(Schedule::two_bw, 2, 2), 3), (std::vector<int>{2, 3}));
+  EXPECT_EQ(initial_versions(make_plan(Schedule::two_bw, 2, 2), 0), (std::vector<int>{0}));
+  EXPECT_EQ(initial_versions(make_plan(Schedule::gpipe, 2, 2), 3), (std::vector<int>{3}));
+  EXPECT_THROW(generate_programs(make_plan(Schedule::gpipe, 2, 2), 1, 1, -1), PlanError);
+}
+
 // 2BW has no flush: the first step's warm-up is the only one (the last stage never waits for a
 // forward between steps, so forwards of step t+1 run before the backwards of step t end).
 TEST(Schedules, TwoBwHasNoFlushBetweenSteps) {

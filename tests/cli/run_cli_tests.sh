@@ -176,6 +176,42 @@ expect_error "train cuda without gpu" "CUDA" "$O" $PW train --model gpt-tiny --b
 expect_error "train fp16 model on cpu" "fp32" "$O" $PW train --model gpt2-124m --steps 1 --out "$O"
 expect_error "train bad token file" "cannot open token file" "$O" $PW train --model gpt-tiny --data "$TMP/none.bin" --steps 1 --out "$O"
 
+# Token file data (uint16 little-endian) and its errors.
+python3 -c "
+import struct
+t = b'the quick brown fox jumps over the lazy dog. ' * 40
+open('$TMP/text.bin', 'wb').write(struct.pack('<%dH' % len(t), *t))
+open('$TMP/badtok.bin', 'wb').write(struct.pack('<4H', 1, 2, 900, 3))
+"
+expect_ok "train from a token file" $PW train --model gpt-tiny -d 2 -m 2 -b 2 --steps 2 --data "$TMP/text.bin"
+expect_error "token above the vocabulary" "token 900 at offset 4" "$O" $PW train --model gpt-tiny --data "$TMP/badtok.bin" --steps 1 --out "$O"
+
+# Checkpoints: stop, or kill at any point, then --resume: the last checkpoint is bit-identical to
+# an unbroken run's (every shard compared byte for byte).
+CK="$TMP/ck"
+TRAIN_CK="$PW train --model gpt-tiny --schedule 2bw -d 2 -m 4 --steps 6 --checkpoint-every 1"
+expect_ok "train with checkpoints" $TRAIN_CK --checkpoint-dir "$CK/ref"
+same_as_ref() { for f in "$CK/ref/step-00000006"/*.bin; do cmp -s "$f" "$1/step-00000006/$(basename "$f")" || return 1; done; }
+expect_ok "train stopped after 3 steps" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 4 --steps 3 --checkpoint-every 1 --checkpoint-dir "$CK/stop"
+expect_ok "resume" $TRAIN_CK --checkpoint-dir "$CK/stop" --resume
+grep -q "resuming from .*step-00000003" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] && ok || bad "resume says where it starts and runs steps 3-5"
+same_as_ref "$CK/stop" && ok || bad "resumed run is bit-identical"
+{ PIPEWRIGHT_TEST_KILL_IN_CHECKPOINT=4 $TRAIN_CK --checkpoint-dir "$CK/kill" >/dev/null 2>&1; } 2>/dev/null
+[ $? -eq 137 ] && [ ! -e "$CK/kill/step-00000004/manifest.json" ] && ok || bad "killed while writing step 4's checkpoint"
+expect_ok "resume after a kill in a checkpoint" $TRAIN_CK --checkpoint-dir "$CK/kill" --resume
+grep -q "step-00000003" "$TMP/out" && same_as_ref "$CK/kill" && ok || bad "resume after a kill in a checkpoint is bit-identical"
+for delay in 0.05 0.15 0.3; do  # killed wherever it happens to be
+  $TRAIN_CK --checkpoint-dir "$CK/k$delay" >/dev/null 2>&1 &
+  sleep $delay; kill -9 $! 2>/dev/null; wait $! 2>/dev/null
+  if $TRAIN_CK --checkpoint-dir "$CK/k$delay" --resume >"$TMP/out" 2>"$TMP/err" || grep -q "nothing to run" "$TMP/err"; then
+    same_as_ref "$CK/k$delay" && ok || bad "kill -9 after ${delay}s: not bit-identical"
+  else bad "kill -9 after ${delay}s: resume failed: $(cat "$TMP/err")"; fi
+done
+expect_error "fresh run into a used checkpoint dir" "pass --resume" "$O" $TRAIN_CK --checkpoint-dir "$CK/ref" --out "$O"
+expect_error "resume with another plan" "field run.plan.m" "$O" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 --steps 8 --checkpoint-dir "$CK/stop" --resume --out "$O"
+expect_error "resume past the end" "nothing to run" "$O" $TRAIN_CK --checkpoint-dir "$CK/ref" --resume --out "$O"
+expect_error "resume without a dir" "checkpoint-dir" "$O" $PW train --model gpt-tiny --steps 1 --resume --out "$O"
+
 # profile: a measured trace that estimate and simulate accept.
 expect_ok "profile" $PW profile --model gpt-tiny --microbatch 1,2 --repeats 1 --out "$TMP/cpu-trace.json"
 python3 -c "
