@@ -121,8 +121,9 @@ void add_train_command(CLI::App& app) {
     }
     const exec::TrainResult r =
         exec::train_cpu(model, plan, a->options, [](const exec::StepLog& s) {
-          fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s\n", s.step, s.loss,
-                     1e3 * s.seconds, s.tokens_per_s);
+          fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s{}\n", s.step, s.loss,
+                     1e3 * s.seconds, s.tokens_per_s,
+                     s.checkpoint.empty() ? "" : " | saved " + s.checkpoint);
           std::fflush(stdout);
         });
     planner::RunReport report = measured_report(model, plan, r);

@@ -38,6 +38,7 @@ struct StepLog {
   double loss = 0;     // mean cross-entropy over the global batch
   double seconds = 0;  // wall time from the previous step's end on every rank to this one's
   double tokens_per_s = 0;
+  std::string checkpoint;  // the checkpoint completed after this step, if any
 };
 
 struct RankResult {

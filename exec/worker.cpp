@@ -36,6 +36,7 @@ void Shared::finish_step(int step) {
   log.loss = loss_sum[std::size_t(step - first_step)] / (double(p.m) * p.w);
   log.seconds = now - last_end_s;
   log.tokens_per_s = double(p.global_batch()) * double(model->seq_len) / log.seconds;
+  if (checkpoint_after(step)) log.checkpoint = checkpoint_path(options->checkpoint_dir, step + 1);
   last_end_s = now;
   logs.push_back(log);
   if (on_step) on_step(log);
