@@ -1,0 +1,307 @@
+// The CUDA GPT stage (exec/cuda/gpt_stage.hpp): embedding, pre-LN blocks and tied head in bf16,
+// mirroring exec/cpu/gpt_stage.cpp call for call.
+#include "exec/cuda/gpt_stage.hpp"
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "exec/cuda/kernels.cuh"
+#include "exec/cuda/layers.hpp"
+
+namespace pw::exec::cuda {
+
+using std::int64_t;
+
+// One block's stash, in exec/cpu's order; x sits at offset 0. Statistics are fp32 in two elements.
+template <bool Const>
+struct CudaGptStage::BlockActs {
+  using B = std::conditional_t<Const, const bf16*, bf16*>;
+  using F = std::conditional_t<Const, const float*, float*>;
+  B x, ln1;
+  F ln1_mean, ln1_rstd;
+  B qkv, att, atty, resid1, ln2;
+  F ln2_mean, ln2_rstd;
+  B fc, gelu;
+};
+
+// The head's stash; x sits at offset 0. targets are int32 in two elements each.
+template <bool Const>
+struct CudaGptStage::HeadActs {
+  using B = std::conditional_t<Const, const bf16*, bf16*>;
+  using F = std::conditional_t<Const, const float*, float*>;
+  using I = std::conditional_t<Const, const std::int32_t*, std::int32_t*>;
+  B x, lnf;
+  F mean, rstd;
+  B probs;
+  I targets;
+  F losses;
+};
+
+namespace {
+
+// Carves consecutive tensors (counts in bf16 elements) out of a stash region.
+template <class P>
+struct Elements {
+  P p;
+  P take(int64_t n) {
+    P r = p;
+    p += n;
+    return r;
+  }
+  template <class T>
+  auto take_as(int64_t n) {  // n values of a 4-byte type T: 2n elements
+    using Out = std::conditional_t<std::is_const_v<std::remove_pointer_t<P>>, const T*, T*>;
+    return reinterpret_cast<Out>(take(2 * n));
+  }
+};
+
+}  // namespace
+
+CudaGptStage::CudaGptStage(const StageSpec& spec, DeviceArena& arena, cudaStream_t stream,
+                           std::int64_t gemm_workspace_bytes)
+    : layout_(spec),
+      stream_(stream),
+      gemm_workspace_(arena, Category::workspace, gemm_workspace_bytes),
+      status_(arena, Category::workspace, sizeof(Status)) {
+  CUDA_CHECK(cudaMemsetAsync(status_.data(), 0, sizeof(Status), stream_));
+  gemm_ = std::make_unique<Gemm>(stream_, gemm_workspace_.data(), gemm_workspace_.bytes());
+}
+
+CudaGptStage::~CudaGptStage() = default;
+
+template <bool Const, class P>
+CudaGptStage::BlockActs<Const> CudaGptStage::carve_block(P base, int64_t BT) const {
+  const int64_t C = layout_.C, F = layout_.F, T = layout_.T, NH = layout_.NH;
+  Elements<P> c{base};
+  BlockActs<Const> a;
+  a.x = c.take(BT * C), a.ln1 = c.take(BT * C);
+  a.ln1_mean = c.template take_as<float>(BT), a.ln1_rstd = c.template take_as<float>(BT);
+  a.qkv = c.take(BT * 3 * C), a.att = c.take(BT * NH * T), a.atty = c.take(BT * C);
+  a.resid1 = c.take(BT * C), a.ln2 = c.take(BT * C);
+  a.ln2_mean = c.template take_as<float>(BT), a.ln2_rstd = c.template take_as<float>(BT);
+  a.fc = c.take(BT * F), a.gelu = c.take(BT * F);
+  return a;
+}
+
+template <bool Const, class P>
+CudaGptStage::HeadActs<Const> CudaGptStage::carve_head(P base, int64_t BT) const {
+  const int64_t C = layout_.C, V = layout_.V;
+  Elements<P> c{base};
+  HeadActs<Const> h;
+  h.x = c.take(BT * C), h.lnf = c.take(BT * C);
+  h.mean = c.template take_as<float>(BT), h.rstd = c.template take_as<float>(BT);
+  h.probs = c.take(BT * V);
+  h.targets = c.template take_as<std::int32_t>(BT);
+  h.losses = c.template take_as<float>(BT);
+  return h;
+}
+
+void CudaGptStage::copy(void* dst, const void* src, int64_t bytes) const {
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDefault, stream_));
+}
+
+void CudaGptStage::upload_parameters(const float* host, bf16* params, float* master) const {
+  const int64_t n = layout_.parameters;
+  const std::vector<bf16> rounded = to_bf16(host, n);
+  copy(params, rounded.data(), n * int64_t(sizeof(bf16)));
+  if (master) copy(master, host, n * int64_t(sizeof(float)));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // `rounded` dies here
+}
+
+void CudaGptStage::forward(const bf16* params, const std::int32_t* tokens, const bf16* input,
+                           const std::int32_t* targets, int b, bool recompute, bf16* stash,
+                           bf16* output, bf16* scratch, float* loss) {
+  const StageSpec& s = layout_.spec;
+  if (b < 1 || !params || !stash || (s.has_embedding ? !tokens : !input) ||
+      (s.has_head ? !targets : !output))
+    throw Error(
+        "cuda stage forward: b < 1 or missing params, stash, tokens, input, targets or "
+        "output");
+  if (recompute && !scratch)
+    throw Error("cuda stage forward with recompute needs scratch (sizes().scratch elements)");
+  if (!recompute) return run(params, tokens, input, targets, b, stash, false, output, loss);
+  // Keep the stage input; the rolling run reads the device copy (tokens may be host memory).
+  const int64_t BT = int64_t(b) * layout_.T;
+  if (s.has_embedding)
+    copy(stash, tokens, BT * int64_t(sizeof(std::int32_t)));
+  else
+    copy(stash, input, BT * layout_.C * int64_t(sizeof(bf16)));
+  run(params, s.has_embedding ? reinterpret_cast<const std::int32_t*>(stash) : nullptr,
+      s.has_embedding ? nullptr : stash, targets, b, scratch, true, output, loss);
+}
+
+void CudaGptStage::recompute(const bf16* params, const std::int32_t* targets, int b,
+                             const bf16* kept, bf16* full_stash) {
+  const bool first = layout_.spec.has_embedding;
+  if (b < 1 || !params || !kept || !full_stash || (layout_.spec.has_head && !targets))
+    throw Error("cuda stage recompute: b < 1 or missing params, kept stash, full stash or targets");
+  run(params, first ? reinterpret_cast<const std::int32_t*>(kept) : nullptr, first ? nullptr : kept,
+      targets, b, full_stash, false, nullptr, nullptr);
+}
+
+// Runs the stage's layers. Without `rolling`, `acts` is the full stash and each layer writes the
+// next one's input slot; with it, every layer reuses `acts` (scratch) in place and `tokens` must be
+// device memory. A null `output` skips the last block's output, which no backward needs.
+void CudaGptStage::run(const bf16* params, const std::int32_t* tokens, const bf16* input,
+                       const std::int32_t* targets, int b, bf16* acts, bool rolling, bf16* output,
+                       float* loss) {
+  const StageSpec& s = layout_.spec;
+  const int64_t BT = int64_t(b) * layout_.T, C = layout_.C;
+  Status* status = status_.as<Status>();
+  bf16* cur = acts;
+  const bool has_layers = s.blocks > 0 || s.has_head;
+  if (s.has_embedding) {
+    const std::int32_t* ids = tokens;
+    if (!rolling) {
+      copy(acts, tokens, BT * int64_t(sizeof(std::int32_t)));
+      ids = reinterpret_cast<const std::int32_t*>(acts);
+      cur += layout_.embedding_elements(BT);
+    }
+    bf16* dst = has_layers ? cur : output;
+    if (dst)
+      embedding_forward(dst, ids, params + layout_.wte, params + layout_.wpe, b, int(layout_.T),
+                        int(C), int(layout_.V), &status->bad_tokens, stream_);
+  } else {
+    copy(cur, input, BT * C * int64_t(sizeof(bf16)));
+  }
+  for (int64_t i = 0; i < s.blocks; ++i) {
+    bf16* next = rolling ? cur : cur + layout_.block_elements(BT);
+    const bool last = i + 1 == s.blocks && !s.has_head;
+    block_forward(params + layout_.block_base[std::size_t(i)], carve_block<false>(cur, BT), b,
+                  last ? output : next);
+    cur = next;
+  }
+  if (s.has_head) head_forward(params, carve_head<false>(cur, BT), targets, b, loss);
+}
+
+void CudaGptStage::block_forward(const bf16* w, const BlockActs<false>& a, int b, bf16* out) {
+  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
+  const int64_t* r = layout_.block_rel;
+  Gemm& g = *gemm_;
+  layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], BT, C, stream_);
+  linear_forward(g, a.qkv, a.ln1, w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C);
+  attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C, int(layout_.NH));
+  linear_forward(g, a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C, C);
+  layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], BT, C,
+                    stream_);
+  linear_forward(g, a.fc, a.ln2, w + r[fc_w], w + r[fc_b], nullptr, BT, C, F);
+  gelu_forward(a.gelu, a.fc, int64_t(BT) * F, stream_);
+  // out may alias a.x (rolling): x is dead once resid1 exists.
+  if (out) linear_forward(g, out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F, C);
+}
+
+void CudaGptStage::head_forward(const bf16* params, const HeadActs<false>& h,
+                                const std::int32_t* targets, int b, float* loss) {
+  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
+  Status* status = status_.as<Status>();
+  layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b, BT,
+                    C, stream_);
+  // logits (BT, V) = lnf (BT, C) · head_w^T (C, V), into the probabilities' slot
+  linear_forward(*gemm_, h.probs, h.lnf, params + layout_.head_w, nullptr, nullptr, BT, C, V);
+  copy(h.targets, targets, int64_t(BT) * int64_t(sizeof(std::int32_t)));
+  crossentropy_forward(h.probs, h.losses, h.targets, BT, V, &status->bad_targets, stream_);
+  mean_loss(loss ? loss : &status->loss, h.losses, BT, stream_);
+}
+
+// Workspace use: on the first stage the residual-stream gradient dres takes its first B*T*C
+// elements (elsewhere dres is d_input); the rest is the scratch of the layers' backward.
+void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
+                            float loss_scale, bf16* grads, bf16* d_input, bf16* workspace) {
+  const StageSpec& s = layout_.spec;
+  const int64_t BT = int64_t(b) * layout_.T, BTC = BT * layout_.C;
+  const bool has_layers = s.blocks > 0 || s.has_head;
+  if (b < 1 || !params || !full_stash || !grads || (!s.has_head && !d_output) ||
+      (!s.has_embedding && !d_input))
+    throw Error("cuda stage backward: b < 1 or missing params, stash, grads, d_output or d_input");
+  Carver ws(workspace, sizes(b).workspace * int64_t(sizeof(bf16)), "cuda stage backward workspace");
+  bf16* dres = d_input;
+  if (s.has_embedding && has_layers) dres = ws.take<bf16>(BTC);
+  if (!s.has_head && has_layers) copy(dres, d_output, BTC * int64_t(sizeof(bf16)));
+  const bf16* cur = full_stash + (s.has_embedding ? layout_.embedding_elements(BT) : 0);
+  if (s.has_head)
+    head_backward(params, grads, carve_head<true>(cur + s.blocks * layout_.block_elements(BT), BT),
+                  b, loss_scale, dres, ws);
+  for (int64_t i = s.blocks - 1; i >= 0; --i) {
+    const int64_t base = layout_.block_base[std::size_t(i)];
+    block_backward(params + base, grads + base,
+                   carve_block<true>(cur + i * layout_.block_elements(BT), BT), b, dres, ws);
+  }
+  if (s.has_embedding)
+    embedding_backward(grads + layout_.wte, grads + layout_.wpe, has_layers ? dres : d_output,
+                       reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
+                       int(layout_.C), int(layout_.V), stream_);
+}
+
+// dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the final
+// norm's backward turns it, in place, into d(head input).
+void CudaGptStage::head_backward(const bf16* params, bf16* grads, const HeadActs<true>& h, int b,
+                                 float loss_scale, bf16* dres, Carver ws) {
+  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
+  const int rows = int(std::min<int64_t>(BT, ws.left() / (int64_t(V) * int64_t(sizeof(bf16)))));
+  if (rows < 1) throw Error("cuda stage backward: workspace smaller than one row of logits");
+  bf16* dlogits = ws.take<bf16>(int64_t(rows) * V);  // (rows, V)
+  for (int r0 = 0; r0 < BT; r0 += rows) {
+    const int n = std::min(rows, BT - r0);
+    crossentropy_backward(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
+                          stream_);
+    linear_backward(*gemm_, dres + int64_t(r0) * C, grads + layout_.head_w, nullptr, dlogits,
+                    h.lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
+  }
+  layernorm_backward(dres, grads + layout_.lnf_w, grads + layout_.lnf_b, dres, h.x,
+                     params + layout_.lnf_w, h.mean, h.rstd, BT, C, false, stream_);
+}
+
+// dres holds d(block output) and leaves holding d(block input). Scratch: the MLP phase uses
+// [dgelu (BT F) | dln2 (BT C)], the attention phase [dqkv (BT 3C) | datty (BT C) | dP, dS].
+void CudaGptStage::block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b,
+                                  bf16* dres, Carver ws) {
+  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
+  const int64_t BTC = int64_t(BT) * C;
+  const int64_t* r = layout_.block_rel;
+  Gemm& gm = *gemm_;
+  Carver mlp = ws;
+  bf16* dgelu = mlp.take<bf16>(int64_t(BT) * F);
+  bf16* dln2 = mlp.take<bf16>(BTC);
+  linear_backward(gm, dgelu, g + r[fcproj_w], g + r[fcproj_b], dres, a.gelu, w + r[fcproj_w], BT, F,
+                  C);
+  gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F, stream_);
+  linear_backward(gm, dln2, g + r[fc_w], g + r[fc_b], dgelu, a.ln2, w + r[fc_w], BT, C, F);
+  layernorm_backward(dres, g + r[ln2_w], g + r[ln2_b], dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
+                     a.ln2_rstd, BT, C, true, stream_);
+  Carver attn = ws;
+  bf16* dqkv = attn.take<bf16>(3 * BTC);
+  bf16* datty = attn.take<bf16>(BTC);
+  linear_backward(gm, datty, g + r[attproj_w], g + r[attproj_b], dres, a.atty, w + r[attproj_w], BT,
+                  C, C);
+  attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C, int(layout_.NH));
+  bf16* dln1 = datty;  // datty is dead once dqkv exists
+  linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, a.ln1, w + r[qkv_w], BT, C, 3 * C);
+  layernorm_backward(dres, g + r[ln1_w], g + r[ln1_b], dln1, a.x, w + r[ln1_w], a.ln1_mean,
+                     a.ln1_rstd, BT, C, true, stream_);
+}
+
+void CudaGptStage::check_ids() {
+  Status s{};
+  CUDA_CHECK(cudaMemcpyAsync(&s, status_.data(), sizeof(Status), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (s.bad_tokens == 0 && s.bad_targets == 0) return;
+  CUDA_CHECK(cudaMemsetAsync(status_.data(), 0, 2 * sizeof(int), stream_));
+  throw InputError("cuda stage: " + std::to_string(s.bad_tokens) + " token ids and " +
+                   std::to_string(s.bad_targets) + " target ids outside [0, " +
+                   std::to_string(layout_.V) + ")");
+}
+
+float CudaGptStage::last_loss() {
+  check_ids();
+  float loss = 0.0f;
+  CUDA_CHECK(cudaMemcpyAsync(&loss, loss_device(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return loss;
+}
+
+const float* CudaGptStage::loss_device() const {
+  return &status_.as<Status>()->loss;
+}
+
+}  // namespace pw::exec::cuda

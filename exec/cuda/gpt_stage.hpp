@@ -1,0 +1,104 @@
+// The CUDA GPT stage: exec/cpu's StageCompute semantics in bf16 with fp32 accumulation, on one
+// stream, with device buffers from the arena.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "exec/cuda/arena.hpp"
+#include "exec/cuda/gemm.hpp"
+#include "exec/cuda/gpt_layout.hpp"
+
+namespace pw::exec::cuda {
+
+// Buffers are device pointers sized by sizes(b), in bf16 ELEMENTS (2 bytes; elements x 2 = the
+// bytes models::derive_costs gives a bf16 model). The parameter blob, its gradient blob and the
+// stash have exec/cpu's layout (same slot names and offsets, fp32 statistics and int32 ids in two
+// elements each), so weights copy over slot by slot. Every call only enqueues work on `stream`;
+// the loss, the id checks and upload_parameters synchronise.
+class CudaGptStage {
+ public:
+  // Takes its own blocks from `arena` (category workspace): the cuBLASLt workspace and a status
+  // word (id errors, the loss).
+  CudaGptStage(const StageSpec& spec, DeviceArena& arena, cudaStream_t stream,
+               std::int64_t gemm_workspace_bytes = Gemm::kDefaultWorkspaceBytes);
+  ~CudaGptStage();
+  CudaGptStage(const CudaGptStage&) = delete;
+  CudaGptStage& operator=(const CudaGptStage&) = delete;
+
+  const StageSpec& spec() const { return layout_.spec; }
+  const std::vector<TensorSlot>& layout() const { return layout_.slots; }
+  StageSizes sizes(int b) const { return layout_.sizes(b); }
+  cudaStream_t stream() const { return stream_; }
+  std::int64_t internal_bytes() const { return gemm_workspace_.bytes() + status_.bytes(); }
+
+  // params (bf16) = host fp32 weights rounded to nearest even; master (fp32, optional) = them
+  // exactly. Synchronises. Host weights come from exec/cpu's init_parameters or a checkpoint.
+  void upload_parameters(const float* host, bf16* params, float* master = nullptr) const;
+
+  // Forward of one microbatch, as StageCompute::forward. `tokens` and `targets` (b*T int32) may be
+  // host or device memory: they are copied into the stash before use. First stage: `tokens`;
+  // others: `input` (b,T,C). Writes `stash` (sizes().stash, or stash_recompute with `recompute`)
+  // and `output` (b,T,C) unless last. The last stage writes the mean loss of the microbatch to the
+  // device float `loss`, or with null to the stage's own (last_loss()). With `recompute` the layers
+  // run one at a time in `scratch` (sizes().scratch).
+  void forward(const bf16* params, const std::int32_t* tokens, const bf16* input,
+               const std::int32_t* targets, int b, bool recompute, bf16* stash, bf16* output,
+               bf16* scratch = nullptr, float* loss = nullptr);
+
+  // Rebuilds the full stash (sizes().stash) from the one kept with recompute (the stage input).
+  void recompute(const bf16* params, const std::int32_t* targets, int b, const bf16* kept,
+                 bf16* full_stash);
+
+  // Backward from the full stash, as StageCompute::backward: `d_output` (b,T,C) unless last (whose
+  // loss gradient is `loss_scale` per token); ADDS parameter gradients into `grads` (bf16, the
+  // params layout; every sum in fp32); writes `d_input` (b,T,C) unless first. `workspace` holds
+  // sizes().workspace elements.
+  void backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
+                float loss_scale, bf16* grads, bf16* d_input, bf16* workspace);
+
+  // Synchronises; throws pw::InputError when a token or target id outside [0, V) was seen since
+  // the last check (the device gave it a zero row and zero loss), then clears the count.
+  void check_ids();
+  // Synchronises and returns the loss the last forward wrote to the stage's own float (after
+  // check_ids()).
+  float last_loss();
+  const float* loss_device() const;
+
+ private:
+  template <bool Const>
+  struct BlockActs;
+  template <bool Const>
+  struct HeadActs;
+  template <bool Const, class P>
+  BlockActs<Const> carve_block(P base, std::int64_t BT) const;
+  template <bool Const, class P>
+  HeadActs<Const> carve_head(P base, std::int64_t BT) const;
+
+  void copy(void* dst, const void* src, std::int64_t bytes) const;
+  void run(const bf16* params, const std::int32_t* tokens, const bf16* input,
+           const std::int32_t* targets, int b, bf16* acts, bool rolling, bf16* output, float* loss);
+  void block_forward(const bf16* w, const BlockActs<false>& a, int b, bf16* out);
+  void head_forward(const bf16* params, const HeadActs<false>& h, const std::int32_t* targets,
+                    int b, float* loss);
+  void block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b, bf16* dres,
+                      Carver ws);
+  void head_backward(const bf16* params, bf16* grads, const HeadActs<true>& h, int b,
+                     float loss_scale, bf16* dres, Carver ws);
+
+  struct Status {
+    int bad_tokens;
+    int bad_targets;
+    float loss;
+  };
+
+  GptLayout layout_;
+  cudaStream_t stream_;
+  DeviceBuffer gemm_workspace_, status_;
+  std::unique_ptr<Gemm> gemm_;
+};
+
+}  // namespace pw::exec::cuda

@@ -1,0 +1,197 @@
+// Linear and causal-attention layers from cuBLASLt GEMMs and kernels (exec/cuda/layers.hpp).
+#include "exec/cuda/layers.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "exec/cuda/kernels.cuh"
+
+namespace pw::exec::cuda {
+
+using std::int64_t;
+
+void linear_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
+                    const bf16* residual, int N, int C, int OC) {
+  // out (N, OC) = inp (N, C) · weight^T (C, OC) + bias + residual
+  gemm.matmul({.m = N,
+               .n = OC,
+               .k = C,
+               .a = inp,
+               .lda = C,
+               .b = weight,
+               .ldb = C,
+               .trans_b = true,
+               .d = out,
+               .ldd = OC,
+               .c = residual,
+               .ldc = OC,
+               .beta = residual ? 1.0f : 0.0f,
+               .bias = bias});
+}
+
+void linear_backward(Gemm& gemm, bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
+                     const bf16* inp, const bf16* weight, int N, int C, int OC) {
+  // dinp (N, C) = dout (N, OC) · weight (OC, C)
+  gemm.matmul(
+      {.m = N, .n = C, .k = OC, .a = dout, .lda = OC, .b = weight, .ldb = C, .d = dinp, .ldd = C});
+  // dweight (OC, C) += dout^T (OC, N) · inp (N, C)
+  gemm.matmul({.m = OC,
+               .n = C,
+               .k = N,
+               .a = dout,
+               .lda = OC,
+               .trans_a = true,
+               .b = inp,
+               .ldb = C,
+               .d = dweight,
+               .ldd = C,
+               .beta = 1.0f});
+  if (dbias) bias_backward(dbias, dout, N, OC, gemm.stream());
+}
+
+// Batches run over samples for one head: a sample's (T, hd) slices of q, k, v, y lie T rows apart
+// and never interleave, while one sample's heads would share rows.
+void attention_forward(Gemm& gemm, bf16* out, bf16* att, const bf16* qkv, int B, int T, int C,
+                       int NH) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C), TT = int64_t(T) * T;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int64_t h = 0; h < NH; ++h) {
+    const bf16* q = qkv + h * hd;
+    // S (T, T) = q (T, hd) · k^T (hd, T) * scale
+    gemm.matmul({.m = T,
+                 .n = T,
+                 .k = hd,
+                 .batch = B,
+                 .a = q,
+                 .lda = C3,
+                 .stride_a = T * C3,
+                 .b = q + C,
+                 .ldb = C3,
+                 .trans_b = true,
+                 .stride_b = T * C3,
+                 .d = att + h * TT,
+                 .ldd = T,
+                 .stride_d = NH * TT,
+                 .alpha = scale});
+  }
+  causal_softmax_forward(att, int64_t(B) * NH * T, T, gemm.stream());
+  for (int64_t h = 0; h < NH; ++h) {
+    // y (T, hd) = P (T, T) · v (T, hd)
+    gemm.matmul({.m = T,
+                 .n = hd,
+                 .k = T,
+                 .batch = B,
+                 .a = att + h * TT,
+                 .lda = T,
+                 .stride_a = NH * TT,
+                 .b = qkv + 2 * C + h * hd,
+                 .ldb = C3,
+                 .stride_b = T * C3,
+                 .d = out + h * hd,
+                 .ldd = C,
+                 .stride_d = int64_t(T) * C});
+  }
+}
+
+// dv = P^T dy; dP = dy v^T; dS = P * (dP - rowsum(P * dP)); dq = dS k / sqrt(hd);
+// dk = dS^T q / sqrt(hd), as exec/cpu.
+void attention_backward(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* att,
+                        Carver scratch, int B, int T, int C, int NH) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C), TT = int64_t(T) * T;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const int64_t row_bytes = int64_t(T) * (sizeof(float) + sizeof(bf16));
+  const int64_t avail = scratch.left() - 16;  // the second piece may need 16 bytes of alignment
+  int group = 1, rows = T;
+  if (avail >= row_bytes * T)
+    group = int(std::min<int64_t>(B, avail / (row_bytes * T)));
+  else
+    rows = int(std::max<int64_t>(0, avail / row_bytes));
+  if (rows < 1)
+    throw Error("cuda attention backward: workspace too small for one row of scores (" +
+                std::to_string(row_bytes) + " bytes)");
+  float* dp = scratch.take<float>(int64_t(group) * rows * T);  // (group, rows, T)
+  bf16* ds = scratch.take<bf16>(int64_t(group) * rows * T);    // (group, rows, T)
+  const cudaStream_t stream = gemm.stream();
+  for (int64_t h = 0; h < NH; ++h) {
+    // dv (T, hd) = P^T (T, T) · dy (T, hd), every sample at once
+    gemm.matmul({.m = T,
+                 .n = hd,
+                 .k = T,
+                 .batch = B,
+                 .a = att + h * TT,
+                 .lda = T,
+                 .trans_a = true,
+                 .stride_a = NH * TT,
+                 .b = dout + h * hd,
+                 .ldb = C,
+                 .stride_b = int64_t(T) * C,
+                 .d = dqkv + 2 * C + h * hd,
+                 .ldd = C3,
+                 .stride_d = T * C3});
+    for (int b0 = 0; b0 < B; b0 += group) {
+      const int g = std::min(group, B - b0);
+      const bf16* q = qkv + b0 * T * C3 + h * hd;
+      const bf16* k = q + C;
+      const bf16* v = q + 2 * C;
+      const bf16* p = att + (int64_t(b0) * NH + h) * TT;
+      const bf16* dy = dout + int64_t(b0) * T * C + h * hd;
+      bf16* dq = dqkv + b0 * T * C3 + h * hd;
+      bf16* dk = dq + C;
+      for (int r0 = 0; r0 < T; r0 += rows) {
+        const int n = std::min(rows, T - r0);
+        const int64_t chunk = int64_t(n) * T;
+        // dP (n, T) = dy[r0 : r0 + n] (n, hd) · v^T (hd, T), in fp32
+        gemm.matmul({.m = n,
+                     .n = T,
+                     .k = hd,
+                     .batch = g,
+                     .a = dy + int64_t(r0) * C,
+                     .lda = C,
+                     .stride_a = int64_t(T) * C,
+                     .b = v,
+                     .ldb = C3,
+                     .trans_b = true,
+                     .stride_b = T * C3,
+                     .d = dp,
+                     .ldd = T,
+                     .stride_d = chunk,
+                     .d_fp32 = true});
+        attention_softmax_backward(ds, dp, p, NH * TT, g, n, r0, T, stream);
+        // dq[r0 : r0 + n] (n, hd) = dS (n, T) · k (T, hd) * scale
+        gemm.matmul({.m = n,
+                     .n = hd,
+                     .k = T,
+                     .batch = g,
+                     .a = ds,
+                     .lda = T,
+                     .stride_a = chunk,
+                     .b = k,
+                     .ldb = C3,
+                     .stride_b = T * C3,
+                     .d = dq + r0 * C3,
+                     .ldd = C3,
+                     .stride_d = T * C3,
+                     .alpha = scale});
+        // dk (T, hd) += dS^T (T, n) · q[r0 : r0 + n] (n, hd) * scale
+        gemm.matmul({.m = T,
+                     .n = hd,
+                     .k = n,
+                     .batch = g,
+                     .a = ds,
+                     .lda = T,
+                     .trans_a = true,
+                     .stride_a = chunk,
+                     .b = q + r0 * C3,
+                     .ldb = C3,
+                     .stride_b = T * C3,
+                     .d = dk,
+                     .ldd = C3,
+                     .stride_d = T * C3,
+                     .alpha = scale,
+                     .beta = r0 == 0 ? 0.0f : 1.0f});
+      }
+    }
+  }
+}
+
+}  // namespace pw::exec::cuda
