@@ -15,5 +15,6 @@ void add_plan_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_profile_command(CLI::App& app);
 void add_sweep_command(CLI::App& app);
+void add_validate_command(CLI::App& app);
 
 }  // namespace pw::cli

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   pw::cli::add_train_command(app);
   pw::cli::add_profile_command(app);
   pw::cli::add_sweep_command(app);
+  pw::cli::add_validate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -2,10 +2,13 @@
 #include "exec/profile.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <memory>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -19,14 +22,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median_time(int repeats, const std::function<void()>& f) {
-  f();  // warm-up
-  std::vector<double> t;
-  for (int i = 0; i < repeats; ++i) {
-    const auto a = Clock::now();
-    f();
-    t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
-  }
+double seconds_of(const std::function<void()>& f) {
+  const auto a = Clock::now();
+  f();
+  return std::chrono::duration<double>(Clock::now() - a).count();
+}
+
+double summary(std::vector<double> t, ProfileStatistic statistic) {
+  if (statistic == ProfileStatistic::mean)
+    return std::accumulate(t.begin(), t.end(), 0.0) / double(t.size());
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -36,45 +40,115 @@ struct Timed {
   StageSizes sizes;
 };
 
-Timed time_stage(const models::ModelSpec& model, bool embedding, bool head, int b, int repeats) {
-  StageSpec spec;
-  spec.model = model;
-  spec.blocks = 1;
-  spec.has_embedding = embedding;
-  spec.has_head = head;
-  spec.first_block = head ? model.layers - 1 : 0;  // the head's stage ends the model
-  auto stage = make_cpu_stage(spec);
-  Timed t;
-  t.sizes = stage->sizes(b);
-  const auto& z = t.sizes;
-  std::vector<float> params(std::size_t(z.parameters)), grads(params.size()),
-      stash(std::size_t(z.stash)), kept(std::size_t(z.stash_recompute)), full(std::size_t(z.stash)),
-      out(std::size_t(z.output)), din(std::size_t(z.input)),
-      dout(std::size_t(std::max<std::int64_t>(z.output, 1)), 1e-3f),
-      input(std::size_t(z.input), 0.01f), work(std::size_t(z.workspace)),
-      scratch(std::size_t(z.scratch));
-  stage->init_parameters(params.data(), 1);
-  const int T = int(model.seq_len);
-  std::vector<std::int32_t> tokens(std::size_t(b) * T), targets(tokens.size());
-  const TokenSource data("", model.vocab, 1);
-  for (int i = 0; i < b; ++i)
-    data.sample(i, T, tokens.data() + std::size_t(i) * T, targets.data() + std::size_t(i) * T);
-  const std::int32_t* tok = embedding ? tokens.data() : nullptr;
-  const float* in = embedding ? nullptr : input.data();
-  const std::int32_t* tgt = head ? targets.data() : nullptr;
-  t.forward = median_time(repeats, [&] {
-    stage->forward(params.data(), tok, in, tgt, b, false, stash.data(),
-                   head ? nullptr : out.data());
-  });
-  t.backward = median_time(repeats, [&] {
-    stage->backward(params.data(), stash.data(), head ? nullptr : dout.data(), b, 1e-3f,
-                    grads.data(), embedding ? nullptr : din.data(), work.data());
-  });
-  stage->forward(params.data(), tok, in, tgt, b, true, kept.data(), head ? nullptr : out.data(),
-                 scratch.data());
-  t.recompute = median_time(
-      repeats, [&] { stage->recompute(params.data(), tok, tgt, b, kept.data(), full.data()); });
-  return t;
+// One single-block stage (with the embedding, the head, or neither) and the buffers to run it.
+class ProfiledStage {
+ public:
+  ProfiledStage(const models::ModelSpec& model, bool embedding, bool head, int b)
+      : embedding_(embedding), head_(head), b_(b) {
+    StageSpec spec;
+    spec.model = model;
+    spec.blocks = 1;
+    spec.has_embedding = embedding;
+    spec.has_head = head;
+    spec.first_block = head ? model.layers - 1 : 0;  // the head's stage ends the model
+    stage_ = make_cpu_stage(spec);
+    sizes_ = stage_->sizes(b);
+    const auto& z = sizes_;
+    params_.resize(std::size_t(z.parameters));
+    grads_.resize(params_.size());
+    stash_.resize(std::size_t(z.stash));
+    kept_.resize(std::size_t(z.stash_recompute));
+    full_.resize(std::size_t(z.stash));
+    out_.resize(std::size_t(z.output));
+    din_.resize(std::size_t(z.input));
+    dout_.assign(std::size_t(std::max<std::int64_t>(z.output, 1)), 1e-3f);
+    input_.assign(std::size_t(z.input), 0.01f);
+    work_.resize(std::size_t(z.workspace));
+    scratch_.resize(std::size_t(z.scratch));
+    stage_->init_parameters(params_.data(), 1);
+    const int T = int(model.seq_len);
+    tokens_.resize(std::size_t(b) * T);
+    targets_.resize(tokens_.size());
+    const TokenSource data("", model.vocab, 1);
+    for (int i = 0; i < b; ++i)
+      data.sample(i, T, tokens_.data() + std::size_t(i) * T, targets_.data() + std::size_t(i) * T);
+  }
+  const StageSizes& sizes() const { return sizes_; }
+  const std::vector<float>& output() const { return out_; }
+  const std::vector<float>& d_input() const { return din_; }
+  // Real data in place of the constant fill: the time of the attention softmax, GELU and
+  // cross-entropy depends on the values (a constant input ran about 15% faster on the CPU).
+  void feed(const std::vector<float>& input) { input_.assign(input.begin(), input.end()); }
+  void feed_gradient(const std::vector<float>& d_output) {
+    dout_.assign(d_output.begin(), d_output.end());
+  }
+  // What the recompute reads: the stage input kept by a forward with recomputation.
+  void keep() {
+    stage_->forward(params_.data(), tok(), in(), tgt(), b_, true, kept_.data(),
+                    head_ ? nullptr : out_.data(), scratch_.data());
+  }
+  void forward() {
+    stage_->forward(params_.data(), tok(), in(), tgt(), b_, false, stash_.data(),
+                    head_ ? nullptr : out_.data());
+  }
+  void backward() {
+    stage_->backward(params_.data(), stash_.data(), head_ ? nullptr : dout_.data(), b_, 1e-3f,
+                     grads_.data(), embedding_ ? nullptr : din_.data(), work_.data());
+  }
+  void recompute() {
+    stage_->recompute(params_.data(), tok(), tgt(), b_, kept_.data(), full_.data());
+  }
+
+ private:
+  const std::int32_t* tok() const { return embedding_ ? tokens_.data() : nullptr; }
+  const float* in() const { return embedding_ ? nullptr : input_.data(); }
+  const std::int32_t* tgt() const { return head_ ? targets_.data() : nullptr; }
+  bool embedding_, head_;
+  int b_;
+  std::unique_ptr<StageCompute> stage_;
+  StageSizes sizes_;
+  std::vector<float> params_, grads_, stash_, kept_, full_, out_, din_, dout_, input_, work_,
+      scratch_;
+  std::vector<std::int32_t> tokens_, targets_;
+};
+
+// The lone block, embedding + block and block + head, timed round-robin (each repeat runs every
+// stage's forward, backward and recompute once), so a slow spell of the machine falls on all three
+// alike and the differences (the embedding's and the head's times) stay unbiased.
+std::array<Timed, 3> time_stages(const models::ModelSpec& model, int b, int repeats,
+                                 ProfileStatistic statistic) {
+  std::array<ProfiledStage, 3> stages = {ProfiledStage(model, false, false, b),
+                                         ProfiledStage(model, true, false, b),
+                                         ProfiledStage(model, false, true, b)};
+  // Each stage gets what it gets in training: the activation the embedding stage sends on, the
+  // gradient the head stage sends back.
+  ProfiledStage &block = stages[0], &embedding = stages[1], &head = stages[2];
+  embedding.forward();
+  block.feed(embedding.output());
+  head.feed(embedding.output());
+  head.forward();
+  head.backward();
+  block.feed_gradient(head.d_input());
+  embedding.feed_gradient(head.d_input());
+  std::array<std::array<std::vector<double>, 3>, 3> t;  // [stage][forward, backward, recompute]
+  for (auto& s : stages) {
+    s.keep();
+    s.forward();  // warm-up
+    s.backward();
+    s.recompute();
+  }
+  for (int i = 0; i < repeats; ++i)
+    for (std::size_t k = 0; k < stages.size(); ++k) {
+      ProfiledStage& s = stages[k];
+      t[k][0].push_back(seconds_of([&] { s.forward(); }));
+      t[k][1].push_back(seconds_of([&] { s.backward(); }));
+      t[k][2].push_back(seconds_of([&] { s.recompute(); }));
+    }
+  std::array<Timed, 3> out;
+  for (std::size_t k = 0; k < stages.size(); ++k)
+    out[k] = {summary(t[k][0], statistic), summary(t[k][1], statistic), summary(t[k][2], statistic),
+              stages[k].sizes()};
+  return out;
 }
 
 traces::LayerTimes difference(const Timed& with, const Timed& block) {
@@ -85,14 +159,19 @@ traces::LayerTimes difference(const Timed& with, const Timed& block) {
   return l;
 }
 
-double optimizer_time(std::int64_t parameters, int repeats) {
+double optimizer_time(std::int64_t parameters, int repeats, ProfileStatistic statistic) {
   if (parameters == 0) return 0;
   std::vector<float> w(std::size_t(parameters), 0.01f), g(w.size(), 1e-3f), m(w.size()),
       v(w.size());
   TrainOptions o;
-  return median_time(repeats, [&] {
+  auto update = [&] {
     optimizer_update(o, 1, w.data(), w.data(), g.data(), m.data(), v.data(), parameters);
-  });
+  };
+  update();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i)
+    t.push_back(seconds_of(update));
+  return summary(t, statistic);
 }
 
 std::string cpu_name() {
@@ -106,7 +185,8 @@ std::string cpu_name() {
 }  // namespace
 
 traces::Trace profile_cpu(const models::ModelSpec& model,
-                          const std::vector<std::int64_t>& microbatch_sizes, int repeats) {
+                          const std::vector<std::int64_t>& microbatch_sizes, int repeats,
+                          ProfileStatistic statistic) {
   if (model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));
@@ -122,19 +202,19 @@ traces::Trace profile_cpu(const models::ModelSpec& model,
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   t.source.date = date;
   t.source.driver = "OpenBLAS, one thread";
-  t.source.tool = fmt::format("pipewright {} profile --backend cpu", PW_VERSION);
+  t.source.tool =
+      fmt::format("pipewright {} profile --backend cpu ({} of {} round-robin runs)", PW_VERSION,
+                  statistic == ProfileStatistic::mean ? "mean" : "median", repeats);
   for (models::LayerKind k : traces::kLayerKinds) {
     t.statics[k].parameters = mc.layer(k).parameters;
     t.statics[k].parameter_bytes = 4 * mc.layer(k).parameters;
-    t.statics[k].optimizer_step_s = optimizer_time(mc.layer(k).parameters, repeats);
+    t.statics[k].optimizer_step_s = optimizer_time(mc.layer(k).parameters, repeats, statistic);
   }
   std::vector<std::int64_t> sizes = microbatch_sizes;
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   for (std::int64_t b : sizes) {
-    const Timed block = time_stage(model, false, false, int(b), repeats);
-    const Timed emb = time_stage(model, true, false, int(b), repeats);
-    const Timed head = time_stage(model, false, true, int(b), repeats);
+    const auto [block, emb, head] = time_stages(model, int(b), repeats, statistic);
     traces::Entry e;
     e.microbatch_size = b;
     auto& bl = e.layers[models::LayerKind::block];

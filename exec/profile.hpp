@@ -10,11 +10,18 @@
 
 namespace pw::exec {
 
-// Stages of embedding + 1 block, 1 block, and 1 block + head are timed (median of `repeats`
-// after a warm-up); the embedding and head times are the differences with the lone block
-// (never below 0). Memory fields are the stage's exact sizes. Optimizer times are AdamW over each
-// layer's parameters. backward_input_s / backward_weight_s are not separated (0).
+// The median (robust to a stray slow run) or the mean (what a long run averages: the statistic
+// to predict a mean step time with) of the timed runs.
+enum class ProfileStatistic { median, mean };
+
+// Stages of embedding + 1 block, 1 block, and 1 block + head are timed round-robin (each repeat
+// runs every stage's forward, backward and recompute once, so a slow spell of the machine falls
+// on all three alike; `repeats` timed runs after a warm-up, summarised by `statistic`); the
+// embedding and head times are the differences with the lone block (never below 0). Memory fields
+// are the stage's exact sizes. Optimizer times are AdamW over each layer's parameters.
+// backward_input_s / backward_weight_s are not separated (0).
 traces::Trace profile_cpu(const models::ModelSpec& model,
-                          const std::vector<std::int64_t>& microbatch_sizes, int repeats = 3);
+                          const std::vector<std::int64_t>& microbatch_sizes, int repeats = 3,
+                          ProfileStatistic statistic = ProfileStatistic::median);
 
 }  // namespace pw::exec

@@ -139,7 +139,10 @@ class Replayer {
   }
 
   void send(const Op& op) {
-    const auto bytes = std::uint64_t(std::max<std::int64_t>(chunk(op).output_bytes, 1));
+    // An activation is the chunk's output; a gradient is that of its input (the last chunk has no
+    // output, but sends the gradient of its input like every other).
+    const std::int64_t size = is_gradient(op.kind) ? chunk(op).input_bytes : chunk(op).output_bytes;
+    const auto bytes = std::uint64_t(std::max<std::int64_t>(size, 1));
     sg4::Mailbox* box =
         sg4::Mailbox::by_name(mailbox_name(op.peer, is_gradient(op.kind), me_.rank));
     reap_sends();

@@ -89,7 +89,9 @@ void expect_same_weights(const TrainResult& got, const Plan& p, const TrainResul
     ASSERT_TRUE(a.count(name)) << name;
     EXPECT_LT(max_relative_error(a.at(name), values), tolerance) << name;
   }
-  if (a.count("lm_head")) EXPECT_EQ(a.at("lm_head"), a.at("wte"));  // tied copies stay equal
+  if (a.count("lm_head")) {
+    EXPECT_EQ(a.at("lm_head"), a.at("wte"));  // tied copies stay equal
+  }
 }
 
 // GPipe and 1F1B over d in {1, 2, 4} and w in {1, 2}: the same weights as one device processing

@@ -253,5 +253,68 @@ expect_error "no subcommand" "subcommand" - $PW
 expect_error "schedule bad plan" "m >= d" - $PW schedule --schedule 2bw -d 4 -m 2
 expect_error "unwritable output" "cannot write" - $PW estimate --model gpt-tiny --cluster h100-x1 --out "$TMP/no/such/dir/r.json"
 
+# ---- validate (begin) ----------------------------------------------------------------------
+# validate: profile, simulate on a cluster description of this machine, train, compare; then the
+# same comparison from the report files. Timing accuracy is never asserted (docs/performance.md
+# records what this machine gives); only that every figure is there and the errors add up.
+expect_ok "help validate" $PW validate --help
+expect_ok "validate" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 2 --steps 3 --repeats 2 --round-trips 20 \
+  --out "$TMP/val.json" --simulated-out "$TMP/val-sim.json" --measured-out "$TMP/val-meas.json" \
+  --cluster-out "$TMP/cpu-host.json" --trace-out "$TMP/val-trace.json"
+grep -q "^  step time " "$TMP/out" && grep -q "busy pred" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] \
+  && ok || bad "validate prints the step lines and the error table"
+python3 -c "
+import json, math
+v = json.load(open('$TMP/val.json'))
+assert v['format'] == 'pipewright.validation/1' and v['model'] == 'gpt-tiny'
+assert v['plan']['d'] == 2 and v['plan']['schedule'] == '1f1b' and len(v['plan']['placement']) == 2
+assert v['predicted']['source'] == 'simulated' and v['measured']['source'] == 'measured'
+assert len(v['measured']['step_times_s']) == 3
+t = v['iteration_time_s']
+assert t['predicted'] > 0 and t['measured'] > 0
+assert math.isclose(t['error'], (t['predicted'] - t['measured']) / t['measured'], rel_tol=1e-9)
+assert v['median_step_time_s']['measured'] > 0
+m = v['machine']
+assert m['cores'] >= 1 and m['gemm_flops_per_s'] > 0
+assert m['transport']['latency_s'] >= 0 and m['transport']['bandwidth_bytes_per_s'] > 0
+assert len(m['transport']['samples']) == 4 and m['cluster']['name'] == 'cpu-host'
+assert m['cluster']['intra_node']['bandwidth_bytes_per_s'] == m['transport']['bandwidth_bytes_per_s']
+assert [d['rank'] for d in v['devices']] == [0, 1]
+for d in v['devices']:
+  for k in ('busy_s', 'peak_memory_bytes', 'bubble_fraction'):
+    assert set(d[k]) == {'predicted', 'measured', 'error'}
+  assert d['peak_memory_bytes']['predicted'] > 0 and d['peak_memory_bytes']['measured'] > 0
+  assert abs(d['peak_memory_bytes']['error']) < 0.1  # memory is exact up to the received inputs
+assert v['files']['predicted'] == '$TMP/val-sim.json' and v['files']['cluster'] == '$TMP/cpu-host.json'
+assert json.load(open('$TMP/val-sim.json'))['source'] == 'simulated'
+assert json.load(open('$TMP/val-meas.json'))['source'] == 'measured'
+" && ok || bad "validate writes the validation report"
+expect_ok "simulate on the cpu-host cluster" $PW simulate --model gpt-tiny --cluster "$TMP/cpu-host.json" --trace "$TMP/val-trace.json" --schedule 1f1b -d 2 -m 2 -b 2
+expect_ok "validate with a given trace" $PW validate --model gpt-tiny --trace "$TMP/val-trace.json" --schedule 2bw -d 2 -m 2 -b 2 --steps 2 --round-trips 10
+! grep -q "^profiling" "$TMP/out" && ok || bad "validate --trace does not profile"
+expect_ok "validate files" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas.json" --out "$TMP/val-files.json"
+grep -q "^  step time " "$TMP/out" && ok || bad "validate files prints the table"
+python3 -c "
+import json
+a, b = json.load(open('$TMP/val.json')), json.load(open('$TMP/val-files.json'))
+assert a['iteration_time_s'] == b['iteration_time_s'] and a['devices'] == b['devices']
+assert b['machine'] is None and b['files'] == {'predicted': '$TMP/val-sim.json', 'measured': '$TMP/val-meas.json'}
+d = json.load(open('$TMP/val-meas.json')); d['plan']['m'] = 4; json.dump(d, open('$TMP/val-meas-m4.json', 'w'))
+" && ok || bad "validate files gives the same comparison"
+echo '{"format": "pipewright.report/1", "source": ' >"$TMP/val-garbage.json"
+expect_error "validate mismatched plans" "/plan/m: 2 in" "$O" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas-m4.json" --out "$O"
+expect_error "validate swapped files" "/source" "$O" $PW validate --predicted "$TMP/val-meas.json" --measured "$TMP/val-sim.json" --out "$O"
+expect_error "validate missing predicted file" "cannot open" "$O" $PW validate --predicted "$TMP/none.json" --measured "$TMP/val-meas.json" --out "$O"
+expect_error "validate garbage predicted file" "val-garbage.json" "$O" $PW validate --predicted "$TMP/val-garbage.json" --measured "$TMP/val-meas.json" --out "$O"
+expect_error "validate predicted alone" "requires --measured" "$O" $PW validate --predicted "$TMP/val-sim.json" --out "$O"
+expect_error "validate files with plan flags" "runs nothing" "$O" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas.json" -d 2 --out "$O"
+expect_error "validate cuda without gpu" "CUDA" "$O" $PW validate --backend cuda --out "$O"
+expect_error "validate unknown backend" "--backend: unknown" "$O" $PW validate --backend tpu --out "$O"
+expect_error "validate fp16 model" "fp32" "$O" $PW validate --model gpt2-124m --out "$O"
+expect_error "validate ranks per gpu" "cores" "$O" $PW validate -d 2 --ranks-per-gpu 2 --out "$O"
+expect_error "validate trace lacks b" "microbatch size 8" "$O" $PW validate --trace "$TMP/val-trace.json" -d 2 -m 2 -b 8 --out "$O"
+expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 -m 1 --out "$O"
+# ---- validate (end) ------------------------------------------------------------------------
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

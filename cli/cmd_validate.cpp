@@ -1,0 +1,337 @@
+// `pipewright validate --backend cpu`: profile this machine, simulate the plan on a cluster
+// description of it (its cores as devices, the in-process transport as the link), train the plan
+// for real, and compare predicted with measured step time, busy time and peak memory per rank.
+// `pipewright validate --predicted sim.json --measured measured.json` compares two reports.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/commands.hpp"
+#include "cli/measured_report.hpp"
+#include "cli/options.hpp"
+#include "exec/probe.hpp"
+#include "exec/profile.hpp"
+#include "exec/runtime.hpp"
+#include "planner/validation.hpp"
+#include "sim/simulator.hpp"
+
+namespace pw::cli {
+
+namespace {
+
+struct ValidateArgs {
+  std::string model = "gpt-tiny";
+  PlanOptions plan;
+  std::string backend = "cpu";
+  exec::TrainOptions train;
+  std::string microbatch;  // profiled sizes; default: the plan's b
+  int repeats = 20;
+  std::string statistic = "mean";
+  int round_trips = 200;
+  std::string trace;  // a trace to use instead of profiling
+  std::string out, trace_out, simulated_out, measured_out, cluster_out;
+  std::string predicted, measured;  // file mode
+};
+
+std::string percent(double error) {
+  return std::isnan(error) ? "n/a" : fmt::format("{:+.1f}%", 100 * error);
+}
+
+void print_validation(const planner::Validation& v) {
+  const auto& p = v.plan;
+  fmt::print("{} {} w={} d={} b={} m={}: {} vs {}, error = (predicted - measured) / measured\n",
+             v.model, to_string(p.schedule), p.w, p.d, p.b, p.m, v.predicted_source,
+             v.measured_source);
+  fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", "", "predicted", "measured", "error");
+  auto row = [](const char* what, const planner::Compared& c) {
+    fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", what, human_seconds(c.predicted),
+               human_seconds(c.measured), percent(c.error));
+  };
+  row("step time", v.iteration_time_s);
+  if (v.has_median_step) row("vs the median step", v.median_step_time_s);
+  fmt::print("  {:<19} {:>11.1f} {:>11.1f} {:>8}\n", "samples/s", v.samples_per_s.predicted,
+             v.samples_per_s.measured, percent(v.samples_per_s.error));
+  if (v.measured_step_times_s.size() > 1) {
+    const auto [lo, hi] =
+        std::minmax_element(v.measured_step_times_s.begin() + 1, v.measured_step_times_s.end());
+    fmt::print("  measured steps after the first: {} .. {}; the first: {}\n", human_seconds(*lo),
+               human_seconds(*hi), human_seconds(v.measured_step_times_s.front()));
+  }
+  fmt::print("  {:>4} {:>5}  {:>10} {:>10} {:>7}  {:>6} {:>6}  {:>10} {:>10} {:>7}\n", "rank",
+             "stage", "busy pred", "busy meas", "error", "bubble", "meas", "peak pred", "peak meas",
+             "error");
+  for (const auto& d : v.devices)
+    fmt::print("  {:>4} {:>5}  {:>10} {:>10} {:>7}  {:>5.1f}% {:>5.1f}%  {:>10} {:>10} {:>7}\n",
+               d.rank, d.stage, human_seconds(d.busy_s.predicted), human_seconds(d.busy_s.measured),
+               percent(d.busy_s.error), 100 * d.bubble_fraction.predicted,
+               100 * d.bubble_fraction.measured, human_bytes(d.peak_memory_bytes.predicted),
+               human_bytes(d.peak_memory_bytes.measured), percent(d.peak_memory_bytes.error));
+  // Where the step time error comes from: the busiest rank's compute (the profile against the
+  // run) and the rest of its step (waiting, transfers and the runtime's own work).
+  const auto busiest = std::max_element(
+      v.devices.begin(), v.devices.end(),
+      [](const auto& a, const auto& b) { return a.busy_s.measured < b.busy_s.measured; });
+  if (busiest != v.devices.end())
+    fmt::print(
+        "  busiest rank {}: compute {} predicted, {} measured ({}); the rest of the step {} "
+        "predicted, {} measured\n",
+        busiest->rank, human_seconds(busiest->busy_s.predicted),
+        human_seconds(busiest->busy_s.measured), percent(busiest->busy_s.error),
+        human_seconds(std::max(0.0, v.iteration_time_s.predicted - busiest->busy_s.predicted)),
+        human_seconds(std::max(0.0, v.iteration_time_s.measured - busiest->busy_s.measured)));
+  fmt::print(
+      "  step time error {}, largest busy error {:.1f}%, largest peak memory error {:.1f}%\n",
+      percent(v.iteration_time_s.error), 100 * v.max_abs_busy_error, 100 * v.max_abs_memory_error);
+}
+
+common::Json or_null(const std::string& path) {
+  return path.empty() ? common::Json(nullptr) : common::Json(path);
+}
+
+// --predicted A --measured B: no run, just the subtraction.
+void compare_files(const ValidateArgs& a) {
+  const planner::RunReport predicted =
+      planner::parse_report(common::read_json_file(a.predicted), a.predicted);
+  const planner::RunReport measured =
+      planner::parse_report(common::read_json_file(a.measured), a.measured);
+  const planner::Validation v = planner::validate(predicted, measured, a.predicted, a.measured);
+  print_validation(v);
+  if (!a.out.empty()) {
+    common::write_json_file(
+        a.out,
+        planner::to_json(v, nullptr, {{"predicted", a.predicted}, {"measured", a.measured}}));
+    fmt::print("wrote {}\n", a.out);
+  }
+}
+
+// Rank r on core r; with more ranks than cores, consecutive ranks (neighbouring stages) share a
+// core, as evenly as the counts allow.
+std::vector<planner::Placement> place_on_cores(int ranks, int cores) {
+  std::vector<planner::Placement> out;
+  for (int r = 0; r < ranks; ++r)
+    out.push_back({0, ranks <= cores ? r : int(std::int64_t(r) * cores / ranks)});
+  return out;
+}
+
+void run_and_compare(const ValidateArgs& a) {
+  if (a.backend != "cpu")
+    throw InputError(a.backend == "cuda"
+                         ? "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
+                         : fmt::format("--backend: unknown \"{}\" (cpu)", a.backend));
+  const models::ModelSpec model = models::load_model(a.model);
+  if (model.dtype != models::DType::fp32)
+    throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
+                                 model.name, models::to_string(model.dtype)));
+  // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
+  const planner::Plan plan = a.plan.build(model.layers, 1);
+  std::vector<std::int64_t> sizes = a.microbatch.empty()
+                                        ? std::vector<std::int64_t>{}
+                                        : parse_int_list(a.microbatch, "--microbatch");
+  if (std::find(sizes.begin(), sizes.end(), std::int64_t(plan.b)) == sizes.end())
+    sizes.push_back(plan.b);
+  traces::Trace trace;
+  if (!a.trace.empty()) {  // read and checked before anything runs
+    clusters::DeviceSpec cpu;
+    cpu.name = "cpu";  // what profile writes
+    trace = load_or_make_trace(a.trace, model, cpu, plan.b);
+    trace.at(plan.b);
+  }
+  const int cores = exec::hardware_threads();
+  fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads on {} cores\n",
+             model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
+             plan.global_batch(), a.train.steps, plan.ranks(), cores);
+
+  // 1. Profile the per-layer trace (or use the one given).
+  if (a.trace.empty()) {
+    fmt::print("profiling {} at b={} ({} of {} round-robin runs)...\n", model.name,
+               fmt::join(sizes, ","), a.statistic, a.repeats);
+    std::fflush(stdout);
+    trace = exec::profile_cpu(
+        model, sizes, a.repeats,
+        a.statistic == "mean" ? exec::ProfileStatistic::mean : exec::ProfileStatistic::median);
+  }
+  const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
+  fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
+             human_seconds(block.backward_s), human_seconds(block.recompute_s));
+
+  // 2. This machine as a cluster: the transport's latency and bandwidth at the plan's message
+  // sizes, one core's GEMM rate.
+  const std::int64_t message = std::max<std::int64_t>(block.output_bytes, 4096);
+  const std::vector<std::int64_t> probe_sizes = {4, message / 4, message, 4 * message};
+  fmt::print("probing the in-process transport ({} sizes up to {}, {} round trips each)...\n",
+             probe_sizes.size(), human_bytes(double(probe_sizes.back())), a.round_trips);
+  std::fflush(stdout);
+  const exec::TransportFit link = exec::measure_in_process_transport(probe_sizes, a.round_trips);
+  const double gemm = exec::measure_sgemm_flops_per_s();
+  const clusters::Cluster cluster = exec::cpu_host_cluster(cores, link, gemm);
+  fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(link.latency_s),
+             human_rate(link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
+
+  // 3. Simulate on it.
+  planner::Plan placed = plan;
+  placed.placement = place_on_cores(plan.ranks(), cores);
+  planner::place(placed, {cluster.nodes, cluster.gpus_per_node});
+  int per_core = 1;
+  for (int c = 0; c < cores; ++c)
+    per_core =
+        std::max<int>(per_core, int(std::count(placed.placement.begin(), placed.placement.end(),
+                                               planner::Placement{0, c})));
+  if (per_core > 1)
+    fmt::print(
+        "note: {} ranks on {} cores: up to {} ranks share a core (the simulator gives "
+        "each a fair share of it, as the OS scheduler roughly does)\n",
+        plan.ranks(), cores, per_core);
+  fmt::print("simulating {} steps on {} ({} cores as devices)...\n", a.train.steps, cluster.name,
+             cores);
+  std::fflush(stdout);
+  sim::SimOptions so;
+  so.steps = a.train.steps;
+  so.gradient_buckets = a.train.gradient_buckets;
+  sim::SimResult sim = sim::simulate(model, trace, cluster, placed, so);
+  if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
+
+  // 4. Train for real.
+  fmt::print("training {} steps on {} threads...\n", a.train.steps, plan.ranks());
+  std::fflush(stdout);
+  const exec::TrainResult r = exec::train_cpu(model, plan, a.train, [](const exec::StepLog& s) {
+    fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s\n", s.step, s.loss,
+               1e3 * s.seconds, s.tokens_per_s);
+    std::fflush(stdout);
+  });
+  const planner::RunReport measured = measured_report(model, plan, r);
+
+  // 5. Subtract.
+  const planner::Validation v = planner::validate(sim.report, measured, "simulated", "measured");
+  print_validation(v);
+  if (per_core > 1)
+    fmt::print(
+        "  (ranks share cores: the simulator runs their compute at a fair share of the core, so "
+        "its busy times stretch; the OS mostly runs one op at a time, so the measured ones do "
+        "not: compare the step times)\n");
+
+  common::Json samples = common::Json::array();
+  for (const auto& s : link.samples)
+    samples.push_back({{"bytes", s.bytes}, {"one_way_s", s.one_way_s}});
+  const common::Json machine = {
+      {"cores", cores},
+      {"ranks_per_core", per_core},
+      {"gemm_flops_per_s", gemm},
+      {"transport",
+       {{"kind", "in-process"},
+        {"latency_s", link.latency_s},
+        {"bandwidth_bytes_per_s", link.bandwidth_bytes_per_s},
+        {"round_trips", a.round_trips},
+        {"samples", samples}}},
+      {"trace", a.trace.empty() ? common::Json({{"profiled", true},
+                                                {"microbatch_sizes", sizes},
+                                                {"repeats", a.repeats},
+                                                {"statistic", a.statistic}})
+                                : common::Json({{"profiled", false}, {"file", a.trace}})},
+      {"cluster", clusters::to_json(cluster)}};
+  const common::Json files = {{"trace", or_null(a.trace_out.empty() ? a.trace : a.trace_out)},
+                              {"predicted", or_null(a.simulated_out)},
+                              {"measured", or_null(a.measured_out)},
+                              {"cluster", or_null(a.cluster_out)}};
+  // Everything ran: now the files (each atomic), so a failure above leaves none behind.
+  if (!a.trace_out.empty()) {
+    traces::write_trace(a.trace_out, trace);
+    fmt::print("wrote {}\n", a.trace_out);
+  }
+  if (!a.cluster_out.empty()) {
+    common::write_json_file(a.cluster_out, clusters::to_json(cluster));
+    fmt::print("wrote {}\n", a.cluster_out);
+  }
+  if (!a.simulated_out.empty()) {
+    common::write_json_file(a.simulated_out, planner::to_json(sim.report));
+    fmt::print("wrote {}\n", a.simulated_out);
+  }
+  if (!a.measured_out.empty()) {
+    common::write_json_file(a.measured_out, planner::to_json(measured));
+    fmt::print("wrote {}\n", a.measured_out);
+  }
+  if (!a.out.empty()) {
+    common::write_json_file(a.out, planner::to_json(v, machine, files));
+    fmt::print("wrote {}\n", a.out);
+  }
+}
+
+}  // namespace
+
+// Options only a run uses: given with --predicted and --measured, they are an error.
+constexpr const char* kRunOnly =
+    "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
+    "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
+    "--buckets --trace-out --simulated-out --measured-out --cluster-out";
+
+void add_validate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "validate",
+      "profile, simulate on a model of this machine, train, and compare predicted with measured "
+      "step time and memory (or compare two run reports)");
+  auto a = std::make_shared<ValidateArgs>();
+  a->train.steps = 10;
+  cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
+      ->capture_default_str();
+  a->plan.add(*cmd);
+  cmd->add_option("--backend", a->backend, "cpu (cuda: a later issue)")->capture_default_str();
+  cmd->add_option("--steps", a->train.steps,
+                  "optimizer steps, simulated and trained (the first is left out of the "
+                  "measured step time)")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1000000));
+  cmd->add_option("--microbatch", a->microbatch,
+                  "microbatch sizes to profile, comma-separated (default: the plan's b; b is "
+                  "always profiled)");
+  cmd->add_option("--repeats", a->repeats,
+                  "timed runs per profiled measurement (see --profile-statistic)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--profile-statistic", a->statistic,
+                  "mean (what a run's mean step time averages) or median of the profiled runs")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"mean", "median"}));
+  cmd->add_option("--round-trips", a->round_trips,
+                  "ping-pong round trips per message size when probing the transport")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--trace,-t", a->trace, "use this measured trace instead of profiling");
+  cmd->add_option("--seed", a->train.seed, "weights and synthetic data")->capture_default_str();
+  cmd->add_option("--buckets", a->train.gradient_buckets,
+                  "all-reduce buckets per stage (simulated and trained)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--out,-o", a->out, "write the validation report (JSON) here");
+  cmd->add_option("--trace-out", a->trace_out, "keep the profiled trace here");
+  cmd->add_option("--simulated-out", a->simulated_out, "keep the simulated run report here");
+  cmd->add_option("--measured-out", a->measured_out, "keep the measured run report here");
+  cmd->add_option("--cluster-out", a->cluster_out,
+                  "keep the cluster description of this machine here (simulate --cluster FILE)");
+  auto* predicted = cmd->add_option(
+      "--predicted", a->predicted,
+      "compare this simulated (or analytic) run report with --measured instead of running");
+  auto* measured =
+      cmd->add_option("--measured", a->measured, "a measured run report (train --out)");
+  predicted->needs(measured);
+  measured->needs(predicted);
+  cmd->callback([a, cmd] {
+    if (!a->predicted.empty()) {
+      std::istringstream names(kRunOnly);
+      for (std::string run_only; names >> run_only;)
+        if (cmd->count(run_only) > 0)
+          throw InputError(fmt::format(
+              "{}: comparing --predicted with --measured runs nothing (the plan and model come "
+              "from the reports)",
+              run_only));
+      return compare_files(*a);
+    }
+    if (cmd->count("--ranks-per-gpu") > 0)
+      throw InputError("--ranks-per-gpu: validate places the ranks on this machine's cores itself");
+    run_and_compare(*a);
+  });
+}
+
+}  // namespace pw::cli

@@ -1,0 +1,47 @@
+// measured_report: a TrainResult as a run report (see measured_report.hpp).
+#include "cli/measured_report.hpp"
+
+#include <fmt/format.h>
+
+namespace pw::cli {
+
+planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
+                                   const exec::TrainResult& r) {
+  planner::RunReport rep;
+  rep.source = "measured";
+  rep.model = model.name;
+  rep.cluster = fmt::format("cpu:{}", plan.ranks());
+  rep.plan = plan;
+  // Steady state: the mean step after the first (which includes the pipeline's warm-up).
+  const std::size_t skip = r.steps.size() > 1 ? 1 : 0;
+  double sum = 0;
+  for (std::size_t i = skip; i < r.steps.size(); ++i)
+    sum += r.steps[i].seconds;
+  rep.iteration_time_s = sum / double(r.steps.size() - skip);
+  rep.samples_per_s = double(plan.global_batch()) / rep.iteration_time_s;
+  rep.tokens_per_s = rep.samples_per_s * double(model.seq_len);
+  rep.model_flops_per_s = rep.samples_per_s * models::derive_costs(model).flops_per_sample;
+  for (const auto& rank : r.ranks) {
+    planner::DeviceReport d;
+    d.rank = rank.rank;
+    d.stage = plan.stage_of(rank.rank);
+    d.replica = plan.replica_of(rank.rank);
+    d.peak_memory_bytes = rank.peak_memory_bytes;
+    d.memory = rank.memory;
+    d.busy_s = rank.busy_s / double(r.steps.size());
+    d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
+    rep.devices.push_back(d);
+  }
+  common::Json losses = common::Json::array(), times = common::Json::array();
+  for (const auto& s : r.steps) {
+    losses.push_back(s.loss);
+    times.push_back(s.seconds);
+  }
+  rep.extra["losses"] = losses;
+  rep.extra["step_times_s"] = times;
+  rep.extra["backend"] = "cpu";
+  rep.extra["first_step"] = r.first_step;
+  return rep;
+}
+
+}  // namespace pw::cli

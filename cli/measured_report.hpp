@@ -1,0 +1,18 @@
+// The measured run report of a CPU training run ("source": "measured"), shared by train and
+// validate.
+#pragma once
+
+#include "exec/runtime.hpp"
+#include "models/model.hpp"
+#include "planner/plan.hpp"
+#include "planner/report.hpp"
+
+namespace pw::cli {
+
+// Steady state: iteration_time_s is the mean step after the first (which includes the pipeline's
+// warm-up); busy_s is each rank's compute over the run / steps. Adds "losses", "step_times_s",
+// "backend" and "first_step" to extra; cluster "cpu:<ranks>", MFU 0.
+planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
+                                   const exec::TrainResult& r);
+
+}  // namespace pw::cli

@@ -1,0 +1,175 @@
+// Machine probes: in-process transport ping-pong, one core's GEMM rate, the cpu-host cluster.
+#include "exec/probe.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <thread>
+
+#include <cblas.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "common/error.hpp"
+#include "exec/transport.hpp"
+
+namespace pw::exec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Median one-way time of `trips` round trips of `floats` floats between two threads.
+double ping_pong(std::int64_t floats, int trips) {
+  InProcessTransport t;
+  const std::size_t n = std::size_t(std::max<std::int64_t>(floats, 1));
+  const int warm_up = std::max(3, trips / 10);
+  std::exception_ptr error;
+  // The echo side: receive into a fresh buffer (as Worker::to_buffer does), send it back.
+  std::thread echo([&] {
+    try {
+      for (int i = 0; i < warm_up + trips; ++i) {
+        std::vector<float> in = t.recv(0, 1, Channel::activation);
+        std::vector<float> copy(in.size());
+        std::memcpy(copy.data(), in.data(), in.size() * sizeof(float));
+        t.send(1, 0, Channel::gradient, std::vector<float>(copy.begin(), copy.end()));
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  std::vector<double> times;
+  std::vector<float> out(n, 1.0f);
+  try {
+    for (int i = 0; i < warm_up + trips; ++i) {
+      const auto a = Clock::now();
+      t.send(0, 1, Channel::activation, std::vector<float>(out.begin(), out.end()));
+      std::vector<float> back = t.recv(1, 0, Channel::gradient);
+      std::vector<float> copy(back.size());
+      std::memcpy(copy.data(), back.data(), back.size() * sizeof(float));
+      if (i >= warm_up) times.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+    }
+  } catch (...) {
+    t.abort();
+    echo.join();
+    throw;
+  }
+  echo.join();
+  if (error) std::rethrow_exception(error);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2] / 2;
+}
+
+}  // namespace
+
+TransportFit fit_transport(const std::vector<TransportSample>& samples) {
+  TransportFit f;
+  f.samples = samples;
+  if (samples.size() < 2) throw Error("fit_transport: at least two message sizes are needed");
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  const double n = double(samples.size());
+  for (const auto& s : samples) {
+    const double x = double(s.bytes), y = s.one_way_s;
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double denominator = n * sxx - sx * sx;
+  if (denominator <= 0) throw Error("fit_transport: the message sizes must differ");
+  const double slope = (n * sxy - sx * sy) / denominator;
+  const double intercept = (sy - slope * sx) / n;
+  if (slope > 0) {
+    f.bandwidth_bytes_per_s = 1.0 / slope;
+    f.latency_s = std::max(0.0, intercept);
+  } else {
+    // Size made no measurable difference: the latency is the smallest time, the bandwidth that of
+    // the largest message sent in the largest time (a lower bound).
+    double smallest = samples[0].one_way_s, largest_t = 0;
+    std::int64_t largest_bytes = 0;
+    for (const auto& s : samples) {
+      smallest = std::min(smallest, s.one_way_s);
+      largest_t = std::max(largest_t, s.one_way_s);
+      largest_bytes = std::max(largest_bytes, s.bytes);
+    }
+    f.latency_s = smallest;
+    f.bandwidth_bytes_per_s = double(largest_bytes) / std::max(largest_t, 1e-9);
+  }
+  return f;
+}
+
+TransportFit measure_in_process_transport(const std::vector<std::int64_t>& sizes_bytes,
+                                          int round_trips) {
+  if (round_trips < 1) throw InputError("transport probe: round trips must be at least 1");
+  std::vector<std::int64_t> sizes = sizes_bytes;
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  std::vector<TransportSample> samples;
+  for (std::int64_t bytes : sizes) {
+    const std::int64_t floats = std::max<std::int64_t>(1, bytes / 4);
+    samples.push_back({floats * 4, ping_pong(floats, round_trips)});
+  }
+  return fit_transport(samples);
+}
+
+double measure_sgemm_flops_per_s(int n, int repeats) {
+  openblas_set_num_threads(1);  // as the workers run it: one core each
+  std::vector<float> a(std::size_t(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size(), 0.0f);
+  auto gemm = [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+  };
+  gemm();  // warm-up
+  double best = 0;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    const auto t0 = Clock::now();
+    gemm();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0) best = std::max(best, 2.0 * n * n * double(n) / s);
+  }
+  return best;
+}
+
+std::int64_t host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? std::int64_t(pages) * page : 0;
+}
+
+int hardware_threads() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+clusters::Cluster cpu_host_cluster(int cores, const TransportFit& transport,
+                                   double gemm_flops_per_s) {
+  if (cores < 1) throw InputError("cpu-host cluster: at least one core");
+  if (transport.bandwidth_bytes_per_s <= 0 || gemm_flops_per_s <= 0)
+    throw Error("cpu-host cluster: the transport bandwidth and the GEMM rate must be positive");
+  clusters::Cluster c;
+  c.name = "cpu-host";
+  c.nodes = 1;
+  c.gpus_per_node = cores;
+  c.device.name = "cpu";  // the device name profile_cpu gives its traces
+  c.device.peak_fp32_flops_per_s = gemm_flops_per_s;
+  c.device.peak_fp16_flops_per_s = gemm_flops_per_s;
+  c.device.memory_bandwidth_bytes_per_s = 2 * transport.bandwidth_bytes_per_s;
+  const std::int64_t ram = std::max<std::int64_t>(host_memory_bytes(), 1);
+  c.device.memory_bytes = ram;
+  c.device.notes =
+      "one core of this machine: peak = measured single-threaded OpenBLAS sgemm rate; memory = "
+      "host RAM; memory bandwidth = 2 x the in-process transport's (the simulator's same-device "
+      "link is half of it)";
+  c.intra_node.kind = cores > 1 ? clusters::IntraKind::pcie : clusters::IntraKind::none;
+  c.intra_node.bandwidth_bytes_per_s = transport.bandwidth_bytes_per_s;
+  c.intra_node.latency_s = transport.latency_s;
+  c.intra_node.efficiency = 1;
+  c.host.memory_bytes = ram;
+  c.notes = fmt::format(
+      "this machine as measured by pipewright validate: {} cores as devices; the intra-node link "
+      "is the in-process transport (thread ping-pong fit: {:.3g} us + bytes / {:.3g} GB/s), "
+      "kind pcie for a port per device with no per-pair division",
+      cores, transport.latency_s * 1e6, transport.bandwidth_bytes_per_s / 1e9);
+  return c;
+}
+
+}  // namespace pw::exec

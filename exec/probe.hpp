@@ -1,0 +1,53 @@
+// Measurements of this machine for a cluster description of it (`pipewright validate`): the
+// in-process transport's latency and bandwidth (a ping-pong between two threads), the fp32 GEMM
+// rate of one core, and the "cpu-host" cluster built from them: its cores as devices, the
+// in-process transport as the intra-node link.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "clusters/cluster.hpp"
+
+namespace pw::exec {
+
+struct TransportSample {
+  std::int64_t bytes = 0;
+  double one_way_s = 0;  // median over the round trips, halved
+};
+
+struct TransportFit {
+  double latency_s = 0;              // fitted time of an empty message
+  double bandwidth_bytes_per_s = 0;  // fitted inverse slope
+  std::vector<TransportSample> samples;
+};
+
+// Least-squares fit of t = latency + bytes / bandwidth over the samples (at least two distinct
+// sizes). The latency is at least 0; a slope of 0 or less (noise) gives the fastest sample's
+// bandwidth-only figure, never infinity.
+TransportFit fit_transport(const std::vector<TransportSample>& samples);
+
+// Two threads ping-pong `round_trips` messages of each size over exec::InProcessTransport, each
+// message copied out of a buffer into the send and copied into a fresh buffer on receipt, as the
+// workers do; the one-way time is half the median round trip (after a few warm-up trips).
+TransportFit measure_in_process_transport(const std::vector<std::int64_t>& sizes_bytes,
+                                          int round_trips = 200);
+
+// fp32 GEMM rate of one core (OpenBLAS single-threaded, n x n x n, best of `repeats` after a
+// warm-up), the practical peak a stage's matmuls can reach.
+double measure_sgemm_flops_per_s(int n = 512, int repeats = 5);
+
+// Host memory (physical pages x page size) and hardware threads (at least 1).
+std::int64_t host_memory_bytes();
+int hardware_threads();
+
+// "cpu-host": one node of `cores` devices named "cpu" (as profiled traces name it) (peak =
+// `gemm_flops_per_s` for fp32 and fp16, memory = host RAM, memory bandwidth = twice the
+// transport's, so that messages between ranks sharing a core cost the measured bandwidth: the
+// simulator's same-device link runs at half the memory bandwidth), an intra-node fabric of kind
+// "pcie" (a port per device, no per-pair division) with the transport's latency and bandwidth, no
+// network, no host-device PCIe.
+clusters::Cluster cpu_host_cluster(int cores, const TransportFit& transport,
+                                   double gemm_flops_per_s);
+
+}  // namespace pw::exec

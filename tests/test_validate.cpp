@@ -1,0 +1,217 @@
+// validate's pieces: the comparison of two run reports, the transport fit and probe, and the
+// cluster description of this machine.
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "clusters/cluster.hpp"
+#include "exec/probe.hpp"
+#include "exec/profile.hpp"
+#include "models/model.hpp"
+#include "planner/validation.hpp"
+#include "test_util.hpp"
+
+namespace pw {
+namespace {
+
+using planner::Plan;
+using planner::RunReport;
+using testing::error_of;
+
+Plan two_stage_plan() {
+  Plan p;
+  p.schedule = planner::Schedule::two_bw;
+  p.d = 2;
+  p.m = 4;
+  p.b = 4;
+  p.stage_blocks = {1, 1};
+  return p;
+}
+
+RunReport report(const std::string& source, double step_s, std::vector<double> busy_s,
+                 std::vector<std::int64_t> activations) {
+  RunReport r;
+  r.source = source;
+  r.model = "gpt-tiny";
+  r.cluster = source == "measured" ? "cpu:2" : "cpu-host:1";
+  r.plan = two_stage_plan();
+  r.iteration_time_s = step_s;
+  r.samples_per_s = double(r.plan.global_batch()) / step_s;
+  for (int rank = 0; rank < 2; ++rank) {
+    planner::DeviceReport d;
+    d.rank = rank;
+    d.stage = rank;
+    d.busy_s = busy_s[std::size_t(rank)];
+    d.bubble_fraction = 1 - d.busy_s / step_s;
+    d.memory.weights = 1000;
+    d.memory.activations = activations[std::size_t(rank)];
+    d.peak_memory_bytes = d.memory.total();
+    r.devices.push_back(d);
+  }
+  return r;
+}
+
+TEST(Compare, RelativeErrorOfThePrediction) {
+  EXPECT_DOUBLE_EQ(planner::compare(11, 10).error, 0.1);
+  EXPECT_DOUBLE_EQ(planner::compare(9, 10).error, -0.1);
+  EXPECT_EQ(planner::compare(0, 0).error, 0);
+  EXPECT_TRUE(std::isnan(planner::compare(1, 0).error));
+}
+
+TEST(PlanDifference, NamesTheFirstDifferingField) {
+  Plan a = two_stage_plan(), b = two_stage_plan();
+  EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
+  b.recompute = {false, false};  // the same as no list
+  EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
+  b.placement = {{0, 0}, {0, 1}};  // placement is not compared
+  EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
+  b.m = 8;
+  EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "/plan/m: 4 in A but 8 in B");
+  b = two_stage_plan();
+  b.recompute = {true, false};
+  EXPECT_EQ(planner::plan_difference(a, b, "A", "B"),
+            "/plan/recompute: [false, false] in A but [true, false] in B");
+  b = two_stage_plan();
+  b.schedule = planner::Schedule::one_f_one_b;
+  EXPECT_NE(planner::plan_difference(a, b, "A", "B").find("/plan/schedule: 2bw in A but 1f1b"),
+            std::string::npos);
+}
+
+TEST(Validate, ErrorsPerRankAndOverall) {
+  const RunReport sim = report("simulated", 0.030, {0.020, 0.030}, {3000, 1000});
+  const RunReport meas = report("measured", 0.040, {0.025, 0.030}, {3000, 1000});
+  const planner::Validation v = planner::validate(sim, meas);
+  EXPECT_DOUBLE_EQ(v.iteration_time_s.error, -0.25);
+  EXPECT_DOUBLE_EQ(v.samples_per_s.error, 1.0 / 3.0);
+  ASSERT_EQ(v.devices.size(), 2u);
+  EXPECT_DOUBLE_EQ(v.devices[0].busy_s.error, -0.2);
+  EXPECT_DOUBLE_EQ(v.devices[1].busy_s.error, 0.0);
+  EXPECT_DOUBLE_EQ(v.devices[0].peak_memory_bytes.predicted, 4000);
+  EXPECT_DOUBLE_EQ(v.max_abs_busy_error, 0.2);
+  EXPECT_DOUBLE_EQ(v.max_abs_memory_error, 0.0);
+  // Bubble: an absolute difference of fractions.
+  EXPECT_NEAR(v.devices[0].bubble_fraction.error, (1 - 0.02 / 0.03) - (1 - 0.025 / 0.04), 1e-12);
+
+  const common::Json j = planner::to_json(v, nullptr, {{"predicted", "s.json"}});
+  EXPECT_EQ(j["format"], "pipewright.validation/1");
+  EXPECT_EQ(j["model"], "gpt-tiny");
+  EXPECT_EQ(j["plan"]["d"], 2);
+  EXPECT_TRUE(j["machine"].is_null());
+  EXPECT_EQ(j["files"]["predicted"], "s.json");
+  EXPECT_DOUBLE_EQ(j["iteration_time_s"]["error"].get<double>(), -0.25);
+  EXPECT_EQ(j["devices"][1]["peak_memory_bytes"]["measured"], 2000);
+  EXPECT_EQ(j["devices"][0]["memory_breakdown_bytes"]["predicted"]["activations"], 3000);
+  EXPECT_EQ(j["predicted"]["source"], "simulated");
+  EXPECT_EQ(j["measured"]["cluster"], "cpu:2");
+}
+
+TEST(Validate, MedianMeasuredStep) {
+  const RunReport sim = report("simulated", 0.030, {0.02, 0.03}, {1, 1});
+  RunReport meas = report("measured", 0.040, {0.02, 0.03}, {1, 1});
+  EXPECT_FALSE(planner::validate(sim, meas).has_median_step);
+  // The first step (the pipeline's warm-up) is left out: the median of 0.02, 0.03, 0.1.
+  meas.extra["step_times_s"] = {0.5, 0.02, 0.1, 0.03};
+  const planner::Validation v = planner::validate(sim, meas);
+  ASSERT_TRUE(v.has_median_step);
+  EXPECT_DOUBLE_EQ(v.median_step_time_s.measured, 0.03);
+  EXPECT_DOUBLE_EQ(v.median_step_time_s.error, 0.0);
+  EXPECT_EQ(v.measured_step_times_s.size(), 4u);
+  EXPECT_DOUBLE_EQ(planner::to_json(v)["median_step_time_s"]["measured"].get<double>(), 0.03);
+  meas.extra["step_times_s"] = {0.5, 0.02, 0.04};  // even count: the mean of the middle two
+  EXPECT_DOUBLE_EQ(planner::validate(sim, meas).median_step_time_s.measured, 0.03);
+}
+
+TEST(Validate, RejectsReportsThatAreNotAPredictionAndAMeasurementOfOnePlan) {
+  const RunReport sim = report("simulated", 0.03, {0.02, 0.03}, {1, 1});
+  const RunReport meas = report("measured", 0.04, {0.02, 0.03}, {1, 1});
+  EXPECT_NE(
+      error_of([&] { planner::validate(meas, meas, "m.json", "m.json"); }).find("m.json: /source"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([&] { planner::validate(sim, sim, "s.json", "s2.json"); }).find("s2.json: /source"),
+      std::string::npos);
+  RunReport other = meas;
+  other.plan.d = 4;
+  other.plan.stage_blocks = {1, 1, 1, 1};
+  EXPECT_EQ(error_of([&] { planner::validate(sim, other, "s.json", "m.json"); }),
+            "the plans differ: /plan/d: 2 in s.json but 4 in m.json");
+  other = meas;
+  other.model = "gpt2-124m";
+  EXPECT_NE(error_of([&] { planner::validate(sim, other); }).find("/model"), std::string::npos);
+  other = meas;
+  other.devices.pop_back();
+  EXPECT_NE(error_of([&] {
+              planner::validate(sim, other, "s.json", "m.json");
+            }).find("m.json: /devices: no entry for rank 1"),
+            std::string::npos);
+}
+
+TEST(TransportFit, RecoversLatencyAndBandwidth) {
+  std::vector<exec::TransportSample> s;
+  for (std::int64_t bytes : {4, 16384, 65536, 262144})
+    s.push_back({bytes, 5e-6 + double(bytes) / 2e9});
+  const exec::TransportFit f = exec::fit_transport(s);
+  EXPECT_NEAR(f.latency_s, 5e-6, 1e-12);
+  EXPECT_NEAR(f.bandwidth_bytes_per_s, 2e9, 1);
+  // Noise that makes larger messages no slower: finite figures, never a negative latency.
+  const exec::TransportFit flat = exec::fit_transport({{4, 3e-6}, {65536, 2.9e-6}});
+  EXPECT_DOUBLE_EQ(flat.latency_s, 2.9e-6);
+  EXPECT_GT(flat.bandwidth_bytes_per_s, 0);
+  EXPECT_TRUE(std::isfinite(flat.bandwidth_bytes_per_s));
+  EXPECT_THROW(exec::fit_transport({{4, 1e-6}}), Error);
+  EXPECT_THROW(exec::fit_transport({{4, 1e-6}, {4, 2e-6}}), Error);
+}
+
+// Timing is never asserted: only that the probe runs and gives usable figures.
+TEST(TransportProbe, PingPongGivesPositiveFigures) {
+  const exec::TransportFit f = exec::measure_in_process_transport({4, 4096, 65536}, 20);
+  ASSERT_EQ(f.samples.size(), 3u);
+  EXPECT_EQ(f.samples[2].bytes, 65536);
+  for (const auto& s : f.samples)
+    EXPECT_GT(s.one_way_s, 0);
+  EXPECT_GE(f.latency_s, 0);
+  EXPECT_GT(f.bandwidth_bytes_per_s, 0);
+  EXPECT_GT(exec::measure_sgemm_flops_per_s(64, 1), 0);
+  EXPECT_GE(exec::hardware_threads(), 1);
+  EXPECT_GT(exec::host_memory_bytes(), 0);
+}
+
+// The profile feeds each stage real activations and gradients and summarises by the statistic
+// asked for; timing is not asserted.
+TEST(Profile, MeanOrMedianOfRoundRobinRuns) {
+  const models::ModelSpec model = models::load_model("gpt-tiny");
+  for (auto statistic : {exec::ProfileStatistic::median, exec::ProfileStatistic::mean}) {
+    const traces::Trace t = exec::profile_cpu(model, {2}, 2, statistic);
+    const auto& block = t.at(2).layers[models::LayerKind::block];
+    EXPECT_GT(block.forward_s, 0);
+    EXPECT_GT(block.backward_s, 0);
+    EXPECT_GT(block.recompute_s, 0);
+    EXPECT_NE(
+        t.source.tool.find(statistic == exec::ProfileStatistic::mean ? "mean of 2" : "median of 2"),
+        std::string::npos)
+        << t.source.tool;
+  }
+}
+
+TEST(CpuHostCluster, IsAValidClusterWithTheMeasuredLink) {
+  exec::TransportFit f;
+  f.latency_s = 4e-6;
+  f.bandwidth_bytes_per_s = 1e10;
+  const clusters::Cluster c = exec::cpu_host_cluster(4, f, 5e10);
+  EXPECT_EQ(c.devices(), 4);
+  EXPECT_EQ(c.device.name, "cpu");
+  EXPECT_EQ(c.device.peak_fp32_flops_per_s, 5e10);
+  // The file it would be written as reads back to the same cluster.
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(c), "cpu-host.json"), c);
+  // Core to core: the transport; a core to itself (ranks sharing it): the transport's bandwidth.
+  const clusters::Link across = clusters::p2p_link(c, 0, 0, 0, 3);
+  EXPECT_DOUBLE_EQ(across.latency_s, 4e-6);
+  EXPECT_DOUBLE_EQ(across.bandwidth_bytes_per_s, 1e10);
+  EXPECT_DOUBLE_EQ(clusters::p2p_link(c, 0, 1, 0, 1).bandwidth_bytes_per_s, 1e10);
+  const clusters::Cluster one = exec::cpu_host_cluster(1, f, 5e10);
+  EXPECT_EQ(one.intra_node.kind, clusters::IntraKind::none);
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(one), "one.json"), one);
+}
+
+}  // namespace
+}  // namespace pw
