@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "cli/backend.hpp"
 #include "cli/commands.hpp"
 #include "cli/measured_report.hpp"
 #include "cli/options.hpp"
@@ -35,7 +36,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
       ->capture_default_str();
   a->plan.add(*cmd);
-  cmd->add_option("--backend", a->backend, "cpu (cuda: a later issue)")->capture_default_str();
+  cmd->add_option("--backend", a->backend, "cpu, or cuda (see --help of the CUDA build)")
+      ->capture_default_str();
   cmd->add_option("--steps", a->options.steps, "optimizer steps")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -64,10 +66,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
   cmd->callback([a] {
-    if (a->backend != "cpu")
-      throw InputError(a->backend == "cuda"
-                           ? "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
-                           : fmt::format("--backend: unknown \"{}\" (cpu)", a->backend));
+    check_backend(a->backend);
     const models::ModelSpec model = models::load_model(a->model);
     // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
     const planner::Plan plan = a->plan.build(model.layers, 1);

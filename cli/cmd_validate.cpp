@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "cli/backend.hpp"
 #include "cli/commands.hpp"
 #include "cli/measured_report.hpp"
 #include "cli/options.hpp"
@@ -118,10 +119,7 @@ std::vector<planner::Placement> place_on_cores(int ranks, int cores) {
 }
 
 void run_and_compare(const ValidateArgs& a) {
-  if (a.backend != "cpu")
-    throw InputError(a.backend == "cuda"
-                         ? "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
-                         : fmt::format("--backend: unknown \"{}\" (cpu)", a.backend));
+  check_backend(a.backend);
   const models::ModelSpec model = models::load_model(a.model);
   if (model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
@@ -277,7 +275,8 @@ void add_validate_command(CLI::App& app) {
   cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
       ->capture_default_str();
   a->plan.add(*cmd);
-  cmd->add_option("--backend", a->backend, "cpu (cuda: a later issue)")->capture_default_str();
+  cmd->add_option("--backend", a->backend, "cpu, or cuda (see --help of the CUDA build)")
+      ->capture_default_str();
   cmd->add_option("--steps", a->train.steps,
                   "optimizer steps, simulated and trained (the first is left out of the "
                   "measured step time)")

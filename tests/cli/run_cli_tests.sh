@@ -36,6 +36,11 @@ expect_error() {
   ok
 }
 
+# --backend cuda: without a GPU (CI) one line saying there is none (or no CUDA in this build); with
+# a GPU, for now, that the runtime does not drive the CUDA stage yet.
+CUDA_ERR="no CUDA"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA_ERR="does not drive"; fi
+
 # --help everywhere.
 for cmd in "" models clusters trace schedule estimate simulate plan sweep train profile; do
   expect_ok "help $cmd" $PW $cmd --help
@@ -172,7 +177,7 @@ x = [e for e in t['traceEvents'] if e['ph'] == 'X']
 assert {e['cat'] for e in x} >= {'compute', 'recv', 'send'} and any(e['ph'] == 'C' for e in t['traceEvents'])
 assert sum(1 for e in x if e['name'].startswith('F') and e['pid'] == 0) == 6
 " && ok || bad "train measured report and timeline"
-expect_error "train cuda without gpu" "CUDA" "$O" $PW train --model gpt-tiny --backend cuda --steps 1 --out "$O"
+expect_error "train --backend cuda" "$CUDA_ERR" "$O" $PW train --model gpt-tiny --backend cuda --steps 1 --out "$O"
 expect_error "train fp16 model on cpu" "fp32" "$O" $PW train --model gpt2-124m --steps 1 --out "$O"
 expect_error "train bad token file" "cannot open token file" "$O" $PW train --model gpt-tiny --data "$TMP/none.bin" --steps 1 --out "$O"
 
@@ -222,7 +227,7 @@ assert [e['microbatch_size'] for e in t['entries']] == [1, 2]
 assert all(e['layers']['block']['forward_s'] > 0 for e in t['entries'])
 " && ok || bad "profile trace"
 expect_ok "simulate with the measured trace" $PW simulate --model gpt-tiny --cluster h100-x1 --trace "$TMP/cpu-trace.json" -d 2 --ranks-per-gpu 2 -m 2 -b 2 --schedule 1f1b
-expect_error "profile cuda without gpu" "CUDA" "$O" $PW profile --model gpt-tiny --backend cuda --out "$O"
+expect_error "profile --backend cuda" "$CUDA_ERR" "$O" $PW profile --model gpt-tiny --backend cuda --out "$O"
 expect_error "profile fp16 model" "fp32" "$O" $PW profile --model gpt2-124m --out "$O"
 
 # Bad inputs.
@@ -308,7 +313,7 @@ expect_error "validate missing predicted file" "cannot open" "$O" $PW validate -
 expect_error "validate garbage predicted file" "val-garbage.json" "$O" $PW validate --predicted "$TMP/val-garbage.json" --measured "$TMP/val-meas.json" --out "$O"
 expect_error "validate predicted alone" "requires --measured" "$O" $PW validate --predicted "$TMP/val-sim.json" --out "$O"
 expect_error "validate files with plan flags" "runs nothing" "$O" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas.json" -d 2 --out "$O"
-expect_error "validate cuda without gpu" "CUDA" "$O" $PW validate --backend cuda --out "$O"
+expect_error "validate --backend cuda" "$CUDA_ERR" "$O" $PW validate --backend cuda --out "$O"
 expect_error "validate unknown backend" "--backend: unknown" "$O" $PW validate --backend tpu --out "$O"
 expect_error "validate fp16 model" "fp32" "$O" $PW validate --model gpt2-124m --out "$O"
 expect_error "validate ranks per gpu" "cores" "$O" $PW validate -d 2 --ranks-per-gpu 2 --out "$O"
