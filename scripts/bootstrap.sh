@@ -8,6 +8,9 @@ PACKAGES=(
   build-essential cmake pkg-config git python3
   nlohmann-json3-dev libcli11-dev libfmt-dev libsimgrid-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  # MPI (issue 6): `mpirun -np N pipewright train` broadcasts the NCCL unique id over MPI and
+  # exec/cuda/mpi_launch.cpp links it; the build leaves MPI out when this is missing.
+  libopenmpi-dev
   jupyter-nbconvert python3-nbconvert python3-ipykernel python3-matplotlib python3-pandas
 )
 
