@@ -188,6 +188,8 @@ void Worker::step(const Op& op) {
       return;
     case OpKind::optimizer_step:
       return optimizer_step(op);
+    case OpKind::sync_tied:
+      return sync_tied(op);
   }
 }
 
@@ -292,24 +294,24 @@ void Worker::all_reduce(const Op& op) {
 
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter: both get
 // the sum of their gradients, added in the same order on both sides, so they stay identical.
-void Worker::sync_tied_gradients() {
-  const planner::Plan& p = s_.plan();
-  for (Chunk& c : chunks_) {
-    if (c.tied_offset < 0) continue;
-    const int partner = p.rank_of(c.first ? p.d - 1 : 0, replica_);
-    float* mine = c.grads.data() + c.tied_offset;
-    s_.transport.send(rank_, partner, Channel::tied, std::vector<float>(mine, mine + c.tied_size));
-    const std::vector<float> theirs = s_.transport.recv(partner, rank_, Channel::tied);
-    for (std::int64_t i = 0; i < c.tied_size; ++i) {
-      const float embedding = c.first ? mine[i] : theirs[std::size_t(i)];
-      const float head = c.first ? theirs[std::size_t(i)] : mine[i];
-      mine[i] = embedding + head;
-    }
+void Worker::sync_tied(const Op& op) {
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  if (c.tied_offset < 0)
+    throw Error(
+        fmt::format("rank {}: sync_tied on chunk {}, which holds no tied tensor", rank_, op.chunk));
+  const auto t0 = Clock::now();
+  float* mine = c.grads.data() + c.tied_offset;
+  s_.transport.send(rank_, op.peer, Channel::tied, std::vector<float>(mine, mine + c.tied_size));
+  const std::vector<float> theirs = s_.transport.recv(op.peer, rank_, Channel::tied);
+  for (std::int64_t i = 0; i < c.tied_size; ++i) {
+    const float embedding = c.first ? mine[i] : theirs[std::size_t(i)];
+    const float head = c.first ? theirs[std::size_t(i)] : mine[i];
+    mine[i] = embedding + head;
   }
+  record(planner::kRecvStream, t0, Clock::now());
 }
 
 void Worker::optimizer_step(const Op& op) {
-  sync_tied_gradients();
   ++updates_;
   // The new version goes into a freed slot (in place for flush schedules, where the version just
   // freed is the newest), or into the second slot the first time 2BW needs two.

@@ -69,7 +69,7 @@ class Worker {
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
   void optimizer_step(const planner::Op& op);
-  void sync_tied_gradients();
+  void sync_tied(const planner::Op& op);
   std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions);
   void save_checkpoint(int step);
   void load_checkpoint(int step);

@@ -49,6 +49,7 @@ class DeviceChecker {
     users_.assign(live_.size(), 0);
     backwards_.assign(std::size_t(p.steps) * std::size_t(plan_.v), 0);
     all_reduces_.assign(std::size_t(p.steps), 0);
+    tied_synced_.assign(std::size_t(p.steps), 0);
     steps_done_ = 0;
   }
 
@@ -119,7 +120,31 @@ class DeviceChecker {
         return optimizer_step(op);
       case OpKind::free_version:
         return free_version(op);
+      case OpKind::sync_tied:
+        return sync_tied(op);
     }
+  }
+
+  // Whether this device holds a tied end: the embedding (stage 0) or the head's copy (stage d-1).
+  bool tied_end() const {
+    return p_.tied_embeddings && plan_.d > 1 && (prog_.stage == 0 || prog_.stage == plan_.d - 1);
+  }
+
+  void sync_tied(const Op& op) {
+    if (!tied_end()) bad("sync_tied on a device without a tied embedding or head");
+    const int partner = plan_.rank_of(prog_.stage == 0 ? plan_.d - 1 : 0, prog_.replica);
+    const int chunk = prog_.stage == 0 ? 0 : plan_.v - 1;
+    if (op.peer != partner)
+      bad("sync_tied with rank " + std::to_string(op.peer) + ", the tied partner is rank " +
+          std::to_string(partner));
+    if (op.chunk != chunk)
+      bad("sync_tied of chunk " + std::to_string(op.chunk) + ", the tied tensor is in chunk " +
+          std::to_string(chunk));
+    if (backwards_[local(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)] != plan_.m)
+      bad("sync_tied before the step's backwards of its chunk");
+    const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
+    if (all_reduces_[local(op.step)] != reduces) bad("sync_tied before the step's all_reduces");
+    if (tied_synced_[local(op.step)]++) bad("sync_tied twice in a step");
   }
 
   void use_version(const Op& op) {
@@ -192,6 +217,8 @@ class DeviceChecker {
       bad("optimizer step after " + std::to_string(all_reduces_[local(op.step)]) +
           " all_reduces, expected " + std::to_string(reduces));
     }
+    if (tied_end() && !tied_synced_[local(op.step)])
+      bad("optimizer step before the tied gradients are synced (sync_tied)");
     if (op.version != op.step + 1) bad("optimizer step must create version step+1");
     live_[std::size_t(op.version)] = 1;
     ++live_count_;
@@ -252,6 +279,7 @@ class DeviceChecker {
   std::vector<int> users_;        // stashed microbatches per weight version
   std::vector<int> backwards_;    // per (step, chunk)
   std::vector<int> all_reduces_;  // per step
+  std::vector<int> tied_synced_;  // sync_tied ops per step
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

@@ -72,6 +72,7 @@ class Runner {
     }
     if (is_recv(op.kind)) return receive(r, op);
     if (op.kind == OpKind::all_reduce) return arrive(r, op);
+    if (op.kind == OpKind::sync_tied) return swap_tied(r, op);
     complete(r);
     return true;
   }
@@ -147,6 +148,33 @@ class Runner {
     return true;
   }
 
+  // Both tied ends must reach their sync_tied of the same step; they complete together.
+  bool swap_tied(int r, const Op& op) {
+    if (!in_range(op.peer, ranks_) || op.peer == r)
+      fail(p_, r, std::size_t(pc_[r]), "sync_tied peer out of range");
+    const int peer = op.peer;
+    const bool peer_there = pc_[std::size_t(peer)] < op_count(peer) &&
+                            op_at(peer).kind == OpKind::sync_tied && op_at(peer).peer == r;
+    if (!peer_there) {
+      waiting_[std::size_t(r)] = -3;
+      return false;
+    }
+    if (op_at(peer).step != op.step) {
+      fail(p_, r, std::size_t(pc_[r]),
+           "sync_tied of step " + std::to_string(op.step) + " meets rank " + std::to_string(peer) +
+               "'s of step " + std::to_string(op_at(peer).step));
+    }
+    const std::int64_t group = std::int64_t(ex_.groups.size());
+    ex_.match[std::size_t(flat(r))] = group;
+    ex_.match[std::size_t(flat(peer))] = group;
+    ex_.groups.push_back({std::min(flat(r), flat(peer)), std::max(flat(r), flat(peer))});
+    complete(r);
+    complete(peer);
+    waiting_[std::size_t(peer)] = -1;
+    ready_.push_back(peer);
+    return true;
+  }
+
   int rank_of_flat(std::int64_t id) const {
     auto it = std::upper_bound(ex_.offset.begin(), ex_.offset.end(), id);
     return int(it - ex_.offset.begin()) - 1;
@@ -156,7 +184,7 @@ class Runner {
   // all_reduce.
   int waits_for(int r) const {
     const Op& op = op_at(r);
-    if (is_recv(op.kind)) return op.peer;
+    if (is_recv(op.kind) || op.kind == OpKind::sync_tied) return op.peer;
     const int stage = p_.plan.stage_of(r);
     for (int replica = 0; replica < p_.plan.w; ++replica) {
       const int other = p_.plan.rank_of(stage, replica);

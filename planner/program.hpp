@@ -20,6 +20,8 @@ enum class OpKind {
   all_reduce,       // gradient `bucket` of `chunk`, a collective over the w replicas of the stage
   optimizer_step,   // applies the step's gradients, creating weight `version`
   free_version,     // drops weight `version`
+  sync_tied,        // swaps the tied embedding's gradient of `chunk` with `peer` (the first and
+                    // last virtual stage of a replica); both then hold the sum
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
@@ -50,6 +52,7 @@ struct Programs {
   Plan plan;
   int steps = 0;                 // optimizer steps generated
   int first_step = 0;            // ops carry global steps first_step .. first_step + steps - 1
+  bool tied_embeddings = false;  // the model ties its LM head to the token embedding
   int buckets = 0;               // gradient buckets per chunk
   std::vector<Program> devices;  // indexed by rank
 };
@@ -80,11 +83,22 @@ inline int virtual_stage(const Plan& plan, int stage, int chunk) {
 Programs generate_programs(const Plan& plan, int steps = 3, int gradient_buckets = 1,
                            int first_step = 0);
 
+struct ProgramOptions {
+  int steps = 3;
+  int gradient_buckets = 1;
+  int first_step = 0;
+  // With tied embeddings and d > 1, the first and last stage of each replica swap the tied
+  // gradient (sync_tied) after the step's all-reduces, before its optimizer step.
+  bool tied_embeddings = false;
+};
+Programs generate_programs(const Plan& plan, const ProgramOptions& options);
+
 // Weight versions a device holds before the first op of programs starting at `first_step`.
 std::vector<int> initial_versions(const Plan& plan, int first_step);
 
 // Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
-// "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)".
+// "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)",
+// "tied<->3".
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

@@ -30,6 +30,8 @@ std::string to_string(OpKind kind) {
       return "optimizer_step";
     case OpKind::free_version:
       return "free_version";
+    case OpKind::sync_tied:
+      return "sync_tied";
   }
   return "unknown";
 }
@@ -80,6 +82,8 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "opt(v" + std::to_string(op.version) + ")";
     case OpKind::free_version:
       return "free(v" + std::to_string(op.version) + ")";
+    case OpKind::sync_tied:
+      return "tied" + chunk + "<->" + peer;
   }
   return "?";
 }
@@ -163,8 +167,8 @@ std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int first_step, int
 // Appends the ops of one device: communication around compute, per-step tails.
 class ProgramBuilder {
  public:
-  ProgramBuilder(const Plan& plan, int buckets, Program& program)
-      : plan_(plan), buckets_(buckets), program_(program) {}
+  ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program)
+      : plan_(plan), buckets_(buckets), tied_(tied), program_(program) {}
 
   void compute(const Slot& slot) {
     const int s = program_.stage, d = plan_.d;
@@ -195,6 +199,13 @@ class ProgramBuilder {
         }
       }
     }
+    // The tied embedding (stage 0, chunk 0) and the LM head's copy (stage d-1, chunk v-1).
+    if (tied_ && plan_.d > 1) {
+      const int s = program_.stage, d = plan_.d;
+      if (s == 0) program_.ops.push_back(Op{OpKind::sync_tied, step, -1, 0, peer(d - 1), -1, -1});
+      if (s == d - 1)
+        program_.ops.push_back(Op{OpKind::sync_tied, step, -1, plan_.v - 1, peer(0), -1, -1});
+    }
     const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
     if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
     program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
@@ -209,11 +220,13 @@ class ProgramBuilder {
 
   const Plan& plan_;
   int buckets_;
+  bool tied_;
   Program& program_;
 };
 
-void generate_device(const Plan& plan, int first_step, int steps, int buckets, Program& program) {
-  ProgramBuilder builder(plan, buckets, program);
+void generate_device(const Plan& plan, int first_step, int steps, int buckets, bool tied,
+                     Program& program) {
+  ProgramBuilder builder(plan, buckets, tied, program);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
     for (const Slot& slot : two_bw_stream(plan, s, first_step, steps)) {
@@ -249,6 +262,12 @@ std::vector<int> initial_versions(const Plan& plan, int first_step) {
 }
 
 Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, int first_step) {
+  return generate_programs(plan, ProgramOptions{steps, gradient_buckets, first_step, false});
+}
+
+Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
+  const int steps = options.steps, gradient_buckets = options.gradient_buckets,
+            first_step = options.first_step;
   check(plan);
   if (steps < 1)
     throw PlanError("generate_programs: steps must be >= 1, got " + std::to_string(steps));
@@ -259,14 +278,14 @@ Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, in
     throw PlanError("generate_programs: gradient_buckets must be >= 1, got " +
                     std::to_string(gradient_buckets));
   }
-  Programs programs{plan, steps, first_step, gradient_buckets, {}};
+  Programs programs{plan, steps, first_step, options.tied_embeddings, gradient_buckets, {}};
   programs.devices.resize(std::size_t(plan.ranks()));
   for (int rank = 0; rank < plan.ranks(); ++rank) {
     Program& program = programs.devices[std::size_t(rank)];
     program.rank = rank;
     program.stage = plan.stage_of(rank);
     program.replica = plan.replica_of(rank);
-    generate_device(plan, first_step, steps, gradient_buckets, program);
+    generate_device(plan, first_step, steps, gradient_buckets, options.tied_embeddings, program);
   }
   return programs;
 }

@@ -24,6 +24,11 @@ std::string mailbox_name(int dst, bool gradient, int src) {
   return fmt::format("{}{}<{}", dst, gradient ? 'G' : 'A', src);
 }
 
+// The tied embedding's gradient from `src` to `dst` (sync_tied).
+std::string tied_mailbox(int dst, int src) {
+  return fmt::format("{}T<{}", dst, src);
+}
+
 bool is_gradient(OpKind k) {
   return k == OpKind::send_gradient || k == OpKind::recv_gradient;
 }
@@ -51,10 +56,14 @@ class Replayer {
 
   // Mailboxes this rank receives on are eager: a send starts at once, as into a posted buffer.
   void claim_mailboxes(bool claim) {
-    for (const Op& op : program_.ops)
+    for (const Op& op : program_.ops) {
       if (planner::is_recv(op.kind))
         sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer))
             ->set_receiver(claim ? sg4::Actor::self() : nullptr);
+      if (op.kind == OpKind::sync_tied)
+        sg4::Mailbox::by_name(tied_mailbox(me_.rank, op.peer))
+            ->set_receiver(claim ? sg4::Actor::self() : nullptr);
+    }
   }
 
   // The last backward of each (step, chunk) that is followed by its all-reduces runs in bucket
@@ -109,7 +118,42 @@ class Replayer {
       case OpKind::optimizer_step:
         optimizer_step(op);
         break;
+      case OpKind::sync_tied:
+        sync_tied(op);
+        break;
     }
+  }
+
+  // As the executor does after the step's all-reduces: send the tied gradient to the partner and
+  // receive its own (both directions at once), then both hold the sum.
+  void sync_tied(const Op& op) {
+    wait_collectives(op.step);
+    const auto bytes = std::uint64_t(std::max<std::int64_t>(me_.tied_bytes, 1));
+    sg4::CommPtr send =
+        sg4::Mailbox::by_name(tied_mailbox(op.peer, me_.rank))->put_async(&kToken, bytes);
+    observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
+    int* data = nullptr;
+    sg4::CommPtr recv =
+        sg4::Mailbox::by_name(tied_mailbox(me_.rank, op.peer))->get_async<int>(&data);
+    send->wait();
+    recv->wait();
+    record(kSend, send->get_start_time(), send->get_finish_time(), op_);
+    record(kRecv, recv->get_start_time(), recv->get_finish_time(), op_);
+  }
+
+  // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
+  void wait_collectives(int step) {
+    if (std::find(waited_.begin(), waited_.end(), step) != waited_.end()) return;
+    waited_.push_back(step);
+    for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
+      for (int b = 0; b < w_.programs->buckets; ++b) {
+        trigger(step, chunk, b);
+        Collective& c = collective(step, chunk, b);
+        std::unique_lock<sg4::Mutex> lock(*c.mutex);
+        while (!c.done)
+          c.finished->wait(lock);
+        record(kCollective, c.start, c.end, op_);
+      }
   }
 
   // Alone on its GPU a rank replays the duration (sleep_for: no resource to share). Ranks sharing
@@ -205,15 +249,7 @@ class Replayer {
   }
 
   void optimizer_step(const Op& op) {
-    for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
-      for (int b = 0; b < w_.programs->buckets; ++b) {
-        trigger(op.step, chunk, b);
-        Collective& c = collective(op.step, chunk, b);
-        std::unique_lock<sg4::Mutex> lock(*c.mutex);
-        while (!c.done)
-          c.finished->wait(lock);
-        record(kCollective, c.start, c.end, op_);
-      }
+    wait_collectives(op.step);
     double opt = 0;
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
@@ -258,6 +294,7 @@ class Replayer {
   World& w_;
   RankState& me_;
   const planner::Program& program_;
+  std::vector<int> waited_;  // steps whose all-reduces this rank has waited for
   std::vector<bool> bucketed_;
   std::deque<std::pair<sg4::CommPtr, int>> sends_;
   std::int64_t versions_ = 1;
