@@ -15,8 +15,8 @@ struct Execution {
   std::vector<std::int64_t> offset;  // ranks + 1 entries
   std::vector<std::int64_t> order;  // flat ids in completion order; a collective's members adjacent
   std::vector<std::int64_t> match;  // per flat id: the send a receive got, the group of an
-                                    // all_reduce or sync_tied (index into groups), else -1
-  std::vector<std::vector<std::int64_t>> groups;  // all_reduce / sync_tied members (flat ids)
+                                    // all_reduce (index into groups), else -1
+  std::vector<std::vector<std::int64_t>> groups;  // all_reduce members (flat ids), by rank
 };
 
 // Throws ScheduleError for a send/receive mismatch (kind, peer, FIFO order), a malformed or
@@ -37,7 +37,7 @@ struct CheckReport {
   int max_live_versions = 0;
   std::int64_t ops = 0;
   std::int64_t messages = 0;     // matched send/receive pairs
-  std::int64_t collectives = 0;  // completed all_reduce groups and sync_tied pairs
+  std::int64_t collectives = 0;  // completed all_reduce groups
 };
 
 // Most stashed microbatch-chunks a device may hold: d for 1f1b, 2bw and dp; m for gpipe;

@@ -20,17 +20,26 @@ using planner::OpKind;
 
 int kToken = 0;  // SimGrid needs a real payload pointer; only the simulated size matters
 
-std::string mailbox_name(int dst, bool gradient, int src) {
-  return fmt::format("{}{}<{}", dst, gradient ? 'G' : 'A', src);
+// One mailbox per (dst, kind, src), as the checker's FIFO channels: activations (A), gradients (G),
+// tied gradients (T) and tied weights (W).
+char channel_letter(OpKind k) {
+  switch (k) {
+    case OpKind::send_gradient:
+    case OpKind::recv_gradient:
+      return 'G';
+    case OpKind::send_tied_gradient:
+    case OpKind::recv_tied_gradient:
+      return 'T';
+    case OpKind::send_tied_weights:
+    case OpKind::recv_tied_weights:
+      return 'W';
+    default:
+      return 'A';
+  }
 }
 
-// The tied embedding's gradient from `src` to `dst` (sync_tied).
-std::string tied_mailbox(int dst, int src) {
-  return fmt::format("{}T<{}", dst, src);
-}
-
-bool is_gradient(OpKind k) {
-  return k == OpKind::send_gradient || k == OpKind::recv_gradient;
+std::string mailbox_name(int dst, OpKind kind, int src) {
+  return fmt::format("{}{}<{}", dst, channel_letter(kind), src);
 }
 
 class Replayer {
@@ -56,14 +65,10 @@ class Replayer {
 
   // Mailboxes this rank receives on are eager: a send starts at once, as into a posted buffer.
   void claim_mailboxes(bool claim) {
-    for (const Op& op : program_.ops) {
+    for (const Op& op : program_.ops)
       if (planner::is_recv(op.kind))
-        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer))
+        sg4::Mailbox::by_name(mailbox_name(me_.rank, op.kind, op.peer))
             ->set_receiver(claim ? sg4::Actor::self() : nullptr);
-      if (op.kind == OpKind::sync_tied)
-        sg4::Mailbox::by_name(tied_mailbox(me_.rank, op.peer))
-            ->set_receiver(claim ? sg4::Actor::self() : nullptr);
-    }
   }
 
   // The last backward of each (step, chunk) that is followed by its all-reduces runs in bucket
@@ -100,13 +105,20 @@ class Replayer {
                  -(me_.recompute ? chunk(op).input_bytes + chunk(op).stash_bytes
                                  : chunk(op).stash_bytes));
         break;
+      case OpKind::send_tied_gradient:
+        wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
+        send(op);
+        break;
       case OpKind::send_activation:
       case OpKind::send_gradient:
+      case OpKind::send_tied_weights:
         send(op);
         break;
       case OpKind::recv_activation:
       case OpKind::recv_gradient:
-        receive(op);
+      case OpKind::recv_tied_gradient:
+      case OpKind::recv_tied_weights:
+        receive(op);  // a tied message sent long ago is there already: no wait
         break;
       case OpKind::all_reduce:
         trigger(op.step, op.chunk, op.bucket);
@@ -118,27 +130,7 @@ class Replayer {
       case OpKind::optimizer_step:
         optimizer_step(op);
         break;
-      case OpKind::sync_tied:
-        sync_tied(op);
-        break;
     }
-  }
-
-  // As the executor does after the step's all-reduces: send the tied gradient to the partner and
-  // receive its own (both directions at once), then both hold the sum.
-  void sync_tied(const Op& op) {
-    wait_collectives(op.step);
-    const auto bytes = std::uint64_t(std::max<std::int64_t>(me_.tied_bytes, 1));
-    sg4::CommPtr send =
-        sg4::Mailbox::by_name(tied_mailbox(op.peer, me_.rank))->put_async(&kToken, bytes);
-    observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
-    int* data = nullptr;
-    sg4::CommPtr recv =
-        sg4::Mailbox::by_name(tied_mailbox(me_.rank, op.peer))->get_async<int>(&data);
-    send->wait();
-    recv->wait();
-    record(kSend, send->get_start_time(), send->get_finish_time(), op_);
-    record(kRecv, recv->get_start_time(), recv->get_finish_time(), op_);
   }
 
   // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
@@ -184,11 +176,13 @@ class Replayer {
 
   void send(const Op& op) {
     // An activation is the chunk's output; a gradient is that of its input (the last chunk has no
-    // output, but sends the gradient of its input like every other).
-    const std::int64_t size = is_gradient(op.kind) ? chunk(op).input_bytes : chunk(op).output_bytes;
+    // output, but sends the gradient of its input like every other); tied messages are the tied
+    // tensor (its gradient or its new weights).
+    const std::int64_t size = planner::is_tied(op.kind)          ? me_.tied_bytes
+                              : op.kind == OpKind::send_gradient ? chunk(op).input_bytes
+                                                                 : chunk(op).output_bytes;
     const auto bytes = std::uint64_t(std::max<std::int64_t>(size, 1));
-    sg4::Mailbox* box =
-        sg4::Mailbox::by_name(mailbox_name(op.peer, is_gradient(op.kind), me_.rank));
+    sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(op.peer, op.kind, me_.rank));
     reap_sends();
     sends_.emplace_back(box->put_async(&kToken, bytes), op_);
     observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
@@ -206,8 +200,7 @@ class Replayer {
   }
 
   void receive(const Op& op) {
-    sg4::Mailbox* box =
-        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer));
+    sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(me_.rank, op.kind, op.peer));
     int* data = nullptr;
     sg4::CommPtr comm = box->get_async<int>(&data);
     comm->wait();
