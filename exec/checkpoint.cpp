@@ -210,8 +210,11 @@ void write_shard(const std::string& path, common::Json header,
   }
 }
 
-common::Json read_shard(const std::string& path, const std::vector<ShardTensor>& tensors) {
-  std::ifstream in(path, std::ios::binary);
+namespace {
+
+// Opens a shard and reads its header; `in` is left at the first tensor's values.
+common::Json read_header(const std::string& path, std::ifstream& in) {
+  in.open(path, std::ios::binary);
   if (!in) throw InputError(fmt::format("{}: cannot open checkpoint shard", path));
   char magic[8];
   unsigned char len[8];
@@ -232,6 +235,14 @@ common::Json read_shard(const std::string& path, const std::vector<ShardTensor>&
   } catch (const std::exception&) {
     throw InputError(fmt::format("{}: corrupt shard header", path));
   }
+  return header;
+}
+
+}  // namespace
+
+common::Json read_shard(const std::string& path, const std::vector<ShardTensor>& tensors) {
+  std::ifstream in;
+  const common::Json header = read_header(path, in);
   const common::Json& list = header.contains("tensors") ? header["tensors"] : common::Json();
   if (!list.is_array() || list.size() != tensors.size())
     throw InputError(fmt::format("{}: holds {} tensors, this run expects {}", path,
@@ -248,6 +259,29 @@ common::Json read_shard(const std::string& path, const std::vector<ShardTensor>&
   if (in.peek() != std::char_traits<char>::eof())
     throw InputError(fmt::format("{}: trailing bytes after the last tensor", path));
   return header;
+}
+
+void read_shard_slice(const std::string& path, const std::string& name, std::int64_t offset,
+                      float* out, std::int64_t count) {
+  std::ifstream in;
+  const common::Json header = read_header(path, in);
+  const common::Json& list = header.contains("tensors") ? header["tensors"] : common::Json();
+  std::int64_t before = 0;  // floats ahead of the tensor
+  for (std::size_t i = 0; list.is_array() && i < list.size(); ++i) {
+    const std::int64_t floats = list[i].value("floats", std::int64_t(-1));
+    if (list[i].value("name", "") != name) {
+      before += floats;
+      continue;
+    }
+    if (offset < 0 || count < 0 || offset + count > floats)
+      throw InputError(fmt::format("{}: tensor {} has {} floats, this run reads [{}, {})", path,
+                                   name, floats, offset, offset + count));
+    in.seekg(std::streamoff((before + offset) * 4), std::ios::cur);
+    if (!in.read(reinterpret_cast<char*>(out), std::streamsize(count * 4)))
+      throw InputError(fmt::format("{}: truncated in tensor {}", path, name));
+    return;
+  }
+  throw InputError(fmt::format("{}: holds no tensor {}", path, name));
 }
 
 }  // namespace pw::exec

@@ -50,6 +50,11 @@ void write_shard(const std::string& path, common::Json header,
 // its header. Truncated or foreign files are InputErrors naming the file.
 common::Json read_shard(const std::string& path, const std::vector<ShardTensor>& tensors);
 
+// Reads floats [offset, offset + count) of the tensor `name` of a shard into `out` (the last stage
+// of a tied model takes its copy of the tied tensor from stage 0's shard).
+void read_shard_slice(const std::string& path, const std::string& name, std::int64_t offset,
+                      float* out, std::int64_t count);
+
 // "<checkpoint>/rank-00003.bin".
 std::string shard_path(const std::string& checkpoint, int rank);
 

@@ -64,8 +64,12 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
       first_step = *step;
     }
   }
-  const planner::Programs programs = planner::generate_programs(
-      plan, options.steps - first_step, options.gradient_buckets, first_step);
+  planner::ProgramOptions po;
+  po.steps = options.steps - first_step;
+  po.gradient_buckets = options.gradient_buckets;
+  po.first_step = first_step;
+  po.tied_embeddings = model.tied_embeddings;
+  const planner::Programs programs = planner::generate_programs(plan, po);
   const TokenSource data(options.data, model.vocab, options.seed);
   detail::Shared shared;
   shared.model = &model;

@@ -13,7 +13,7 @@
 
 namespace pw::exec {
 
-enum class Channel { activation, gradient, tied };  // point-to-point message kinds
+enum class Channel { activation, gradient, tied, tied_weights };  // point-to-point message kinds
 
 class Transport {
  public:

@@ -132,6 +132,29 @@ void Worker::load_checkpoint(int step) {
   updates_ = step;
   read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), rank_),
              shard_tensors(versions));
+  load_tied_copy(step, versions);
+}
+
+// The last stage's shard may hold stale copies of the tied tensor (versions whose weights had not
+// arrived when it was written); stage 0's shard of the same replica holds every version fully.
+void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
+  const planner::Plan& p = s_.plan();
+  Chunk& c = chunks_.back();
+  if (p.d == 1 || stage_ != p.d - 1 || c.tied_offset < 0) return;
+  StageSpec spec;
+  spec.model = *s_.model;
+  spec.blocks = p.stage_blocks.front();
+  spec.has_embedding = true;
+  spec.has_head = p.virtual_stages() == 1;
+  const std::unique_ptr<StageCompute> first = make_cpu_stage(spec);
+  std::int64_t offset = -1;
+  for (const auto& slot : first->layout())
+    if (slot.name == "wte") offset = slot.offset;
+  const std::string shard =
+      shard_path(checkpoint_path(s_.options->checkpoint_dir, step), p.rank_of(0, replica_));
+  for (int version : versions)
+    read_shard_slice(shard, fmt::format("c0.w{}", version), offset,
+                     c.slots[version_slot_.at(version)].data() + c.tied_offset, c.tied_size);
 }
 
 void Worker::run() {
@@ -188,6 +211,11 @@ void Worker::step(const Op& op) {
       return;
     case OpKind::optimizer_step:
       return optimizer_step(op);
+    case OpKind::send_tied_gradient:
+    case OpKind::recv_tied_gradient:
+    case OpKind::send_tied_weights:
+    case OpKind::recv_tied_weights:
+      return tied(op);
   }
 }
 
@@ -290,26 +318,63 @@ void Worker::all_reduce(const Op& op) {
                               group, rank_, c.grads.data() + begin, end - begin);
 }
 
-// The token embedding (stage 0) and the LM head's copy (last stage) are one parameter: both get
-// the sum of their gradients, added in the same order on both sides, so they stay identical.
-void Worker::sync_tied_gradients() {
-  const planner::Plan& p = s_.plan();
-  for (Chunk& c : chunks_) {
-    if (c.tied_offset < 0) continue;
-    const int partner = p.rank_of(c.first ? p.d - 1 : 0, replica_);
-    float* mine = c.grads.data() + c.tied_offset;
-    s_.transport.send(rank_, partner, Channel::tied, std::vector<float>(mine, mine + c.tied_size));
-    const std::vector<float> theirs = s_.transport.recv(partner, rank_, Channel::tied);
-    for (std::int64_t i = 0; i < c.tied_size; ++i) {
-      const float embedding = c.first ? mine[i] : theirs[std::size_t(i)];
-      const float head = c.first ? theirs[std::size_t(i)] : mine[i];
-      mine[i] = embedding + head;
+// The token embedding (stage 0) and the LM head's copy (last stage) are one parameter. Stage 0
+// owns its update: it adds the head's gradient to its own (embedding + head, the order of the
+// sum on one device) and sends the new weights back; the last stage's optimizer skips the copy.
+void Worker::tied(const Op& op) {
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  if (c.tied_offset < 0)
+    throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
+                            planner::to_string(op.kind), op.chunk));
+  const std::int64_t n = c.tied_size;
+  float* grad = c.grads.data() + c.tied_offset;
+  const auto t0 = Clock::now();
+  switch (op.kind) {
+    case OpKind::send_tied_gradient:
+      record(planner::kSendStream, t0, t0);
+      s_.transport.send(rank_, op.peer, Channel::tied, std::vector<float>(grad, grad + n));
+      std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
+      return;
+    case OpKind::recv_tied_gradient: {
+      const std::vector<float> head = s_.transport.recv(op.peer, rank_, Channel::tied);
+      for (std::int64_t i = 0; i < n; ++i)
+        grad[i] = grad[i] + head[std::size_t(i)];
+      record(planner::kRecvStream, t0, Clock::now());
+      return;
+    }
+    case OpKind::send_tied_weights: {
+      const float* w = params(c, op.version) + c.tied_offset;
+      record(planner::kSendStream, t0, t0);
+      s_.transport.send(rank_, op.peer, Channel::tied_weights, std::vector<float>(w, w + n));
+      return;
+    }
+    default: {
+      const std::vector<float> w = s_.transport.recv(op.peer, rank_, Channel::tied_weights);
+      float* out = c.slots[version_slot_.at(op.version)].data() + c.tied_offset;
+      std::copy(w.begin(), w.end(), out);
+      record(planner::kRecvStream, t0, Clock::now());
+      return;
     }
   }
 }
 
+// One device holding both tied ends (d == 1, v > 1): the same sum, on both chunks, no messages.
+void Worker::sum_local_tied() {
+  Chunk* embedding = nullptr;
+  Chunk* head = nullptr;
+  for (Chunk& c : chunks_) {
+    if (c.tied_offset < 0) continue;
+    (c.first ? embedding : head) = &c;
+  }
+  if (!embedding || !head) return;
+  float* e = embedding->grads.data() + embedding->tied_offset;
+  float* h = head->grads.data() + head->tied_offset;
+  for (std::int64_t i = 0; i < embedding->tied_size; ++i)
+    e[i] = h[i] = e[i] + h[i];
+}
+
 void Worker::optimizer_step(const Op& op) {
-  sync_tied_gradients();
+  if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
   // The new version goes into a freed slot (in place for flush schedules, where the version just
   // freed is the newest), or into the second slot the first time 2BW needs two.
@@ -334,9 +399,23 @@ void Worker::optimizer_step(const Op& op) {
   s_.finish_step(op.step);
 }
 
+// The last stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it
+// (recv_tied_weights). Its optimizer state stays allocated, unused; its gradient is zero already.
 void Worker::update(Chunk& c, int source, int target) {
-  optimizer_update(*s_.options, updates_, c.slots[source].data(), c.slots[target].data(),
-                   c.grads.data(), c.m.data(), c.v.data(), c.grads.size());
+  const auto run = [&](std::int64_t begin, std::int64_t end) {
+    if (end <= begin) return;
+    float* v = c.v.empty() ? nullptr : c.v.data() + begin;
+    optimizer_update(*s_.options, updates_, c.slots[source].data() + begin,
+                     c.slots[target].data() + begin, c.grads.data() + begin, c.m.data() + begin, v,
+                     end - begin);
+  };
+  const std::int64_t n = c.grads.size();
+  if (c.last && !c.first && c.tied_offset >= 0 && s_.plan().d > 1) {
+    run(0, c.tied_offset);
+    run(c.tied_offset + c.tied_size, n);
+    return;
+  }
+  run(0, n);
 }
 
 RankResult Worker::result() const {

@@ -69,10 +69,12 @@ class Worker {
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
   void optimizer_step(const planner::Op& op);
-  void sync_tied_gradients();
+  void tied(const planner::Op& op);
+  void sum_local_tied();
   std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions);
   void save_checkpoint(int step);
   void load_checkpoint(int step);
+  void load_tied_copy(int step, const std::vector<int>& versions);
   void update(Chunk& c, int source, int target);
   const float* params(const Chunk& c, int version) const;
   void samples(const planner::Op& op, std::vector<std::int32_t>& tokens,

@@ -49,6 +49,8 @@ class DeviceChecker {
     users_.assign(live_.size(), 0);
     backwards_.assign(std::size_t(p.steps) * std::size_t(plan_.v), 0);
     all_reduces_.assign(std::size_t(p.steps), 0);
+    tied_gradient_.assign(std::size_t(p.steps), 0);
+    tied_weights_.assign(live_.size(), 0);
     steps_done_ = 0;
   }
 
@@ -88,6 +90,7 @@ class DeviceChecker {
     if (op.kind == OpKind::all_reduce && !in_range(op.bucket, p_.buckets)) {
       bad("bucket out of range");
     }
+    if (is_tied(op.kind)) return tied(op);
     if (op.microbatch >= 0 || is_compute(op.kind) || is_send(op.kind) || is_recv(op.kind)) {
       if (!in_range(op.microbatch, plan_.m)) bad("microbatch out of range");
     }
@@ -119,11 +122,66 @@ class DeviceChecker {
         return optimizer_step(op);
       case OpKind::free_version:
         return free_version(op);
+      default:
+        return;  // tied ops: above
     }
+  }
+
+  // Tied embeddings: stage 0 holds the embedding (chunk 0) and owns its update; the last stage
+  // holds the head's copy (chunk v-1).
+  bool tied_first() const { return p_.tied_embeddings && plan_.d > 1 && prog_.stage == 0; }
+  bool tied_last() const { return p_.tied_embeddings && plan_.d > 1 && prog_.stage == plan_.d - 1; }
+  int backwards_of(int step, int chunk) const {
+    return backwards_[local(step) * std::size_t(plan_.v) + std::size_t(chunk)];
+  }
+  // Versions this segment creates (initial ones come from the checkpoint, never sent).
+  bool created_here(int version) const {
+    return version > p_.first_step && version <= p_.first_step + p_.steps;
+  }
+
+  void tied(const Op& op) {
+    const std::string name = to_string(op.kind);
+    const bool to_first = op.kind == OpKind::send_tied_gradient ||
+                          op.kind == OpKind::recv_tied_weights;  // ops of the last stage
+    if (!(to_first ? tied_last() : tied_first()))
+      bad(name + " on stage " + std::to_string(prog_.stage) +
+          (p_.tied_embeddings && plan_.d > 1 ? ", not its tied end" : " of an untied program"));
+    const int partner = plan_.rank_of(to_first ? 0 : plan_.d - 1, prog_.replica);
+    const int chunk = to_first ? plan_.v - 1 : 0;
+    if (op.peer != partner)
+      bad(name + " with rank " + std::to_string(op.peer) + ", the tied partner is rank " +
+          std::to_string(partner));
+    if (op.chunk != chunk)
+      bad(name + " of chunk " + std::to_string(op.chunk) + ", the tied tensor is in chunk " +
+          std::to_string(chunk));
+    if (op.microbatch != -1) bad(name + " with a microbatch");
+    const bool weights =
+        op.kind == OpKind::send_tied_weights || op.kind == OpKind::recv_tied_weights;
+    if (!weights) {
+      if (backwards_of(op.step, op.chunk) != plan_.m) bad(name + " before the step's backwards");
+      const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
+      if (all_reduces_[local(op.step)] != reduces) bad(name + " before the step's all_reduces");
+      if (tied_gradient_[local(op.step)]++) bad(name + " twice in a step");
+      return;
+    }
+    if (!in_range(op.version, int(live_.size())) || !created_here(op.version))
+      bad(name + " of version " + std::to_string(op.version) + ", not created by this segment");
+    if (op.version > p_.first_step + steps_done_)
+      bad(name + " of version " + std::to_string(op.version) +
+          " before the optimizer step that creates it");
+    if (!live_[std::size_t(op.version)])
+      bad(name + " of version " + std::to_string(op.version) + ", which is not live");
+    if (tied_weights_[std::size_t(op.version)]++)
+      bad(name + " of version " + std::to_string(op.version) + " twice");
   }
 
   void use_version(const Op& op) {
     if (!in_range(op.version, int(live_.size()))) bad("weight version out of range");
+    if (tied_last() && op.chunk == plan_.v - 1 && created_here(op.version) &&
+        !tied_weights_[std::size_t(op.version)]) {
+      bad("uses weight version " + std::to_string(op.version) +
+          " before its tied weights are received (recv_tied_weights)");
+    }
     const int want = expected_version(plan_, op.step, op.microbatch);
     if (op.version != want) {
       bad("uses weight version " + std::to_string(op.version) + ", the rule gives " +
@@ -192,6 +250,10 @@ class DeviceChecker {
       bad("optimizer step after " + std::to_string(all_reduces_[local(op.step)]) +
           " all_reduces, expected " + std::to_string(reduces));
     }
+    if ((tied_first() || tied_last()) && !tied_gradient_[local(op.step)]) {
+      bad(std::string("optimizer step before the tied gradient is ") +
+          (tied_first() ? "received (recv_tied_gradient)" : "sent (send_tied_gradient)"));
+    }
     if (op.version != op.step + 1) bad("optimizer step must create version step+1");
     live_[std::size_t(op.version)] = 1;
     ++live_count_;
@@ -221,6 +283,15 @@ class DeviceChecker {
                           std::to_string(steps_done_) + " optimizer steps, expected " +
                           std::to_string(p_.steps));
     }
+    // Every version the segment creates is sent and received, the last ones after the last step.
+    for (int version = p_.first_step + 1; version <= p_.first_step + p_.steps; ++version) {
+      if ((tied_first() || tied_last()) && !tied_weights_[std::size_t(version)]) {
+        throw ScheduleError(
+            "rank " + std::to_string(prog_.rank) + ": tied weights of version " +
+            std::to_string(version) + " never " +
+            (tied_first() ? "sent (send_tied_weights)" : "received (recv_tied_weights)"));
+      }
+    }
     for (int step = p_.first_step; step < p_.first_step + p_.steps; ++step) {
       for (int mb = 0; mb < plan_.m; ++mb) {
         for (int chunk = 0; chunk < plan_.v; ++chunk)
@@ -249,9 +320,11 @@ class DeviceChecker {
   std::vector<std::uint8_t> flags_;
   std::vector<int> version_of_;
   std::vector<char> live_;
-  std::vector<int> users_;        // stashed microbatches per weight version
-  std::vector<int> backwards_;    // per (step, chunk)
-  std::vector<int> all_reduces_;  // per step
+  std::vector<int> users_;          // stashed microbatches per weight version
+  std::vector<int> backwards_;      // per (step, chunk)
+  std::vector<int> all_reduces_;    // per step
+  std::vector<int> tied_gradient_;  // tied gradients sent or received, per step
+  std::vector<int> tied_weights_;   // tied weights sent or received, per version
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

@@ -207,6 +207,32 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
   return 0;
 }
 
+// Exposed part of the tied-embedding exchange (d > 1): the last stage sends its head's gradient
+// to stage 0 after its last backward and all-reduce; stage 0 needs it after its own last backward,
+// up to d-1 backward slots later. Flush schedules then wait for the new weights on the last
+// stage, whose first forward of the next step comes d-1 forwards and hops after stage 0's; 2BW
+// needs them one step later, where they hide.
+double tied_exchange_time(const models::ModelSpec& model, const models::ModelCosts& mc,
+                          const clusters::Cluster& cluster, const Plan& p,
+                          const std::vector<StageCost>& st) {
+  if (p.d == 1 || mc.tied_copy_parameters == 0) return 0;
+  const int last = p.d - 1;
+  const clusters::Link link = rank_link(cluster, p, p.rank_of(last, 0), p.rank_of(0, 0));
+  const double bytes = double(mc.tied_copy_parameters * models::dtype_bytes(model.dtype));
+  const double transfer_s =
+      link.latency_s + nic_sharers(cluster, p, last) * bytes / link.bandwidth_bytes_per_s;
+  double backwards = 0, forwards = 0;
+  for (int s = 1; s < p.d; ++s)
+    backwards += st[std::size_t(s)].backward_s / p.v;
+  for (int s = 0; s < last; ++s)
+    forwards += (st[std::size_t(s)].forward_s + st[std::size_t(s)].send_s) / p.v;
+  const double gradient_s =
+      std::max(0.0, st[std::size_t(last)].allreduce_s + transfer_s - backwards - st[0].allreduce_s);
+  const double weights_s =
+      p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, transfer_s - forwards);
+  return gradient_s + weights_s;
+}
+
 }  // namespace
 
 Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
@@ -237,13 +263,14 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     est.allreduce_s = std::max(est.allreduce_s, st.allreduce_s);
     est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
   }
+  est.tied_s = tied_exchange_time(model, mc, cluster, p, est.stages);
 
   RunReport& rep = est.report;
   rep.source = "analytic";
   rep.model = model.name;
   rep.cluster = fmt::format("{}:{}", cluster.name, cluster.nodes);  // preset:nodes
   rep.plan = p;
-  rep.iteration_time_s = est.pipeline_s + est.allreduce_s + est.optimizer_s;
+  rep.iteration_time_s = est.pipeline_s + est.allreduce_s + est.tied_s + est.optimizer_s;
   set_throughput(rep, model, cluster, int(gpu_work.size()));
   for (int r = 0; r < p.ranks(); ++r) {
     const auto& st = est.stages[p.stage_of(r)];
@@ -277,11 +304,9 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
                       {"in_flight_microbatches", st.in_flight},
                       {"stash_bytes_per_microbatch", st.stash_bytes},
                       {"input_bytes_per_microbatch", st.input_bytes}});
-  rep.extra["estimate"] = {{"pipeline_s", est.pipeline_s},
-                           {"allreduce_s", est.allreduce_s},
-                           {"optimizer_s", est.optimizer_s},
-                           {"trace_source", trace.source.kind},
-                           {"stages", stages}};
+  rep.extra["estimate"] = {
+      {"pipeline_s", est.pipeline_s},   {"allreduce_s", est.allreduce_s},    {"tied_s", est.tied_s},
+      {"optimizer_s", est.optimizer_s}, {"trace_source", trace.source.kind}, {"stages", stages}};
   return est;
 }
 

@@ -59,6 +59,7 @@ struct Estimate {
   std::vector<StageCost> stages;
   double pipeline_s = 0;   // forward/backward part of a step, communication included
   double allreduce_s = 0;  // exposed data-parallel all-reduce (slowest stage)
+  double tied_s = 0;       // exposed tied-embedding exchange (gradient, then new weights)
   double optimizer_s = 0;  // slowest stage's optimizer step
   RunReport report;        // source "analytic", with "estimate" details in report.extra
 };

@@ -46,8 +46,24 @@ class Runner {
   std::int64_t op_count(int r) const { return std::int64_t(p_.devices[std::size_t(r)].ops.size()); }
   const Op& op_at(int r) const { return p_.devices[std::size_t(r)].ops[std::size_t(pc_[r])]; }
   std::int64_t flat(int r) const { return ex_.offset[std::size_t(r)] + pc_[std::size_t(r)]; }
-  std::int64_t channel(int src, int dst, bool gradient) const {
-    return (std::int64_t(src) * ranks_ + dst) * 2 + (gradient ? 1 : 0);
+  // FIFO per (src, dst, kind): activations, gradients, tied gradients, tied weights.
+  static int channel_kind(OpKind kind) {
+    switch (kind) {
+      case OpKind::send_gradient:
+      case OpKind::recv_gradient:
+        return 1;
+      case OpKind::send_tied_gradient:
+      case OpKind::recv_tied_gradient:
+        return 2;
+      case OpKind::send_tied_weights:
+      case OpKind::recv_tied_weights:
+        return 3;
+      default:
+        return 0;
+    }
+  }
+  std::int64_t channel(int src, int dst, OpKind kind) const {
+    return (std::int64_t(src) * ranks_ + dst) * 4 + channel_kind(kind);
   }
   void complete(int r) {
     ex_.order.push_back(flat(r));
@@ -61,7 +77,7 @@ class Runner {
       if (!in_range(op.peer, ranks_)) fail(p_, r, std::size_t(pc_[r]), "peer out of range");
     }
     if (is_send(op.kind)) {
-      const std::int64_t key = channel(r, op.peer, op.kind == OpKind::send_gradient);
+      const std::int64_t key = channel(r, op.peer, op.kind);
       channels_[key].push_back(flat(r));
       if (waiting_[std::size_t(op.peer)] == key) {
         waiting_[std::size_t(op.peer)] = -1;
@@ -77,7 +93,7 @@ class Runner {
   }
 
   bool receive(int r, const Op& op) {
-    const std::int64_t key = channel(op.peer, r, op.kind == OpKind::recv_gradient);
+    const std::int64_t key = channel(op.peer, r, op.kind);
     auto it = channels_.find(key);
     if (it == channels_.end() || it->second.empty()) {
       waiting_[std::size_t(r)] = key;
@@ -92,17 +108,24 @@ class Runner {
   }
 
   // The receive must get the message of the same step and microbatch from the adjacent virtual
-  // stage; anything else means the two sides disagree on the channel's FIFO order.
+  // stage (tied ops: the same step's gradient, the same version's weights, between the first and
+  // last virtual stage); anything else means the two sides disagree on the channel's FIFO order.
   void check_pair(int r, const Op& recv, std::int64_t send_id) {
     const int src = recv.peer;
     const std::size_t index = std::size_t(send_id - ex_.offset[std::size_t(src)]);
     const Op& send = p_.devices[std::size_t(src)].ops[index];
     const Plan& plan = p_.plan;
-    const int dir = recv.kind == OpKind::recv_activation ? 1 : -1;
-    const bool ok = send.step == recv.step && send.microbatch == recv.microbatch &&
-                    plan.replica_of(src) == plan.replica_of(r) &&
-                    virtual_stage(plan, plan.stage_of(src), send.chunk) + dir ==
-                        virtual_stage(plan, plan.stage_of(r), recv.chunk);
+    const int from = virtual_stage(plan, plan.stage_of(src), send.chunk);
+    const int to = virtual_stage(plan, plan.stage_of(r), recv.chunk);
+    bool ok = plan.replica_of(src) == plan.replica_of(r);
+    if (recv.kind == OpKind::recv_tied_gradient) {
+      ok = ok && send.step == recv.step && from == plan.virtual_stages() - 1 && to == 0;
+    } else if (recv.kind == OpKind::recv_tied_weights) {
+      ok = ok && send.version == recv.version && from == 0 && to == plan.virtual_stages() - 1;
+    } else {
+      const int dir = recv.kind == OpKind::recv_activation ? 1 : -1;
+      ok = ok && send.step == recv.step && send.microbatch == recv.microbatch && from + dir == to;
+    }
     if (!ok) {
       fail(p_, r, std::size_t(pc_[r]),
            "FIFO channel from rank " + std::to_string(src) + " delivers " + where(p_, src, index));

@@ -20,13 +20,20 @@ enum class OpKind {
   all_reduce,       // gradient `bucket` of `chunk`, a collective over the w replicas of the stage
   optimizer_step,   // applies the step's gradients, creating weight `version`
   free_version,     // drops weight `version`
+  // Tied embeddings (d > 1): stage 0 (chunk 0, "wte") owns the update of the parameter the last
+  // stage (chunk v-1, "lm_head") holds a copy of. Asynchronous and FIFO like the others.
+  send_tied_gradient,  // last stage -> stage 0: the step's lm_head gradient (then zeroed)
+  recv_tied_gradient,  // stage 0: adds it to the wte gradient before its optimizer step
+  send_tied_weights,   // stage 0 -> last stage: wte of the `version` its optimizer step created
+  recv_tied_weights,   // last stage: into lm_head of `version`, before the first op that uses it
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
 
 bool is_compute(OpKind kind);  // forward, backward, recompute
-bool is_send(OpKind kind);
+bool is_send(OpKind kind);     // the four point-to-point sends, tied ones included
 bool is_recv(OpKind kind);
+bool is_tied(OpKind kind);  // the four tied-embedding ops (per step: no microbatch)
 
 struct Op {
   OpKind kind = OpKind::forward;
@@ -50,6 +57,7 @@ struct Programs {
   Plan plan;
   int steps = 0;                 // optimizer steps generated
   int first_step = 0;            // ops carry global steps first_step .. first_step + steps - 1
+  bool tied_embeddings = false;  // the model ties its LM head to the token embedding
   int buckets = 0;               // gradient buckets per chunk
   std::vector<Program> devices;  // indexed by rank
 };
@@ -80,11 +88,26 @@ inline int virtual_stage(const Plan& plan, int stage, int chunk) {
 Programs generate_programs(const Plan& plan, int steps = 3, int gradient_buckets = 1,
                            int first_step = 0);
 
+struct ProgramOptions {
+  int steps = 3;
+  int gradient_buckets = 1;
+  int first_step = 0;
+  // With tied embeddings and d > 1, per replica: the last stage sends its tied gradient to stage 0
+  // after the step's all-reduces (send_tied_gradient); stage 0 receives it before its optimizer
+  // step and sends the new weights back (send_tied_weights); the last stage receives version v
+  // right before its first forward that uses v, and the versions no op of the segment uses
+  // (2BW: the last two; flush: the last one) after its last optimizer step, so every send has its
+  // receive and the final weights of both copies agree.
+  bool tied_embeddings = false;
+};
+Programs generate_programs(const Plan& plan, const ProgramOptions& options);
+
 // Weight versions a device holds before the first op of programs starting at `first_step`.
 std::vector<int> initial_versions(const Plan& plan, int first_step);
 
 // Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
-// "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)".
+// "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)",
+// "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

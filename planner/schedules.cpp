@@ -30,6 +30,14 @@ std::string to_string(OpKind kind) {
       return "optimizer_step";
     case OpKind::free_version:
       return "free_version";
+    case OpKind::send_tied_gradient:
+      return "send_tied_gradient";
+    case OpKind::recv_tied_gradient:
+      return "recv_tied_gradient";
+    case OpKind::send_tied_weights:
+      return "send_tied_weights";
+    case OpKind::recv_tied_weights:
+      return "recv_tied_weights";
   }
   return "unknown";
 }
@@ -38,10 +46,16 @@ bool is_compute(OpKind kind) {
   return kind == OpKind::forward || kind == OpKind::backward || kind == OpKind::recompute;
 }
 bool is_send(OpKind kind) {
-  return kind == OpKind::send_activation || kind == OpKind::send_gradient;
+  return kind == OpKind::send_activation || kind == OpKind::send_gradient ||
+         kind == OpKind::send_tied_gradient || kind == OpKind::send_tied_weights;
 }
 bool is_recv(OpKind kind) {
-  return kind == OpKind::recv_activation || kind == OpKind::recv_gradient;
+  return kind == OpKind::recv_activation || kind == OpKind::recv_gradient ||
+         kind == OpKind::recv_tied_gradient || kind == OpKind::recv_tied_weights;
+}
+bool is_tied(OpKind kind) {
+  return kind == OpKind::send_tied_gradient || kind == OpKind::recv_tied_gradient ||
+         kind == OpKind::send_tied_weights || kind == OpKind::recv_tied_weights;
 }
 
 int expected_version(const Plan& plan, int step, int microbatch) {
@@ -80,6 +94,14 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "opt(v" + std::to_string(op.version) + ")";
     case OpKind::free_version:
       return "free(v" + std::to_string(op.version) + ")";
+    case OpKind::send_tied_gradient:
+      return "sendTG->" + peer;
+    case OpKind::recv_tied_gradient:
+      return "recvTG<-" + peer;
+    case OpKind::send_tied_weights:
+      return "sendTW(v" + std::to_string(op.version) + ")->" + peer;
+    case OpKind::recv_tied_weights:
+      return "recvTW(v" + std::to_string(op.version) + ")<-" + peer;
   }
   return "?";
 }
@@ -163,8 +185,8 @@ std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int first_step, int
 // Appends the ops of one device: communication around compute, per-step tails.
 class ProgramBuilder {
  public:
-  ProgramBuilder(const Plan& plan, int buckets, Program& program)
-      : plan_(plan), buckets_(buckets), program_(program) {}
+  ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program)
+      : plan_(plan), buckets_(buckets), tied_(tied), program_(program) {}
 
   void compute(const Slot& slot) {
     const int s = program_.stage, d = plan_.d;
@@ -174,6 +196,7 @@ class ProgramBuilder {
     const int version = expected_version(plan_, slot.step, slot.microbatch);
     if (!slot.backward) {
       if (!first) add(OpKind::recv_activation, slot, prev);
+      if (tied_last() && slot.chunk == plan_.v - 1) receive_tied_weights(slot.step, version);
       add(OpKind::forward, slot, -1, version);
       if (!last) add(OpKind::send_activation, slot, next);
       return;
@@ -195,13 +218,37 @@ class ProgramBuilder {
         }
       }
     }
+    // The tied embedding (stage 0, chunk 0) owns the update; the LM head's copy (stage d-1,
+    // chunk v-1) sends its gradient there and gets the new weights back.
+    const int v = plan_.v, d = plan_.d;
+    if (tied_last())
+      program_.ops.push_back(Op{OpKind::send_tied_gradient, step, -1, v - 1, peer(0), -1, -1});
+    if (tied_first())
+      program_.ops.push_back(Op{OpKind::recv_tied_gradient, step, -1, 0, peer(d - 1), -1, -1});
     const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
     if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
     program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
+    if (tied_first())
+      program_.ops.push_back(Op{OpKind::send_tied_weights, step, -1, 0, peer(d - 1), step + 1, -1});
+    if (tied_last()) unreceived_.push_back(step + 1);
   }
+
+  // After the last step: the versions no op used still arrive, so every send has its receive.
+  void finish(int last_step) { receive_tied_weights(last_step, -1); }
 
  private:
   int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
+  bool tied_first() const { return tied_ && plan_.d > 1 && program_.stage == 0; }
+  bool tied_last() const { return tied_ && plan_.d > 1 && program_.stage == plan_.d - 1; }
+
+  // Receives the tied weights of every version up to `version` (all when -1) not received yet.
+  void receive_tied_weights(int step, int version) {
+    while (!unreceived_.empty() && (version < 0 || unreceived_.front() <= version)) {
+      program_.ops.push_back(
+          Op{OpKind::recv_tied_weights, step, -1, plan_.v - 1, peer(0), unreceived_.front(), -1});
+      unreceived_.erase(unreceived_.begin());
+    }
+  }
 
   void add(OpKind kind, const Slot& slot, int peer, int version = -1) {
     program_.ops.push_back(Op{kind, slot.step, slot.microbatch, slot.chunk, peer, version, -1});
@@ -209,17 +256,21 @@ class ProgramBuilder {
 
   const Plan& plan_;
   int buckets_;
+  bool tied_;
   Program& program_;
+  std::vector<int> unreceived_;  // tied weight versions created here, not yet received
 };
 
-void generate_device(const Plan& plan, int first_step, int steps, int buckets, Program& program) {
-  ProgramBuilder builder(plan, buckets, program);
+void generate_device(const Plan& plan, int first_step, int steps, int buckets, bool tied,
+                     Program& program) {
+  ProgramBuilder builder(plan, buckets, tied, program);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
     for (const Slot& slot : two_bw_stream(plan, s, first_step, steps)) {
       builder.compute(slot);
       if (slot.backward && slot.microbatch == plan.m - 1) builder.step_tail(slot.step);
     }
+    builder.finish(first_step + steps - 1);
     return;
   }
   for (int step = first_step; step < first_step + steps; ++step) {
@@ -239,6 +290,7 @@ void generate_device(const Plan& plan, int first_step, int steps, int buckets, P
       builder.compute(slot);
     builder.step_tail(step);
   }
+  builder.finish(first_step + steps - 1);
 }
 
 }  // namespace
@@ -249,6 +301,12 @@ std::vector<int> initial_versions(const Plan& plan, int first_step) {
 }
 
 Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, int first_step) {
+  return generate_programs(plan, ProgramOptions{steps, gradient_buckets, first_step, false});
+}
+
+Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
+  const int steps = options.steps, gradient_buckets = options.gradient_buckets,
+            first_step = options.first_step;
   check(plan);
   if (steps < 1)
     throw PlanError("generate_programs: steps must be >= 1, got " + std::to_string(steps));
@@ -259,14 +317,14 @@ Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, in
     throw PlanError("generate_programs: gradient_buckets must be >= 1, got " +
                     std::to_string(gradient_buckets));
   }
-  Programs programs{plan, steps, first_step, gradient_buckets, {}};
+  Programs programs{plan, steps, first_step, options.tied_embeddings, gradient_buckets, {}};
   programs.devices.resize(std::size_t(plan.ranks()));
   for (int rank = 0; rank < plan.ranks(); ++rank) {
     Program& program = programs.devices[std::size_t(rank)];
     program.rank = rank;
     program.stage = plan.stage_of(rank);
     program.replica = plan.replica_of(rank);
-    generate_device(plan, first_step, steps, gradient_buckets, program);
+    generate_device(plan, first_step, steps, gradient_buckets, options.tied_embeddings, program);
   }
   return programs;
 }

@@ -20,12 +20,26 @@ using planner::OpKind;
 
 int kToken = 0;  // SimGrid needs a real payload pointer; only the simulated size matters
 
-std::string mailbox_name(int dst, bool gradient, int src) {
-  return fmt::format("{}{}<{}", dst, gradient ? 'G' : 'A', src);
+// One mailbox per (dst, kind, src), as the checker's FIFO channels: activations (A), gradients (G),
+// tied gradients (T) and tied weights (W).
+char channel_letter(OpKind k) {
+  switch (k) {
+    case OpKind::send_gradient:
+    case OpKind::recv_gradient:
+      return 'G';
+    case OpKind::send_tied_gradient:
+    case OpKind::recv_tied_gradient:
+      return 'T';
+    case OpKind::send_tied_weights:
+    case OpKind::recv_tied_weights:
+      return 'W';
+    default:
+      return 'A';
+  }
 }
 
-bool is_gradient(OpKind k) {
-  return k == OpKind::send_gradient || k == OpKind::recv_gradient;
+std::string mailbox_name(int dst, OpKind kind, int src) {
+  return fmt::format("{}{}<{}", dst, channel_letter(kind), src);
 }
 
 class Replayer {
@@ -53,7 +67,7 @@ class Replayer {
   void claim_mailboxes(bool claim) {
     for (const Op& op : program_.ops)
       if (planner::is_recv(op.kind))
-        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer))
+        sg4::Mailbox::by_name(mailbox_name(me_.rank, op.kind, op.peer))
             ->set_receiver(claim ? sg4::Actor::self() : nullptr);
   }
 
@@ -91,13 +105,20 @@ class Replayer {
                  -(me_.recompute ? chunk(op).input_bytes + chunk(op).stash_bytes
                                  : chunk(op).stash_bytes));
         break;
+      case OpKind::send_tied_gradient:
+        wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
+        send(op);
+        break;
       case OpKind::send_activation:
       case OpKind::send_gradient:
+      case OpKind::send_tied_weights:
         send(op);
         break;
       case OpKind::recv_activation:
       case OpKind::recv_gradient:
-        receive(op);
+      case OpKind::recv_tied_gradient:
+      case OpKind::recv_tied_weights:
+        receive(op);  // a tied message sent long ago is there already: no wait
         break;
       case OpKind::all_reduce:
         trigger(op.step, op.chunk, op.bucket);
@@ -110,6 +131,21 @@ class Replayer {
         optimizer_step(op);
         break;
     }
+  }
+
+  // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
+  void wait_collectives(int step) {
+    if (std::find(waited_.begin(), waited_.end(), step) != waited_.end()) return;
+    waited_.push_back(step);
+    for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
+      for (int b = 0; b < w_.programs->buckets; ++b) {
+        trigger(step, chunk, b);
+        Collective& c = collective(step, chunk, b);
+        std::unique_lock<sg4::Mutex> lock(*c.mutex);
+        while (!c.done)
+          c.finished->wait(lock);
+        record(kCollective, c.start, c.end, op_);
+      }
   }
 
   // Alone on its GPU a rank replays the duration (sleep_for: no resource to share). Ranks sharing
@@ -140,11 +176,13 @@ class Replayer {
 
   void send(const Op& op) {
     // An activation is the chunk's output; a gradient is that of its input (the last chunk has no
-    // output, but sends the gradient of its input like every other).
-    const std::int64_t size = is_gradient(op.kind) ? chunk(op).input_bytes : chunk(op).output_bytes;
+    // output, but sends the gradient of its input like every other); tied messages are the tied
+    // tensor (its gradient or its new weights).
+    const std::int64_t size = planner::is_tied(op.kind)          ? me_.tied_bytes
+                              : op.kind == OpKind::send_gradient ? chunk(op).input_bytes
+                                                                 : chunk(op).output_bytes;
     const auto bytes = std::uint64_t(std::max<std::int64_t>(size, 1));
-    sg4::Mailbox* box =
-        sg4::Mailbox::by_name(mailbox_name(op.peer, is_gradient(op.kind), me_.rank));
+    sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(op.peer, op.kind, me_.rank));
     reap_sends();
     sends_.emplace_back(box->put_async(&kToken, bytes), op_);
     observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
@@ -162,8 +200,7 @@ class Replayer {
   }
 
   void receive(const Op& op) {
-    sg4::Mailbox* box =
-        sg4::Mailbox::by_name(mailbox_name(me_.rank, is_gradient(op.kind), op.peer));
+    sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(me_.rank, op.kind, op.peer));
     int* data = nullptr;
     sg4::CommPtr comm = box->get_async<int>(&data);
     comm->wait();
@@ -205,15 +242,7 @@ class Replayer {
   }
 
   void optimizer_step(const Op& op) {
-    for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
-      for (int b = 0; b < w_.programs->buckets; ++b) {
-        trigger(op.step, chunk, b);
-        Collective& c = collective(op.step, chunk, b);
-        std::unique_lock<sg4::Mutex> lock(*c.mutex);
-        while (!c.done)
-          c.finished->wait(lock);
-        record(kCollective, c.start, c.end, op_);
-      }
+    wait_collectives(op.step);
     double opt = 0;
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
@@ -258,6 +287,7 @@ class Replayer {
   World& w_;
   RankState& me_;
   const planner::Program& program_;
+  std::vector<int> waited_;  // steps whose all-reduces this rank has waited for
   std::vector<bool> bucketed_;
   std::deque<std::pair<sg4::CommPtr, int>> sends_;
   std::int64_t versions_ = 1;

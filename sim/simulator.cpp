@@ -51,6 +51,7 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
           double(rs.chunks.back().parameters * e) / w.programs->buckets;
     }
     rs.version_bytes = parameters * e;
+    rs.tied_bytes = mc.tied_copy_parameters * e;
     fixed.weights = parameters * e;
     fixed.gradients = parameters * e;
     fixed.optimizer = parameters * planner::optimizer_bytes_per_parameter(model.dtype);
@@ -170,8 +171,11 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
                               const SimOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
-  const planner::Programs programs =
-      planner::generate_programs(plan, options.steps, options.gradient_buckets);
+  planner::ProgramOptions po;
+  po.steps = options.steps;
+  po.gradient_buckets = options.gradient_buckets;
+  po.tied_embeddings = model.tied_embeddings;
+  const planner::Programs programs = planner::generate_programs(plan, po);
   auto engine = make_engine();
   const Platform platform = build_platform(cluster);
   World w;

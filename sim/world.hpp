@@ -63,6 +63,7 @@ struct RankState {
   sg4::Host* host = nullptr;
   std::vector<planner::ChunkCost> chunks;  // by chunk
   std::int64_t version_bytes = 0;          // one weight version of this rank
+  std::int64_t tied_bytes = 0;             // the tied tensor (its gradient or weights)
   bool recompute = false;
   Ledger memory;
   std::vector<Event> events;                         // every op that took time

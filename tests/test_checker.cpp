@@ -216,5 +216,73 @@ TEST(Checker, RejectsBadPeer) {
   EXPECT_NE(msg.find("peer out of range"), std::string::npos) << msg;
 }
 
+Programs tied(const Plan& plan, int steps) {
+  ProgramOptions o;
+  o.steps = steps;
+  o.tied_embeddings = true;
+  return generate_programs(plan, o);
+}
+
+TEST(Checker, AcceptsTheTiedExchange) {
+  const Programs p = tied(make_plan(Schedule::two_bw, 2, 2, 2), 3);
+  EXPECT_EQ(check_error(p), "");
+  // Per replica and step: one tied gradient and one tied weights message.
+  EXPECT_EQ(check_programs(p).messages, std::int64_t(2) * 2 * 2 * 3 + 2 * 2 * 3);
+}
+
+TEST(Checker, RejectsTiedWeightsReceivedAfterTheirFirstUse) {
+  // 2BW d = 2, m = 2: version 1 serves step 2's microbatches; receiving it after the first of
+  // their forwards on the last stage would run that forward on a stale head.
+  Programs p = tied(make_plan(Schedule::two_bw, 2, 2), 3);
+  Program& last = p.devices[1];
+  const std::size_t recv = find(last, OpKind::recv_tied_weights, -1, 2);
+  ASSERT_EQ(last.ops[recv + 1].kind, OpKind::forward);
+  std::swap(last.ops[recv], last.ops[recv + 1]);
+  const std::string msg = check_error(p);
+  EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("before its tied weights are received"), std::string::npos) << msg;
+}
+
+TEST(Checker, RejectsATiedGradientNeverReceived) {
+  Programs p = tied(make_plan(Schedule::one_f_one_b, 2, 2), 2);
+  erase(p.devices[0], find(p.devices[0], OpKind::recv_tied_gradient, -1, 1));
+  const std::string msg = check_error(p);
+  EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tied gradient is received"), std::string::npos) << msg;
+}
+
+TEST(Checker, RejectsTiedOpsOutOfPlace) {
+  // The tied gradient is sent after the step's backwards, not before.
+  Programs p = tied(make_plan(Schedule::gpipe, 2, 2), 1);
+  Program& last = p.devices[1];
+  const Op op = last.ops[find(last, OpKind::send_tied_gradient)];
+  erase(last, find(last, OpKind::send_tied_gradient));
+  last.ops.insert(last.ops.begin(), op);
+  EXPECT_NE(check_error(p).find("send_tied_gradient before the step's backwards"),
+            std::string::npos)
+      << check_error(p);
+  // A middle stage holds no tied tensor.
+  p = tied(make_plan(Schedule::gpipe, 3, 2), 1);
+  p.devices[1].ops.push_back(Op{OpKind::send_tied_weights, 0, -1, 0, 2, 1, -1});
+  EXPECT_NE(check_error(p).find("not its tied end"), std::string::npos) << check_error(p);
+  // An untied program has no tied ops.
+  p = generate_programs(make_plan(Schedule::gpipe, 2, 2), 1);
+  p.devices[0].ops.push_back(Op{OpKind::send_tied_weights, 0, -1, 0, 1, 1, -1});
+  EXPECT_NE(check_error(p).find("untied program"), std::string::npos) << check_error(p);
+}
+
+TEST(Checker, ExecutionMatchesTiedWeightsByVersion) {
+  // The last stage receives versions 1 and 2 in swapped order: FIFO delivers version 1 first.
+  Programs p = tied(make_plan(Schedule::two_bw, 2, 2), 3);
+  Program& last = p.devices[1];
+  std::vector<std::size_t> recvs;
+  for (std::size_t i = 0; i < last.ops.size(); ++i)
+    if (last.ops[i].kind == OpKind::recv_tied_weights) recvs.push_back(i);
+  ASSERT_EQ(recvs.size(), 3u);
+  std::swap(last.ops[recvs[1]].version, last.ops[recvs[2]].version);
+  const std::string msg = error_of([&] { execute(p); });
+  EXPECT_NE(msg.find("FIFO channel from rank 0 delivers"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace pw::planner

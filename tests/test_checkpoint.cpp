@@ -14,6 +14,7 @@
 
 #include "exec/checkpoint.hpp"
 #include "exec/runtime.hpp"
+#include "exec/stage_compute.hpp"
 #include "planner/plan.hpp"
 #include "test_util.hpp"
 
@@ -115,6 +116,42 @@ TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
     EXPECT_TRUE(fs::exists(checkpoint_path(a, 4)));
     EXPECT_TRUE(fs::exists(checkpoint_path(a, 5)));
   }
+}
+
+// The tied head's copy (last stage) of a version whose weights had not arrived when the shard was
+// written is stale there; resuming takes it from stage 0's shard, and the run stays bit-identical.
+TEST(Checkpoint, TiedCopyOfTheLastStageComesFromStageZerosShard) {
+  const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
+  TempDir tmp("ckpt_tied");
+  const std::string a = tmp.file("a"), b = tmp.file("b");
+  const TrainResult unbroken = train_cpu(tiny4(), p, options(5, a, false));
+  train_cpu(tiny4(), p, options(3, b, false));
+  const auto offset_of = [&](int stage, const char* name) {
+    StageSpec spec;
+    spec.model = tiny4();
+    spec.first_block = stage == 0 ? 0 : p.stage_blocks[0];
+    spec.blocks = p.stage_blocks[std::size_t(stage)];
+    spec.has_embedding = stage == 0;
+    spec.has_head = stage == 1;
+    const auto compute = make_cpu_stage(spec);
+    for (const auto& slot : compute->layout())
+      if (slot.name == name) return std::make_pair(slot.offset, slot.size);
+    ADD_FAILURE() << "no " << name;
+    return std::make_pair(std::int64_t(0), std::int64_t(0));
+  };
+  const auto [wte, n] = offset_of(0, "wte");
+  const auto [head, n_head] = offset_of(1, "lm_head");
+  ASSERT_EQ(n, n_head);
+  std::vector<float> embedding(static_cast<std::size_t>(n)), copy(embedding.size());
+  // Version 3 was created by step 2, the last before the checkpoint: its weights arrive later.
+  read_shard_slice(shard_path(checkpoint_path(b, 3), 0), "c0.w3", wte, embedding.data(), n);
+  read_shard_slice(shard_path(checkpoint_path(b, 3), 1), "c0.w3", head, copy.data(), n);
+  EXPECT_NE(embedding, copy);
+  const TrainResult resumed = train_cpu(tiny4(), p, options(5, b, true));
+  expect_identical(resumed, unbroken, b, a, 5, p.ranks());
+  const std::vector<float>& first = resumed.ranks[0].weights[0];
+  const std::vector<float>& last = resumed.ranks[1].weights[0];
+  EXPECT_TRUE(std::equal(first.begin() + wte, first.begin() + wte + n, last.begin() + head));
 }
 
 // A SIGKILL half-way through rank 0's shard of step 4 (a forked child, as a preempted job): the

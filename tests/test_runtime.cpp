@@ -174,7 +174,40 @@ TEST(TwoBw, EqualsTheDelayedUpdateReference) {
         for (const auto& slot : whole->layout())
           got.insert(got.end(), by_name.at(slot.name).begin(), by_name.at(slot.name).end());
         EXPECT_LT(max_relative_error(got, ref), 1e-5);
+        // Stage 0 updated the tied tensor; the last stage holds the weights it sent, bit for bit.
+        EXPECT_EQ(by_name.at("lm_head"), by_name.at("wte"));
       }
+}
+
+// Both tied ends on one device (interleaved, d = 1, v = 2: the embedding in chunk 0, the head's
+// copy in chunk 1): no messages, the same sum on both, and single-device training's weights.
+TEST(FlushSchedules, TiedEndsOnOneDeviceEqualSingleDeviceTraining) {
+  const Plan single = make_plan(Schedule::one_f_one_b, 1, 1, 8, 1);
+  Plan p = make_plan(Schedule::one_f_one_b, 1, 1, 2, 4);
+  p.schedule = Schedule::interleaved;
+  p.v = 2;
+  p.stage_blocks.clear();
+  planner::resolve_stages(p, tiny4().layers);
+  const TrainResult got = train_cpu(tiny4(), p, options(3));
+  const auto want = weights_by_name(train_cpu(tiny4(), single, options(3)), single);
+  std::map<std::string, std::vector<float>> by_name;
+  for (int chunk = 0; chunk < 2; ++chunk) {
+    StageSpec spec;
+    spec.model = tiny4();
+    spec.first_block = chunk == 0 ? 0 : p.stage_blocks[0];
+    spec.blocks = p.stage_blocks[std::size_t(chunk)];
+    spec.has_embedding = chunk == 0;
+    spec.has_head = chunk == 1;
+    const std::vector<float>& w = got.ranks[0].weights[std::size_t(chunk)];
+    const auto stage = make_cpu_stage(spec);  // alive for the loop: layout() is a reference
+    for (const auto& slot : stage->layout())
+      by_name[slot.name].assign(w.begin() + slot.offset, w.begin() + slot.offset + slot.size);
+  }
+  for (const auto& [name, values] : want) {
+    ASSERT_TRUE(by_name.count(name)) << name;
+    EXPECT_LT(max_relative_error(by_name.at(name), values), 1e-5) << name;
+  }
+  EXPECT_EQ(by_name.at("lm_head"), by_name.at("wte"));
 }
 
 TEST(Training, LossFallsOnTheSyntheticCorpus) {

@@ -381,5 +381,95 @@ TEST(Render, ProgramListing) {
   EXPECT_NE(text.find("free(v0) opt(v2)"), std::string::npos);
 }
 
+Programs tied_programs(const Plan& plan, int steps, int first_step = 0, int buckets = 1) {
+  ProgramOptions o;
+  o.steps = steps;
+  o.first_step = first_step;
+  o.gradient_buckets = buckets;
+  o.tied_embeddings = true;
+  return generate_programs(plan, o);
+}
+
+// Tied embeddings add four ops per step on the two tied ends of each replica and none elsewhere;
+// every schedule of the grid, from the start and resumed, still passes the checker.
+TEST(TiedEmbeddings, GridPassesCheckerWithTheExchange) {
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
+                     Schedule::interleaved, Schedule::dp}) {
+    int plans = 0;
+    for_each_plan(s, [&](const Plan& plan) {
+      if (plan.m > 8) return;  // the grid's shape, at half the cost
+      SCOPED_TRACE(name(plan));
+      for (int first : {0, 2}) {
+        const Programs p = tied_programs(plan, 3, first, plan.w > 1 ? 2 : 1);
+        CheckReport report;
+        ASSERT_NO_THROW(report = check_programs(p)) << "first_step " << first;
+        EXPECT_EQ(report.max_live_versions, version_limit(plan));
+        for (const Program& dev : p.devices) {
+          const bool first_end = plan.d > 1 && dev.stage == 0;
+          const bool last_end = plan.d > 1 && dev.stage == plan.d - 1;
+          EXPECT_EQ(count(dev, OpKind::recv_tied_gradient), first_end ? 3 : 0);
+          EXPECT_EQ(count(dev, OpKind::send_tied_weights), first_end ? 3 : 0);
+          EXPECT_EQ(count(dev, OpKind::send_tied_gradient), last_end ? 3 : 0);
+          EXPECT_EQ(count(dev, OpKind::recv_tied_weights), last_end ? 3 : 0);
+        }
+      }
+      ++plans;
+    });
+    EXPECT_GT(plans, 0);
+  }
+}
+
+// 2BW, d = 4, m = 4, 3 steps: where the four ops sit. Stage 0 receives the head's gradient after
+// its last backward of the step (just before its optimizer step) and sends the new weights right
+// after it; the last stage sends its gradient right after its last backward of the step and
+// receives version v just before its first forward that uses v (step v + 1 by the 2BW rule
+// max(floor((k-1)/m) - 1, 0)); versions 2 and 3, used by no op of these steps, arrive at the end.
+TEST(TiedEmbeddings, TwoBwPlacesTheFourOps) {
+  const Plan plan = make_plan(Schedule::two_bw, 4, 4);
+  const Programs p = tied_programs(plan, 3);
+  const Program& first = p.devices[0];
+  const Program& last = p.devices[3];
+  const auto text = [&](const Program& dev) {
+    std::string out;
+    for (const Op& op : dev.ops)
+      out += format_op(op, plan) + " ";
+    return out;
+  };
+  for (int step = 0; step < 3; ++step) {
+    const std::string v = std::to_string(step + 1), k = std::to_string(4 * step + 4);
+    const std::string free = step > 0 ? "free(v" + std::to_string(step - 1) + ") " : "";
+    EXPECT_NE(
+        text(first).find("B" + k + " recvTG<-3 " + free + "opt(v" + v + ") sendTW(v" + v + ")->3 "),
+        std::string::npos)
+        << text(first);
+    EXPECT_NE(text(last).find("B" + k + " sendG" + k + "->2 sendTG->0 " + free + "opt(v" + v + ")"),
+              std::string::npos)
+        << text(last);
+  }
+  // Version 1 first serves microbatch 9 (step 2): its forward waits for the weights, not earlier.
+  EXPECT_NE(text(last).find("recvA9<-2 recvTW(v1)<-0 F9 "), std::string::npos) << text(last);
+  EXPECT_EQ(text(last).find("recvTW(v1)"), text(last).find("recvTW"));
+  const std::string tail = text(last).substr(text(last).rfind("opt(v3)"));
+  EXPECT_EQ(tail, "opt(v3) recvTW(v2)<-0 recvTW(v3)<-0 ");
+  // Nothing between the stages' steady-state compute: the middle stages carry no tied op.
+  EXPECT_EQ(text(p.devices[1]).find("TG"), std::string::npos);
+  EXPECT_EQ(text(p.devices[2]).find("TW"), std::string::npos);
+  EXPECT_EQ(check_programs(p).messages, std::int64_t(2) * 3 * 4 * 3 + 2 * 3);
+}
+
+// Flush schedules: version t+1 is received just before the last stage's first forward of step
+// t+1, the final version after the last optimizer step.
+TEST(TiedEmbeddings, FlushReceivesBeforeTheNextStepsFirstForward) {
+  const Plan plan = make_plan(Schedule::one_f_one_b, 2, 2);
+  const Programs p = tied_programs(plan, 2);
+  std::string last;
+  for (const Op& op : p.devices[1].ops)
+    last += format_op(op, plan) + " ";
+  EXPECT_EQ(last,
+            "recvA1<-0 F1 B1 sendG1->0 recvA2<-0 F2 B2 sendG2->0 sendTG->0 free(v0) opt(v1) "
+            "recvA3<-0 recvTW(v1)<-0 F3 B3 sendG3->0 recvA4<-0 F4 B4 sendG4->0 sendTG->0 free(v1) "
+            "opt(v2) recvTW(v2)<-0 ");
+}
+
 }  // namespace
 }  // namespace pw::planner
