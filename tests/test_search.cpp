@@ -111,7 +111,9 @@ TEST(Search, EnumeratesOnlyValidPlans) {
       const Plan& p = c.plan;
       EXPECT_EQ(p.w * p.d, 8);
       EXPECT_EQ(p.global_batch(), 32);
-      if (p.schedule == Schedule::two_bw) EXPECT_GE(p.m, p.d);
+      if (p.schedule == Schedule::two_bw) {
+        EXPECT_GE(p.m, p.d);
+      }
     }
   EXPECT_EQ(s.result.considered, std::int64_t(s.result.fitting.size() + s.result.rejected.size()));
 }
