@@ -80,13 +80,7 @@ void add_train_command(CLI::App& app) {
       else
         fmt::print("no checkpoint in {}: starting from step 0\n", a->options.checkpoint_dir);
     }
-    const exec::TrainResult r =
-        exec::train_cpu(model, plan, a->options, [](const exec::StepLog& s) {
-          fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s{}\n", s.step, s.loss,
-                     1e3 * s.seconds, s.tokens_per_s,
-                     s.checkpoint.empty() ? "" : " | saved " + s.checkpoint);
-          std::fflush(stdout);
-        });
+    const exec::TrainResult r = exec::train_cpu(model, plan, a->options, print_step);
     planner::RunReport report = measured_report(model, plan, r);
     if (!a->timeline.empty()) {
       std::vector<planner::RankTimeline> ranks;

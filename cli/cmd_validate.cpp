@@ -195,11 +195,7 @@ void run_and_compare(const ValidateArgs& a) {
   // 4. Train for real.
   fmt::print("training {} steps on {} threads...\n", a.train.steps, plan.ranks());
   std::fflush(stdout);
-  const exec::TrainResult r = exec::train_cpu(model, plan, a.train, [](const exec::StepLog& s) {
-    fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s\n", s.step, s.loss,
-               1e3 * s.seconds, s.tokens_per_s);
-    std::fflush(stdout);
-  });
+  const exec::TrainResult r = exec::train_cpu(model, plan, a.train, print_step);
   const planner::RunReport measured = measured_report(model, plan, r);
 
   // 5. Subtract.

@@ -1,6 +1,8 @@
 // measured_report: a TrainResult as a run report (see measured_report.hpp).
 #include "cli/measured_report.hpp"
 
+#include <cstdio>
+
 #include <fmt/format.h>
 
 namespace pw::cli {
@@ -42,6 +44,13 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.extra["backend"] = "cpu";
   rep.extra["first_step"] = r.first_step;
   return rep;
+}
+
+void print_step(const exec::StepLog& s) {
+  fmt::print("step {:>4} | loss {:.6f} | {:>9.3f} ms | {:>10.0f} tok/s{}\n", s.step, s.loss,
+             1e3 * s.seconds, s.tokens_per_s,
+             s.checkpoint.empty() ? "" : " | saved " + s.checkpoint);
+  std::fflush(stdout);
 }
 
 }  // namespace pw::cli

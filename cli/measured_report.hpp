@@ -12,6 +12,9 @@ namespace pw::cli {
 // Steady state: iteration_time_s is the mean step after the first (which includes the pipeline's
 // warm-up); busy_s is each rank's compute over the run / steps. Adds "losses", "step_times_s",
 // "backend" and "first_step" to extra; cluster "cpu:<ranks>", MFU 0.
+// The line train and validate print per step: step, loss, ms, tokens/s (and the checkpoint saved).
+void print_step(const exec::StepLog& s);
+
 planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
                                    const exec::TrainResult& r);
 

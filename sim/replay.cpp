@@ -135,8 +135,8 @@ class Replayer {
 
   // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
   void wait_collectives(int step) {
-    if (std::find(waited_.begin(), waited_.end(), step) != waited_.end()) return;
-    waited_.push_back(step);
+    if (step <= waited_through_) return;  // the tail ops of a step come in step order
+    waited_through_ = step;
     for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)
       for (int b = 0; b < w_.programs->buckets; ++b) {
         trigger(step, chunk, b);
@@ -287,7 +287,7 @@ class Replayer {
   World& w_;
   RankState& me_;
   const planner::Program& program_;
-  std::vector<int> waited_;  // steps whose all-reduces this rank has waited for
+  int waited_through_ = -1;  // the last step whose all-reduces this rank has waited for
   std::vector<bool> bucketed_;
   std::deque<std::pair<sg4::CommPtr, int>> sends_;
   std::int64_t versions_ = 1;
