@@ -19,9 +19,10 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
              cluster.name, cluster.nodes, cluster.gpus_per_node, cluster.device.name,
              to_string(p.schedule), p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
              p.global_batch());
-  fmt::print("  step time {} (pipeline {}, all-reduce {}, optimizer {})\n",
-             human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
-             human_seconds(est.allreduce_s), human_seconds(est.optimizer_s));
+  fmt::print(
+      "  step time {} (pipeline {}, all-reduce {}, tied-embedding exchange {}, optimizer {})\n",
+      human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
+      human_seconds(est.allreduce_s), human_seconds(est.tied_s), human_seconds(est.optimizer_s));
   fmt::print("  {:.2f} samples/s, {} , {}, MFU {:.1f}%\n", r.samples_per_s,
              human_rate(r.tokens_per_s, "tokens"), human_rate(r.model_flops_per_s, "FLOP"),
              100 * r.mfu);
