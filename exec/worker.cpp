@@ -110,8 +110,23 @@ void Worker::save_checkpoint(int step) {
                          {"replica", replica_},
                          {"step", updates},
                          {"versions", versions}};
+  std::vector<ShardTensor> tensors = shard_tensors(versions);
+  // The last stage's copy of the tied tensor may not have arrived yet for these versions, and what
+  // its slot holds until then depends on the run's history. Resume takes the copy from stage 0's
+  // shard, so this shard stores it as zeros: the same bytes however the run got here.
+  std::vector<std::vector<float>> copies;
+  const Chunk& last = chunks_.back();
+  if (s_.plan().d > 1 && last.last && last.tied_offset >= 0) {
+    const std::size_t chunk = chunks_.size() - 1;
+    for (ShardTensor& t : tensors) {
+      if (t.name.rfind(fmt::format("c{}.w", chunk), 0) != 0) continue;
+      copies.emplace_back(t.data, t.data + t.size);  // moving a vector keeps its buffer
+      std::fill_n(copies.back().begin() + last.tied_offset, last.tied_size, 0.0f);
+      t.data = copies.back().data();
+    }
+  }
   write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), rank_), header,
-              shard_tensors(versions));
+              tensors);
 }
 
 void Worker::load_checkpoint(int step) {

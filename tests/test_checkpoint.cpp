@@ -115,6 +115,13 @@ TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
     EXPECT_FALSE(fs::exists(checkpoint_path(a, 2)));
     EXPECT_TRUE(fs::exists(checkpoint_path(a, 4)));
     EXPECT_TRUE(fs::exists(checkpoint_path(a, 5)));
+    // Resumed from the last checkpoint before the end (a kill during the last step): the final
+    // shards hold versions whose tied copy the last stage had not received yet; still the same.
+    const std::string c2 = tmp.file("c");
+    train_cpu(tiny4(), p, options(4, c2, false, c.optimizer));
+    const TrainResult late = train_cpu(tiny4(), p, options(5, c2, true, c.optimizer));
+    EXPECT_EQ(late.first_step, 4);
+    expect_identical(late, unbroken, c2, a, 5, p.ranks());
   }
 }
 
