@@ -62,10 +62,10 @@ struct TrainResult {
 // Trains `plan` (resolved; placement not needed: every rank is a thread here) up to optimizer step
 // options.steps (from step 0, or from the checkpoint resumed); `on_step` is called once per step,
 // in order, when every rank has finished it.
-// What a checkpoint must match to be resumed by this run: model, plan, optimizer settings, seed,
-// data (the manifest's "run" object).
+// What a checkpoint must match to be resumed by this run: backend, model, plan, optimizer
+// settings, seed, data (the manifest's "run" object).
 common::Json run_identity(const models::ModelSpec& model, const planner::Plan& plan,
-                          const TrainOptions& options);
+                          const TrainOptions& options, const std::string& backend = "cpu");
 
 TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
                       const TrainOptions& options,

@@ -13,35 +13,6 @@ namespace pw::exec::detail {
 using planner::Op;
 using planner::OpKind;
 
-void Shared::add_loss(int step, double loss) {
-  std::lock_guard<std::mutex> lock(mutex);
-  loss_sum[std::size_t(step - first_step)] += loss;
-}
-
-bool Shared::checkpoint_after(int step) const {
-  return !options->checkpoint_dir.empty() &&
-         ((step + 1) % options->checkpoint_every == 0 || step + 1 == options->steps);
-}
-
-void Shared::finish_step(int step) {
-  std::lock_guard<std::mutex> lock(mutex);
-  if (++finished[std::size_t(step - first_step)] < plan().ranks()) return;
-  // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
-  if (checkpoint_after(step))
-    write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
-  const double now = std::chrono::duration<double>(Clock::now() - start).count();
-  const planner::Plan& p = plan();
-  StepLog log;
-  log.step = step;
-  log.loss = loss_sum[std::size_t(step - first_step)] / (double(p.m) * p.w);
-  log.seconds = now - last_end_s;
-  log.tokens_per_s = double(p.global_batch()) * double(model->seq_len) / log.seconds;
-  if (checkpoint_after(step)) log.checkpoint = checkpoint_path(options->checkpoint_dir, step + 1);
-  last_end_s = now;
-  logs.push_back(log);
-  if (on_step) on_step(log);
-}
-
 Worker::Worker(Shared& s, int rank)
     : s_(s),
       rank_(rank),
@@ -50,15 +21,9 @@ Worker::Worker(Shared& s, int rank)
       memory_(&s.devices[std::size_t(rank)]) {
   const planner::Plan& p = s.plan();
   std::int64_t workspace = 0;
+  slots_.set_rank(rank);
   for (int c = 0; c < p.v; ++c) {
-    const int vs = c * p.d + stage_;
-    StageSpec spec;
-    spec.model = *s.model;
-    for (int i = 0; i < vs; ++i)
-      spec.first_block += p.stage_blocks[std::size_t(i)];
-    spec.blocks = p.stage_blocks[std::size_t(vs)];
-    spec.has_embedding = vs == 0;
-    spec.has_head = vs == p.virtual_stages() - 1;
+    const StageSpec spec = chunk_spec(*s.model, p, stage_, c);
     Chunk ch;
     ch.stage = make_cpu_stage(spec);
     ch.sizes = ch.stage->sizes(p.b);
@@ -80,7 +45,6 @@ Worker::Worker(Shared& s, int rank)
     chunks_.push_back(std::move(ch));
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
-  version_slot_[0] = 0;
   if (s.first_step > 0) load_checkpoint(s.first_step);
 }
 
@@ -92,7 +56,7 @@ std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions)
     Chunk& c = chunks_[i];
     for (int version : versions)
       tensors.push_back({fmt::format("c{}.w{}", i, version),
-                         c.slots[version_slot_.at(version)].data(), c.sizes.parameters});
+                         c.slots[slots_.slot_of(version)].data(), c.sizes.parameters});
     tensors.push_back({fmt::format("c{}.m", i), c.m.data(), c.m.size()});
     if (!c.v.empty()) tensors.push_back({fmt::format("c{}.v", i), c.v.data(), c.v.size()});
   }
@@ -131,19 +95,10 @@ void Worker::save_checkpoint(int step) {
 
 void Worker::load_checkpoint(int step) {
   const std::vector<int> versions = planner::initial_versions(s_.plan(), step);
-  version_slot_.clear();
-  // The newest version in slot 0, the 2BW shadow (if any) in slot 1: as in an unbroken run, the
-  // next update writes into the shadow's slot once its step frees it.
-  version_slot_[versions.back()] = 0;
-  slot_free_[0] = false;
-  if (versions.size() == 2) {
+  slots_.resume(versions);
+  if (versions.size() == 2)
     for (Chunk& c : chunks_)
       c.slots[1] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
-    slot_allocated_[1] = true;
-    slot_free_[1] = false;
-    version_slot_[versions.front()] = 1;
-  }
-  newest_slot_ = 0;
   updates_ = step;
   read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), rank_),
              shard_tensors(versions));
@@ -156,12 +111,7 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
   const planner::Plan& p = s_.plan();
   Chunk& c = chunks_.back();
   if (p.d == 1 || stage_ != p.d - 1 || c.tied_offset < 0) return;
-  StageSpec spec;
-  spec.model = *s_.model;
-  spec.blocks = p.stage_blocks.front();
-  spec.has_embedding = true;
-  spec.has_head = p.virtual_stages() == 1;
-  const std::unique_ptr<StageCompute> first = make_cpu_stage(spec);
+  const std::unique_ptr<StageCompute> first = make_cpu_stage(chunk_spec(*s_.model, p, 0, 0));
   std::int64_t offset = -1;
   for (const auto& slot : first->layout())
     if (slot.name == "wte") offset = slot.offset;
@@ -169,7 +119,7 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
       shard_path(checkpoint_path(s_.options->checkpoint_dir, step), p.rank_of(0, replica_));
   for (int version : versions)
     read_shard_slice(shard, fmt::format("c0.w{}", version), offset,
-                     c.slots[version_slot_.at(version)].data() + c.tied_offset, c.tied_size);
+                     c.slots[slots_.slot_of(version)].data() + c.tied_offset, c.tied_size);
 }
 
 void Worker::run() {
@@ -221,8 +171,7 @@ void Worker::step(const Op& op) {
     case OpKind::all_reduce:
       return all_reduce(op);
     case OpKind::free_version:
-      slot_free_[version_slot_.at(op.version)] = true;
-      version_slot_.erase(op.version);
+      slots_.free_version(op.version);
       return;
     case OpKind::optimizer_step:
       return optimizer_step(op);
@@ -241,22 +190,7 @@ Buffer Worker::to_buffer(std::vector<float> data) {
 }
 
 const float* Worker::params(const Chunk& c, int version) const {
-  return c.slots[version_slot_.at(version)].data();
-}
-
-// The samples of (step, microbatch) for this replica: the global batch of step t is samples
-// [t B, (t+1) B); replica r takes its m*b consecutive ones, microbatch j the b after j*b.
-void Worker::samples(const Op& op, std::vector<std::int32_t>& tokens,
-                     std::vector<std::int32_t>& targets) const {
-  const planner::Plan& p = s_.plan();
-  const int T = int(s_.model->seq_len);
-  tokens.resize(std::size_t(p.b) * T);
-  targets.resize(std::size_t(p.b) * T);
-  const std::int64_t first =
-      (std::int64_t(op.step) * p.w + replica_) * p.m * p.b + std::int64_t(op.microbatch) * p.b;
-  for (int i = 0; i < p.b; ++i)
-    s_.data->sample(first + i, T, tokens.data() + std::size_t(i) * T,
-                    targets.data() + std::size_t(i) * T);
+  return c.slots[slots_.slot_of(version)].data();
 }
 
 void Worker::forward(const Op& op) {
@@ -365,7 +299,7 @@ void Worker::tied(const Op& op) {
     }
     default: {
       const std::vector<float> w = s_.transport.recv(op.peer, rank_, Channel::tied_weights);
-      float* out = c.slots[version_slot_.at(op.version)].data() + c.tied_offset;
+      float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
       std::copy(w.begin(), w.end(), out);
       record(planner::kRecvStream, t0, Clock::now());
       return;
@@ -391,25 +325,18 @@ void Worker::sum_local_tied() {
 void Worker::optimizer_step(const Op& op) {
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
-  // The new version goes into a freed slot (in place for flush schedules, where the version just
-  // freed is the newest), or into the second slot the first time 2BW needs two.
-  int target = slot_free_[0] ? 0 : (slot_free_[1] ? 1 : -1);
-  if (target < 0)
-    throw Error(fmt::format("rank {}: no free weight slot for version {}", rank_, op.version));
-  if (!slot_allocated_[target]) {
+  bool allocate = false;
+  const int target = slots_.target_for(op.version, allocate);
+  if (allocate)
     for (Chunk& c : chunks_)
       c.slots[target] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
-    slot_allocated_[target] = true;
-  }
   const auto t0 = Clock::now();
   for (Chunk& c : chunks_)
-    update(c, newest_slot_, target);
+    update(c, slots_.newest(), target);
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
-  version_slot_[op.version] = target;
-  slot_free_[target] = false;
-  newest_slot_ = target;
+  slots_.place(op.version, target);
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
 }
@@ -440,8 +367,8 @@ RankResult Worker::result() const {
   r.memory = memory_->at_peak();
   r.busy_s = busy_s_;
   for (const Chunk& c : chunks_)
-    r.weights.emplace_back(c.slots[newest_slot_].data(),
-                           c.slots[newest_slot_].data() + c.slots[newest_slot_].size());
+    r.weights.emplace_back(c.slots[slots_.newest()].data(),
+                           c.slots[slots_.newest()].data() + c.slots[slots_.newest()].size());
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
   r.timeline.rank = rank_;

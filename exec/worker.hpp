@@ -12,6 +12,7 @@
 #include "exec/checkpoint.hpp"
 #include "exec/data.hpp"
 #include "exec/memory.hpp"
+#include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
 #include "exec/transport.hpp"
@@ -19,31 +20,11 @@
 
 namespace pw::exec::detail {
 
-using Clock = std::chrono::steady_clock;
-
-struct Shared {
-  const models::ModelSpec* model = nullptr;
-  const planner::Programs* programs = nullptr;
-  const TrainOptions* options = nullptr;
-  const TokenSource* data = nullptr;
-  int first_step = 0;     // the resumed checkpoint's step, else 0
-  common::Json identity;  // written into checkpoint manifests
+// The CPU run: the step book plus the in-process transport and a byte counter per rank (each
+// thread is its own device).
+struct Shared : StepBook {
   InProcessTransport transport;
-  std::vector<MemoryCounter> devices;  // one per rank: each thread is its own device
-  Clock::time_point start;
-  std::function<void(const StepLog&)> on_step;
-
-  std::mutex mutex;
-  std::vector<int> finished;     // ranks done with each step (index: step - first_step)
-  std::vector<double> loss_sum;  // microbatch mean losses of each step
-  std::vector<StepLog> logs;
-  double last_end_s = 0;
-
-  const planner::Plan& plan() const { return programs->plan; }
-  // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
-  bool checkpoint_after(int step) const;
-  void add_loss(int step, double loss);
-  void finish_step(int step);
+  std::vector<MemoryCounter> devices;
 };
 
 class Worker {
@@ -78,7 +59,9 @@ class Worker {
   void update(Chunk& c, int source, int target);
   const float* params(const Chunk& c, int version) const;
   void samples(const planner::Op& op, std::vector<std::int32_t>& tokens,
-               std::vector<std::int32_t>& targets) const;
+               std::vector<std::int32_t>& targets) const {
+    microbatch_samples(s_, replica_, op.step, op.microbatch, tokens, targets);
+  }
   Buffer to_buffer(std::vector<float> data);
 
   Shared& s_;
@@ -86,10 +69,7 @@ class Worker {
   MemoryCounter* memory_;
   std::vector<Chunk> chunks_;
   Buffer workspace_;
-  std::map<int, int> version_slot_;
-  bool slot_free_[2] = {false, true};
-  bool slot_allocated_[2] = {true, false};
-  int newest_slot_ = 0;
+  VersionSlots slots_;
   int updates_ = 0;
   std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
   double busy_s_ = 0;

@@ -23,6 +23,8 @@ const char* channel_name(Channel c) {
       return "gradient";
     case Channel::tied:
       return "tied";
+    case Channel::tied_weights:
+      return "tied weights";
   }
   return "?";
 }

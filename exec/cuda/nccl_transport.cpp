@@ -80,9 +80,9 @@ NcclTransport::NcclTransport(const ncclUniqueId& id, int world, int rank, std::v
     ncclResult_t r = ncclCommInitRankConfig(&world_comm_, world, id, rank, &config);
     check(op, "ncclCommInitRankConfig", r, world_comm_);
     channel_comms_[std::size_t(Channel::activation)] = world_comm_;
-    const Channel split[] = {Channel::gradient, Channel::tied};
-    const char* names[] = {"pipewright-gradient", "pipewright-tied"};
-    for (int i = 0; i < 2; ++i) {
+    const Channel split[] = {Channel::gradient, Channel::tied, Channel::tied_weights};
+    const char* names[] = {"pipewright-gradient", "pipewright-tied", "pipewright-tied-weights"};
+    for (int i = 0; i < 3; ++i) {
       ncclConfig_t c = nonblocking_config(names[i]);
       r = ncclCommSplit(world_comm_, 0, rank, &channel_comms_[std::size_t(split[i])], &c);
       check(op, "ncclCommSplit", r, world_comm_);
@@ -134,7 +134,8 @@ NcclTransport::~NcclTransport() {
 std::vector<ncclComm_t> NcclTransport::comms() const {
   std::vector<ncclComm_t> out;
   for (ncclComm_t c : {stage_comm_, channel_comms_[std::size_t(Channel::gradient)],
-                       channel_comms_[std::size_t(Channel::tied)], world_comm_})
+                       channel_comms_[std::size_t(Channel::tied)],
+                       channel_comms_[std::size_t(Channel::tied_weights)], world_comm_})
     if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
   return out;
 }

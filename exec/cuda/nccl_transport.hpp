@@ -26,7 +26,8 @@ ncclUniqueId nccl_unique_id();
 // Communicators (all non-blocking, ncclConfig_t::blocking = 0, each NCCL call followed by polling
 // ncclCommGetAsyncError with the deadline, so a peer that never comes is a TransportTimeout):
 //  - world: ncclCommInitRankConfig over every rank; it carries the activation channel;
-//  - gradient, tied: ncclCommSplit(world, 0, rank), one per channel, so that NCCL's matching of
+//  - gradient, tied, tied_weights: ncclCommSplit(world, 0, rank), one per channel, so that NCCL's
+//  matching of
 //    sends to receives (in issue order per communicator and peer) is FIFO per (src, dst, channel)
 //    and independent across channels, as the checker assumes;
 //  - stage: ncclCommSplit(world, color = stage_of[rank], key = rank): the replicas of this rank's
@@ -97,7 +98,7 @@ class NcclTransport : public DeviceTransport {
   int world_, rank_, device_ = 0;
   std::vector<int> stage_of_, stage_members_;
   ncclComm_t world_comm_ = nullptr, stage_comm_ = nullptr;
-  std::array<ncclComm_t, 3> channel_comms_{};  // by Channel: world, split, split
+  std::array<ncclComm_t, 4> channel_comms_{};  // by Channel: world, then three splits
   cudaEvent_t sync_event_ = nullptr;
   bool comms_aborted_ = false;
 };

@@ -1,0 +1,215 @@
+// What every backend's workers share (see run_common.hpp).
+#include "exec/run_common.hpp"
+
+#include <exception>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "exec/checkpoint.hpp"
+
+namespace pw::exec {
+
+common::Json run_identity(const models::ModelSpec& model, const planner::Plan& plan,
+                          const TrainOptions& o, const std::string& backend) {
+  // Floats as their shortest decimal (0.001, not 0.0010000000474974513).
+  const auto num = [](float x) { return std::stod(fmt::format("{}", x)); };
+  common::Json optimizer = {{"name", o.optimizer}, {"lr", num(o.lr)}};
+  if (o.optimizer == "adamw") {
+    optimizer["beta1"] = num(o.beta1);
+    optimizer["beta2"] = num(o.beta2);
+    optimizer["eps"] = num(o.eps);
+    optimizer["weight_decay"] = num(o.weight_decay);
+  } else {
+    optimizer["momentum"] = num(o.momentum);
+  }
+  return {{"backend", backend},
+          {"model", models::to_json(model)},
+          {"plan", planner::to_json(plan)},
+          {"optimizer", optimizer},
+          {"seed", o.seed},
+          {"data", o.data}};
+}
+
+namespace detail {
+
+PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& plan,
+                        const TrainOptions& options, const std::string& backend) {
+  if (options.optimizer != "adamw" && options.optimizer != "sgd")
+    throw InputError(fmt::format("--optimizer: unknown \"{}\" (adamw or sgd)", options.optimizer));
+  if (options.steps < 1) throw InputError("--steps must be at least 1");
+  if (options.checkpoint_every < 1) throw InputError("--checkpoint-every must be at least 1");
+  if (options.resume && options.checkpoint_dir.empty())
+    throw InputError("--resume needs --checkpoint-dir");
+  PreparedRun run;
+  run.identity = run_identity(model, plan, options, backend);
+  if (!options.checkpoint_dir.empty()) remove_incomplete_checkpoints(options.checkpoint_dir);
+  if (!options.resume && !options.checkpoint_dir.empty()) {
+    if (const auto step = latest_checkpoint(options.checkpoint_dir))
+      throw InputError(fmt::format(
+          "--checkpoint-dir {}: holds a checkpoint of step {}; pass --resume to continue from it "
+          "or use an empty directory",
+          options.checkpoint_dir, *step));
+  }
+  if (options.resume) {
+    if (const auto step = latest_checkpoint(options.checkpoint_dir)) {
+      check_manifest(options.checkpoint_dir, *step, plan.ranks(), run.identity);
+      if (*step >= options.steps)
+        throw InputError(fmt::format("--resume: {} is at step {}; --steps {} leaves nothing to run",
+                                     checkpoint_path(options.checkpoint_dir, *step), *step,
+                                     options.steps));
+      run.first_step = *step;
+    }
+  }
+  planner::ProgramOptions po;
+  po.steps = options.steps - run.first_step;
+  po.gradient_buckets = options.gradient_buckets;
+  po.first_step = run.first_step;
+  po.tied_embeddings = model.tied_embeddings;
+  run.programs = planner::generate_programs(plan, po);
+  return run;
+}
+
+void StepBook::init(const models::ModelSpec& m, const PreparedRun& run, const TrainOptions& o,
+                    const TokenSource& tokens, int ranks) {
+  model = &m;
+  programs = &run.programs;
+  options = &o;
+  data = &tokens;
+  first_step = run.first_step;
+  identity = run.identity;
+  ranks_here = ranks;
+  finished.assign(std::size_t(run.programs.steps), 0);
+  loss_sum.assign(std::size_t(run.programs.steps), 0.0);
+}
+
+void StepBook::add_loss(int step, double loss) {
+  std::lock_guard<std::mutex> lock(mutex);
+  loss_sum[std::size_t(step - first_step)] += loss;
+}
+
+bool StepBook::checkpoint_after(int step) const {
+  return !options->checkpoint_dir.empty() &&
+         ((step + 1) % options->checkpoint_every == 0 || step + 1 == options->steps);
+}
+
+StepLog StepBook::make_log(int step, double loss_sum_of_step, double now_s) {
+  const planner::Plan& p = plan();
+  StepLog log;
+  log.step = step;
+  log.loss = loss_sum_of_step / (double(p.m) * p.w);
+  log.seconds = now_s - last_end_s;
+  log.tokens_per_s = double(p.global_batch()) * double(model->seq_len) / log.seconds;
+  if (checkpoint_after(step)) log.checkpoint = checkpoint_path(options->checkpoint_dir, step + 1);
+  last_end_s = now_s;
+  return log;
+}
+
+void StepBook::finish_step(int step) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (++finished[std::size_t(step - first_step)] < ranks_here) return;
+  // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
+  if (checkpoint_after(step) && write_manifests)
+    write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
+  const double now = std::chrono::duration<double>(Clock::now() - start).count();
+  logs.push_back(make_log(step, loss_sum[std::size_t(step - first_step)], now));
+  if (on_step) on_step(logs.back());
+}
+
+StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int stage, int chunk) {
+  const int vs = chunk * p.d + stage;
+  StageSpec spec;
+  spec.model = model;
+  for (int i = 0; i < vs; ++i)
+    spec.first_block += p.stage_blocks[std::size_t(i)];
+  spec.blocks = p.stage_blocks[std::size_t(vs)];
+  spec.has_embedding = vs == 0;
+  spec.has_head = vs == p.virtual_stages() - 1;
+  return spec;
+}
+
+void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,
+                        std::vector<std::int32_t>& tokens, std::vector<std::int32_t>& targets) {
+  const planner::Plan& p = book.plan();
+  const int T = int(book.model->seq_len);
+  tokens.resize(std::size_t(p.b) * T);
+  targets.resize(std::size_t(p.b) * T);
+  const std::int64_t first =
+      (std::int64_t(step) * p.w + replica) * p.m * p.b + std::int64_t(microbatch) * p.b;
+  for (int i = 0; i < p.b; ++i)
+    book.data->sample(first + i, T, tokens.data() + std::size_t(i) * T,
+                      targets.data() + std::size_t(i) * T);
+}
+
+int VersionSlots::slot_of(int version) const {
+  const auto it = slot_of_.find(version);
+  if (it == slot_of_.end())
+    throw Error(fmt::format("rank {}: weight version {} is not held", rank_, version));
+  return it->second;
+}
+
+void VersionSlots::free_version(int version) {
+  free_[slot_of(version)] = true;
+  slot_of_.erase(version);
+}
+
+int VersionSlots::target_for(int version, bool& allocate) const {
+  // The new version goes into a freed slot (in place for flush schedules, where the version just
+  // freed is the newest), or into the second slot the first time 2BW needs two.
+  const int target = free_[0] ? 0 : (free_[1] ? 1 : -1);
+  if (target < 0)
+    throw Error(fmt::format("rank {}: no free weight slot for version {}", rank_, version));
+  allocate = !allocated_[target];
+  return target;
+}
+
+void VersionSlots::place(int version, int slot) {
+  slot_of_[version] = slot;
+  free_[slot] = false;
+  allocated_[slot] = true;
+  newest_ = slot;
+}
+
+void VersionSlots::resume(const std::vector<int>& versions) {
+  // The newest version in slot 0, the 2BW shadow (if any) in slot 1: as in an unbroken run, the
+  // next update writes into the shadow's slot once its step frees it.
+  slot_of_.clear();
+  slot_of_[versions.back()] = 0;
+  free_[0] = false;
+  if (versions.size() == 2) {
+    slot_of_[versions.front()] = 1;
+    allocated_[1] = true;
+    free_[1] = false;
+  }
+  newest_ = 0;
+}
+
+void run_threads(int n, const std::function<void(int)>& body, const std::function<void()>& abort) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[std::size_t(r)] = std::current_exception();
+        abort();
+      }
+    });
+  for (auto& t : threads)
+    t.join();
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (std::string(err.what()).rfind("transport aborted", 0) == 0) continue;
+      throw;
+    }
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace detail
+}  // namespace pw::exec

@@ -1,0 +1,104 @@
+// Internal to exec/: what every backend's workers share, whatever memory their tensors live in —
+// the checks and programs of a run, the step book (losses, step times, checkpoint manifests), the
+// weight-version slots of 2BW, the samples of a microbatch, and the thread runner.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "exec/data.hpp"
+#include "exec/runtime.hpp"
+#include "exec/stage_compute.hpp"
+#include "planner/program.hpp"
+
+namespace pw::exec::detail {
+
+using Clock = std::chrono::steady_clock;
+
+// What a run needs before its workers start: the options checked, the checkpoint directory
+// checked (and resumed from), the programs generated.
+struct PreparedRun {
+  int first_step = 0;  // the resumed checkpoint's step, else 0
+  common::Json identity;
+  planner::Programs programs;
+};
+// `backend` ("cpu", "cuda") goes into the identity a checkpoint must match.
+PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& plan,
+                        const TrainOptions& options, const std::string& backend);
+
+// Losses and step ends as ranks report them; the step log once every rank finished a step.
+struct StepBook {
+  const models::ModelSpec* model = nullptr;
+  const planner::Programs* programs = nullptr;
+  const TrainOptions* options = nullptr;
+  const TokenSource* data = nullptr;
+  int first_step = 0;
+  common::Json identity;  // written into checkpoint manifests
+  int ranks_here = 0;     // ranks reporting to this book (all, or this process's under mpirun)
+  bool write_manifests = true;  // false where another process writes them (mpirun, rank > 0)
+  Clock::time_point start;
+  std::function<void(const StepLog&)> on_step;
+
+  std::mutex mutex;
+  std::vector<int> finished;     // ranks done with each step (index: step - first_step)
+  std::vector<double> loss_sum;  // microbatch mean losses of each step
+  std::vector<StepLog> logs;
+  double last_end_s = 0;
+
+  void init(const models::ModelSpec& m, const PreparedRun& run, const TrainOptions& o,
+            const TokenSource& tokens, int ranks);
+  const planner::Plan& plan() const { return programs->plan; }
+  // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
+  bool checkpoint_after(int step) const;
+  void add_loss(int step, double loss);
+  // Called by each rank when its optimizer step of `step` is done (its shard written).
+  void finish_step(int step);
+  // The log line of `step` ending at `now_s` with these summed losses (finish_step's, and the
+  // gathered logs of an mpirun job).
+  StepLog make_log(int step, double loss_sum_of_step, double now_s);
+};
+
+// The stage (chunk) of the model that `stage`'s chunk `chunk` holds.
+StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
+                     int chunk);
+
+// The samples of (step, microbatch) for `replica`: the global batch of step t is samples
+// [t B, (t+1) B); replica r takes its m*b consecutive ones, microbatch j the b after j*b.
+void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,
+                        std::vector<std::int32_t>& tokens, std::vector<std::int32_t>& targets);
+
+// The two weight slots of a rank: which version each holds, which are free and allocated. Flush
+// schedules update in place (slot 0); 2BW's second version takes slot 1 the first time it needs it.
+class VersionSlots {
+ public:
+  int slot_of(int version) const;  // throws naming the rank when the version is not held
+  void free_version(int version);
+  // The slot the update to `version` writes: a free one; `allocate` is set when it has no memory
+  // yet (the caller allocates it before writing). Throws when none is free.
+  int target_for(int version, bool& allocate) const;
+  void place(int version, int slot);  // after the update: the slot holds the newest version
+  // A resumed run: `versions` (ascending, as planner::initial_versions) in slots 1, 0.
+  void resume(const std::vector<int>& versions);
+  int newest() const { return newest_; }
+  bool allocated(int slot) const { return allocated_[slot]; }
+  void set_rank(int rank) { rank_ = rank; }
+
+ private:
+  int rank_ = 0;
+  std::map<int, int> slot_of_{{0, 0}};
+  bool free_[2] = {false, true};
+  bool allocated_[2] = {true, false};
+  int newest_ = 0;
+};
+
+// Runs body(i) for i in [0, n) on n threads; the first failure calls abort() (waking the others)
+// and is rethrown once all joined — the first real one, not the "transport aborted" errors it
+// caused elsewhere.
+void run_threads(int n, const std::function<void(int)>& body, const std::function<void()>& abort);
+
+}  // namespace pw::exec::detail
