@@ -109,8 +109,11 @@ void StepBook::finish_step(int step) {
   std::lock_guard<std::mutex> lock(mutex);
   if (++finished[std::size_t(step - first_step)] < ranks_here) return;
   // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
-  if (checkpoint_after(step) && write_manifests)
-    write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
+  if (checkpoint_after(step)) {
+    if (before_manifest) before_manifest();
+    if (write_manifests)
+      write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
+  }
   const double now = std::chrono::duration<double>(Clock::now() - start).count();
   logs.push_back(make_log(step, loss_sum[std::size_t(step - first_step)], now));
   if (on_step) on_step(logs.back());

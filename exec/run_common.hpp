@@ -41,6 +41,9 @@ struct StepBook {
   common::Json identity;  // written into checkpoint manifests
   int ranks_here = 0;     // ranks reporting to this book (all, or this process's under mpirun)
   bool write_manifests = true;  // false where another process writes them (mpirun, rank > 0)
+  // Called when every rank here finished a checkpoint step, before its manifest: under mpirun a
+  // barrier, so that rank 0 writes the manifest after every process wrote its shard.
+  std::function<void()> before_manifest;
   Clock::time_point start;
   std::function<void(const StepLog&)> on_step;
 

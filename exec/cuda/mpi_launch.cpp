@@ -141,6 +141,17 @@ void MpiSession::barrier() const {
   check_mpi(rank_, "MPI_Barrier", MPI_Barrier(MPI_COMM_WORLD));
 }
 
+void MpiSession::all_gather(const void* mine, int bytes, void* all) const {
+  check_mpi(rank_, "MPI_Allgather",
+            MPI_Allgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, MPI_COMM_WORLD));
+}
+
+void MpiSession::all_reduce(double* data, int n, bool max) const {
+  check_mpi(
+      rank_, "MPI_Allreduce",
+      MPI_Allreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, max ? MPI_MAX : MPI_SUM, MPI_COMM_WORLD));
+}
+
 void MpiSession::abort(int code) const {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort should not return
@@ -160,6 +171,8 @@ MpiSession::~MpiSession() = default;
 
 void MpiSession::broadcast(void*, int, int) const {}
 void MpiSession::barrier() const {}
+void MpiSession::all_gather(const void*, int, void*) const {}
+void MpiSession::all_reduce(double*, int, bool) const {}
 void MpiSession::abort(int code) const {
   std::_Exit(code);
 }

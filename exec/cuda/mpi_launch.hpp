@@ -49,6 +49,10 @@ class MpiSession {
     broadcast(&value, int(sizeof(T)), root);
   }
   void barrier() const;
+  // MPI_Allgather of `bytes` from every rank into `all` (size() x bytes, by rank).
+  void all_gather(const void* mine, int bytes, void* all) const;
+  // MPI_Allreduce in place: the sum (or the maximum) over the ranks of each of the n doubles.
+  void all_reduce(double* data, int n, bool max = false) const;
   // MPI_Abort of the whole job (the other ranks may sit in NCCL kernels); does not return.
   [[noreturn]] void abort(int code) const;
 

@@ -1,0 +1,200 @@
+// train_cuda: the device, the arena and the transport of this process, a worker per rank here,
+// the step logs (gathered over the processes of an mpirun job).
+#include "exec/cuda/runtime.hpp"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "exec/cuda/local_transport.hpp"
+#include "exec/cuda/mpi_launch.hpp"
+#include "exec/cuda/worker.hpp"
+#ifdef PW_HAVE_NCCL
+#include "exec/cuda/nccl_transport.hpp"
+#endif
+
+namespace pw::exec::cuda {
+
+namespace {
+
+std::int64_t arena_capacity(const CudaRunOptions& run) {
+  if (run.arena_bytes > 0) return run.arena_bytes;
+  const DeviceMemoryInfo info = device_memory_info();
+  const std::int64_t reserve = std::int64_t(256) << 20;
+  return std::max<std::int64_t>(std::int64_t(0.9 * double(info.free_bytes)) - reserve, 1 << 20);
+}
+
+#ifdef PW_HAVE_NCCL
+// The peers this rank exchanges messages with on `channel`, from its program (symmetric: a send on
+// one side is a receive on the other).
+std::vector<int> program_peers(const planner::Programs& programs, int rank, Channel channel) {
+  std::set<int> peers;
+  for (const planner::Op& op : programs.devices[std::size_t(rank)].ops) {
+    using K = planner::OpKind;
+    const bool on = (channel == Channel::activation &&
+                     (op.kind == K::send_activation || op.kind == K::recv_activation)) ||
+                    (channel == Channel::gradient &&
+                     (op.kind == K::send_gradient || op.kind == K::recv_gradient)) ||
+                    (channel == Channel::tied &&
+                     (op.kind == K::send_tied_gradient || op.kind == K::recv_tied_gradient)) ||
+                    (channel == Channel::tied_weights &&
+                     (op.kind == K::send_tied_weights || op.kind == K::recv_tied_weights));
+    if (on) peers.insert(op.peer);
+  }
+  return {peers.begin(), peers.end()};
+}
+#endif
+
+// Under mpirun each process logged its own ranks' view of a step: the loss only where the last
+// stage runs, its own end time. The job's step log sums the losses and takes the latest end.
+void merge_logs(exec::detail::StepBook& book, const MpiSession& mpi) {
+  const std::size_t n = book.logs.size();
+  std::vector<double> loss(n), end(n);
+  double t = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    loss[i] = book.loss_sum[i];
+    end[i] = (t += book.logs[i].seconds);
+  }
+  mpi.all_reduce(loss.data(), int(n));
+  mpi.all_reduce(end.data(), int(n), true);
+  std::vector<StepLog> logs;
+  book.last_end_s = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    logs.push_back(book.make_log(book.logs[i].step, loss[i], end[i]));
+    logs.back().checkpoint = book.logs[i].checkpoint;
+  }
+  book.logs = logs;
+}
+
+// Every rank's memory and busy time, for the job's report (weights and timelines stay local).
+void gather_ranks(TrainResult& result, const MpiSession& mpi) {
+  constexpr int kFields = 8;
+  const RankResult& mine = result.ranks.front();
+  const planner::MemoryBreakdown& m = mine.memory;
+  const double local[kFields] = {double(mine.peak_memory_bytes),
+                                 double(m.weights),
+                                 double(m.weight_versions),
+                                 double(m.gradients),
+                                 double(m.optimizer),
+                                 double(m.activations),
+                                 double(m.workspace),
+                                 mine.busy_s};
+  std::vector<double> all(std::size_t(kFields * mpi.size()));
+  mpi.all_gather(local, int(sizeof(local)), all.data());
+  std::vector<RankResult> ranks(std::size_t(mpi.size()));
+  for (int r = 0; r < mpi.size(); ++r) {
+    const double* f = all.data() + std::size_t(kFields * r);
+    RankResult& out = ranks[std::size_t(r)];
+    if (r == mine.rank) out = mine;
+    out.rank = r;
+    out.peak_memory_bytes = std::int64_t(f[0]);
+    out.memory.weights = std::int64_t(f[1]);
+    out.memory.weight_versions = std::int64_t(f[2]);
+    out.memory.gradients = std::int64_t(f[3]);
+    out.memory.optimizer = std::int64_t(f[4]);
+    out.memory.activations = std::int64_t(f[5]);
+    out.memory.workspace = std::int64_t(f[6]);
+    out.busy_s = f[7];
+  }
+  result.ranks = std::move(ranks);
+}
+
+}  // namespace
+
+TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan,
+                       const TrainOptions& options,
+                       const std::function<void(const StepLog&)>& on_step,
+                       const CudaRunOptions& run) {
+  if (model.dtype != models::DType::fp16 && model.dtype != models::DType::bf16)
+    throw InputError(
+        fmt::format("model {}: the CUDA backend trains in bf16 (a 2-byte dtype); the model says "
+                    "{}: use a model file with \"dtype\": \"bf16\" (or a preset such as gpt2-124m)",
+                    model.name, models::to_string(model.dtype)));
+  const int devices = cuda_device_count();
+  if (devices == 0) throw InputError("--backend cuda: " + no_device_reason());
+  const exec::detail::PreparedRun prepared =
+      exec::detail::prepare_run(model, plan, options, "cuda");
+  const TokenSource data(options.data, model.vocab, options.seed);
+
+  detail::GpuShared shared;
+  std::vector<int> here;  // the ranks this process runs
+  int device = 0;
+  if (run.mpi) {
+    check_world_size(
+        run.mpi->size(), plan.ranks(),
+        fmt::format("{} w={} d={}", planner::to_string(plan.schedule), plan.w, plan.d));
+    device = local_device(detect_mpi_env(), devices);
+    here = {run.mpi->rank()};
+  } else {
+    for (int r = 0; r < plan.ranks(); ++r)
+      here.push_back(r);
+  }
+  CUDA_CHECK(cudaSetDevice(device));
+  DeviceArena arena(arena_capacity(run));
+  std::unique_ptr<DeviceTransport> transport;
+  if (run.mpi) {
+#ifdef PW_HAVE_NCCL
+    ncclUniqueId id{};
+    if (run.mpi->rank() == 0) id = nccl_unique_id();
+    run.mpi->broadcast_value(id, 0);
+    std::vector<int> stage_of;
+    for (int r = 0; r < plan.ranks(); ++r)
+      stage_of.push_back(plan.stage_of(r));
+    auto nccl =
+        std::make_unique<NcclTransport>(id, plan.ranks(), run.mpi->rank(), stage_of, run.timeout_s);
+    for (Channel c : {Channel::activation, Channel::gradient, Channel::tied, Channel::tied_weights})
+      nccl->connect(c, program_peers(prepared.programs, run.mpi->rank(), c));
+    transport = std::move(nccl);
+#else
+    throw InputError("--backend cuda under mpirun: this build has no NCCL");
+#endif
+  } else {
+    transport = std::make_unique<LocalTransport>(arena, plan.ranks(), run.timeout_s);
+  }
+
+  shared.init(model, prepared, options, data, int(here.size()));
+  shared.arena = &arena;
+  shared.transport = transport.get();
+  shared.device = device;
+  shared.counters = std::vector<MemoryCounter>(here.size());
+  if (run.mpi) {
+    shared.write_manifests = run.mpi->rank() == 0;
+    shared.before_manifest = [&] { run.mpi->barrier(); };
+  } else {
+    shared.on_step = on_step;
+  }
+
+  std::vector<std::unique_ptr<detail::CudaWorker>> workers;
+  for (std::size_t i = 0; i < here.size(); ++i)
+    workers.push_back(std::make_unique<detail::CudaWorker>(shared, here[i], shared.counters[i]));
+  if (run.mpi) run.mpi->barrier();
+  shared.start = exec::detail::Clock::now();
+  for (auto& w : workers)
+    w->start();
+  if (run.mpi) {
+    workers.front()->run();  // MPI is funneled: this thread only
+  } else {
+    exec::detail::run_threads(
+        int(workers.size()), [&](int i) { workers[std::size_t(i)]->run(); },
+        [&] { transport->abort(); });
+  }
+  TrainResult result;
+  result.first_step = prepared.first_step;
+  result.programs = prepared.programs;
+  result.wall_s = std::chrono::duration<double>(exec::detail::Clock::now() - shared.start).count();
+  for (auto& w : workers)
+    result.ranks.push_back(w->result());
+  if (run.mpi) {
+    merge_logs(shared, *run.mpi);
+    gather_ranks(result, *run.mpi);
+    if (run.mpi->rank() == 0 && on_step)
+      for (const StepLog& log : shared.logs)
+        on_step(log);
+  }
+  result.steps = shared.logs;
+  workers.clear();  // before the transport and the arena
+  return result;
+}
+
+}  // namespace pw::exec::cuda

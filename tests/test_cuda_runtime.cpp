@@ -1,0 +1,213 @@
+// The CUDA runtime (exec/cuda/runtime.*, worker.*): the programs the CPU backend runs, on one GPU
+// with every rank a thread. Its losses follow the CPU backend's on the same initial weights within
+// bf16 tolerances; a pipeline split trains like one stage; 2BW follows the delayed-update rule
+// (closer to the CPU's 2BW than to its 1F1B); a resumed run is bit-identical to an unbroken one;
+// the per-rank memory counts are the planner's. The input checks run everywhere; the rest need a
+// GPU and report themselves skipped without one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/error.hpp"
+#include "cuda_test_util.hpp"
+#include "exec/cuda/runtime.hpp"
+#include "exec/runtime.hpp"
+#include "planner/cost_model.hpp"
+#include "planner/plan.hpp"
+#include "traces/analytic.hpp"
+
+namespace {
+
+using pw::exec::TrainOptions;
+using pw::exec::TrainResult;
+using pw::planner::Plan;
+using pw::planner::Schedule;
+namespace fs = std::filesystem;
+
+// gpt-tiny with 4 blocks (plans up to d = 4), in fp32 for the CPU and bf16 for the GPU.
+pw::models::ModelSpec tiny4(pw::models::DType dtype) {
+  pw::models::ModelSpec s = pw::models::load_model("gpt-tiny");
+  s.name = "gpt-tiny4";
+  s.layers = 4;
+  s.dtype = dtype;
+  return s;
+}
+const pw::models::ModelSpec kCpu = tiny4(pw::models::DType::fp32);
+const pw::models::ModelSpec kGpu = tiny4(pw::models::DType::bf16);
+
+Plan make_plan(Schedule s, int w, int d, int b, int m) {
+  Plan p;
+  p.schedule = s;
+  p.w = w;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  pw::planner::resolve_stages(p, 4);
+  return p;
+}
+
+TrainOptions sgd(int steps, float lr = 0.05f) {
+  TrainOptions o;
+  o.steps = steps;
+  o.optimizer = "sgd";
+  o.lr = lr;
+  o.seed = 7;
+  return o;
+}
+
+std::vector<double> losses(const TrainResult& r) {
+  std::vector<double> out;
+  for (const auto& s : r.steps)
+    out.push_back(s.loss);
+  return out;
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("pw-cuda-runtime-" + name);
+  fs::remove_all(p);
+  return p;
+}
+
+// ---- everywhere ------------------------------------------------------------------------------
+
+TEST(CudaRuntime, RejectsAnFp32ModelWithOneLine) {
+  try {
+    pw::exec::cuda::train_cuda(kCpu, make_plan(Schedule::one_f_one_b, 1, 1, 1, 1), sgd(1));
+    FAIL() << "no error";
+  } catch (const pw::InputError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+}
+
+TEST(CudaRuntime, WithoutAGpuSaysSo) {
+  if (pw::exec::cuda::cuda_device_count() > 0) GTEST_SKIP() << "skipped: a CUDA device is present";
+  try {
+    pw::exec::cuda::train_cuda(kGpu, make_plan(Schedule::one_f_one_b, 1, 1, 1, 1), sgd(1));
+    FAIL() << "no error";
+  } catch (const pw::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+  }
+}
+
+// ---- on a GPU --------------------------------------------------------------------------------
+
+// Same initial weights (the CPU's, rounded to bf16), same batches: the first loss within 1e-2 and
+// the next ones within 2e-2 of fp32 training.
+TEST(CudaRuntime, LossesFollowTheCpuBackend) {
+  PW_SKIP_WITHOUT_GPU();
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b}) {
+    SCOPED_TRACE(pw::planner::to_string(s));
+    const Plan p = make_plan(s, 1, 2, 2, 4);
+    const auto cpu = losses(pw::exec::train_cpu(kCpu, p, sgd(4)));
+    const auto gpu = losses(pw::exec::cuda::train_cuda(kGpu, p, sgd(4)));
+    ASSERT_EQ(gpu.size(), cpu.size());
+    EXPECT_NEAR(gpu[0], cpu[0], 1e-2 * cpu[0]);
+    for (std::size_t i = 1; i < cpu.size(); ++i)
+      EXPECT_NEAR(gpu[i], cpu[i], 2e-2 * cpu[i]) << "step " << i;
+  }
+}
+
+// The same microbatches through 1, 2 or 4 stages on one GPU: the same layers' kernels in the same
+// order; only the tied gradient's bf16 sum differs (one buffer on one stage, two summed at the end
+// across stages).
+TEST(CudaRuntime, PipelineSplitsTrainLikeOneStage) {
+  PW_SKIP_WITHOUT_GPU();
+  const auto one = losses(
+      pw::exec::cuda::train_cuda(kGpu, make_plan(Schedule::one_f_one_b, 1, 1, 1, 4), sgd(4)));
+  for (int d : {2, 4}) {
+    const TrainResult r =
+        pw::exec::cuda::train_cuda(kGpu, make_plan(Schedule::one_f_one_b, 1, d, 1, 4), sgd(4));
+    const auto got = losses(r);
+    for (std::size_t i = 0; i < one.size(); ++i)
+      EXPECT_NEAR(got[i], one[i], 5e-3 * one[i]) << "d=" << d << " step " << i;
+    EXPECT_EQ(r.ranks.size(), std::size_t(d));
+    for (const auto& rank : r.ranks) {
+      EXPECT_GT(rank.busy_s, 0) << "rank " << rank.rank;
+      EXPECT_FALSE(rank.timeline.ops.empty()) << "rank " << rank.rank;
+    }
+  }
+}
+
+// 2BW's W(t+1) = W(t) - lr step(grad f(W(t-1))): with a large step the delayed update moves the
+// losses visibly away from 1F1B's; the GPU's 2BW stays with the CPU's 2BW.
+TEST(CudaRuntime, TwoBwFollowsTheVersionRule) {
+  PW_SKIP_WITHOUT_GPU();
+  const TrainOptions o = sgd(5, 0.3f);
+  const auto cpu_2bw =
+      losses(pw::exec::train_cpu(kCpu, make_plan(Schedule::two_bw, 1, 2, 2, 4), o));
+  const auto cpu_1f1b =
+      losses(pw::exec::train_cpu(kCpu, make_plan(Schedule::one_f_one_b, 1, 2, 2, 4), o));
+  const TrainResult r =
+      pw::exec::cuda::train_cuda(kGpu, make_plan(Schedule::two_bw, 1, 2, 2, 4), o);
+  const auto gpu = losses(r);
+  const std::size_t last = gpu.size() - 1;
+  EXPECT_NEAR(gpu[last], cpu_2bw[last], 3e-2 * cpu_2bw[last]);
+  EXPECT_LT(std::fabs(gpu[last] - cpu_2bw[last]), 0.5 * std::fabs(cpu_1f1b[last] - cpu_2bw[last]))
+      << "2bw " << cpu_2bw[last] << " 1f1b " << cpu_1f1b[last] << " gpu " << gpu[last];
+  for (const auto& rank : r.ranks)
+    EXPECT_EQ(rank.memory.weight_versions, rank.memory.weights) << "rank " << rank.rank;
+}
+
+// Stop after 2 of 4 steps, resume: every later loss and the final weights of every rank are the
+// unbroken run's, bit for bit.
+TEST(CudaRuntime, ResumeIsExact) {
+  PW_SKIP_WITHOUT_GPU();
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(pw::planner::to_string(s));
+    const Plan p = make_plan(s, 1, 2, 2, 4);
+    TrainOptions o;
+    o.steps = 4;
+    o.seed = 7;
+    o.checkpoint_dir = temp_dir("unbroken").string();
+    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.checkpoint_dir = temp_dir("resumed").string();
+    o.steps = 2;
+    pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.steps = 4;
+    o.resume = true;
+    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
+    ASSERT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(resumed.steps.size(), 2u);
+    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
+    fs::remove_all(temp_dir("unbroken"));
+    fs::remove_all(temp_dir("resumed"));
+  }
+}
+
+// Weights, gradients and optimizer state per rank are the planner's bf16 figures exactly (2 + 2 +
+// 12 bytes per parameter); activations within 5% (messages in flight, recompute scratch).
+TEST(CudaRuntime, MemoryMatchesThePlanner) {
+  PW_SKIP_WITHOUT_GPU();
+  const pw::clusters::Cluster one = pw::clusters::load_cluster("h100-x1");
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(pw::planner::to_string(s));
+    const Plan p = make_plan(s, 1, 2, 2, 4);
+    TrainOptions o;
+    o.steps = 2;
+    const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, o);
+    Plan placed = p;
+    pw::planner::place(placed, {1, 1}, p.ranks());
+    const auto t = pw::traces::analytic_trace(kGpu, one.device, {p.b});
+    const auto e = pw::planner::estimate(kGpu, t, one, placed);
+    for (int rank = 0; rank < p.ranks(); ++rank) {
+      const auto& want = e.report.devices[std::size_t(rank)].memory;
+      const auto& got = r.ranks[std::size_t(rank)].memory;
+      EXPECT_EQ(got.weights, want.weights) << "rank " << rank;
+      EXPECT_EQ(got.weight_versions, want.weight_versions) << "rank " << rank;
+      EXPECT_EQ(got.gradients, want.gradients) << "rank " << rank;
+      EXPECT_EQ(got.optimizer, want.optimizer) << "rank " << rank;
+      EXPECT_NEAR(double(got.activations), double(want.activations), 0.05 * want.activations)
+          << "rank " << rank;
+    }
+  }
+}
+
+}  // namespace
