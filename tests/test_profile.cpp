@@ -1,12 +1,14 @@
-// What every backend's profiler shares (exec/profile_driver.hpp): host-only, so it runs on every
-// build, with or without CUDA.
+// What every backend's profiler shares (exec/profile_driver.hpp), and this machine's GPU as a
+// cluster (exec/gpu_host.hpp): host-only, so they run on every build, with or without CUDA.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "clusters/cluster.hpp"
 #include "common/error.hpp"
+#include "exec/gpu_host.hpp"
 #include "exec/profile_driver.hpp"
 #include "models/model.hpp"
 
@@ -138,6 +140,99 @@ TEST(ProfileDriver, SingleBlockStagesAndSyntheticBatch) {
     EXPECT_LT(b.tokens[i], m.vocab);
   }
   EXPECT_EQ(b.tokens, profiling::synthetic_batch(m, 3).tokens);  // deterministic
+}
+
+// ---- the GPU's name to its device preset -------------------------------------------------------
+
+// What cudaGetDeviceProperties().name says on each part (NVIDIA's names; the SXM parts match).
+TEST(GpuHost, PresetFromTheGpusName) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"NVIDIA H100 80GB HBM3", "H100-SXM"},
+      {"NVIDIA H200", "H200"},
+      {"NVIDIA H200 141GB HBM3e", "H200"},
+      {"NVIDIA A100-SXM4-40GB", "A100-40GB"},
+      {"NVIDIA A100-SXM4-80GB", "A100-80GB"},
+      {"Tesla V100-SXM2-16GB", "V100-16GB"},
+      {"Tesla V100-SXM2-32GB", "V100-32GB"},
+      {"nvidia h100 80gb hbm3", "H100-SXM"},
+      // Other form factors and parts: other peaks, no preset.
+      {"NVIDIA H100 PCIe", ""},
+      {"NVIDIA H100 NVL", ""},
+      {"NVIDIA H200 NVL", ""},
+      {"NVIDIA A100-PCIE-40GB", ""},
+      {"NVIDIA A100 80GB PCIe", ""},
+      {"Tesla V100-PCIE-16GB", ""},
+      {"Tesla V100S-PCIE-32GB", ""},
+      {"NVIDIA GH200 480GB", ""},
+      {"NVIDIA H800", ""},
+      {"NVIDIA A100-SXM4", ""},  // which of the two sizes?
+      {"NVIDIA H100 SXM5 64GB", ""},
+      {"NVIDIA L40S", ""},
+      {"", ""},
+  };
+  for (const auto& [name, preset] : cases)
+    EXPECT_EQ(exec::gpu_device_preset(name), preset) << name;
+}
+
+TEST(GpuHost, DeviceSpecIsThePresetUnderTheGpusName) {
+  const clusters::DeviceSpec d = exec::gpu_device_spec("NVIDIA H100 80GB HBM3");
+  const clusters::DeviceSpec p = clusters::load_device("H100-SXM");
+  EXPECT_EQ(d.name, "NVIDIA H100 80GB HBM3");
+  EXPECT_EQ(d.peak_fp16_flops_per_s, p.peak_fp16_flops_per_s);
+  EXPECT_EQ(d.memory_bandwidth_bytes_per_s, p.memory_bandwidth_bytes_per_s);
+  EXPECT_NE(d.notes.find("H100-SXM"), std::string::npos);
+  EXPECT_DOUBLE_EQ(exec::device_peak_flops("NVIDIA H200", models::DType::bf16), 989e12);
+  EXPECT_DOUBLE_EQ(exec::device_peak_flops("NVIDIA H200", models::DType::fp16), 989e12);
+  EXPECT_DOUBLE_EQ(exec::device_peak_flops("NVIDIA H100 80GB HBM3", models::DType::fp32), 67e12);
+}
+
+TEST(GpuHost, UnknownGpuIsAOneLineErrorNamingItAndThePresets) {
+  try {
+    exec::device_peak_flops("NVIDIA L40S", models::DType::bf16);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    for (const char* s : {"\"NVIDIA L40S\"", "H100-SXM", "H200", "A100-80GB", "V100-16GB"})
+      EXPECT_NE(what.find(s), std::string::npos) << s << " in " << what;
+  }
+  exec::TransportFit link;
+  link.bandwidth_bytes_per_s = 1e12;
+  EXPECT_THROW(exec::gpu_host_cluster("NVIDIA H100 PCIe", 80e9, 2, link, 1 << 30), InputError);
+}
+
+// Every rank is the whole GPU (memory included), the ranks talk over the measured LocalTransport,
+// the host's PCIe is the single-GPU preset's.
+TEST(GpuHost, ClusterOfRanksOnOneGpu) {
+  exec::TransportFit link;
+  link.latency_s = 8e-6;
+  link.bandwidth_bytes_per_s = 1.2e12;
+  const std::string gpu = "NVIDIA H100 80GB HBM3";
+  const clusters::Cluster c = exec::gpu_host_cluster(gpu, 85'021'163'520, 4, link, 1ll << 37);
+  EXPECT_EQ(c.name, "gpu-host");
+  EXPECT_EQ(c.nodes, 1);
+  EXPECT_EQ(c.devices(), 4);
+  EXPECT_EQ(c.device.name, gpu);  // as profile_cuda names its traces
+  EXPECT_EQ(c.device.memory_bytes, 85'021'163'520);
+  EXPECT_EQ(c.device.peak_fp16_flops_per_s, 989e12);
+  EXPECT_EQ(c.device.memory_bandwidth_bytes_per_s, 3.35e12);
+  EXPECT_EQ(c.host.memory_bytes, 1ll << 37);
+  EXPECT_EQ(c.host.pcie_bandwidth_bytes_per_s,
+            clusters::load_cluster("h100-x1").host.pcie_bandwidth_bytes_per_s);
+  const clusters::Link between = clusters::p2p_link(c, 0, 0, 0, 3);
+  EXPECT_DOUBLE_EQ(between.latency_s, 8e-6);
+  EXPECT_DOUBLE_EQ(between.bandwidth_bytes_per_s, 1.2e12);
+  // The file it would be written as reads back to the same cluster.
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(c), "gpu-host.json"), c);
+  const clusters::Cluster one = exec::gpu_host_cluster(gpu, 85'021'163'520, 1, link, 1ll << 37);
+  EXPECT_EQ(one.intra_node.kind, clusters::IntraKind::none);
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(one), "one.json"), one);
+  // A100 presets have no single-GPU cluster: no PCIe figures.
+  EXPECT_EQ(exec::gpu_host_cluster("NVIDIA A100-SXM4-80GB", 85e9, 2, link, 1ll << 37)
+                .host.pcie_bandwidth_bytes_per_s,
+            0);
+  EXPECT_THROW(exec::gpu_host_cluster(gpu, 85e9, 0, link, 1ll << 37), InputError);
+  EXPECT_THROW(exec::gpu_host_cluster(gpu, 85e9, 2, exec::TransportFit{}, 1ll << 37), InputError);
 }
 
 }  // namespace
