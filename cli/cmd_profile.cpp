@@ -16,8 +16,9 @@ namespace pw::cli {
 namespace {
 
 // After check_backend: "cuda" only reaches here in a build with CUDA and a device.
-traces::Trace profile_on(const std::string& backend, const models::ModelSpec& model,
-                         const std::vector<std::int64_t>& sizes, int repeats) {
+traces::Trace profile_on([[maybe_unused]] const std::string& backend,
+                         const models::ModelSpec& model, const std::vector<std::int64_t>& sizes,
+                         int repeats) {
 #ifdef PW_HAVE_CUDA
   if (backend == "cuda") return exec::cuda::profile_cuda(model, sizes, repeats);
 #endif
