@@ -189,7 +189,8 @@ traces::Trace profile_cuda(const models::ModelSpec& model,
   const std::int64_t capacity = arena_capacity();
   if (capacity < (std::int64_t(64) << 20))
     throw InputError(
-        fmt::format("profile: only {} of {}'s memory is free", gib(capacity), gpu.name));
+        fmt::format("profile: {} has only {} free beyond its reserve (another process?)", gpu.name,
+                    gib(capacity)));
   DeviceArena arena(capacity);
   const Stream stream;
   traces::Trace t = profiling::measured_trace(
