@@ -1,4 +1,5 @@
-// `pipewright profile --backend cpu`: measured per-layer times and memory, in the trace format.
+// `pipewright profile --backend cpu|cuda`: measured per-layer times and memory, in the trace
+// format. The CUDA profiler is linked only in builds with CUDA.
 #include <fmt/format.h>
 
 #include "cli/backend.hpp"
@@ -6,7 +7,25 @@
 #include "cli/options.hpp"
 #include "exec/profile.hpp"
 
+#ifdef PW_HAVE_CUDA
+#include "exec/cuda/profile.hpp"
+#endif
+
 namespace pw::cli {
+
+namespace {
+
+// After check_backend: "cuda" only reaches here in a build with CUDA and a device.
+traces::Trace profile_on([[maybe_unused]] const std::string& backend,
+                         const models::ModelSpec& model, const std::vector<std::int64_t>& sizes,
+                         int repeats) {
+#ifdef PW_HAVE_CUDA
+  if (backend == "cuda") return exec::cuda::profile_cuda(model, sizes, repeats);
+#endif
+  return exec::profile_cpu(model, sizes, repeats);
+}
+
+}  // namespace
 
 void add_profile_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -19,7 +38,9 @@ void add_profile_command(CLI::App& app) {
     std::string out;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
+  cmd->add_option("--model", a->model,
+                  "model preset or JSON file (fp32 for the CPU backend; fp16 or bf16 for cuda, "
+                  "which computes in bf16)")
       ->capture_default_str();
   cmd->add_option("--backend", a->backend, "cpu, or cuda (see --help of the CUDA build)")
       ->capture_default_str();
@@ -32,7 +53,7 @@ void add_profile_command(CLI::App& app) {
   cmd->callback([a] {
     check_backend(a->backend);
     const std::vector<std::int64_t> sizes = parse_int_list(a->microbatch, "--microbatch");
-    const traces::Trace t = exec::profile_cpu(models::load_model(a->model), sizes, a->repeats);
+    const traces::Trace t = profile_on(a->backend, models::load_model(a->model), sizes, a->repeats);
     if (a->out.empty()) {
       fmt::print("{}\n", traces::to_json(t).dump(2));
       return;

@@ -112,10 +112,12 @@ DeviceArena::DeviceArena(std::int64_t capacity_bytes, MemoryCounter* counter)
     (void)cudaGetLastError();
     std::size_t free_bytes = 0, total_bytes = 0;
     (void)cudaMemGetInfo(&free_bytes, &total_bytes);
-    throw Error(
+    const std::string what =
         fmt::format("device arena: cudaMalloc of {} on device {} failed: {} ({} free of {})",
                     mib(allocator_.capacity()), device_, cudaGetErrorString(e),
-                    mib(std::int64_t(free_bytes)), mib(std::int64_t(total_bytes))));
+                    mib(std::int64_t(free_bytes)), mib(std::int64_t(total_bytes)));
+    if (e == cudaErrorMemoryAllocation) throw DeviceMemoryError(what);
+    throw Error(what);
   }
   base_ = static_cast<char*>(p);
 }
@@ -130,7 +132,7 @@ void* DeviceArena::allocate(std::int64_t bytes, Category category) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::int64_t offset = allocator_.allocate(bytes);
   if (offset < 0)
-    throw Error(fmt::format(
+    throw DeviceMemoryError(fmt::format(
         "device arena on device {}: no room for {} of {} ({} of {} in use, largest free block {})",
         device_, mib(bytes), category_name(category), mib(allocator_.used()),
         mib(allocator_.capacity()), mib(allocator_.largest_free())));

@@ -9,9 +9,18 @@
 #include <string>
 #include <unordered_map>
 
+#include "common/error.hpp"
 #include "exec/memory.hpp"
 
 namespace pw::exec::cuda {
+
+// Device memory ran out: DeviceArena's cudaMalloc failed, or the arena has no block large enough.
+// A pw::Error, so callers that do not care catch it as any other; the profiler skips a microbatch
+// size on it.
+class DeviceMemoryError : public Error {
+ public:
+  using Error::Error;
+};
 
 // The carving, without a device: offsets into [0, capacity), every block a multiple of
 // `alignment` bytes. First fit over a free list ordered by offset; release merges a block with
@@ -52,14 +61,15 @@ DeviceMemoryInfo device_memory_info();
 // Thread-safe: workers of several stages on one device may share it.
 class DeviceArena {
  public:
-  // cudaMalloc of `capacity_bytes` on the current device (the only one this arena makes).
+  // cudaMalloc of `capacity_bytes` on the current device (the only one this arena makes); throws
+  // DeviceMemoryError when it runs out of memory (cudaErrorMemoryAllocation).
   explicit DeviceArena(std::int64_t capacity_bytes, MemoryCounter* counter = nullptr);
   ~DeviceArena();
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
 
-  // A 256-byte aligned block; throws pw::Error naming the request and the arena's state when it
-  // does not fit. 0 bytes gives nullptr.
+  // A 256-byte aligned block; throws DeviceMemoryError naming the request and the arena's state
+  // when it does not fit. 0 bytes gives nullptr.
   void* allocate(std::int64_t bytes, Category category);
   void release(void* p);  // nullptr is a no-op
 
