@@ -1,5 +1,6 @@
-// `pipewright train --backend cpu`: run a plan for real (one thread per rank, OpenBLAS, fp32) and
-// write the run report with "source": "measured".
+// `pipewright train`: run a plan for real — `--backend cpu`: one thread per rank, OpenBLAS, fp32;
+// `--backend cuda`: bf16 on GPU 0 with every rank a thread, or one process per GPU under
+// `mpirun -np N` — and write the run report with "source": "measured".
 #include <algorithm>
 #include <numeric>
 
@@ -33,10 +34,13 @@ void add_train_command(CLI::App& app) {
                                  "train a plan for real: one log line per step, a "
                                  "measured run report");
   auto a = std::make_shared<TrainArgs>();
-  cmd->add_option("--model", a->model, "model preset or JSON file (fp32 for the CPU backend)")
+  cmd->add_option("--model", a->model,
+                  "model preset or JSON file (fp32 for the CPU backend, fp16/bf16 for CUDA)")
       ->capture_default_str();
   a->plan.add(*cmd);
-  cmd->add_option("--backend", a->backend, "cpu, or cuda (see --help of the CUDA build)")
+  cmd->add_option("--backend", a->backend,
+                  "cpu (a thread per rank), or cuda (every rank on GPU 0; under mpirun -np N, "
+                  "one process per GPU)")
       ->capture_default_str();
   cmd->add_option("--steps", a->options.steps, "optimizer steps")
       ->capture_default_str()
@@ -68,20 +72,28 @@ void add_train_command(CLI::App& app) {
   cmd->callback([a] {
     check_backend(a->backend);
     const models::ModelSpec model = models::load_model(a->model);
-    // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
+    // Without -w the width is 1 (build() checks the plan).
     const planner::Plan plan = a->plan.build(model.layers, 1);
-    fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads\n", model.name,
-               to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
-               a->options.steps, plan.ranks());
-    if (a->options.resume) {
+    const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
+    const MeasuredOn on = measured_on(a->backend, model, plan);
+    if (lead)
+      fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
+                 model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
+                 plan.global_batch(), a->options.steps, plan.ranks(), on.cluster);
+    if (a->options.resume && lead) {
       if (const auto step = exec::latest_checkpoint(a->options.checkpoint_dir))
         fmt::print("resuming from {} (step {})\n",
                    exec::checkpoint_path(a->options.checkpoint_dir, *step), *step);
       else
         fmt::print("no checkpoint in {}: starting from step 0\n", a->options.checkpoint_dir);
     }
-    const exec::TrainResult r = exec::train_cpu(model, plan, a->options, print_step);
-    planner::RunReport report = measured_report(model, plan, r);
+    const exec::TrainResult r = train_on(a->backend, model, plan, a->options, print_step);
+    if (!lead) return;
+    planner::RunReport report = measured_report(model, plan, r, on);
+    if (on.peak_flops_per_s > 0)
+      fmt::print("{}: {:.0f} tokens/s, {:.1f} model TFLOP/s, MFU {:.1f}% of {:.0f} TFLOP/s\n",
+                 on.cluster, report.tokens_per_s, report.model_flops_per_s / 1e12, 100 * report.mfu,
+                 on.peak_flops_per_s / 1e12);
     if (!a->timeline.empty()) {
       std::vector<planner::RankTimeline> ranks;
       for (const auto& rank : r.ranks)

@@ -17,6 +17,10 @@
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
 #include "exec/runtime.hpp"
+#ifdef PW_HAVE_CUDA
+#include "exec/cuda/probe.hpp"
+#include "exec/cuda/profile.hpp"
+#endif
 #include "planner/validation.hpp"
 #include "sim/simulator.hpp"
 
@@ -118,12 +122,69 @@ std::vector<planner::Placement> place_on_cores(int ranks, int cores) {
   return out;
 }
 
+// What validate measured about this machine to describe it as a cluster.
+struct Machine {
+  clusters::Cluster cluster;
+  exec::TransportFit link;
+  std::vector<planner::Placement> placement;
+  int devices = 1, per_device = 1;  // devices of the cluster; the most ranks sharing one
+  common::Json json;                // the validation file's "machine" entries of this backend
+};
+
+// cpu: its cores as devices, the in-process transport as their link, one core's GEMM rate.
+Machine probe_cpu(const planner::Plan& plan, const std::vector<std::int64_t>& probe_sizes,
+                  int round_trips) {
+  Machine m;
+  m.devices = exec::hardware_threads();
+  fmt::print("probing the in-process transport ({} sizes up to {}, {} round trips each)...\n",
+             probe_sizes.size(), human_bytes(double(probe_sizes.back())), round_trips);
+  std::fflush(stdout);
+  m.link = exec::measure_in_process_transport(probe_sizes, round_trips);
+  const double gemm = exec::measure_sgemm_flops_per_s();
+  m.cluster = exec::cpu_host_cluster(m.devices, m.link, gemm);
+  fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(m.link.latency_s),
+             human_rate(m.link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
+  m.placement = place_on_cores(plan.ranks(), m.devices);
+  m.json = {{"cores", m.devices}, {"gemm_flops_per_s", gemm}};
+  return m;
+}
+
+#ifdef PW_HAVE_CUDA
+// cuda: the one GPU as the only device, every rank on it (the simulator shares its compute and
+// memory among them, as the ranks' streams do); the LocalTransport's copies between ranks as the
+// same-device transfer rate (the simulator moves same-device messages at half the memory
+// bandwidth, so that is set to twice the measured one, as on the CPU).
+Machine probe_gpu(const planner::Plan& plan, const std::vector<std::int64_t>& probe_sizes,
+                  int round_trips) {
+  Machine m;
+  const exec::cuda::GpuInfo gpu = exec::cuda::current_gpu();
+  fmt::print("probing the local transport on {} ({} sizes up to {}, {} round trips each)...\n",
+             gpu.name, probe_sizes.size(), human_bytes(double(probe_sizes.back())), round_trips);
+  std::fflush(stdout);
+  m.link = exec::cuda::measure_local_transport(probe_sizes, round_trips);
+  m.cluster = exec::cuda::gpu_host_cluster(1, m.link);
+  m.cluster.device.memory_bandwidth_bytes_per_s = 2 * m.link.bandwidth_bytes_per_s;
+  fmt::print("  latency {}, bandwidth {}; {} peak {} (bf16)\n", human_seconds(m.link.latency_s),
+             human_rate(m.link.bandwidth_bytes_per_s, "B"), gpu.name,
+             human_rate(m.cluster.device.peak_fp16_flops_per_s, "FLOP"));
+  m.placement.assign(std::size_t(plan.ranks()), planner::Placement{0, 0});
+  m.json = {{"gpu", gpu.name}, {"versions", gpu.versions}, {"gpu_memory_bytes", gpu.memory_bytes}};
+  return m;
+}
+#endif
+
 void run_and_compare(const ValidateArgs& a) {
   check_backend(a.backend);
+  const bool gpu = a.backend == "cuda";
   const models::ModelSpec model = models::load_model(a.model);
-  if (model.dtype != models::DType::fp32)
+  if (!gpu && model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));
+  if (gpu && models::dtype_bytes(model.dtype) != 2)
+    throw InputError(fmt::format(
+        "model {}: the CUDA backend runs 2-byte models (bf16; fp16 runs as bf16), the model says "
+        "{}",
+        model.name, models::to_string(model.dtype)));
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
   const planner::Plan plan = a.plan.build(model.layers, 1);
   std::vector<std::int64_t> sizes = a.microbatch.empty()
@@ -133,58 +194,64 @@ void run_and_compare(const ValidateArgs& a) {
     sizes.push_back(plan.b);
   traces::Trace trace;
   if (!a.trace.empty()) {  // read and checked before anything runs
-    clusters::DeviceSpec cpu;
-    cpu.name = "cpu";  // what profile writes
-    trace = load_or_make_trace(a.trace, model, cpu, plan.b);
+    clusters::DeviceSpec device;
+    device.name = "cpu";  // what profile writes on the CPU; a GPU trace names its GPU
+    trace = load_or_make_trace(a.trace, model, device, plan.b);
     trace.at(plan.b);
   }
-  const int cores = exec::hardware_threads();
-  fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} threads on {} cores\n",
-             model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
-             plan.global_batch(), a.train.steps, plan.ranks(), cores);
+  const MeasuredOn on = measured_on(a.backend, model, plan);
+  fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n", model.name,
+             to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
+             a.train.steps, plan.ranks(),
+             gpu ? on.device : fmt::format("{} cores", exec::hardware_threads()));
 
   // 1. Profile the per-layer trace (or use the one given).
   if (a.trace.empty()) {
     fmt::print("profiling {} at b={} ({} of {} round-robin runs)...\n", model.name,
                fmt::join(sizes, ","), a.statistic, a.repeats);
     std::fflush(stdout);
-    trace = exec::profile_cpu(
-        model, sizes, a.repeats,
-        a.statistic == "mean" ? exec::ProfileStatistic::mean : exec::ProfileStatistic::median);
+    const exec::ProfileStatistic statistic =
+        a.statistic == "mean" ? exec::ProfileStatistic::mean : exec::ProfileStatistic::median;
+#ifdef PW_HAVE_CUDA
+    if (gpu)
+      trace = exec::cuda::profile_cuda(model, sizes, a.repeats, statistic);
+    else
+#endif
+      trace = exec::profile_cpu(model, sizes, a.repeats, statistic);
   }
   const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
   fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
              human_seconds(block.backward_s), human_seconds(block.recompute_s));
 
   // 2. This machine as a cluster: the transport's latency and bandwidth at the plan's message
-  // sizes, one core's GEMM rate.
+  // sizes, and its devices.
   const std::int64_t message = std::max<std::int64_t>(block.output_bytes, 4096);
   const std::vector<std::int64_t> probe_sizes = {4, message / 4, message, 4 * message};
-  fmt::print("probing the in-process transport ({} sizes up to {}, {} round trips each)...\n",
-             probe_sizes.size(), human_bytes(double(probe_sizes.back())), a.round_trips);
-  std::fflush(stdout);
-  const exec::TransportFit link = exec::measure_in_process_transport(probe_sizes, a.round_trips);
-  const double gemm = exec::measure_sgemm_flops_per_s();
-  const clusters::Cluster cluster = exec::cpu_host_cluster(cores, link, gemm);
-  fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(link.latency_s),
-             human_rate(link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
+#ifdef PW_HAVE_CUDA
+  const Machine machine_probe = gpu ? probe_gpu(plan, probe_sizes, a.round_trips)
+                                    : probe_cpu(plan, probe_sizes, a.round_trips);
+#else
+  const Machine machine_probe = probe_cpu(plan, probe_sizes, a.round_trips);
+#endif
+  const clusters::Cluster& cluster = machine_probe.cluster;
+  const exec::TransportFit& link = machine_probe.link;
 
   // 3. Simulate on it.
   planner::Plan placed = plan;
-  placed.placement = place_on_cores(plan.ranks(), cores);
+  placed.placement = machine_probe.placement;
   planner::place(placed, {cluster.nodes, cluster.gpus_per_node});
   int per_core = 1;
-  for (int c = 0; c < cores; ++c)
+  for (int c = 0; c < cluster.gpus_per_node; ++c)
     per_core =
         std::max<int>(per_core, int(std::count(placed.placement.begin(), placed.placement.end(),
                                                planner::Placement{0, c})));
-  if (per_core > 1)
+  if (per_core > 1 && !gpu)
     fmt::print(
         "note: {} ranks on {} cores: up to {} ranks share a core (the simulator gives "
         "each a fair share of it, as the OS scheduler roughly does)\n",
-        plan.ranks(), cores, per_core);
-  fmt::print("simulating {} steps on {} ({} cores as devices)...\n", a.train.steps, cluster.name,
-             cores);
+        plan.ranks(), cluster.gpus_per_node, per_core);
+  fmt::print("simulating {} steps on {} ({} {} as devices)...\n", a.train.steps, cluster.name,
+             cluster.gpus_per_node, gpu ? "GPU" : "cores");
   std::fflush(stdout);
   sim::SimOptions so;
   so.steps = a.train.steps;
@@ -193,15 +260,15 @@ void run_and_compare(const ValidateArgs& a) {
   if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
 
   // 4. Train for real.
-  fmt::print("training {} steps on {} threads...\n", a.train.steps, plan.ranks());
+  fmt::print("training {} steps on {} ranks...\n", a.train.steps, plan.ranks());
   std::fflush(stdout);
-  const exec::TrainResult r = exec::train_cpu(model, plan, a.train, print_step);
-  const planner::RunReport measured = measured_report(model, plan, r);
+  const exec::TrainResult r = train_on(a.backend, model, plan, a.train, print_step);
+  const planner::RunReport measured = measured_report(model, plan, r, on);
 
   // 5. Subtract.
   const planner::Validation v = planner::validate(sim.report, measured, "simulated", "measured");
   print_validation(v);
-  if (per_core > 1)
+  if (per_core > 1 && !gpu)
     fmt::print(
         "  (ranks share cores: the simulator runs their compute at a fair share of the core, so "
         "its busy times stretch; the OS mostly runs one op at a time, so the measured ones do "
@@ -210,22 +277,20 @@ void run_and_compare(const ValidateArgs& a) {
   common::Json samples = common::Json::array();
   for (const auto& s : link.samples)
     samples.push_back({{"bytes", s.bytes}, {"one_way_s", s.one_way_s}});
-  const common::Json machine = {
-      {"cores", cores},
-      {"ranks_per_core", per_core},
-      {"gemm_flops_per_s", gemm},
-      {"transport",
-       {{"kind", "in-process"},
-        {"latency_s", link.latency_s},
-        {"bandwidth_bytes_per_s", link.bandwidth_bytes_per_s},
-        {"round_trips", a.round_trips},
-        {"samples", samples}}},
-      {"trace", a.trace.empty() ? common::Json({{"profiled", true},
-                                                {"microbatch_sizes", sizes},
-                                                {"repeats", a.repeats},
-                                                {"statistic", a.statistic}})
-                                : common::Json({{"profiled", false}, {"file", a.trace}})},
-      {"cluster", clusters::to_json(cluster)}};
+  common::Json machine = machine_probe.json;
+  machine["backend"] = a.backend;
+  machine[gpu ? "ranks_per_gpu" : "ranks_per_core"] = per_core;
+  machine["transport"] = {{"kind", gpu ? "local (one GPU)" : "in-process"},
+                          {"latency_s", link.latency_s},
+                          {"bandwidth_bytes_per_s", link.bandwidth_bytes_per_s},
+                          {"round_trips", a.round_trips},
+                          {"samples", samples}};
+  machine["trace"] = a.trace.empty() ? common::Json({{"profiled", true},
+                                                     {"microbatch_sizes", sizes},
+                                                     {"repeats", a.repeats},
+                                                     {"statistic", a.statistic}})
+                                     : common::Json({{"profiled", false}, {"file", a.trace}});
+  machine["cluster"] = clusters::to_json(cluster);
   const common::Json files = {{"trace", or_null(a.trace_out.empty() ? a.trace : a.trace_out)},
                               {"predicted", or_null(a.simulated_out)},
                               {"measured", or_null(a.measured_out)},
@@ -324,7 +389,9 @@ void add_validate_command(CLI::App& app) {
       return compare_files(*a);
     }
     if (cmd->count("--ranks-per-gpu") > 0)
-      throw InputError("--ranks-per-gpu: validate places the ranks on this machine's cores itself");
+      throw InputError(
+          "--ranks-per-gpu: validate places the ranks itself (on the cores, or all on the one "
+          "GPU)");
     run_and_compare(*a);
   });
 }

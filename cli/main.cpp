@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "cli/backend.hpp"
 #include "cli/commands.hpp"
 #include "common/error.hpp"
 
@@ -28,16 +29,19 @@ int main(int argc, char** argv) {
   pw::cli::add_sweep_command(app);
   pw::cli::add_validate_command(app);
   try {
+    pw::cli::start_mpi_if_launched(&argc, &argv);  // before any thread starts
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const pw::Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "pipewright: error: {}\n", e.what());
+    pw::cli::abort_job_if_mpi(1);
     return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     fmt::print(stderr, "pipewright: internal error: {}\n", e.what());
+    pw::cli::abort_job_if_mpi(3);
     return 3;
   }
   return 0;

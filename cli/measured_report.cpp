@@ -8,11 +8,11 @@
 namespace pw::cli {
 
 planner::RunReport measured_report(const models::ModelSpec& model, const planner::Plan& plan,
-                                   const exec::TrainResult& r) {
+                                   const exec::TrainResult& r, const MeasuredOn& on) {
   planner::RunReport rep;
   rep.source = "measured";
   rep.model = model.name;
-  rep.cluster = fmt::format("cpu:{}", plan.ranks());
+  rep.cluster = on.cluster.empty() ? fmt::format("cpu:{}", plan.ranks()) : on.cluster;
   rep.plan = plan;
   // Steady state: the mean step after the first (which includes the pipeline's warm-up).
   const std::size_t skip = r.steps.size() > 1 ? 1 : 0;
@@ -23,6 +23,7 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.samples_per_s = double(plan.global_batch()) / rep.iteration_time_s;
   rep.tokens_per_s = rep.samples_per_s * double(model.seq_len);
   rep.model_flops_per_s = rep.samples_per_s * models::derive_costs(model).flops_per_sample;
+  rep.mfu = on.peak_flops_per_s > 0 ? rep.model_flops_per_s / on.peak_flops_per_s : 0;
   for (const auto& rank : r.ranks) {
     planner::DeviceReport d;
     d.rank = rank.rank;
@@ -41,7 +42,8 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   }
   rep.extra["losses"] = losses;
   rep.extra["step_times_s"] = times;
-  rep.extra["backend"] = "cpu";
+  rep.extra["backend"] = on.backend;
+  if (!on.device.empty()) rep.extra["device"] = on.device;
   rep.extra["first_step"] = r.first_step;
   return rep;
 }

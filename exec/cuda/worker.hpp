@@ -30,7 +30,10 @@ class Tensor {
  public:
   Tensor() = default;
   Tensor(DeviceArena& arena, MemoryCounter& counter, Category category, std::int64_t bytes);
-  Tensor(Tensor&& o) noexcept = default;
+  Tensor(Tensor&& o) noexcept
+      : block_(std::move(o.block_)), counter_(o.counter_), category_(o.category_) {
+    o.counter_ = nullptr;
+  }
   Tensor& operator=(Tensor&& o) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;

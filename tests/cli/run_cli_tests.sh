@@ -37,9 +37,9 @@ expect_error() {
 }
 
 # --backend cuda: without a GPU (CI) one line saying there is none (or no CUDA in this build); with
-# a GPU, for now, that the runtime does not drive the CUDA stage yet.
+# a GPU, that the fp32 gpt-tiny these lines use is not a bf16 model.
 CUDA_ERR="no CUDA"
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA_ERR="does not drive"; fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA_ERR="bf16"; fi
 
 # --help everywhere.
 for cmd in "" models clusters trace schedule estimate simulate plan sweep train profile; do
@@ -316,7 +316,7 @@ expect_error "validate files with plan flags" "runs nothing" "$O" $PW validate -
 expect_error "validate --backend cuda" "$CUDA_ERR" "$O" $PW validate --backend cuda --out "$O"
 expect_error "validate unknown backend" "--backend: unknown" "$O" $PW validate --backend tpu --out "$O"
 expect_error "validate fp16 model" "fp32" "$O" $PW validate --model gpt2-124m --out "$O"
-expect_error "validate ranks per gpu" "cores" "$O" $PW validate -d 2 --ranks-per-gpu 2 --out "$O"
+expect_error "validate ranks per gpu" "places the ranks" "$O" $PW validate -d 2 --ranks-per-gpu 2 --out "$O"
 expect_error "validate trace lacks b" "microbatch size 8" "$O" $PW validate --trace "$TMP/val-trace.json" -d 2 -m 2 -b 8 --out "$O"
 expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 -m 1 --out "$O"
 # ---- validate (end) ------------------------------------------------------------------------
