@@ -1,0 +1,111 @@
+// A GPT stage's parameter table and sizes (exec/gpt_layout.hpp).
+#include "exec/gpt_layout.hpp"
+
+#include <algorithm>
+#include <cctype>
+
+#include "common/error.hpp"
+
+namespace pw::exec {
+
+namespace {
+
+const char* const kBlockNames[kBlockTensors] = {"ln1_w",     "ln1_b",     "qkv_w",    "qkv_b",
+                                                "attproj_w", "attproj_b", "ln2_w",    "ln2_b",
+                                                "fc_w",      "fc_b",      "fcproj_w", "fcproj_b"};
+
+void unsupported(const models::ModelSpec& m, const std::string& backend, const std::string& field,
+                 const std::string& value) {
+  std::string name = backend;
+  for (char& c : name)
+    c = char(std::toupper(static_cast<unsigned char>(c)));
+  throw InputError("model '" + m.name + "': " + field + " = " + value +
+                   " is not supported by the " + name + " backend yet (GPT-2 style only)");
+}
+
+}  // namespace
+
+GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string& backend)
+    : spec(s), element_bytes(models::dtype_bytes(dtype)), word_elements(4 / element_bytes) {
+  const models::ModelSpec& m = s.model;
+  models::validate(m, backend + " stage");
+  if (m.arch != models::Arch::gpt) unsupported(m, backend, "arch", "bert");
+  if (m.mlp != models::Mlp::gelu) unsupported(m, backend, "mlp", "swiglu");
+  if (m.norm != models::Norm::layernorm) unsupported(m, backend, "norm", "rmsnorm");
+  if (m.positions != models::Positions::learned) unsupported(m, backend, "positions", "rope");
+  if (!m.bias) unsupported(m, backend, "bias", "false");
+  // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
+  // 4-byte aligned for every b.
+  if (m.seq_len % word_elements != 0)
+    unsupported(m, backend, "seq_len", std::to_string(m.seq_len) + " (odd)");
+  if (s.first_block < 0 || s.blocks < 0 || s.first_block + s.blocks > m.layers ||
+      (s.has_embedding && s.first_block != 0) ||
+      (s.has_head && s.first_block + s.blocks != m.layers))
+    throw InputError("stage of model '" + m.name + "': blocks [" + std::to_string(s.first_block) +
+                     ", " + std::to_string(s.first_block + s.blocks) +
+                     ") do not fit the embedding/head placement or the model's " +
+                     std::to_string(m.layers) + " layers");
+  models::ModelSpec md = m;
+  md.dtype = dtype;
+  costs = models::derive_costs(md);
+  C = m.hidden, F = m.ffn, T = m.seq_len, NH = m.heads, V = m.vocab;
+  // The backends' stash carving must be what models/ counts.
+  if (element_bytes * embedding_elements(T) != costs.embedding.activation_bytes ||
+      element_bytes * block_elements(T) != costs.block.activation_bytes ||
+      element_bytes * head_elements(T) != costs.head.activation_bytes)
+    throw Error(backend + " stage: the stash layout disagrees with models::derive_costs (" +
+                models::to_string(dtype) + ")");
+  if (s.has_embedding) {
+    wte = add_slot("wte", V * C);
+    wpe = add_slot("wpe", m.max_positions * C);
+  }
+  const std::int64_t sizes[kBlockTensors] = {C, C, 3 * C * C, 3 * C, C * C, C,
+                                             C, C, F * C,     F,     C * F, C};
+  for (std::int64_t l = s.first_block; l < s.first_block + s.blocks; ++l) {
+    block_base.push_back(parameters);
+    for (int k = 0; k < kBlockTensors; ++k) {
+      const std::int64_t off = add_slot("h" + std::to_string(l) + "." + kBlockNames[k], sizes[k]);
+      block_rel[k] = off - block_base.back();
+    }
+  }
+  if (s.has_head) {
+    lnf_w = add_slot("lnf_w", C);
+    lnf_b = add_slot("lnf_b", C);
+    // A single stage with both ends uses wte itself; otherwise the head holds its own V x C.
+    head_w = (s.has_embedding && m.tied_embeddings) ? wte : add_slot("lm_head", V * C);
+  }
+}
+
+std::int64_t GptLayout::add_slot(const std::string& name, std::int64_t size) {
+  slots.push_back({name, parameters, size});
+  parameters += size;
+  return slots.back().offset;
+}
+
+StageSizes GptLayout::sizes(int b) const {
+  const models::LayerCosts* layers[3] = {spec.has_embedding ? &costs.embedding : nullptr,
+                                         spec.blocks > 0 ? &costs.block : nullptr,
+                                         spec.has_head ? &costs.head : nullptr};
+  const std::int64_t count[3] = {1, spec.blocks, 1};
+  std::int64_t stash = 0, workspace = 0, largest = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (!layers[i]) continue;
+    stash += count[i] * layers[i]->activation_bytes;
+    workspace = std::max(workspace, layers[i]->workspace_bytes);
+    largest = std::max(largest, layers[i]->activation_bytes);
+  }
+  StageSizes z;
+  z.parameters = parameters;
+  z.stash = b * stash / element_bytes;
+  z.stash_recompute =
+      b *
+      (spec.has_embedding ? costs.embedding.activation_recompute_bytes : costs.block.input_bytes) /
+      element_bytes;
+  z.output = spec.has_head ? 0 : b * T * C;
+  z.input = spec.has_embedding ? 0 : b * T * C;
+  z.workspace = b * workspace / element_bytes;
+  z.scratch = b * largest / element_bytes;
+  return z;
+}
+
+}  // namespace pw::exec
