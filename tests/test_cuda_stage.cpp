@@ -1,7 +1,7 @@
 // The CUDA GPT stage (exec/cuda/gpt_stage.*) against the CPU stage on the same weights and batch:
-// its sizes are the planner's for a bf16 model, its layout is the CPU's, loss and every gradient
-// agree within bf16 tolerances, recompute rebuilds the stash bit for bit, and the arena is carved,
-// never grown, in a training loop. Layout and size tests run everywhere; the rest need a GPU.
+// loss and every gradient agree within bf16 tolerances, recompute rebuilds the stash bit for bit,
+// and the arena is carved, never grown, in a training loop. All need a GPU; the layout and sizes
+// both stages share are tested everywhere (tests/test_gpt_layout.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -47,81 +47,6 @@ std::vector<Split> splits(const pw::models::ModelSpec& m) {
           {"first", stage(m, true, 0, 1, false)},
           {"middle", stage(m, false, 1, 1, false)},
           {"last", stage(m, false, 2, 1, true)}};
-}
-
-// ---- without a GPU -----------------------------------------------------------------------------
-
-// sizes() x 2 bytes = b x models::derive_costs (bf16) summed over the stage's layers.
-TEST(CudaStage, SizesInBf16ElementsMatchTheModelsCosts) {
-  auto m = tiny3();
-  m.dtype = pw::models::DType::bf16;
-  const auto c = pw::models::derive_costs(m);
-  const auto& E = c.embedding;
-  const auto& K = c.block;
-  const auto& H = c.head;
-  struct Case {
-    StageSpec spec;
-    std::int64_t act_bytes, input_bytes, params, workspace_bytes;
-  };
-  const Case cases[] = {
-      {stage(m, true, 0, 3, true), E.activation_bytes + 3 * K.activation_bytes + H.activation_bytes,
-       E.activation_recompute_bytes, c.total_parameters,
-       std::max(K.workspace_bytes, H.workspace_bytes)},
-      {stage(m, true, 0, 1, false), E.activation_bytes + K.activation_bytes,
-       E.activation_recompute_bytes, E.parameters + K.parameters, K.workspace_bytes},
-      {stage(m, false, 1, 1, false), K.activation_bytes, K.input_bytes, K.parameters,
-       K.workspace_bytes},
-      {stage(m, false, 2, 1, true), K.activation_bytes + H.activation_bytes, K.input_bytes,
-       K.parameters + H.parameters + c.tied_copy_parameters,
-       std::max(K.workspace_bytes, H.workspace_bytes)},
-      {stage(m, true, 0, 0, false), E.activation_bytes, E.activation_recompute_bytes, E.parameters,
-       E.workspace_bytes},
-  };
-  for (const int b : {1, 3}) {
-    for (const Case& k : cases) {
-      const cu::GptLayout layout(k.spec);
-      const auto z = layout.sizes(b);
-      EXPECT_EQ(z.stash * 2, b * k.act_bytes);
-      EXPECT_EQ(z.stash_recompute * 2, b * k.input_bytes);
-      EXPECT_EQ(z.parameters, k.params);
-      EXPECT_EQ(z.workspace * 2, b * k.workspace_bytes);
-      EXPECT_EQ(z.input, k.spec.has_embedding ? 0 : b * m.seq_len * m.hidden);
-      EXPECT_EQ(z.output, k.spec.has_head ? 0 : b * m.seq_len * m.hidden);
-    }
-  }
-}
-
-// The same slots (names, offsets, sizes) as exec/cpu, so weights copy over slot by slot.
-TEST(CudaStage, LayoutIsTheCpuStagesLayout) {
-  const auto m = tiny3();
-  auto cases = splits(m);
-  cases.push_back({"embedding only", stage(m, true, 0, 0, false)});
-  for (const Split& s : cases) {
-    const cu::GptLayout layout(s.spec);
-    const auto cpu = pw::exec::make_cpu_stage(s.spec);
-    ASSERT_EQ(layout.slots.size(), cpu->layout().size()) << s.name;
-    for (std::size_t i = 0; i < layout.slots.size(); ++i) {
-      EXPECT_EQ(layout.slots[i].name, cpu->layout()[i].name) << s.name;
-      EXPECT_EQ(layout.slots[i].offset, cpu->layout()[i].offset) << s.name;
-      EXPECT_EQ(layout.slots[i].size, cpu->layout()[i].size) << s.name;
-    }
-    EXPECT_EQ(layout.sizes(2).parameters, cpu->sizes(2).parameters) << s.name;
-  }
-}
-
-TEST(CudaStage, RejectsWhatItCannotRun) {
-  auto m = tiny3();
-  m.mlp = pw::models::Mlp::swiglu;
-  try {
-    cu::GptLayout layout(stage(m, true, 0, 3, true));
-    FAIL() << "swiglu accepted";
-  } catch (const pw::InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("CUDA backend"), std::string::npos) << e.what();
-  }
-  m = tiny3();
-  m.seq_len = 63;
-  EXPECT_THROW(cu::GptLayout(stage(m, true, 0, 3, true)), pw::InputError);
-  EXPECT_THROW(cu::GptLayout(stage(tiny3(), false, 0, 1, true)), pw::InputError);
 }
 
 // ---- on a GPU ----------------------------------------------------------------------------------

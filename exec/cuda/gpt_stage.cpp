@@ -60,7 +60,7 @@ struct Elements {
 
 CudaGptStage::CudaGptStage(const StageSpec& spec, DeviceArena& arena, cudaStream_t stream,
                            std::int64_t gemm_workspace_bytes)
-    : layout_(spec),
+    : layout_(spec, models::DType::bf16, "cuda"),  // bf16 whatever the model says
       stream_(stream),
       gemm_workspace_(arena, Category::workspace, gemm_workspace_bytes),
       status_(arena, Category::workspace, sizeof(Status)) {

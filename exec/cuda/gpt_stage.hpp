@@ -10,7 +10,7 @@
 
 #include "exec/cuda/arena.hpp"
 #include "exec/cuda/gemm.hpp"
-#include "exec/cuda/gpt_layout.hpp"
+#include "exec/gpt_layout.hpp"
 
 namespace pw::exec::cuda {
 
@@ -95,7 +95,7 @@ class CudaGptStage {
     float loss;
   };
 
-  GptLayout layout_;
+  GptLayout layout_;  // in bf16 elements
   cudaStream_t stream_;
   DeviceBuffer gemm_workspace_, status_;
   std::unique_ptr<Gemm> gemm_;

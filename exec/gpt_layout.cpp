@@ -1,11 +1,12 @@
-// The bf16 GPT stage's parameter table and sizes (exec/cuda/gpt_layout.hpp).
-#include "exec/cuda/gpt_layout.hpp"
+// A GPT stage's parameter table and sizes (exec/gpt_layout.hpp).
+#include "exec/gpt_layout.hpp"
 
 #include <algorithm>
+#include <cctype>
 
 #include "common/error.hpp"
 
-namespace pw::exec::cuda {
+namespace pw::exec {
 
 namespace {
 
@@ -13,24 +14,30 @@ const char* const kBlockNames[kBlockTensors] = {"ln1_w",     "ln1_b",     "qkv_w
                                                 "attproj_w", "attproj_b", "ln2_w",    "ln2_b",
                                                 "fc_w",      "fc_b",      "fcproj_w", "fcproj_b"};
 
-void unsupported(const models::ModelSpec& m, const std::string& field, const std::string& value) {
+void unsupported(const models::ModelSpec& m, const std::string& backend, const std::string& field,
+                 const std::string& value) {
+  std::string name = backend;
+  for (char& c : name)
+    c = char(std::toupper(static_cast<unsigned char>(c)));
   throw InputError("model '" + m.name + "': " + field + " = " + value +
-                   " is not supported by the CUDA backend yet (GPT-2 style only)");
+                   " is not supported by the " + name + " backend yet (GPT-2 style only)");
 }
 
 }  // namespace
 
-GptLayout::GptLayout(const StageSpec& s) : spec(s) {
+GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string& backend)
+    : spec(s), element_bytes(models::dtype_bytes(dtype)), word_elements(4 / element_bytes) {
   const models::ModelSpec& m = s.model;
-  models::validate(m, "cuda stage");
-  if (m.arch != models::Arch::gpt) unsupported(m, "arch", "bert");
-  if (m.mlp != models::Mlp::gelu) unsupported(m, "mlp", "swiglu");
-  if (m.norm != models::Norm::layernorm) unsupported(m, "norm", "rmsnorm");
-  if (m.positions != models::Positions::learned) unsupported(m, "positions", "rope");
-  if (!m.bias) unsupported(m, "bias", "false");
-  // fp32 statistics sit between bf16 tensors in the stash: an even token count keeps them
+  models::validate(m, backend + " stage");
+  if (m.arch != models::Arch::gpt) unsupported(m, backend, "arch", "bert");
+  if (m.mlp != models::Mlp::gelu) unsupported(m, backend, "mlp", "swiglu");
+  if (m.norm != models::Norm::layernorm) unsupported(m, backend, "norm", "rmsnorm");
+  if (m.positions != models::Positions::learned) unsupported(m, backend, "positions", "rope");
+  if (!m.bias) unsupported(m, backend, "bias", "false");
+  // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
-  if (m.seq_len % 2 != 0) unsupported(m, "seq_len", std::to_string(m.seq_len) + " (odd)");
+  if (m.seq_len % word_elements != 0)
+    unsupported(m, backend, "seq_len", std::to_string(m.seq_len) + " (odd)");
   if (s.first_block < 0 || s.blocks < 0 || s.first_block + s.blocks > m.layers ||
       (s.has_embedding && s.first_block != 0) ||
       (s.has_head && s.first_block + s.blocks != m.layers))
@@ -38,15 +45,16 @@ GptLayout::GptLayout(const StageSpec& s) : spec(s) {
                      ", " + std::to_string(s.first_block + s.blocks) +
                      ") do not fit the embedding/head placement or the model's " +
                      std::to_string(m.layers) + " layers");
-  models::ModelSpec m16 = m;
-  m16.dtype = models::DType::bf16;  // the CUDA backend computes in bf16 whatever the model says
-  costs = models::derive_costs(m16);
+  models::ModelSpec md = m;
+  md.dtype = dtype;
+  costs = models::derive_costs(md);
   C = m.hidden, F = m.ffn, T = m.seq_len, NH = m.heads, V = m.vocab;
-  // The carving in gpt_stage.cpp must be what models/ counts: 2 bytes per element.
-  if (2 * embedding_elements(T) != costs.embedding.activation_bytes ||
-      2 * block_elements(T) != costs.block.activation_bytes ||
-      2 * head_elements(T) != costs.head.activation_bytes)
-    throw Error("cuda stage: the stash layout disagrees with models::derive_costs (bf16)");
+  // The backends' stash carving must be what models/ counts.
+  if (element_bytes * embedding_elements(T) != costs.embedding.activation_bytes ||
+      element_bytes * block_elements(T) != costs.block.activation_bytes ||
+      element_bytes * head_elements(T) != costs.head.activation_bytes)
+    throw Error(backend + " stage: the stash layout disagrees with models::derive_costs (" +
+                models::to_string(dtype) + ")");
   if (s.has_embedding) {
     wte = add_slot("wte", V * C);
     wpe = add_slot("wpe", m.max_positions * C);
@@ -88,16 +96,16 @@ StageSizes GptLayout::sizes(int b) const {
   }
   StageSizes z;
   z.parameters = parameters;
-  z.stash = b * stash / 2;
+  z.stash = b * stash / element_bytes;
   z.stash_recompute =
       b *
       (spec.has_embedding ? costs.embedding.activation_recompute_bytes : costs.block.input_bytes) /
-      2;
+      element_bytes;
   z.output = spec.has_head ? 0 : b * T * C;
   z.input = spec.has_embedding ? 0 : b * T * C;
-  z.workspace = b * workspace / 2;
-  z.scratch = b * largest / 2;
+  z.workspace = b * workspace / element_bytes;
+  z.scratch = b * largest / element_bytes;
   return z;
 }
 
-}  // namespace pw::exec::cuda
+}  // namespace pw::exec

@@ -1,0 +1,64 @@
+// A GPT stage's parameter table, stash layout and buffer sizes, host-only and shared by the
+// backends: exec/cpu counts in fp32 elements (4 bytes), exec/cuda in bf16 elements (2 bytes).
+// Either way sizes x element bytes = models::derive_costs for a model of that dtype.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "exec/stage_compute.hpp"
+
+namespace pw::exec {
+
+// A block's tensors in layout order; weights are (out, in) as in nn.Linear.
+enum BlockTensor {
+  ln1_w,
+  ln1_b,
+  qkv_w,
+  qkv_b,
+  attproj_w,
+  attproj_b,
+  ln2_w,
+  ln2_b,
+  fc_w,
+  fc_b,
+  fcproj_w,
+  fcproj_b,
+  kBlockTensors
+};
+
+struct GptLayout {
+  // A layout in elements of `dtype` (the backend computes in it whatever the model says).
+  // Validates the model (GPT-2 style; with 2-byte elements an even seq_len) and the block range;
+  // throws pw::InputError naming `backend` ("cpu", "cuda").
+  GptLayout(const StageSpec& spec, models::DType dtype, const std::string& backend);
+
+  // Sizes in elements for a microbatch of b samples: fp32 statistics and losses and int32 ids
+  // take word_elements each, exactly as models/ counts them (4 bytes).
+  StageSizes sizes(int b) const;
+
+  // Stash elements of one layer for BT = b * T tokens (the carving in the backends' gpt_stage).
+  std::int64_t embedding_elements(std::int64_t BT) const { return word_elements * BT; }
+  std::int64_t block_elements(std::int64_t BT) const {
+    return BT * (8 * C + 2 * F + NH * T) + 4 * word_elements * BT;
+  }
+  std::int64_t head_elements(std::int64_t BT) const {
+    return BT * (2 * C + V) + 4 * word_elements * BT;
+  }
+
+  StageSpec spec;
+  int element_bytes = 4;
+  std::int64_t word_elements = 1;  // elements of one 4-byte value (fp32 statistic, int32 id)
+  std::vector<TensorSlot> slots;   // names, offsets and sizes in elements, the same for any dtype
+  models::ModelCosts costs;        // per sample, in the layout's dtype
+  std::int64_t C = 0, F = 0, T = 0, NH = 0, V = 0;
+  std::int64_t wte = -1, wpe = -1, lnf_w = -1, lnf_b = -1, head_w = -1, parameters = 0;
+  std::vector<std::int64_t> block_base;     // offset of each block's first tensor
+  std::int64_t block_rel[kBlockTensors]{};  // offsets of a block's tensors from its first
+
+ private:
+  std::int64_t add_slot(const std::string& name, std::int64_t size);
+};
+
+}  // namespace pw::exec

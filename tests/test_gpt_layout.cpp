@@ -1,0 +1,168 @@
+// The GPT stage layout both backends share (exec/gpt_layout.*), in fp32 elements (exec/cpu) and
+// bf16 elements (exec/cuda): sizes x element bytes are the planner's for a model of that dtype,
+// the parameter table is the same for both and is the CPU stage's, and only the 4-byte values
+// (statistics, losses, ids) take more elements in bf16. Host-only: runs in every build.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/error.hpp"
+#include "exec/gpt_layout.hpp"
+#include "exec/stage_compute.hpp"
+#include "models/model.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using pw::exec::GptLayout;
+using pw::exec::StageSpec;
+using pw::models::DType;
+
+StageSpec stage(const pw::models::ModelSpec& m, bool emb, std::int64_t first, std::int64_t n,
+                bool head) {
+  return StageSpec{m, emb, first, n, head};
+}
+
+// gpt-tiny with 3 layers, so that there is a middle stage.
+pw::models::ModelSpec tiny3() {
+  auto m = pw::models::load_model("gpt-tiny");
+  m.layers = 3;
+  return m;
+}
+
+// The backends: exec/cpu in fp32, exec/cuda in bf16.
+struct Backend {
+  DType dtype;
+  const char* name;
+};
+const Backend kBackends[] = {{DType::fp32, "cpu"}, {DType::bf16, "cuda"}};
+
+GptLayout layout(const StageSpec& spec, const Backend& be) {
+  return GptLayout(spec, be.dtype, be.name);
+}
+
+// The whole model, the first, a middle and the last stage of a 3-way split, the embedding alone.
+std::vector<StageSpec> splits(const pw::models::ModelSpec& m) {
+  return {stage(m, true, 0, 3, true), stage(m, true, 0, 1, false), stage(m, false, 1, 1, false),
+          stage(m, false, 2, 1, true), stage(m, true, 0, 0, false)};
+}
+
+}  // namespace
+
+// sizes() x element bytes = b x models::derive_costs (in the layout's dtype) summed over the
+// stage's layers.
+TEST(GptLayout, SizesMatchTheModelsCostsInEitherElementSize) {
+  for (const Backend& be : kBackends) {
+    SCOPED_TRACE(be.name);
+    auto m = tiny3();
+    m.dtype = be.dtype;
+    const std::int64_t e = pw::models::dtype_bytes(be.dtype);
+    const auto c = pw::models::derive_costs(m);
+    const auto& E = c.embedding;
+    const auto& K = c.block;
+    const auto& H = c.head;
+    struct Case {
+      StageSpec spec;
+      std::int64_t act_bytes, input_bytes, params, workspace_bytes;
+    };
+    const Case cases[] = {
+        {stage(m, true, 0, 3, true),
+         E.activation_bytes + 3 * K.activation_bytes + H.activation_bytes,
+         E.activation_recompute_bytes, c.total_parameters,
+         std::max(K.workspace_bytes, H.workspace_bytes)},
+        {stage(m, true, 0, 1, false), E.activation_bytes + K.activation_bytes,
+         E.activation_recompute_bytes, E.parameters + K.parameters, K.workspace_bytes},
+        {stage(m, false, 1, 1, false), K.activation_bytes, K.input_bytes, K.parameters,
+         K.workspace_bytes},
+        {stage(m, false, 2, 1, true), K.activation_bytes + H.activation_bytes, K.input_bytes,
+         K.parameters + H.parameters + c.tied_copy_parameters,
+         std::max(K.workspace_bytes, H.workspace_bytes)},
+        {stage(m, true, 0, 0, false), E.activation_bytes, E.activation_recompute_bytes,
+         E.parameters, E.workspace_bytes},
+    };
+    for (const int b : {1, 3}) {
+      for (const Case& k : cases) {
+        const auto z = layout(k.spec, be).sizes(b);
+        EXPECT_EQ(z.stash * e, b * k.act_bytes);
+        EXPECT_EQ(z.stash_recompute * e, b * k.input_bytes);
+        EXPECT_EQ(z.parameters, k.params);
+        EXPECT_EQ(z.workspace * e, b * k.workspace_bytes);
+        EXPECT_EQ(z.input, k.spec.has_embedding ? 0 : b * m.seq_len * m.hidden);
+        EXPECT_EQ(z.output, k.spec.has_head ? 0 : b * m.seq_len * m.hidden);
+      }
+    }
+  }
+}
+
+// The same slots (names, offsets, sizes) in either element size, and they are the CPU stage's:
+// weights copy between the backends slot by slot.
+TEST(GptLayout, TheParameterTableIsTheCpuStagesInEitherElementSize) {
+  for (const StageSpec& s : splits(tiny3())) {
+    const std::string name = "stage [" + std::to_string(s.first_block) + ", " +
+                             std::to_string(s.first_block + s.blocks) + ")";
+    const GptLayout fp32 = layout(s, kBackends[0]), bf16 = layout(s, kBackends[1]);
+    const auto cpu = pw::exec::make_cpu_stage(s);
+    ASSERT_EQ(bf16.slots.size(), cpu->layout().size()) << name;
+    ASSERT_EQ(fp32.slots.size(), cpu->layout().size()) << name;
+    std::int64_t end = 0;  // slots tile the blob
+    for (std::size_t i = 0; i < cpu->layout().size(); ++i) {
+      const auto& want = cpu->layout()[i];
+      for (const GptLayout* l : {&fp32, &bf16}) {
+        EXPECT_EQ(l->slots[i].name, want.name) << name;
+        EXPECT_EQ(l->slots[i].offset, want.offset) << name;
+        EXPECT_EQ(l->slots[i].size, want.size) << name;
+      }
+      EXPECT_EQ(want.offset, end) << want.name;
+      end += want.size;
+    }
+    EXPECT_EQ(end, cpu->sizes(2).parameters) << name;
+    EXPECT_EQ(bf16.sizes(2).parameters, cpu->sizes(2).parameters) << name;
+    EXPECT_EQ(fp32.sizes(2).parameters, cpu->sizes(2).parameters) << name;
+    EXPECT_EQ(bf16.block_base, fp32.block_base) << name;
+    EXPECT_TRUE(std::equal(std::begin(bf16.block_rel), std::end(bf16.block_rel),
+                           std::begin(fp32.block_rel)))
+        << name;
+    EXPECT_EQ(bf16.wte, fp32.wte) << name;
+    EXPECT_EQ(bf16.head_w, fp32.head_w) << name;
+  }
+}
+
+// A layer's stash holds the same tensors in either element size; per token the four 4-byte values
+// of a block (two norms' mean and rstd) and of the head (mean, rstd, target id, loss) and the
+// embedding's token id take one fp32 element or two bf16 elements each.
+TEST(GptLayout, FourByteValuesTakeTwoBf16Elements) {
+  const auto m = tiny3();
+  const GptLayout fp32 = layout(stage(m, true, 0, 3, true), kBackends[0]);
+  const GptLayout bf16 = layout(stage(m, true, 0, 3, true), kBackends[1]);
+  EXPECT_EQ(fp32.word_elements, 1);
+  EXPECT_EQ(bf16.word_elements, 2);
+  for (const std::int64_t BT : {m.seq_len, 3 * m.seq_len}) {
+    EXPECT_EQ(fp32.embedding_elements(BT), BT);
+    EXPECT_EQ(bf16.embedding_elements(BT), 2 * BT);
+    EXPECT_EQ(bf16.block_elements(BT) - fp32.block_elements(BT), 4 * BT);
+    EXPECT_EQ(bf16.head_elements(BT) - fp32.head_elements(BT), 4 * BT);
+  }
+}
+
+TEST(GptLayout, RejectsWhatTheBackendsCannotRun) {
+  for (const Backend& be : kBackends) {
+    SCOPED_TRACE(be.name);
+    auto m = tiny3();
+    m.mlp = pw::models::Mlp::swiglu;
+    const std::string msg = pw::testing::error_of([&] { layout(stage(m, true, 0, 3, true), be); });
+    const std::string backend = be.dtype == DType::fp32 ? "CPU backend" : "CUDA backend";
+    EXPECT_NE(msg.find("mlp"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(backend), std::string::npos) << msg;
+    m = tiny3();
+    m.arch = pw::models::Arch::bert;
+    EXPECT_THROW(layout(stage(m, true, 0, 3, true), be), pw::InputError);
+    EXPECT_THROW(layout(stage(tiny3(), false, 0, 1, true), be), pw::InputError);
+  }
+  // An odd seq_len would leave bf16's fp32 statistics misaligned; fp32 elements have no such limit.
+  auto m = tiny3();
+  m.seq_len = 63;
+  EXPECT_THROW(layout(stage(m, true, 0, 3, true), kBackends[1]), pw::InputError);
+  EXPECT_NO_THROW(layout(stage(m, true, 0, 3, true), kBackends[0]));
+}
