@@ -25,10 +25,11 @@ struct StageSpec {
 struct TensorSlot {
   std::string name;  // "wte", "wpe", "h3.ln1_w", "h3.qkv_w", ..., "lnf_w", "lm_head" (tied copy)
   std::int64_t offset = 0;
-  std::int64_t size = 0;  // floats
+  std::int64_t size = 0;  // elements (floats here; bf16 elements in exec/cuda)
 };
 
-// Sizes in floats (4 bytes) for a microbatch of b samples. These equal models::derive_costs() x b
+// Sizes in elements for a microbatch of b samples: floats (4 bytes) here, bf16 elements (2 bytes)
+// in exec/cuda's stage. These equal models::derive_costs() x b
 // for the stage's layers in fp32 exactly: the executor allocates what the planner predicts.
 struct StageSizes {
   std::int64_t parameters = 0;

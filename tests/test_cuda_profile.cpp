@@ -12,9 +12,9 @@
 #include "clusters/cluster.hpp"
 #include "common/error.hpp"
 #include "cuda_test_util.hpp"
-#include "exec/cuda/gpt_layout.hpp"
 #include "exec/cuda/probe.hpp"
 #include "exec/cuda/profile.hpp"
+#include "exec/gpt_layout.hpp"
 #include "exec/profile_driver.hpp"
 #include "models/model.hpp"
 #include "traces/trace.hpp"
@@ -35,7 +35,9 @@ models::ModelSpec tiny_bf16() {
 using exec::StageSizes;
 
 StageSizes stage_sizes(const models::ModelSpec& m, bool embedding, bool head, int b) {
-  return cu::GptLayout(profiling::single_block_stage(m, embedding, head)).sizes(b);
+  return pw::exec::GptLayout(profiling::single_block_stage(m, embedding, head),
+                             pw::models::DType::bf16, "cuda")
+      .sizes(b);
 }
 
 // The entry's memory fields against the CUDA stages' own sizes (bf16 elements x 2): the lone

@@ -182,7 +182,8 @@ traces::Trace profile_cuda(const models::ModelSpec& model,
     throw InputError("profile: microbatch sizes must be at least 1");
   // The model's shape is checked (GPT-2 style, even seq_len) before anything touches the GPU.
   for (const bool head : {false, true})
-    (void)GptLayout(profiling::single_block_stage(model, !head, head));
+    (void)exec::GptLayout(profiling::single_block_stage(model, !head, head), models::DType::bf16,
+                          "cuda");
   const GpuInfo gpu = current_gpu();
   const models::ModelCosts mc = models::derive_costs(model);  // 2-byte sizes: the stages' own
 

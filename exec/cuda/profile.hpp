@@ -21,7 +21,7 @@ namespace pw::exec::cuda {
 // kind's parameters (fp32 master and moments, bf16 weights and gradients).
 //
 // The model must have a 2-byte dtype (fp16 or bf16; the backend computes in bf16 either way, same
-// bytes) and be GPT-2 style (exec/cuda/gpt_layout.hpp); the trace keeps the model's dtype. The
+// bytes) and be GPT-2 style (exec/gpt_layout.hpp); the trace keeps the model's dtype. The
 // trace's device and source.device_name are the GPU's name (cudaGetDeviceProperties), source.driver
 // the CUDA driver, runtime and cuBLASLt versions and the compute capability.
 //

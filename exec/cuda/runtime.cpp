@@ -131,7 +131,9 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
       here.push_back(r);
   }
   CUDA_CHECK(cudaSetDevice(device));
-  DeviceArena arena(arena_capacity(run));
+  // NCCL connects (and allocates its buffers) before the arena takes most of what is left; the
+  // local transport stages its messages in the arena. The transport dies before the arena.
+  std::unique_ptr<DeviceArena> arena;
   std::unique_ptr<DeviceTransport> transport;
   if (run.mpi) {
 #ifdef PW_HAVE_NCCL
@@ -146,15 +148,17 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
     for (Channel c : {Channel::activation, Channel::gradient, Channel::tied, Channel::tied_weights})
       nccl->connect(c, program_peers(prepared.programs, run.mpi->rank(), c));
     transport = std::move(nccl);
+    arena = std::make_unique<DeviceArena>(arena_capacity(run));
 #else
     throw InputError("--backend cuda under mpirun: this build has no NCCL");
 #endif
   } else {
-    transport = std::make_unique<LocalTransport>(arena, plan.ranks(), run.timeout_s);
+    arena = std::make_unique<DeviceArena>(arena_capacity(run));
+    transport = std::make_unique<LocalTransport>(*arena, plan.ranks(), run.timeout_s);
   }
 
   shared.init(model, prepared, options, data, int(here.size()));
-  shared.arena = &arena;
+  shared.arena = arena.get();
   shared.transport = transport.get();
   shared.device = device;
   shared.counters = std::vector<MemoryCounter>(here.size());

@@ -609,7 +609,8 @@ void CudaWorker::load_checkpoint(int step) {
   // The last stage's tied copy comes from stage 0's shard of this replica.
   Chunk& last = chunks_.back();
   if (p.d > 1 && last.last && last.tied_offset >= 0) {
-    const GptLayout first(exec::detail::chunk_spec(*s_.model, p, 0, 0));
+    const exec::GptLayout first(exec::detail::chunk_spec(*s_.model, p, 0, 0), models::DType::bf16,
+                                "cuda");
     const std::string shard = shard_path(dir, p.rank_of(0, replica_));
     const std::size_t base = (chunks_.size() - 1) * (versions.size() + (last.v.bytes() ? 3 : 2));
     for (std::size_t j = 0; j < versions.size(); ++j)
