@@ -49,7 +49,7 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
       replica_(s.plan().replica_of(rank)),
       memory_(counter) {
   CUDA_CHECK(cudaSetDevice(s.device));
-  for (cudaStream_t* st : {&compute_, &send_, &recv_, &reduce_})
+  for (cudaStream_t* st : all_streams())
     CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
   slots_.set_rank(rank);
   const planner::Plan& p = s.plan();
@@ -94,8 +94,8 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
 
 CudaWorker::~CudaWorker() {
   (void)cudaSetDevice(s_.device);
-  for (cudaStream_t st : {compute_, send_, recv_, reduce_})
-    if (st) (void)cudaStreamSynchronize(st);
+  for (cudaStream_t* st : all_streams())
+    if (*st) (void)cudaStreamSynchronize(*st);
   // Tensors go back to the arena before the events and streams they were ordered by.
   inputs_.clear();
   stash_.clear();
@@ -106,9 +106,18 @@ CudaWorker::~CudaWorker() {
   retired_.clear();
   for (cudaEvent_t e : all_events_)
     (void)cudaEventDestroy(e);
-  for (cudaStream_t st : {compute_, send_, recv_, reduce_})
-    if (st) (void)cudaStreamDestroy(st);
+  for (cudaStream_t* st : all_streams())
+    if (*st) (void)cudaStreamDestroy(*st);
   (void)cudaGetLastError();
+}
+
+std::vector<cudaStream_t*> CudaWorker::all_streams() {
+  std::vector<cudaStream_t*> out = {&compute_, &reduce_};
+  for (int c = 0; c < kChannels; ++c) {
+    out.push_back(&send_[c]);
+    out.push_back(&recv_[c]);
+  }
+  return out;
 }
 
 Tensor CudaWorker::tensor(Category c, std::int64_t bytes) {
@@ -203,8 +212,8 @@ void CudaWorker::run() {
     reclaim(false);
     step(ops[std::size_t(op_)]);
   }
-  for (cudaStream_t st : {compute_, send_, recv_, reduce_})
-    synchronize(st, "finish the run");
+  for (cudaStream_t* st : all_streams())
+    synchronize(*st, "finish the run");
   reclaim(true);
   resolve_timeline(true);
 }
@@ -331,26 +340,28 @@ void CudaWorker::backward(const Op& op) {
 // The tensor was written on the compute stream: the send stream waits for it, and it goes back to
 // the arena once the send stream has passed the send.
 void CudaWorker::send(const Op& op, Channel channel, std::map<Key, Held>& from) {
+  const cudaStream_t stream = send_[int(channel)];
   Held h = take(from, Key{op.step, op.microbatch, op.chunk},
                 channel == Channel::activation ? "activation to send" : "gradient to send", rank_);
   const cudaEvent_t produced = record(compute_);
-  wait(send_, produced);
+  wait(stream, produced);
   pool_.push_back(produced);
-  begin_timed(planner::kSendStream, send_);
-  transport_.send(rank_, op.peer, channel, h.tensor.as<void>(), h.tensor.bytes(), send_);
-  end_timed(send_);
-  retire(std::move(h), send_);
+  begin_timed(planner::kSendStream, stream);
+  transport_.send(rank_, op.peer, channel, h.tensor.as<void>(), h.tensor.bytes(), stream);
+  end_timed(stream);
+  retire(std::move(h), stream);
 }
 
 // Received on the recv stream into a new block; the consumer waits on `ready`. The block may reuse
 // memory that compute-stream work released: retire() only frees after that work passed.
 void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
                       std::int64_t elements) {
+  const cudaStream_t stream = recv_[int(channel)];
   Tensor t = tensor(Category::activations, 2 * elements);
-  begin_timed(planner::kRecvStream, recv_);
-  transport_.recv(op.peer, rank_, channel, t.as<void>(), t.bytes(), recv_);
-  end_timed(recv_);
-  into[Key{op.step, op.microbatch, op.chunk}] = Held{std::move(t), record(recv_)};
+  begin_timed(planner::kRecvStream, stream);
+  transport_.recv(op.peer, rank_, channel, t.as<void>(), t.bytes(), stream);
+  end_timed(stream);
+  into[Key{op.step, op.microbatch, op.chunk}] = Held{std::move(t), record(stream)};
 }
 
 void CudaWorker::all_reduce(const Op& op) {
@@ -383,6 +394,7 @@ void CudaWorker::tied(const Op& op) {
   bf16* grad = c.grads.as<bf16>() + c.tied_offset;
   switch (op.kind) {
     case OpKind::send_tied_gradient: {
+      const cudaStream_t stream = send_[int(Channel::tied)];
       // A copy goes out, so the slice is zeroed at once for the next step's sums: the compute
       // stream never waits for the receiver (NCCL's send waits for it).
       wait(compute_, reduced_);
@@ -391,20 +403,21 @@ void CudaWorker::tied(const Op& op) {
                                  cudaMemcpyDeviceToDevice, compute_));
       CUDA_CHECK(cudaMemsetAsync(grad, 0, std::size_t(bytes), compute_));
       const cudaEvent_t produced = record(compute_);
-      wait(send_, produced);
+      wait(stream, produced);
       pool_.push_back(produced);
-      begin_timed(planner::kSendStream, send_);
-      transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), bytes, send_);
-      end_timed(send_);
-      retire(std::move(copy), send_);
+      begin_timed(planner::kSendStream, stream);
+      transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), bytes, stream);
+      end_timed(stream);
+      retire(std::move(copy), stream);
       return;
     }
     case OpKind::recv_tied_gradient: {
+      const cudaStream_t stream = recv_[int(Channel::tied)];
       Tensor head = tensor(Category::workspace, bytes);
-      begin_timed(planner::kRecvStream, recv_);
-      transport_.recv(op.peer, rank_, Channel::tied, head.as<void>(), bytes, recv_);
-      end_timed(recv_);
-      const cudaEvent_t arrived = record(recv_);
+      begin_timed(planner::kRecvStream, stream);
+      transport_.recv(op.peer, rank_, Channel::tied, head.as<void>(), bytes, stream);
+      end_timed(stream);
+      const cudaEvent_t arrived = record(stream);
       wait(compute_, arrived);
       wait(compute_, reduced_);
       pool_.push_back(arrived);
@@ -413,30 +426,32 @@ void CudaWorker::tied(const Op& op) {
       return;
     }
     case OpKind::send_tied_weights: {
+      const cudaStream_t stream = send_[int(Channel::tied_weights)];
       const cudaEvent_t produced = record(compute_);
-      wait(send_, produced);
+      wait(stream, produced);
       pool_.push_back(produced);
-      begin_timed(planner::kSendStream, send_);
+      begin_timed(planner::kSendStream, stream);
       transport_.send(rank_, op.peer, Channel::tied_weights, params(c, op.version) + c.tied_offset,
-                      bytes, send_);
-      end_timed(send_);
+                      bytes, stream);
+      end_timed(stream);
       // The next update must not overwrite the slice before the send has read it; waiting there,
       // not here, keeps the compute stream free until then.
       if (tied_sent_) pool_.push_back(tied_sent_);
-      tied_sent_ = record(send_);
+      tied_sent_ = record(stream);
       return;
     }
     default: {
+      const cudaStream_t stream = recv_[int(Channel::tied_weights)];
       // Written straight into the version's slot, after the optimizer filled the rest of it (and
       // after every earlier reader of the slot's previous version).
       const cudaEvent_t before = record(compute_);
-      wait(recv_, before);
+      wait(stream, before);
       pool_.push_back(before);
-      begin_timed(planner::kRecvStream, recv_);
+      begin_timed(planner::kRecvStream, stream);
       transport_.recv(op.peer, rank_, Channel::tied_weights, params(c, op.version) + c.tied_offset,
-                      bytes, recv_);
-      end_timed(recv_);
-      const cudaEvent_t arrived = record(recv_);
+                      bytes, stream);
+      end_timed(stream);
+      const cudaEvent_t arrived = record(stream);
       wait(compute_, arrived);
       pool_.push_back(arrived);
       return;

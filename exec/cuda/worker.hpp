@@ -1,8 +1,8 @@
 // Internal to exec/cuda: one rank's GPU worker, the CUDA twin of exec/worker.hpp. It interprets
-// its program op by op, enqueueing work on four streams of its own: compute (forward, recompute,
-// backward, optimizer), send, recv and all-reduce, ordered by events exactly where one op consumes
-// what another stream produced. The host thread waits for the GPU once per step (after the
-// optimizer, for the loss and the step's end) and never between ops.
+// its program op by op, enqueueing work on streams of its own: compute (forward, recompute,
+// backward, optimizer), a send and a recv stream per channel, and all-reduce, ordered by events
+// exactly where one op consumes what another stream produced. The host thread waits for the GPU
+// once per step (after the optimizer, for the loss and the step's end) and never between ops.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -132,7 +132,13 @@ class CudaWorker {
   DeviceTransport& transport_;
   int rank_, stage_, replica_;
   MemoryCounter& memory_;
-  cudaStream_t compute_ = nullptr, send_ = nullptr, recv_ = nullptr, reduce_ = nullptr;
+  // A send and a recv stream per channel: NCCL's sends wait for their receiver, so one stream for
+  // every send would chain the activation and gradient directions into waits the checker's
+  // buffered model does not have; per channel both ends see the same FIFO sequence.
+  static constexpr int kChannels = 4;  // activation, gradient, tied, tied_weights
+  cudaStream_t compute_ = nullptr, reduce_ = nullptr;
+  cudaStream_t send_[kChannels] = {}, recv_[kChannels] = {};
+  std::vector<cudaStream_t*> all_streams();
   std::vector<Chunk> chunks_;
   Tensor workspace_, losses_;  // losses_: 2 x m floats (by step parity), on the last stage
   exec::detail::VersionSlots slots_;
