@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <thread>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 namespace pw::exec::cuda {
 
 std::int64_t dtype_bytes(DType t) {
@@ -34,10 +37,7 @@ std::string p2p_op_name(const char* verb, Channel c, const char* dir, int peer) 
 }
 
 std::string group_text(const std::vector<int>& group) {
-  std::string s = "{";
-  for (std::size_t i = 0; i < group.size(); ++i)
-    s += (i ? "," : "") + std::to_string(group[i]);
-  return s + "}";
+  return fmt::format("{{{}}}", fmt::join(group, ","));
 }
 
 std::string timeout_message(int rank, const std::string& op, double seconds) {
