@@ -2,6 +2,7 @@
 // CUDA.
 #include "cli/backend.hpp"
 
+#include <cstdlib>
 #include <memory>
 
 #include <fmt/format.h>
@@ -99,8 +100,12 @@ MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& mode
 
 void start_mpi_if_launched(int* argc, char*** argv) {
 #ifdef PW_HAVE_CUDA
-  if (exec::cuda::detect_mpi_env().launched && exec::cuda::MpiSession::available())
+  if (exec::cuda::detect_mpi_env().launched && exec::cuda::MpiSession::available()) {
+    // Lazy module loading can make a kernel's first launch wait for the whole device, while NCCL
+    // kernels of another stream wait for a peer: load every module at CUDA's initialisation.
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
     mpi() = std::make_unique<exec::cuda::MpiSession>(argc, argv);
+  }
 #else
   (void)argc;
   (void)argv;

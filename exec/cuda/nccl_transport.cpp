@@ -79,12 +79,12 @@ NcclTransport::NcclTransport(const ncclUniqueId& id, int world, int rank, std::v
     ncclConfig_t config = nonblocking_config("pipewright-world");
     ncclResult_t r = ncclCommInitRankConfig(&world_comm_, world, id, rank, &config);
     check(op, "ncclCommInitRankConfig", r, world_comm_);
-    channel_comms_[std::size_t(Channel::activation)] = world_comm_;
-    const Channel split[] = {Channel::gradient, Channel::tied, Channel::tied_weights};
-    const char* names[] = {"pipewright-gradient", "pipewright-tied", "pipewright-tied-weights"};
-    for (int i = 0; i < 3; ++i) {
-      ncclConfig_t c = nonblocking_config(names[i]);
-      r = ncclCommSplit(world_comm_, 0, rank, &channel_comms_[std::size_t(split[i])], &c);
+    // One communicator per (channel, direction): see the header.
+    for (std::size_t i = 0; i < channel_comms_.size(); ++i) {
+      const std::string name =
+          std::string("pipewright-") + channel_name(Channel(i / 2)) + (i % 2 ? "-up" : "-down");
+      ncclConfig_t c = nonblocking_config(name.c_str());
+      r = ncclCommSplit(world_comm_, 0, rank, &channel_comms_[i], &c);
       check(op, "ncclCommSplit", r, world_comm_);
     }
     ncclConfig_t c = nonblocking_config("pipewright-stage");
@@ -133,9 +133,10 @@ NcclTransport::~NcclTransport() {
 
 std::vector<ncclComm_t> NcclTransport::comms() const {
   std::vector<ncclComm_t> out;
-  for (ncclComm_t c : {stage_comm_, channel_comms_[std::size_t(Channel::gradient)],
-                       channel_comms_[std::size_t(Channel::tied)],
-                       channel_comms_[std::size_t(Channel::tied_weights)], world_comm_})
+  std::vector<ncclComm_t> all = {stage_comm_};
+  all.insert(all.end(), channel_comms_.begin(), channel_comms_.end());
+  all.push_back(world_comm_);
+  for (ncclComm_t c : all)
     if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
   return out;
 }
@@ -206,8 +207,8 @@ void NcclTransport::send(int src, int dst, Channel channel, const void* data, st
                 ", " + std::to_string(bytes) +
                 " bytes: not a send of this rank (a send to itself needs a group)");
   check(op, "ncclSend",
-        ncclSend(data, std::size_t(bytes), ncclUint8, dst, comm_for(channel), stream),
-        comm_for(channel));
+        ncclSend(data, std::size_t(bytes), ncclUint8, dst, comm_for(channel, src, dst), stream),
+        comm_for(channel, src, dst));
 }
 
 void NcclTransport::recv(int src, int dst, Channel channel, void* data, std::int64_t bytes,
@@ -220,8 +221,8 @@ void NcclTransport::recv(int src, int dst, Channel channel, void* data, std::int
                 std::to_string(bytes) +
                 " bytes: not a receive of this rank (a receive from itself needs a group)");
   check(op, "ncclRecv",
-        ncclRecv(data, std::size_t(bytes), ncclUint8, src, comm_for(channel), stream),
-        comm_for(channel));
+        ncclRecv(data, std::size_t(bytes), ncclUint8, src, comm_for(channel, src, dst), stream),
+        comm_for(channel, src, dst));
 }
 
 void NcclTransport::all_reduce_sum(const std::vector<int>& group, int rank, void* data,
@@ -294,11 +295,10 @@ void NcclTransport::connect(Channel channel, const std::vector<int>& peers) {
   PW_TRANSPORT_CUDA(rank_, op, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   TransportGroup group(*this);
   for (std::size_t i = 0; i < n; ++i) {
-    check(op, "ncclSend", ncclSend(scratch + i, 1, ncclUint8, peers[i], comm_for(channel), stream),
-          comm_for(channel));
-    check(op, "ncclRecv",
-          ncclRecv(scratch + n + i, 1, ncclUint8, peers[i], comm_for(channel), stream),
-          comm_for(channel));
+    // Both directions with each peer (its communicator by the direction of each).
+    ncclComm_t out = comm_for(channel, rank_, peers[i]), in = comm_for(channel, peers[i], rank_);
+    check(op, "ncclSend", ncclSend(scratch + i, 1, ncclUint8, peers[i], out, stream), out);
+    check(op, "ncclRecv", ncclRecv(scratch + n + i, 1, ncclUint8, peers[i], in, stream), in);
   }
   group.end();
   synchronize(rank_, stream, op);

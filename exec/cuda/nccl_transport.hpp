@@ -25,18 +25,23 @@ ncclUniqueId nccl_unique_id();
 
 // Communicators (all non-blocking, ncclConfig_t::blocking = 0, each NCCL call followed by polling
 // ncclCommGetAsyncError with the deadline, so a peer that never comes is a TransportTimeout):
-//  - world: ncclCommInitRankConfig over every rank; it carries the activation channel;
-//  - gradient, tied, tied_weights: ncclCommSplit(world, 0, rank), one per channel, so that NCCL's
-//  matching of
-//    sends to receives (in issue order per communicator and peer) is FIFO per (src, dst, channel)
-//    and independent across channels, as the checker assumes;
+//  - world: ncclCommInitRankConfig over every rank;
+//  - per channel (activation, gradient, tied, tied_weights) and direction (to a higher stage, to
+//    a lower or the same one): ncclCommSplit(world, 0, rank). NCCL runs the operations of one
+//    communicator in issue order, whatever stream they are on, so a communicator must never carry
+//    two flows whose orders can disagree: one per channel keeps activations and gradients apart,
+//    and one per direction keeps an interleaved pipeline's wrap-around (the last stage's
+//    activations back to stage 0 for the next chunk) from queueing against the forward flow
+//    between the same two ranks. On each communicator each pair of ranks then sees one flow in
+//    program order, FIFO per (src, dst, channel) as the checker assumes;
 //  - stage: ncclCommSplit(world, color = stage_of[rank], key = rank): the replicas of this rank's
 //    stage, for all_reduce_sum (the group passed must be exactly those ranks).
 // Every rank of the world constructs one, collectively, with its device current.
 //
 // Deadlocks: NCCL sends are rendezvous, not buffered, and NCCL promises no concurrent progress of
 // two operations on one communicator. So: issue sends on a send stream and recvs on a recv stream
-// (events to and from the compute stream); the three channels use three communicators; and a send
+// (events to and from the compute stream); channels and directions use their own communicators;
+// and a send
 // and a recv that wait on each other on one communicator (the tied-weights exchange, a send to and
 // recv from the same peer) go between group_start() and group_end(). A send to this rank itself is
 // only allowed inside a group (with its recv).
@@ -81,7 +86,10 @@ class NcclTransport : public DeviceTransport {
   const std::vector<int>& stage_members() const { return stage_members_; }
 
  private:
-  ncclComm_t comm_for(Channel c) const { return channel_comms_[std::size_t(c)]; }
+  ncclComm_t comm_for(Channel c, int src, int dst) const {
+    const bool up = stage_of_[std::size_t(dst)] > stage_of_[std::size_t(src)];
+    return channel_comms_[2 * std::size_t(c) + (up ? 1 : 0)];
+  }
   // Checks a call's result: errors throw (after aborting); ncclInProgress (or any success in the
   // non-blocking mode) is polled until every communicator is idle. mutex_ held.
   void check(const std::string& op, const char* call, ncclResult_t r, ncclComm_t comm);
@@ -98,7 +106,7 @@ class NcclTransport : public DeviceTransport {
   int world_, rank_, device_ = 0;
   std::vector<int> stage_of_, stage_members_;
   ncclComm_t world_comm_ = nullptr, stage_comm_ = nullptr;
-  std::array<ncclComm_t, 4> channel_comms_{};  // by Channel: world, then three splits
+  std::array<ncclComm_t, 8> channel_comms_{};  // by 2 x Channel + (1: to a higher stage)
   cudaEvent_t sync_event_ = nullptr;
   bool comms_aborted_ = false;
 };

@@ -147,6 +147,17 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
         std::make_unique<NcclTransport>(id, plan.ranks(), run.mpi->rank(), stage_of, run.timeout_s);
     for (Channel c : {Channel::activation, Channel::gradient, Channel::tied, Channel::tied_weights})
       nccl->connect(c, program_peers(prepared.programs, run.mpi->rank(), c));
+    if (plan.w > 1) {
+      // The all-reduce communicator connects at its first use: make that now, not mid-step.
+      float* one = nullptr;
+      cudaStream_t stream = nullptr;
+      CUDA_CHECK(cudaMalloc(&one, sizeof(float)));
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      nccl->all_reduce_sum_fp32(nccl->stage_members(), run.mpi->rank(), one, 1, stream);
+      nccl->synchronize(run.mpi->rank(), stream, "connect the all-reduce");
+      CUDA_CHECK(cudaStreamDestroy(stream));
+      CUDA_CHECK(cudaFree(one));
+    }
     transport = std::move(nccl);
     arena = std::make_unique<DeviceArena>(arena_capacity(run));
 #else
@@ -177,7 +188,12 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   for (auto& w : workers)
     w->start();
   if (run.mpi) {
-    workers.front()->run();  // MPI is funneled: this thread only
+    try {
+      workers.front()->run();  // MPI is funneled: this thread only
+    } catch (...) {
+      transport->abort();  // ends NCCL kernels waiting for peers, so nothing below hangs
+      throw;
+    }
   } else {
     exec::detail::run_threads(
         int(workers.size()), [&](int i) { workers[std::size_t(i)]->run(); },

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -88,14 +89,20 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
   }
   workspace_ = tensor(Category::workspace, 2 * workspace);
   if (chunks_.back().last) losses_ = tensor(Category::workspace, 4 * 2 * std::int64_t(p.m));
-  if (s.first_step > 0) load_checkpoint(s.first_step);
+  // The memsets above run on compute_; the checkpoint's copies go through the legacy stream, which
+  // does not order with it, and a pageable copy may return before its DMA ends: wait for both.
   synchronize(compute_, "set up the weights");
+  if (s.first_step > 0) load_checkpoint(s.first_step);
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 CudaWorker::~CudaWorker() {
   (void)cudaSetDevice(s_.device);
-  for (cudaStream_t* st : all_streams())
-    if (*st) (void)cudaStreamSynchronize(*st);
+  // After an abort NCCL kernels may wait for peers that are gone: do not wait for them (the
+  // communicators' abort ends them; the arena's cudaFree waits for the rest).
+  if (!transport_.aborted())
+    for (cudaStream_t* st : all_streams())
+      if (*st) (void)cudaStreamSynchronize(*st);
   // Tensors go back to the arena before the events and streams they were ordered by.
   inputs_.clear();
   stash_.clear();
@@ -103,6 +110,7 @@ CudaWorker::~CudaWorker() {
   outputs_.clear();
   d_outputs_.clear();
   d_inputs_.clear();
+  to_self_.clear();
   retired_.clear();
   for (cudaEvent_t e : all_events_)
     (void)cudaEventDestroy(e);
@@ -161,20 +169,41 @@ void CudaWorker::end_timed(cudaStream_t s) {
 
 void CudaWorker::retire(Tensor&& t, cudaStream_t last_use) {
   if (t.bytes() == 0) return;
-  retired_.emplace_back(std::move(t), record(last_use));
+  retired_.push_back(Retired{std::move(t), record(last_use), last_use});
 }
 
 void CudaWorker::reclaim(bool all) {
   for (auto it = retired_.begin(); it != retired_.end();) {
-    const cudaError_t q = all ? cudaEventSynchronize(it->second) : cudaEventQuery(it->second);
+    const cudaError_t q = all ? cudaEventSynchronize(it->done) : cudaEventQuery(it->done);
     if (q == cudaErrorNotReady) {
       ++it;
       continue;
     }
     if (q != cudaSuccess) CUDA_CHECK(q);
-    pool_.push_back(it->second);
+    pool_.push_back(it->done);
     it = retired_.erase(it);  // the tensor goes back to the arena
   }
+}
+
+void CudaWorker::drain_compute(const char* what) {
+  cudaEvent_t newest = nullptr;
+  for (const Retired& r : retired_)
+    if (r.stream == compute_) newest = r.done;  // compute runs in order: the newest covers all
+  if (!newest) return;
+  const auto start = Clock::now();
+  for (int spins = 0;; ++spins) {
+    const cudaError_t q = cudaEventQuery(newest);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) CUDA_CHECK(q);
+    if (transport_.aborted()) throw Error(aborted_message(rank_, what));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (transport_.timeout_seconds() > 0 && waited > transport_.timeout_seconds()) {
+      transport_.abort();
+      throw TransportTimeout(timeout_message(rank_, what, transport_.timeout_seconds()));
+    }
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  reclaim(false);
 }
 
 void CudaWorker::synchronize(cudaStream_t s, const std::string& what) {
@@ -275,6 +304,7 @@ void CudaWorker::forward(const Op& op) {
     wait(compute_, input.ready);
     if (input.ready) pool_.push_back(input.ready);
   }
+  drain_compute("forward");
   Tensor stash = tensor(Category::activations, 2 * (rc ? c.sizes.stash_recompute : c.sizes.stash));
   Tensor out = tensor(Category::activations, c.last ? 0 : 2 * c.sizes.output);
   Tensor scratch = tensor(Category::activations, rc ? 2 * c.sizes.scratch : 0);
@@ -297,6 +327,7 @@ void CudaWorker::recompute(const Op& op) {
   std::vector<std::int32_t> tokens, targets;
   if (c.last)
     exec::detail::microbatch_samples(s_, replica_, op.step, op.microbatch, tokens, targets);
+  drain_compute("recompute");
   Tensor full = tensor(Category::activations, 2 * c.sizes.stash);
   const auto kept = stash_.find(key);
   if (kept == stash_.end())
@@ -323,6 +354,7 @@ void CudaWorker::backward(const Op& op) {
     wait(compute_, d_output.ready);
     if (d_output.ready) pool_.push_back(d_output.ready);
   }
+  drain_compute("backward");
   Tensor d_input = tensor(Category::activations, c.first ? 0 : 2 * c.sizes.input);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
@@ -343,6 +375,10 @@ void CudaWorker::send(const Op& op, Channel channel, std::map<Key, Held>& from) 
   const cudaStream_t stream = send_[int(channel)];
   Held h = take(from, Key{op.step, op.microbatch, op.chunk},
                 channel == Channel::activation ? "activation to send" : "gradient to send", rank_);
+  if (op.peer == rank_) {  // the next chunk on this device: no copy, the block itself
+    to_self_[channel].push_back(std::move(h));
+    return;
+  }
   const cudaEvent_t produced = record(compute_);
   wait(stream, produced);
   pool_.push_back(produced);
@@ -357,11 +393,21 @@ void CudaWorker::send(const Op& op, Channel channel, std::map<Key, Held>& from) 
 void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
                       std::int64_t elements) {
   const cudaStream_t stream = recv_[int(channel)];
+  const Key key{op.step, op.microbatch, op.chunk};
+  if (op.peer == rank_) {
+    std::deque<Held>& queue = to_self_[channel];
+    if (queue.empty() || queue.front().tensor.bytes() != 2 * elements)
+      throw Error(fmt::format("rank {}: {} from itself: no message of {} bytes sent", rank_,
+                              channel_name(channel), 2 * elements));
+    into[key] = std::move(queue.front());  // written on compute: no event to wait for
+    queue.pop_front();
+    return;
+  }
   Tensor t = tensor(Category::activations, 2 * elements);
   begin_timed(planner::kRecvStream, stream);
   transport_.recv(op.peer, rank_, channel, t.as<void>(), t.bytes(), stream);
   end_timed(stream);
-  into[Key{op.step, op.microbatch, op.chunk}] = Held{std::move(t), record(stream)};
+  into[key] = Held{std::move(t), record(stream)};
 }
 
 void CudaWorker::all_reduce(const Op& op) {
@@ -434,10 +480,12 @@ void CudaWorker::tied(const Op& op) {
       transport_.send(rank_, op.peer, Channel::tied_weights, params(c, op.version) + c.tied_offset,
                       bytes, stream);
       end_timed(stream);
-      // The next update must not overwrite the slice before the send has read it; waiting there,
-      // not here, keeps the compute stream free until then.
-      if (tied_sent_) pool_.push_back(tied_sent_);
-      tied_sent_ = record(stream);
+      // The update that next rewrites this slot must not do so before the send has read it;
+      // waiting there, not here, keeps the compute stream free until then (2BW rewrites it two
+      // steps later, flush schedules at the next step).
+      cudaEvent_t& sent = slot_sent_[slots_.slot_of(op.version)];
+      if (sent) pool_.push_back(sent);
+      sent = record(stream);
       return;
     }
     default: {
@@ -476,11 +524,9 @@ void CudaWorker::sum_local_tied() {
 }
 
 void CudaWorker::optimizer_step(const Op& op) {
-  for (cudaEvent_t* e : {&reduced_, &tied_sent_}) {
-    wait(compute_, *e);
-    if (*e) pool_.push_back(*e);
-    *e = nullptr;
-  }
+  wait(compute_, reduced_);
+  if (reduced_) pool_.push_back(reduced_);
+  reduced_ = nullptr;
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
   bool allocate = false;
@@ -488,6 +534,11 @@ void CudaWorker::optimizer_step(const Op& op) {
   if (allocate)
     for (Chunk& c : chunks_)
       c.slots[target] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
+  if (slot_sent_[target]) {
+    wait(compute_, slot_sent_[target]);
+    pool_.push_back(slot_sent_[target]);
+    slot_sent_[target] = nullptr;
+  }
   begin_timed(planner::kComputeStream, compute_);
   for (Chunk& c : chunks_)
     update(c, c.slots[target].as<bf16>());

@@ -124,7 +124,11 @@ class CudaWorker {
   // Gives a tensor back once `last_use` has passed the work enqueued so far.
   void retire(Tensor&& t, cudaStream_t last_use);
   void retire(Held&& h, cudaStream_t last_use) { retire(std::move(h.tensor), last_use); }
-  void reclaim(bool all);           // frees retired tensors whose event completed (all: wait first)
+  void reclaim(bool all);  // frees retired tensors whose event completed (all: wait first)
+  // Waits (polled, with the transport's timeout) until the compute stream has passed every tensor
+  // retired on it, and frees them: the host then runs at most one op ahead of the GPU, so device
+  // memory holds what the CPU's sequential model (and the planner) counts, not several ops' worth.
+  void drain_compute(const char* what);
   void resolve_timeline(bool all);  // turns completed op events into timeline intervals
   void synchronize(cudaStream_t s, const std::string& what);
 
@@ -143,10 +147,19 @@ class CudaWorker {
   Tensor workspace_, losses_;  // losses_: 2 x m floats (by step parity), on the last stage
   exec::detail::VersionSlots slots_;
   int updates_ = 0;
-  cudaEvent_t reduced_ = nullptr;    // after the last all-reduce enqueued (null: none pending)
-  cudaEvent_t tied_sent_ = nullptr;  // after the last tied-weights send (stage 0)
+  cudaEvent_t reduced_ = nullptr;  // after the last all-reduce enqueued (null: none pending)
+  // After the last tied-weights send out of each weight slot (stage 0): an update that rewrites
+  // the slot waits for it.
+  cudaEvent_t slot_sent_[2] = {nullptr, nullptr};
   std::map<Key, Held> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
-  std::deque<std::pair<Tensor, cudaEvent_t>> retired_;
+  struct Retired {
+    Tensor tensor;
+    cudaEvent_t done;
+    cudaStream_t stream;
+  };
+  std::deque<Retired> retired_;
+  // Messages to this rank itself (d == 1 with several chunks), per channel, in send order.
+  std::map<Channel, std::deque<Held>> to_self_;
   std::vector<cudaEvent_t> pool_, all_events_;
   cudaEvent_t origin_ = nullptr;
   std::vector<Timed> pending_;
