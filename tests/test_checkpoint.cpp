@@ -27,13 +27,6 @@ using planner::Schedule;
 using pw::testing::error_of;
 using pw::testing::TempDir;
 
-models::ModelSpec tiny4() {
-  models::ModelSpec s = models::load_model("gpt-tiny");
-  s.name = "gpt-tiny4";
-  s.layers = 4;
-  return s;
-}
-
 Plan make_plan(Schedule s, int w, int d, int m, int v = 1) {
   Plan p;
   p.schedule = s;
@@ -42,7 +35,7 @@ Plan make_plan(Schedule s, int w, int d, int m, int v = 1) {
   p.b = 2;
   p.m = m;
   p.v = v;
-  planner::resolve_stages(p, tiny4().layers);
+  planner::resolve_stages(p, testing::gpt_tiny(4).layers);
   return p;
 }
 
@@ -101,12 +94,14 @@ TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
                  " d=" + std::to_string(c.d) + " " + c.optimizer);
     TempDir tmp("ckpt_resume");
     const std::string a = tmp.file("a"), b = tmp.file("b");
-    const TrainResult unbroken = train_cpu(tiny4(), p, options(5, a, false, c.optimizer));
+    const TrainResult unbroken =
+        train_cpu(testing::gpt_tiny(4), p, options(5, a, false, c.optimizer));
     // Stopped after step 3 (a checkpoint at 2, and the one after the last step at 3) ...
-    const TrainResult first = train_cpu(tiny4(), p, options(3, b, false, c.optimizer));
+    const TrainResult first = train_cpu(testing::gpt_tiny(4), p, options(3, b, false, c.optimizer));
     EXPECT_EQ(latest_checkpoint(b), 3);
     // ... then resumed to the end.
-    const TrainResult resumed = train_cpu(tiny4(), p, options(5, b, true, c.optimizer));
+    const TrainResult resumed =
+        train_cpu(testing::gpt_tiny(4), p, options(5, b, true, c.optimizer));
     EXPECT_EQ(resumed.first_step, 3);
     ASSERT_EQ(resumed.steps.size(), 2u);
     EXPECT_EQ(resumed.steps.front().step, 3);
@@ -118,8 +113,8 @@ TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
     // Resumed from the last checkpoint before the end (a kill during the last step): the final
     // shards hold versions whose tied copy the last stage had not received yet; still the same.
     const std::string c2 = tmp.file("c");
-    train_cpu(tiny4(), p, options(4, c2, false, c.optimizer));
-    const TrainResult late = train_cpu(tiny4(), p, options(5, c2, true, c.optimizer));
+    train_cpu(testing::gpt_tiny(4), p, options(4, c2, false, c.optimizer));
+    const TrainResult late = train_cpu(testing::gpt_tiny(4), p, options(5, c2, true, c.optimizer));
     EXPECT_EQ(late.first_step, 4);
     expect_identical(late, unbroken, c2, a, 5, p.ranks());
   }
@@ -131,11 +126,11 @@ TEST(Checkpoint, TiedCopyOfTheLastStageComesFromStageZerosShard) {
   const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
   TempDir tmp("ckpt_tied");
   const std::string a = tmp.file("a"), b = tmp.file("b");
-  const TrainResult unbroken = train_cpu(tiny4(), p, options(5, a, false));
-  train_cpu(tiny4(), p, options(3, b, false));
+  const TrainResult unbroken = train_cpu(testing::gpt_tiny(4), p, options(5, a, false));
+  train_cpu(testing::gpt_tiny(4), p, options(3, b, false));
   const auto offset_of = [&](int stage, const char* name) {
     StageSpec spec;
-    spec.model = tiny4();
+    spec.model = testing::gpt_tiny(4);
     spec.first_block = stage == 0 ? 0 : p.stage_blocks[0];
     spec.blocks = p.stage_blocks[std::size_t(stage)];
     spec.has_embedding = stage == 0;
@@ -154,7 +149,7 @@ TEST(Checkpoint, TiedCopyOfTheLastStageComesFromStageZerosShard) {
   read_shard_slice(shard_path(checkpoint_path(b, 3), 0), "c0.w3", wte, embedding.data(), n);
   read_shard_slice(shard_path(checkpoint_path(b, 3), 1), "c0.w3", head, copy.data(), n);
   EXPECT_NE(embedding, copy);
-  const TrainResult resumed = train_cpu(tiny4(), p, options(5, b, true));
+  const TrainResult resumed = train_cpu(testing::gpt_tiny(4), p, options(5, b, true));
   expect_identical(resumed, unbroken, b, a, 5, p.ranks());
   const std::vector<float>& first = resumed.ranks[0].weights[0];
   const std::vector<float>& last = resumed.ranks[1].weights[0];
@@ -167,13 +162,13 @@ TEST(Checkpoint, KillWhileWritingLeavesThePreviousCheckpointUsable) {
   const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
   TempDir tmp("ckpt_kill");
   const std::string a = tmp.file("a"), b = tmp.file("b");
-  const TrainResult unbroken = train_cpu(tiny4(), p, options(6, a, false));
+  const TrainResult unbroken = train_cpu(testing::gpt_tiny(4), p, options(6, a, false));
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     ::setenv("PIPEWRIGHT_TEST_KILL_IN_CHECKPOINT", "4", 1);
     try {
-      train_cpu(tiny4(), p, options(6, b, false));
+      train_cpu(testing::gpt_tiny(4), p, options(6, b, false));
     } catch (...) {
     }
     std::_Exit(0);  // not reached: the hook kills the process
@@ -185,7 +180,7 @@ TEST(Checkpoint, KillWhileWritingLeavesThePreviousCheckpointUsable) {
   ASSERT_TRUE(fs::exists(checkpoint_path(b, 4)));  // the partial one
   EXPECT_FALSE(fs::exists(fs::path(checkpoint_path(b, 4)) / "manifest.json"));
   EXPECT_EQ(latest_checkpoint(b), 2);
-  const TrainResult resumed = train_cpu(tiny4(), p, options(6, b, true));
+  const TrainResult resumed = train_cpu(testing::gpt_tiny(4), p, options(6, b, true));
   EXPECT_EQ(resumed.first_step, 2);
   expect_identical(resumed, unbroken, b, a, 6, p.ranks());
 }
@@ -194,7 +189,7 @@ TEST(Checkpoint, ResumeWithoutACheckpointStartsFromStepZero) {
   const Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 2);
   TempDir tmp("ckpt_empty");
   const std::string dir = tmp.file("none");
-  const TrainResult r = train_cpu(tiny4(), p, options(2, dir, true));
+  const TrainResult r = train_cpu(testing::gpt_tiny(4), p, options(2, dir, true));
   EXPECT_EQ(r.first_step, 0);
   EXPECT_EQ(r.steps.size(), 2u);
   EXPECT_EQ(latest_checkpoint(dir), 2);
@@ -204,36 +199,44 @@ TEST(Checkpoint, MismatchesAndDamageAreNamedErrors) {
   const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
   TempDir tmp("ckpt_errors");
   const std::string dir = tmp.file("c");
-  train_cpu(tiny4(), p, options(2, dir, false));
+  train_cpu(testing::gpt_tiny(4), p, options(2, dir, false));
   // A fresh run must not mix with an earlier run's checkpoints.
-  EXPECT_NE(error_of([&] { train_cpu(tiny4(), p, options(4, dir, false)); }).find("--resume"),
+  EXPECT_NE(error_of([&] {
+              train_cpu(testing::gpt_tiny(4), p, options(4, dir, false));
+            }).find("--resume"),
             std::string::npos);
   // Nothing left to run.
-  EXPECT_NE(error_of([&] { train_cpu(tiny4(), p, options(2, dir, true)); }).find("nothing to run"),
+  EXPECT_NE(error_of([&] {
+              train_cpu(testing::gpt_tiny(4), p, options(2, dir, true));
+            }).find("nothing to run"),
             std::string::npos);
   // Another plan or optimizer setting: the field is named.
   EXPECT_NE(error_of([&] {
-              train_cpu(tiny4(), make_plan(Schedule::two_bw, 1, 2, 2), options(4, dir, true));
+              train_cpu(testing::gpt_tiny(4), make_plan(Schedule::two_bw, 1, 2, 2),
+                        options(4, dir, true));
             }).find("field run.plan.m"),
             std::string::npos);
   TrainOptions lr = options(4, dir, true);
   lr.lr = 0.1f;
-  EXPECT_NE(error_of([&] { train_cpu(tiny4(), p, lr); }).find("field run.optimizer.lr"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { train_cpu(testing::gpt_tiny(4), p, lr); }).find("field run.optimizer.lr"),
+      std::string::npos);
   EXPECT_NE(error_of([&] {
-              train_cpu(tiny4(), make_plan(Schedule::two_bw, 2, 2, 4), options(4, dir, true));
+              train_cpu(testing::gpt_tiny(4), make_plan(Schedule::two_bw, 2, 2, 4),
+                        options(4, dir, true));
             }).find("field ranks"),
             std::string::npos);
   // A truncated shard (written by something else than pipewright's atomic writer).
   const std::string shard = shard_path(checkpoint_path(dir, 2), 1);
   const std::string whole = bytes_of(shard);
   std::ofstream(shard, std::ios::binary | std::ios::trunc) << whole.substr(0, whole.size() / 2);
-  const std::string e = error_of([&] { train_cpu(tiny4(), p, options(4, dir, true)); });
+  const std::string e =
+      error_of([&] { train_cpu(testing::gpt_tiny(4), p, options(4, dir, true)); });
   EXPECT_NE(e.find(shard), std::string::npos) << e;
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
   std::ofstream(shard, std::ios::binary | std::ios::trunc) << "not a shard";
   EXPECT_NE(error_of([&] {
-              train_cpu(tiny4(), p, options(4, dir, true));
+              train_cpu(testing::gpt_tiny(4), p, options(4, dir, true));
             }).find("not a pipewright checkpoint shard"),
             std::string::npos);
 }

@@ -12,6 +12,7 @@
 #include "common/error.hpp"
 #include "exec/stage_compute.hpp"
 #include "models/model.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -29,10 +30,7 @@ pw::models::ModelSpec micro() {
   return m;
 }
 
-StageSpec stage(const pw::models::ModelSpec& m, bool emb, std::int64_t first, std::int64_t n,
-                bool head) {
-  return StageSpec{m, emb, first, n, head};
-}
+constexpr auto stage = pw::testing::stage_spec;
 
 Ids random_ids(std::size_t n, int V, unsigned seed) {
   std::mt19937 gen(seed);
@@ -111,8 +109,7 @@ Vec perturbed_params(const pw::exec::StageCompute& s, std::uint64_t seed) {
 
 // sizes() x 4 bytes = b x models::derive_costs (fp32) summed over the stage's layers (§3).
 TEST(CpuStage, SizesMatchTheModelsCosts) {
-  auto m = pw::models::load_model("gpt-tiny");
-  m.layers = 3;  // a middle stage of blocks only, too
+  const auto m = pw::testing::gpt_tiny(3);  // a middle stage of blocks only, too
   ASSERT_EQ(m.dtype, pw::models::DType::fp32);
   const auto c = pw::models::derive_costs(m);
   const int b = 4;

@@ -17,6 +17,7 @@
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
+#include "test_util.hpp"
 #include "traces/analytic.hpp"
 
 namespace {
@@ -28,15 +29,8 @@ using pw::planner::Schedule;
 namespace fs = std::filesystem;
 
 // gpt-tiny with 4 blocks (plans up to d = 4), in fp32 for the CPU and bf16 for the GPU.
-pw::models::ModelSpec tiny4(pw::models::DType dtype) {
-  pw::models::ModelSpec s = pw::models::load_model("gpt-tiny");
-  s.name = "gpt-tiny4";
-  s.layers = 4;
-  s.dtype = dtype;
-  return s;
-}
-const pw::models::ModelSpec kCpu = tiny4(pw::models::DType::fp32);
-const pw::models::ModelSpec kGpu = tiny4(pw::models::DType::bf16);
+const pw::models::ModelSpec kCpu = pw::testing::gpt_tiny(4);
+const pw::models::ModelSpec kGpu = pw::testing::gpt_tiny(4, pw::models::DType::bf16);
 
 Plan make_plan(Schedule s, int w, int d, int b, int m) {
   Plan p;

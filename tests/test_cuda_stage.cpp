@@ -17,6 +17,7 @@
 #include "exec/cuda/optimizer.cuh"
 #include "exec/stage_compute.hpp"
 #include "models/model.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -24,17 +25,7 @@ using namespace pw::testing;
 using pw::exec::StageSpec;
 namespace cu = pw::exec::cuda;
 
-StageSpec stage(const pw::models::ModelSpec& m, bool emb, std::int64_t first, std::int64_t n,
-                bool head) {
-  return StageSpec{m, emb, first, n, head};
-}
-
-// gpt-tiny with 3 layers, so that there is a middle stage.
-pw::models::ModelSpec tiny3() {
-  auto m = pw::models::load_model("gpt-tiny");
-  m.layers = 3;
-  return m;
-}
+constexpr auto stage = pw::testing::stage_spec;
 
 struct Split {
   const char* name;
@@ -152,7 +143,7 @@ TEST(CudaStage, ForwardAndBackwardMatchTheCpuStage) {
   DeviceArena arena(kArenaBytes);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
-  for (const Split& sp : splits(tiny3())) {
+  for (const Split& sp : splits(pw::testing::gpt_tiny(3))) {
     SCOPED_TRACE(sp.name);
     auto cpu = pw::exec::make_cpu_stage(sp.spec);
     cu::CudaGptStage gpu(sp.spec, arena, stream);
@@ -204,8 +195,8 @@ TEST(CudaStage, RecomputeRebuildsTheSameStash) {
   DeviceArena arena(kArenaBytes);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
-  auto specs = splits(tiny3());
-  specs.push_back({"embedding only", stage(tiny3(), true, 0, 0, false)});
+  auto specs = splits(pw::testing::gpt_tiny(3));
+  specs.push_back({"embedding only", stage(pw::testing::gpt_tiny(3), true, 0, 0, false)});
   for (const Split& sp : specs) {
     SCOPED_TRACE(sp.name);
     auto cpu = pw::exec::make_cpu_stage(sp.spec);
@@ -228,7 +219,7 @@ TEST(CudaStage, RecomputeRebuildsTheSameStash) {
 // after the arena's own, and training on a fixed batch lowers its loss.
 TEST(CudaStage, ArenaHoldsTheStageSizesAndNeverMallocsInTheLoop) {
   PW_SKIP_WITHOUT_GPU();
-  const auto m = tiny3();
+  const auto m = pw::testing::gpt_tiny(3);
   const StageSpec sp = stage(m, true, 0, 3, true);
   const std::int64_t mallocs = DeviceArena::cuda_malloc_calls();
   DeviceArena arena(kArenaBytes);
@@ -288,7 +279,7 @@ TEST(CudaStage, ArenaHoldsTheStageSizesAndNeverMallocsInTheLoop) {
 
 TEST(CudaStage, BadIdsAreReportedOnTheHost) {
   PW_SKIP_WITHOUT_GPU();
-  const auto m = tiny3();
+  const auto m = pw::testing::gpt_tiny(3);
   const StageSpec sp = stage(m, true, 0, 3, true);
   DeviceArena arena(kArenaBytes);
   cudaStream_t stream;

@@ -20,17 +20,7 @@ using pw::exec::GptLayout;
 using pw::exec::StageSpec;
 using pw::models::DType;
 
-StageSpec stage(const pw::models::ModelSpec& m, bool emb, std::int64_t first, std::int64_t n,
-                bool head) {
-  return StageSpec{m, emb, first, n, head};
-}
-
-// gpt-tiny with 3 layers, so that there is a middle stage.
-pw::models::ModelSpec tiny3() {
-  auto m = pw::models::load_model("gpt-tiny");
-  m.layers = 3;
-  return m;
-}
+constexpr auto stage = pw::testing::stage_spec;
 
 // The backends: exec/cpu in fp32, exec/cuda in bf16.
 struct Backend {
@@ -56,7 +46,7 @@ std::vector<StageSpec> splits(const pw::models::ModelSpec& m) {
 TEST(GptLayout, SizesMatchTheModelsCostsInEitherElementSize) {
   for (const Backend& be : kBackends) {
     SCOPED_TRACE(be.name);
-    auto m = tiny3();
+    auto m = pw::testing::gpt_tiny(3);
     m.dtype = be.dtype;
     const std::int64_t e = pw::models::dtype_bytes(be.dtype);
     const auto c = pw::models::derive_costs(m);
@@ -99,7 +89,7 @@ TEST(GptLayout, SizesMatchTheModelsCostsInEitherElementSize) {
 // The same slots (names, offsets, sizes) in either element size, and they are the CPU stage's:
 // weights copy between the backends slot by slot.
 TEST(GptLayout, TheParameterTableIsTheCpuStagesInEitherElementSize) {
-  for (const StageSpec& s : splits(tiny3())) {
+  for (const StageSpec& s : splits(pw::testing::gpt_tiny(3))) {
     const std::string name = "stage [" + std::to_string(s.first_block) + ", " +
                              std::to_string(s.first_block + s.blocks) + ")";
     const GptLayout fp32 = layout(s, kBackends[0]), bf16 = layout(s, kBackends[1]);
@@ -133,7 +123,7 @@ TEST(GptLayout, TheParameterTableIsTheCpuStagesInEitherElementSize) {
 // of a block (two norms' mean and rstd) and of the head (mean, rstd, target id, loss) and the
 // embedding's token id take one fp32 element or two bf16 elements each.
 TEST(GptLayout, FourByteValuesTakeTwoBf16Elements) {
-  const auto m = tiny3();
+  const auto m = pw::testing::gpt_tiny(3);
   const GptLayout fp32 = layout(stage(m, true, 0, 3, true), kBackends[0]);
   const GptLayout bf16 = layout(stage(m, true, 0, 3, true), kBackends[1]);
   EXPECT_EQ(fp32.word_elements, 1);
@@ -149,19 +139,19 @@ TEST(GptLayout, FourByteValuesTakeTwoBf16Elements) {
 TEST(GptLayout, RejectsWhatTheBackendsCannotRun) {
   for (const Backend& be : kBackends) {
     SCOPED_TRACE(be.name);
-    auto m = tiny3();
+    auto m = pw::testing::gpt_tiny(3);
     m.mlp = pw::models::Mlp::swiglu;
     const std::string msg = pw::testing::error_of([&] { layout(stage(m, true, 0, 3, true), be); });
     const std::string backend = be.dtype == DType::fp32 ? "CPU backend" : "CUDA backend";
     EXPECT_NE(msg.find("mlp"), std::string::npos) << msg;
     EXPECT_NE(msg.find(backend), std::string::npos) << msg;
-    m = tiny3();
+    m = pw::testing::gpt_tiny(3);
     m.arch = pw::models::Arch::bert;
     EXPECT_THROW(layout(stage(m, true, 0, 3, true), be), pw::InputError);
-    EXPECT_THROW(layout(stage(tiny3(), false, 0, 1, true), be), pw::InputError);
+    EXPECT_THROW(layout(stage(pw::testing::gpt_tiny(3), false, 0, 1, true), be), pw::InputError);
   }
   // An odd seq_len would leave bf16's fp32 statistics misaligned; fp32 elements have no such limit.
-  auto m = tiny3();
+  auto m = pw::testing::gpt_tiny(3);
   m.seq_len = 63;
   EXPECT_THROW(layout(stage(m, true, 0, 3, true), kBackends[1]), pw::InputError);
   EXPECT_NO_THROW(layout(stage(m, true, 0, 3, true), kBackends[0]));

@@ -12,6 +12,7 @@
 #include "exec/stage_compute.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
+#include "test_util.hpp"
 #include "traces/analytic.hpp"
 
 namespace pw::exec {
@@ -20,14 +21,6 @@ namespace {
 using planner::Plan;
 using planner::Schedule;
 
-// gpt-tiny with 4 blocks, so plans up to d = 4 have a block per stage.
-models::ModelSpec tiny4() {
-  models::ModelSpec s = models::load_model("gpt-tiny");
-  s.name = "gpt-tiny4";
-  s.layers = 4;
-  return s;
-}
-
 Plan make_plan(Schedule s, int w, int d, int b, int m) {
   Plan p;
   p.schedule = s;
@@ -35,7 +28,7 @@ Plan make_plan(Schedule s, int w, int d, int b, int m) {
   p.d = d;
   p.b = b;
   p.m = m;
-  planner::resolve_stages(p, tiny4().layers);
+  planner::resolve_stages(p, testing::gpt_tiny(4).layers);
   return p;
 }
 
@@ -59,7 +52,7 @@ std::map<std::string, std::vector<float>> weights_by_name(const TrainResult& r, 
     const RankResult& rank = r.ranks[std::size_t(p.rank_of(s, 0))];
     const int vs = s;
     StageSpec spec;
-    spec.model = tiny4();
+    spec.model = testing::gpt_tiny(4);
     for (int i = 0; i < vs; ++i)
       spec.first_block += p.stage_blocks[std::size_t(i)];
     spec.blocks = p.stage_blocks[std::size_t(vs)];
@@ -99,14 +92,14 @@ void expect_same_weights(const TrainResult& got, const Plan& p, const TrainResul
 TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
   const int B = 8;
   const Plan single = make_plan(Schedule::one_f_one_b, 1, 1, B, 1);
-  const TrainResult ref = train_cpu(tiny4(), single, options(3));
+  const TrainResult ref = train_cpu(testing::gpt_tiny(4), single, options(3));
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b})
     for (int d : {1, 2, 4})
       for (int w : {1, 2}) {
         const int b = 2, m = B / (w * b);
         const Plan p = make_plan(s, w, d, b, m);
         SCOPED_TRACE(to_string(s) + " d=" + std::to_string(d) + " w=" + std::to_string(w));
-        expect_same_weights(train_cpu(tiny4(), p, options(3)), p, ref, single, 1e-5);
+        expect_same_weights(train_cpu(testing::gpt_tiny(4), p, options(3)), p, ref, single, 1e-5);
       }
   // Recomputation changes when activations exist, not what is computed.
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
@@ -114,15 +107,15 @@ TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
     q.recompute.assign(2, true);
     SCOPED_TRACE(to_string(s) + " with recompute");
     // Bit-identical: the recomputed stash is the forward's, bit for bit.
-    expect_same_weights(train_cpu(tiny4(), q, options(3)), q, train_cpu(tiny4(), p, options(3)), p,
-                        1e-30);
+    expect_same_weights(train_cpu(testing::gpt_tiny(4), q, options(3)), q,
+                        train_cpu(testing::gpt_tiny(4), p, options(3)), p, 1e-30);
   }
 }
 
 // 2BW's reference, one device, sequentially: the gradient of step t is taken at W(t-1) (W(0) for
 // the first two steps) and applied to W(t) by the same optimizer.
 std::vector<float> two_bw_reference(const Plan& p, const TrainOptions& o) {
-  const models::ModelSpec model = tiny4();
+  const models::ModelSpec model = testing::gpt_tiny(4);
   StageSpec spec;
   spec.model = model;
   spec.blocks = model.layers;
@@ -161,13 +154,13 @@ TEST(TwoBw, EqualsTheDelayedUpdateReference) {
         const TrainOptions o = options(4, optimizer);
         SCOPED_TRACE(std::string(optimizer) + " 2bw d=" + std::to_string(d) +
                      " w=" + std::to_string(w));
-        const TrainResult r = train_cpu(tiny4(), p, o);
+        const TrainResult r = train_cpu(testing::gpt_tiny(4), p, o);
         const std::vector<float> ref = two_bw_reference(p, o);
         // The single stage's layout concatenates the same named tensors in the same order.
         std::vector<float> got;
         const auto by_name = weights_by_name(r, p);
         StageSpec spec;
-        spec.model = tiny4();
+        spec.model = testing::gpt_tiny(4);
         spec.blocks = 4;
         spec.has_embedding = spec.has_head = true;
         const auto whole = make_cpu_stage(spec);
@@ -187,13 +180,13 @@ TEST(FlushSchedules, TiedEndsOnOneDeviceEqualSingleDeviceTraining) {
   p.schedule = Schedule::interleaved;
   p.v = 2;
   p.stage_blocks.clear();
-  planner::resolve_stages(p, tiny4().layers);
-  const TrainResult got = train_cpu(tiny4(), p, options(3));
-  const auto want = weights_by_name(train_cpu(tiny4(), single, options(3)), single);
+  planner::resolve_stages(p, testing::gpt_tiny(4).layers);
+  const TrainResult got = train_cpu(testing::gpt_tiny(4), p, options(3));
+  const auto want = weights_by_name(train_cpu(testing::gpt_tiny(4), single, options(3)), single);
   std::map<std::string, std::vector<float>> by_name;
   for (int chunk = 0; chunk < 2; ++chunk) {
     StageSpec spec;
-    spec.model = tiny4();
+    spec.model = testing::gpt_tiny(4);
     spec.first_block = chunk == 0 ? 0 : p.stage_blocks[0];
     spec.blocks = p.stage_blocks[std::size_t(chunk)];
     spec.has_embedding = chunk == 0;
@@ -215,7 +208,7 @@ TEST(Training, LossFallsOnTheSyntheticCorpus) {
   TrainOptions o = options(30, "adamw");
   o.lr = 3e-3f;
   o.eps = 1e-8f;
-  const TrainResult r = train_cpu(tiny4(), p, o);
+  const TrainResult r = train_cpu(testing::gpt_tiny(4), p, o);
   ASSERT_EQ(r.steps.size(), 30u);
   // From ln(256) = 5.55 at init; 30 steps of 2bw reach about 4.5 (1f1b on one stage: 3.6).
   EXPECT_LT(r.steps.back().loss, 0.9 * r.steps.front().loss);
@@ -223,8 +216,9 @@ TEST(Training, LossFallsOnTheSyntheticCorpus) {
 
 TEST(Training, FlushSchedulesHoldOneWeightVersionAndTwoBwTwo) {
   const TrainResult flush =
-      train_cpu(tiny4(), make_plan(Schedule::one_f_one_b, 1, 2, 1, 4), options(3));
-  const TrainResult two = train_cpu(tiny4(), make_plan(Schedule::two_bw, 1, 2, 1, 4), options(3));
+      train_cpu(testing::gpt_tiny(4), make_plan(Schedule::one_f_one_b, 1, 2, 1, 4), options(3));
+  const TrainResult two =
+      train_cpu(testing::gpt_tiny(4), make_plan(Schedule::two_bw, 1, 2, 1, 4), options(3));
   for (const auto& r : flush.ranks)
     EXPECT_EQ(r.memory.weight_versions, 0);
   for (const auto& r : two.ranks)
@@ -241,7 +235,7 @@ namespace {
 // (gpt-tiny4 in fp32: AdamW keeps m and v, 8 bytes per parameter). Activations also hold the
 // messages in flight and forward's recompute scratch, so they are compared within 5%.
 TEST(Memory, MeasuredPeakMatchesTheClosedForm) {
-  const models::ModelSpec model = tiny4();
+  const models::ModelSpec model = testing::gpt_tiny(4);
   const clusters::Cluster one = clusters::load_cluster("h100-x1");
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
     for (bool rc : {false, true}) {

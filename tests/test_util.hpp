@@ -11,6 +11,8 @@
 #include "clusters/cluster.hpp"
 #include "common/error.hpp"
 #include "common/json_reader.hpp"
+#include "exec/stage_compute.hpp"
+#include "models/model.hpp"
 #include "planner/plan.hpp"
 #include "traces/trace.hpp"
 
@@ -101,6 +103,22 @@ inline planner::Plan plan_of(planner::Schedule s, int w, int d, int b, int m, in
   planner::resolve_stages(p, layers);
   planner::place(p, grid, ranks_per_gpu);
   return p;
+}
+
+// gpt-tiny with `layers` blocks, named "gpt-tiny<layers>" (3: a middle stage; 4: plans up to d = 4
+// with a block per stage), in `dtype` (the preset's fp32 for the CPU, bf16 for the GPU).
+inline models::ModelSpec gpt_tiny(std::int64_t layers, models::DType dtype = models::DType::fp32) {
+  models::ModelSpec s = models::load_model("gpt-tiny");
+  s.name = "gpt-tiny" + std::to_string(layers);
+  s.layers = layers;
+  s.dtype = dtype;
+  return s;
+}
+
+// The stage holding blocks [first, first + blocks), with the embedding and/or the head.
+inline exec::StageSpec stage_spec(const models::ModelSpec& m, bool embedding, std::int64_t first,
+                                  std::int64_t blocks, bool head) {
+  return exec::StageSpec{m, embedding, first, blocks, head};
 }
 
 }  // namespace pw::testing
