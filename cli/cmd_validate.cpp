@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "cli/measured_report.hpp"
 #include "cli/options.hpp"
+#include "exec/gpu_host.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
 #include "exec/runtime.hpp"
@@ -180,11 +181,7 @@ void run_and_compare(const ValidateArgs& a) {
   if (!gpu && model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));
-  if (gpu && models::dtype_bytes(model.dtype) != 2)
-    throw InputError(fmt::format(
-        "model {}: the CUDA backend runs 2-byte models (bf16; fp16 runs as bf16), the model says "
-        "{}",
-        model.name, models::to_string(model.dtype)));
+  if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
   const planner::Plan plan = a.plan.build(model.layers, 1);
   std::vector<std::int64_t> sizes = a.microbatch.empty()

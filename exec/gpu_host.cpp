@@ -58,6 +58,14 @@ bool is_memory_word(const std::string& w) {
 
 }  // namespace
 
+void check_gpu_model(const models::ModelSpec& model) {
+  if (models::dtype_bytes(model.dtype) != 2)
+    throw InputError(fmt::format(
+        "model {}: the CUDA backend runs 2-byte models (bf16; fp16 runs as bf16), the model says "
+        "{}: use a model file with \"dtype\": \"bf16\" (or a preset such as gpt2-124m)",
+        model.name, models::to_string(model.dtype)));
+}
+
 std::string gpu_device_preset(const std::string& gpu_name) {
   const std::vector<std::string> words = upper_words(gpu_name);
   const auto has = [&](const std::string& w) {

@@ -24,6 +24,10 @@ namespace pw::exec {
 //   A100-40GB, "Tesla V100-SXM2-32GB" -> V100-32GB.
 std::string gpu_device_preset(const std::string& gpu_name);
 
+// The CUDA backend computes in bf16: an InputError naming the model unless its dtype has 2 bytes
+// (bf16, or fp16, which runs as bf16). Used by training, profiling and validate alike.
+void check_gpu_model(const models::ModelSpec& model);
+
 // The preset's figures under the GPU's own name. Throws a one-line InputError naming the GPU and
 // the names the presets match when none does.
 clusters::DeviceSpec gpu_device_spec(const std::string& gpu_name);

@@ -201,6 +201,26 @@ TEST(GpuHost, UnknownGpuIsAOneLineErrorNamingItAndThePresets) {
   EXPECT_THROW(exec::gpu_host_cluster("NVIDIA H100 PCIe", 80e9, 2, link, 1 << 30), InputError);
 }
 
+// The CUDA backend's model check (train, profile and validate): 2-byte dtypes pass, fp32 is one
+// line naming the model and its dtype.
+TEST(GpuHost, GpuModelsHaveTwoByteDtypes) {
+  models::ModelSpec m = models::load_model("gpt-tiny");
+  for (const models::DType ok : {models::DType::bf16, models::DType::fp16}) {
+    m.dtype = ok;
+    EXPECT_NO_THROW(exec::check_gpu_model(m));
+  }
+  m.dtype = models::DType::fp32;
+  try {
+    exec::check_gpu_model(m);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    for (const char* s : {"gpt-tiny", "fp32", "bf16"})
+      EXPECT_NE(what.find(s), std::string::npos) << s << " in " << what;
+  }
+}
+
 // Every rank is the whole GPU (memory included), the ranks talk over the measured LocalTransport,
 // the host's PCIe is the single-GPU preset's.
 TEST(GpuHost, ClusterOfRanksOnOneGpu) {

@@ -99,6 +99,13 @@ DeviceMemoryInfo device_memory_info() {
   return {std::int64_t(free_bytes), std::int64_t(total_bytes)};
 }
 
+std::int64_t default_arena_bytes() {
+  const DeviceMemoryInfo info = device_memory_info();
+  const std::int64_t reserve =
+      std::max<std::int64_t>(std::int64_t(512) << 20, info.total_bytes / 32);
+  return std::max<std::int64_t>(info.free_bytes - reserve, 0);
+}
+
 DeviceArena::DeviceArena(std::int64_t capacity_bytes, MemoryCounter* counter)
     : allocator_(capacity_bytes), counter_(counter ? counter : &own_counter_) {
   CUDA_CHECK(cudaGetDevice(&device_));

@@ -55,6 +55,9 @@ struct DeviceMemoryInfo {
   std::int64_t free_bytes = 0, total_bytes = 0;
 };
 DeviceMemoryInfo device_memory_info();
+// What one arena may take of the current device: the free memory less a reserve of
+// max(512 MiB, 1/32 of the total) for cuBLASLt, NCCL and the CUDA context; 0 when less is free.
+std::int64_t default_arena_bytes();
 
 // The device's one allocation. Counts the bytes callers asked for by category (current and peak,
 // through a MemoryCounter shared with the rest of the worker if given), and the rounded bytes.

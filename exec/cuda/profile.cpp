@@ -18,6 +18,7 @@
 #include "exec/cuda/handles.hpp"
 #include "exec/cuda/optimizer.cuh"
 #include "exec/cuda/probe.hpp"
+#include "exec/gpu_host.hpp"
 #include "exec/profile_driver.hpp"
 #include "exec/stage_compute.hpp"
 
@@ -155,13 +156,6 @@ double optimizer_time(std::int64_t parameters, int repeats, ProfileStatistic sta
 
 // The arena: the device's free memory less a reserve for what lives outside it (cuBLASLt's handles,
 // the CUDA context's growth, kernels' local memory).
-std::int64_t arena_capacity() {
-  const DeviceMemoryInfo info = device_memory_info();
-  const std::int64_t reserve =
-      std::max<std::int64_t>(std::int64_t(512) << 20, info.total_bytes / 32);
-  return std::max<std::int64_t>(info.free_bytes - reserve, 0);
-}
-
 std::string gib(std::int64_t bytes) {
   return fmt::format("{:.1f} GiB", double(bytes) / double(std::int64_t(1) << 30));
 }
@@ -171,11 +165,7 @@ std::string gib(std::int64_t bytes) {
 traces::Trace profile_cuda(const models::ModelSpec& model,
                            const std::vector<std::int64_t>& microbatch_sizes, int repeats,
                            ProfileStatistic statistic) {
-  if (models::dtype_bytes(model.dtype) != 2)
-    throw InputError(fmt::format(
-        "model {}: the CUDA backend runs 2-byte models (bf16; fp16 runs as bf16), the model says "
-        "{}",
-        model.name, models::to_string(model.dtype)));
+  check_gpu_model(model);
   if (repeats < 1) throw InputError("profile: --repeats must be at least 1");
   const std::vector<std::int64_t> sizes = profiling::distinct_sorted(microbatch_sizes);
   if (sizes.empty() || sizes.front() < 1)
@@ -187,7 +177,7 @@ traces::Trace profile_cuda(const models::ModelSpec& model,
   const GpuInfo gpu = current_gpu();
   const models::ModelCosts mc = models::derive_costs(model);  // 2-byte sizes: the stages' own
 
-  const std::int64_t capacity = arena_capacity();
+  const std::int64_t capacity = default_arena_bytes();
   if (capacity < (std::int64_t(64) << 20))
     throw InputError(
         fmt::format("profile: {} has only {} free beyond its reserve (another process?)", gpu.name,

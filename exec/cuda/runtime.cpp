@@ -10,6 +10,7 @@
 #include "exec/cuda/local_transport.hpp"
 #include "exec/cuda/mpi_launch.hpp"
 #include "exec/cuda/worker.hpp"
+#include "exec/gpu_host.hpp"
 #ifdef PW_HAVE_NCCL
 #include "exec/cuda/nccl_transport.hpp"
 #endif
@@ -20,9 +21,13 @@ namespace {
 
 std::int64_t arena_capacity(const CudaRunOptions& run) {
   if (run.arena_bytes > 0) return run.arena_bytes;
-  const DeviceMemoryInfo info = device_memory_info();
-  const std::int64_t reserve = std::int64_t(256) << 20;
-  return std::max<std::int64_t>(std::int64_t(0.9 * double(info.free_bytes)) - reserve, 1 << 20);
+  const std::int64_t bytes = default_arena_bytes();
+  if (bytes < (std::int64_t(64) << 20))
+    throw InputError(
+        fmt::format("--backend cuda: only {} MiB of GPU memory free beyond the reserve "
+                    "(another process?)",
+                    bytes >> 20));
+  return bytes;
 }
 
 #ifdef PW_HAVE_NCCL
@@ -106,11 +111,7 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
                        const TrainOptions& options,
                        const std::function<void(const StepLog&)>& on_step,
                        const CudaRunOptions& run) {
-  if (model.dtype != models::DType::fp16 && model.dtype != models::DType::bf16)
-    throw InputError(
-        fmt::format("model {}: the CUDA backend trains in bf16 (a 2-byte dtype); the model says "
-                    "{}: use a model file with \"dtype\": \"bf16\" (or a preset such as gpt2-124m)",
-                    model.name, models::to_string(model.dtype)));
+  check_gpu_model(model);
   const int devices = cuda_device_count();
   if (devices == 0) throw InputError("--backend cuda: " + no_device_reason());
   const exec::detail::PreparedRun prepared =

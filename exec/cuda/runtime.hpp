@@ -15,8 +15,8 @@ namespace pw::exec::cuda {
 class MpiSession;
 
 struct CudaRunOptions {
-  // Bytes of the one cudaMalloc per device; 0: 90% of what cudaMemGetInfo says is free, less
-  // 256 MiB for cuBLASLt and NCCL's own buffers.
+  // Bytes of the one cudaMalloc per device; 0: default_arena_bytes() (arena.hpp: the free memory
+  // less max(512 MiB, 1/32 of the total) for cuBLASLt, NCCL and the context).
   std::int64_t arena_bytes = 0;
   // A transport op or a wait for the GPU longer than this is an error naming the rank and op.
   double timeout_s = 300;
