@@ -62,7 +62,7 @@ struct StepBook {
   // Called by each rank when its optimizer step of `step` is done (its shard written).
   void finish_step(int step);
   // The log line of `step` ending at `now_s` with these summed losses (finish_step's, and the
-  // gathered logs of an mpirun job).
+  // gathered logs of an mpirun job); its time is from last_end_s, which then becomes now_s.
   StepLog make_log(int step, double loss_sum_of_step, double now_s);
 };
 
