@@ -77,7 +77,6 @@ class CudaWorker {
   void start();
   void run();
   RankResult result();
-  double busy_s() const { return busy_s_; }
 
  private:
   using Key = std::tuple<int, int, int>;  // (step, microbatch, chunk)
