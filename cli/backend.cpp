@@ -10,8 +10,6 @@
 #include "common/error.hpp"
 
 #ifdef PW_HAVE_CUDA
-#include <cuda_runtime.h>
-
 #include "exec/cuda/device.hpp"
 #include "exec/cuda/mpi_launch.hpp"
 #include "exec/cuda/probe.hpp"
@@ -26,14 +24,6 @@ namespace {
 std::unique_ptr<exec::cuda::MpiSession>& mpi() {
   static std::unique_ptr<exec::cuda::MpiSession> session;
   return session;
-}
-
-std::string gpu_name() {
-  cudaDeviceProp prop{};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  return prop.name;
 }
 #endif
 
@@ -84,7 +74,7 @@ MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& mode
 #ifdef PW_HAVE_CUDA
   if (backend == "cuda") {
     const int gpus = mpi() ? mpi()->size() : 1;
-    on.device = gpu_name();
+    on.device = exec::cuda::current_gpu().name;
     on.cluster = fmt::format("{}:{}", on.device, gpus);
     try {
       on.peak_flops_per_s = gpus * exec::cuda::device_peak_flops(on.device, model.dtype);
