@@ -131,6 +131,20 @@ StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int
   return spec;
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bool last,
+                                                                  std::int64_t tied_offset,
+                                                                  std::int64_t tied_size, int d,
+                                                                  std::int64_t n) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  if (last && !first && tied_offset >= 0 && d > 1) {
+    ranges = {{0, tied_offset}, {tied_offset + tied_size, n}};
+  } else {
+    ranges = {{0, n}};
+  }
+  std::erase_if(ranges, [](const auto& r) { return r.second <= r.first; });
+  return ranges;
+}
+
 void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,
                         std::vector<std::int32_t>& tokens, std::vector<std::int32_t>& targets) {
   const planner::Plan& p = book.plan();

@@ -70,6 +70,14 @@ struct StepBook {
 StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
                      int chunk);
 
+// The ranges [begin, end) of a chunk's n parameters its optimizer updates: all, except on the last
+// stage of a tied model split over stages (d > 1): stage 0 updates the tied tensor and sends it,
+// so the last stage skips its copy [tied_offset, tied_offset + tied_size). Empty ranges left out.
+std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bool last,
+                                                                  std::int64_t tied_offset,
+                                                                  std::int64_t tied_size, int d,
+                                                                  std::int64_t n);
+
 // The samples of (step, microbatch) for `replica`: the global batch of step t is samples
 // [t B, (t+1) B); replica r takes its m*b consecutive ones, microbatch j the b after j*b.
 void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,

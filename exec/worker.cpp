@@ -344,20 +344,13 @@ void Worker::optimizer_step(const Op& op) {
 // The last stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it
 // (recv_tied_weights). Its optimizer state stays allocated, unused; its gradient is zero already.
 void Worker::update(Chunk& c, int source, int target) {
-  const auto run = [&](std::int64_t begin, std::int64_t end) {
-    if (end <= begin) return;
+  for (const auto& [begin, end] :
+       updated_ranges(c.first, c.last, c.tied_offset, c.tied_size, s_.plan().d, c.grads.size())) {
     float* v = c.v.empty() ? nullptr : c.v.data() + begin;
     optimizer_update(*s_.options, updates_, c.slots[source].data() + begin,
                      c.slots[target].data() + begin, c.grads.data() + begin, c.m.data() + begin, v,
                      end - begin);
-  };
-  const std::int64_t n = c.grads.size();
-  if (c.last && !c.first && c.tied_offset >= 0 && s_.plan().d > 1) {
-    run(0, c.tied_offset);
-    run(c.tied_offset + c.tied_size, n);
-    return;
   }
-  run(0, n);
 }
 
 RankResult Worker::result() const {

@@ -551,32 +551,24 @@ void CudaWorker::optimizer_step(const Op& op) {
 // stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
 void CudaWorker::update(Chunk& c, bf16* target) {
   const TrainOptions& o = *s_.options;
-  const auto run = [&](std::int64_t begin, std::int64_t end) {
-    if (end <= begin) return;
+  AdamWParams a;
+  a.lr = o.lr;
+  a.beta1 = o.beta1;
+  a.beta2 = o.beta2;
+  a.eps = o.eps;
+  a.weight_decay = o.weight_decay;
+  for (const auto& [begin, end] : exec::detail::updated_ranges(
+           c.first, c.last, c.tied_offset, c.tied_size, s_.plan().d, c.sizes.parameters)) {
     float* master = c.master.as<float>() + begin;
     bf16* grads = c.grads.as<bf16>() + begin;
     float* m = c.m.as<float>() + begin;
-    if (o.optimizer == "adamw") {
-      AdamWParams a;
-      a.lr = o.lr;
-      a.beta1 = o.beta1;
-      a.beta2 = o.beta2;
-      a.eps = o.eps;
-      a.weight_decay = o.weight_decay;
+    if (o.optimizer == "adamw")
       adamw_update(master, target + begin, grads, m, c.v.as<float>() + begin, end - begin, a,
                    updates_, compute_);
-    } else {
+    else
       sgd_momentum_update(master, target + begin, grads, m, end - begin, o.lr, o.momentum,
                           compute_);
-    }
-  };
-  const std::int64_t n = c.sizes.parameters;
-  if (c.last && !c.first && c.tied_offset >= 0 && s_.plan().d > 1) {
-    run(0, c.tied_offset);
-    run(c.tied_offset + c.tied_size, n);
-    return;
   }
-  run(0, n);
 }
 
 // The host's one wait per step: the step's losses, the ids' check, the timeline so far, the
