@@ -61,7 +61,7 @@ void print_ranked(const std::vector<planner::Ranked>& ranked, std::size_t rows) 
   for (std::size_t i = 0; i < std::min(rows, ranked.size()); ++i) {
     const auto& r = ranked[i];
     const auto& p = r.candidate.plan;
-    const bool rc = !p.recompute.empty() && p.recompute[0];
+    const bool rc = p.recompute_of(0) != planner::Recompute::none;
     const bool sim = r.simulated && r.simulated->ok;
     fmt::print(
         "  {:>4} {:<15} {:>4} {:>4} {:>4} {:>5} {:>3} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,

@@ -64,7 +64,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.m = m.value_or(p.d);
     const int ranks = devices * ranks_per_gpu;
     p.w = w.value_or(p.d > 0 && ranks % p.d == 0 ? std::max(1, ranks / p.d) : 1);
-    if (recompute) p.recompute.assign(std::max(p.d, 0), true);
+    if (recompute) p.recompute.assign(std::size_t(std::max(p.d, 0)), planner::Recompute::full);
     p.stage_blocks = stage_blocks;
   }
   if (layers > 0)

@@ -252,12 +252,13 @@ planner::Plan fixed_plan(const SweepSpec& spec, const Overrides& o, std::int64_t
     if (o.d && *o.d != p.d) {
       p.d = *o.d;
       p.stage_blocks.clear();  // a new depth is balanced
-      if (!p.recompute.empty()) p.recompute.assign(p.d, bool(p.recompute.front()));
+      if (!p.recompute.empty()) p.recompute.assign(p.d, planner::Recompute(p.recompute.front()));
     }
     if (o.w) p.w = *o.w;
     if (o.b) p.b = *o.b;
     if (o.m) p.m = *o.m;
-    if (o.recompute) p.recompute.assign(p.d, *o.recompute);
+    if (o.recompute)
+      p.recompute.assign(p.d, *o.recompute ? planner::Recompute::full : planner::Recompute::none);
     if (o.batch) p.m = microbatches_for(*o.batch, p.w, p.b);
     planner::resolve_stages(p, layers);
   }

@@ -158,7 +158,8 @@ LayerCosts head_costs(const ModelSpec& s) {
 
 }  // namespace
 
-ModelCosts derive_costs(const ModelSpec& spec) {
+ModelCosts derive_costs(const ModelSpec& spec, const Sharding& sharding) {
+  if (sharding.t != 1) throw InputError("tensor parallelism: not implemented yet");
   ModelCosts m;
   m.embedding = embedding_costs(spec);
   m.block = block_costs(spec);
@@ -174,7 +175,9 @@ ModelCosts derive_costs(const ModelSpec& spec) {
   return m;
 }
 
-std::vector<Gemm> forward_gemms(const ModelSpec& s, LayerKind kind, std::int64_t b) {
+std::vector<Gemm> forward_gemms(const ModelSpec& s, LayerKind kind, std::int64_t b,
+                                const Sharding& sharding) {
+  if (sharding.t != 1) throw InputError("tensor parallelism: not implemented yet");
   const std::int64_t C = s.hidden, F = s.ffn, T = s.seq_len, NH = s.heads, hd = C / NH;
   const std::int64_t rows = b * T;
   switch (kind) {

@@ -14,12 +14,17 @@ enum class DType { fp32, fp16, bf16 };   // training compute dtype of weights an
 enum class Mlp { gelu, swiglu };         // 2-matrix GELU MLP (GPT/BERT) or 3-matrix SwiGLU (LLaMA)
 enum class Norm { layernorm, rmsnorm };  // LayerNorm (scale + shift) or RMSNorm (scale only)
 enum class Positions { learned, rope };  // learned position table, or rotary (no parameters)
+// How attention runs: fused (FlashAttention: the T x T scores are never stored, only per-row
+// softmax statistics) or unfused (scores and probabilities materialized and stashed).
+enum class Attention { fused, unfused };
 
 int dtype_bytes(DType t);
 std::string to_string(DType t);
 std::string to_string(Arch a);
 DType parse_dtype(const std::string& s);  // throws InputError naming the value
 Arch parse_arch(const std::string& s);
+std::string to_string(Attention a);                // "fused", "unfused"
+Attention parse_attention(const std::string& s);  // throws InputError naming the value
 
 // The shape of a transformer: embedding, `layers` identical blocks, final norm + head.
 struct ModelSpec {
@@ -28,6 +33,7 @@ struct ModelSpec {
   std::int64_t layers = 0;
   std::int64_t hidden = 0;         // C
   std::int64_t heads = 0;          // NH, hidden % heads == 0
+  std::int64_t kv_heads = 0;       // KV heads (GQA / MQA), heads % kv_heads == 0; == heads for MHA
   std::int64_t ffn = 0;            // F, usually 4C
   std::int64_t seq_len = 0;        // T, tokens per sample
   std::int64_t vocab = 0;          // V
@@ -39,7 +45,32 @@ struct ModelSpec {
   Norm norm = Norm::layernorm;
   Positions positions = Positions::learned;
   DType dtype = DType::fp16;
+  Attention attention = Attention::unfused;  // model files default to fused for fp16/bf16
+  bool dropout = false;             // dropout layers (Megatron GPT): 1-byte masks are stashed
+  std::int64_t vocab_multiple = 1;  // Megatron's make-vocab-size-divisible-by (128): the
+                                    // embedding has padded_vocab(t) rows
   std::string description;
+};
+
+// Megatron's padding: the vocabulary rounded up to a multiple of vocab_multiple * t.
+std::int64_t padded_vocab(const ModelSpec& spec, int t = 1);
+
+// How one rank holds a layer: Megatron tensor parallelism over t ranks (column-parallel QKV and
+// MLP input, row-parallel projections, vocabulary-parallel embedding and head), optionally with
+// sequence parallelism (norms, dropouts and residuals split over the sequence).
+struct Sharding {
+  int t = 1;
+  bool sp = false;
+  bool operator==(const Sharding&) const = default;
+};
+
+// A tensor-parallel collective over the t ranks of a TP group.
+enum class CollectiveKind { all_reduce, all_gather, reduce_scatter };
+std::string to_string(CollectiveKind k);  // "all_reduce", "all_gather", "reduce_scatter"
+struct TpCollective {
+  CollectiveKind kind = CollectiveKind::all_reduce;
+  std::int64_t bytes = 0;  // the full (unsharded) tensor, for ONE sample
+  bool operator==(const TpCollective&) const = default;
 };
 
 // The three layer kinds a pipeline stage can hold. Stage 0 holds the embedding, the last stage the
@@ -55,7 +86,8 @@ struct Gemm {
   double flops() const { return 2.0 * double(m) * double(n) * double(k) * double(batch); }
 };
 
-// Costs of one layer for ONE sample (microbatch size 1). Everything scales linearly in b.
+// Costs of one layer on ONE rank of its TP group (all of it when t = 1) for ONE sample
+// (microbatch size 1). Everything scales linearly in b.
 // Formulas and the tensors behind them: docs/formulas.md.
 struct LayerCosts {
   LayerKind kind = LayerKind::block;
@@ -68,25 +100,37 @@ struct LayerCosts {
   std::int64_t activation_bytes = 0;            // stashed for backward without recompute,
                                                 // including the layer's own input
   std::int64_t activation_recompute_bytes = 0;  // stashed with recompute: the input only
+  std::int64_t activation_selective_bytes = 0;  // stashed with selective recompute (the
+                                                // attention core's tensors dropped)
+  double selective_recompute_flops = 0;         // re-running the attention core before backward
   std::int64_t input_bytes = 0;                 // the layer's input activation
   std::int64_t output_bytes = 0;                // what it hands the next layer / stage
   std::int64_t workspace_bytes = 0;             // transient scratch while it runs backward
+  // TP collectives of one forward and of one backward (empty when t = 1), in execution order.
+  std::vector<TpCollective> tp_forward, tp_backward;
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
 };
 
+// Per-rank layer costs for a sharding; the totals are of the whole model (every TP shard).
 struct ModelCosts {
+  Sharding sharding;
   LayerCosts embedding, block, head;
   std::int64_t total_parameters = 0;  // embedding + layers * block + head (tied weights once)
-  // Parameters of the tied token embedding that the last stage must hold as a copy when the
-  // embedding and the head sit on different stages (0 when untied).
+  // Parameters (per rank) of the tied token embedding that the last stage must hold as a copy
+  // when the embedding and the head sit on different stages (0 when untied).
   std::int64_t tied_copy_parameters = 0;
-  double flops_per_sample = 0;  // forward + backward, whole model
+  double flops_per_sample = 0;  // forward + backward, whole model (all shards)
   const LayerCosts& layer(LayerKind k) const;
 };
 
-ModelCosts derive_costs(const ModelSpec& spec);
-// The forward GEMMs of one layer for microbatch size b.
-std::vector<Gemm> forward_gemms(const ModelSpec& spec, LayerKind kind, std::int64_t b);
+ModelCosts derive_costs(const ModelSpec& spec, const Sharding& sharding = {});
+// The forward GEMMs one rank runs for one layer at microbatch size b.
+std::vector<Gemm> forward_gemms(const ModelSpec& spec, LayerKind kind, std::int64_t b,
+                                const Sharding& sharding = {});
+
+// Throws InputError "<source>: /heads: tensor-parallel size 3 does not divide 32" when t does not
+// divide heads, kv_heads, ffn or the padded vocabulary, or t < 1.
+void check_sharding(const ModelSpec& spec, const Sharding& sharding, const std::string& source);
 
 // Throws InputError naming the field when a shape is impossible (hidden % heads, seq_len >
 // max_positions, non-positive sizes).

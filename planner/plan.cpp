@@ -27,6 +27,25 @@ std::string to_string(Schedule s) {
   return "?";
 }
 
+std::string to_string(Recompute r) {
+  switch (r) {
+    case Recompute::none:
+      return "none";
+    case Recompute::selective:
+      return "selective";
+    case Recompute::full:
+      return "full";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& s) {
+  for (Recompute x : {Recompute::none, Recompute::selective, Recompute::full})
+    if (s == to_string(x)) return x;
+  throw InputError(
+      fmt::format("unknown recompute mode \"{}\" (expected none, selective or full)", s));
+}
+
 Schedule parse_schedule(const std::string& s) {
   for (Schedule x : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
                      Schedule::interleaved, Schedule::dp})
@@ -153,11 +172,20 @@ Plan parse_plan(const Json& json, const std::string& source) {
     for (std::size_t i = 0; i < sb->size(); ++i)
       p.stage_blocks.push_back(sb->at(i).as_int());
   if (auto rc = r.find("recompute")) {
-    if (rc->value().is_boolean()) {
-      p.recompute.assign(p.d, rc->as_bool());
-    } else {
+    // true / false (full / none), a mode name, or one of those per stage.
+    auto mode = [&](const JsonReader& e) {
+      if (e.value().is_boolean()) return e.as_bool() ? Recompute::full : Recompute::none;
+      try {
+        return parse_recompute(e.as_string());
+      } catch (const InputError& err) {
+        e.fail(err.what());
+      }
+    };
+    if (rc->value().is_array()) {
       for (std::size_t i = 0; i < rc->size(); ++i)
-        p.recompute.push_back(rc->at(i).as_bool());
+        p.recompute.push_back(mode(rc->at(i)));
+    } else {
+      p.recompute.assign(std::size_t(p.d), mode(*rc));
     }
   }
   if (auto pl = r.find("placement"))
@@ -188,7 +216,7 @@ Json to_json(const Plan& p) {
             {"stage_blocks", p.stage_blocks}};
   Json rc = Json::array();
   for (int s = 0; s < p.d; ++s)
-    rc.push_back(p.recomputes(s));
+    rc.push_back(to_string(p.recompute_of(s)));
   j["recompute"] = rc;
   Json pl = Json::array();
   for (int r = 0; r < int(p.placement.size()); ++r)

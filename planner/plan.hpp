@@ -16,6 +16,12 @@ enum class Schedule { gpipe, one_f_one_b, two_bw, interleaved, dp };
 std::string to_string(Schedule s);              // "gpipe", "1f1b", "2bw", "interleaved", "dp"
 Schedule parse_schedule(const std::string& s);  // throws InputError listing the valid names
 
+// Activation recomputation of a stage: none, selective (Korthikanti et al. 2022: the attention
+// core's tensors are dropped and recomputed), or full (only each chunk's input is kept).
+enum class Recompute { none, selective, full };
+std::string to_string(Recompute r);              // "none", "selective", "full"
+Recompute parse_recompute(const std::string& s);  // throws InputError listing the valid names
+
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
 struct Placement {
   int node = 0;
@@ -23,11 +29,18 @@ struct Placement {
   bool operator==(const Placement&) const = default;
 };
 
-// Ranks are numbered pipeline-major: rank = replica * d + stage. Stage s of every replica holds
-// the same blocks. With interleaved, device stage s holds chunks c = 0..v-1, which are virtual
-// stages c*d + s.
+// Pipeline ranks (one program each) are numbered pipeline-major: rank = replica * d + stage.
+// Stage s of every replica holds the same blocks. With interleaved, device stage s holds chunks
+// c = 0..v-1, which are virtual stages c*d + s. Each pipeline rank is a tensor-parallel group of
+// t GPUs running the same program on its shards: GPUs placement.gpu .. placement.gpu + t - 1 of
+// its node, device rank = pipeline rank * t + TP index.
 struct Plan {
   Schedule schedule = Schedule::one_f_one_b;
+  int t = 1;        // tensor-parallel size (Megatron), GPUs of one TP group, inside one node
+  bool sp = false;  // sequence parallelism (needs t > 1)
+  // Optimizer state and fp32 master weights sharded over the w replicas of a stage (Megatron's
+  // distributed optimizer, ZeRO-1): gradients reduce-scattered, parameters all-gathered.
+  bool distributed_optimizer = false;
   int w = 1;  // data-parallel width (replicas of each stage)
   int d = 1;  // pipeline depth (stages)
   int b = 1;  // microbatch size (samples)
@@ -35,18 +48,23 @@ struct Plan {
   int v = 1;  // model chunks per device (interleaved only)
   // Blocks per virtual stage, in pipeline order (d*v entries). Empty: balanced over the model.
   std::vector<std::int64_t> stage_blocks;
-  // Recompute activations on each stage (d entries). Empty: no recomputation anywhere.
-  std::vector<bool> recompute;
-  // rank -> device (w*d entries). Empty: not placed yet (place() fills it from a cluster).
+  // Recomputation of each stage (d entries). Empty: no recomputation anywhere.
+  std::vector<Recompute> recompute;
+  // pipeline rank -> device of its first TP member (w*d entries). Empty: not placed yet (place()
+  // fills it from a cluster).
   std::vector<Placement> placement;
 
-  int ranks() const { return w * d; }
+  int ranks() const { return w * d; }  // pipeline ranks (programs)
+  int gpus() const { return t * w * d; }
   int virtual_stages() const { return d * v; }
   std::int64_t global_batch() const { return std::int64_t(w) * m * b; }
   int stage_of(int rank) const { return rank % d; }
   int replica_of(int rank) const { return rank / d; }
   int rank_of(int stage, int replica) const { return replica * d + stage; }
-  bool recomputes(int stage) const { return !recompute.empty() && recompute[stage]; }
+  Recompute recompute_of(int stage) const {
+    return recompute.empty() ? Recompute::none : recompute[std::size_t(stage)];
+  }
+  bool recomputes(int stage) const { return recompute_of(stage) == Recompute::full; }
 };
 
 // Structural checks that need no model or cluster: w, d, b, m, v >= 1; d == 1 for dp; m >= d for

@@ -38,7 +38,7 @@ int schedule_rank(Schedule s) {
 }
 
 bool any_recompute(const Plan& p) {
-  return std::any_of(p.recompute.begin(), p.recompute.end(), [](bool r) { return r; });
+  return std::any_of(p.recompute.begin(), p.recompute.end(), [](Recompute r) { return r != Recompute::none; });
 }
 
 // Candidate shapes (w, d) for n ranks.
@@ -74,7 +74,7 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
         p.b = b;
         p.m = int(m);
         p.v = v;
-        if (rc) p.recompute.assign(std::size_t(d), true);
+        if (rc) p.recompute.assign(std::size_t(d), Recompute::full);
         out.push_back(p);
       }
     }

@@ -23,10 +23,10 @@ Compared compare(double predicted, double measured) {
 
 namespace {
 
-std::vector<bool> recompute_list(const Plan& p) {
-  std::vector<bool> r(std::size_t(std::max(p.d, 0)), false);
+std::vector<std::string> recompute_list(const Plan& p) {
+  std::vector<std::string> r;
   for (int s = 0; s < p.d; ++s)
-    r[std::size_t(s)] = p.recomputes(s);
+    r.push_back(to_string(p.recompute_of(s)));
   return r;
 }
 

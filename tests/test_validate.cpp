@@ -61,16 +61,16 @@ TEST(Compare, RelativeErrorOfThePrediction) {
 TEST(PlanDifference, NamesTheFirstDifferingField) {
   Plan a = two_stage_plan(), b = two_stage_plan();
   EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
-  b.recompute = {false, false};  // the same as no list
+  b.recompute = {planner::Recompute::none, planner::Recompute::none};  // the same as no list
   EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
   b.placement = {{0, 0}, {0, 1}};  // placement is not compared
   EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "");
   b.m = 8;
   EXPECT_EQ(planner::plan_difference(a, b, "A", "B"), "/plan/m: 4 in A but 8 in B");
   b = two_stage_plan();
-  b.recompute = {true, false};
+  b.recompute = {planner::Recompute::full, planner::Recompute::none};
   EXPECT_EQ(planner::plan_difference(a, b, "A", "B"),
-            "/plan/recompute: [false, false] in A but [true, false] in B");
+            "/plan/recompute: [none, none] in A but [full, none] in B");
   b = two_stage_plan();
   b.schedule = planner::Schedule::one_f_one_b;
   EXPECT_NE(planner::plan_difference(a, b, "A", "B").find("/plan/schedule: 2bw in A but 1f1b"),

@@ -94,7 +94,9 @@ double adamw_bytes_per_parameter(models::DType t) {
 }
 
 Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& device,
-                     const std::vector<std::int64_t>& microbatch_sizes) {
+                     const std::vector<std::int64_t>& microbatch_sizes,
+                     const models::Sharding& sharding) {
+  if (sharding.t != 1) throw InputError("tensor parallelism: not implemented yet");
   const auto sizes = checked_sizes(microbatch_sizes);
   const models::ModelCosts costs = models::derive_costs(spec);
   Trace t;

@@ -33,7 +33,9 @@ bool is_weight_gemm(const models::Gemm& g);
 double adamw_bytes_per_parameter(models::DType t);
 
 // One entry per microbatch size (each >= 1, no duplicates; sorted in the result).
+// Times and bytes are those of one rank of a TP group of `sharding`'s shape.
 Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& device,
-                     const std::vector<std::int64_t>& microbatch_sizes);
+                     const std::vector<std::int64_t>& microbatch_sizes,
+                     const models::Sharding& sharding = {});
 
 }  // namespace pw::traces

@@ -53,8 +53,10 @@ struct LayerTimes {
   double backward_input_s = 0;        // dL/dx only
   double backward_weight_s = 0;       // dL/dW only
   double recompute_s = 0;             // re-running the forward before the backward
+  double selective_recompute_s = 0;   // re-running the attention core before the backward
   std::int64_t activation_bytes = 0;  // stashed for backward without recompute
   std::int64_t activation_recompute_bytes = 0;  // stashed with recompute
+  std::int64_t activation_selective_bytes = 0;  // stashed with selective recompute
   std::int64_t output_bytes = 0;                // handed to the next layer / stage
   std::int64_t workspace_bytes = 0;             // transient scratch
   bool operator==(const LayerTimes&) const = default;
@@ -70,6 +72,7 @@ struct Trace {
   std::string model;   // model name
   std::string device;  // device spec name ("H100-SXM")
   models::DType dtype = models::DType::fp16;
+  models::Sharding sharding;  // times and bytes are of one rank of a TP group of this shape
   TraceSource source;
   ByLayer<LayerStatic> statics;
   std::vector<Entry> entries;  // sorted by microbatch size, no duplicates
@@ -80,7 +83,8 @@ struct Trace {
   const Entry& at(std::int64_t b) const;
   std::vector<std::int64_t> microbatch_sizes() const;
   bool operator==(const Trace& o) const {  // ignores origin
-    return model == o.model && device == o.device && dtype == o.dtype && source == o.source &&
+    return model == o.model && device == o.device && dtype == o.dtype &&
+           sharding == o.sharding && source == o.source &&
            statics == o.statics && entries == o.entries;
   }
 };
