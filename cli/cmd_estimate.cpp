@@ -11,14 +11,20 @@ namespace pw::cli {
 
 namespace {
 
+const char* rc_label(planner::Recompute r) {
+  return r == planner::Recompute::full ? "yes"
+                                       : (r == planner::Recompute::selective ? "sel" : "no");
+}
+
 void print_estimate(const planner::Estimate& est, const models::ModelSpec& model,
                     const clusters::Cluster& cluster) {
   const auto& r = est.report;
   const auto& p = r.plan;
-  fmt::print("{} on {} ({} x {} x {}): {} w={} d={} b={} m={}{}, global batch {}\n", model.name,
+  fmt::print("{} on {} ({} x {} x {}): {}{} w={} d={} b={} m={}{}{}, global batch {}\n", model.name,
              cluster.name, cluster.nodes, cluster.gpus_per_node, cluster.device.name,
-             to_string(p.schedule), p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
-             p.global_batch());
+             to_string(p.schedule), p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "",
+             p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
+             p.distributed_optimizer ? " distributed-optimizer" : "", p.global_batch());
   fmt::print(
       "  step time {} (pipeline {}, all-reduce {}, tied-embedding exchange {}, optimizer {})\n",
       human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
@@ -33,7 +39,7 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
     const auto& d = r.devices[p.rank_of(st.stage, 0)];
     fmt::print(
         "  {:>5} {:>6} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {} / {}{}\n",
-        st.stage, st.blocks, st.recompute ? "yes" : "no", human_seconds(st.forward_s),
+        st.stage, st.blocks, rc_label(st.recompute), human_seconds(st.forward_s),
         human_seconds(st.backward_s), human_bytes(st.memory.weights),
         human_bytes(st.memory.weight_versions), human_bytes(st.memory.gradients),
         human_bytes(st.memory.optimizer), human_bytes(st.memory.activations), st.in_flight,

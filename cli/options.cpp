@@ -35,7 +35,17 @@ void PlanOptions::add(CLI::App& app) {
   app.add_option("-m,--microbatches", m, "microbatches per optimizer step (default d)");
   app.add_option("-b,--microbatch-size", b, "samples per microbatch")->capture_default_str();
   app.add_option("-v,--chunks", v, "model chunks per device (interleaved)");
-  app.add_flag("--recompute", recompute, "recompute activations on every stage");
+  app.add_option("--tp", t, "tensor-parallel size (Megatron; a TP group stays inside a node)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1'000'000));
+  app.add_flag("--sp", sp, "sequence parallelism (needs --tp > 1)");
+  app.add_option("--recompute", recompute,
+                 "recompute activations on every stage: none, selective (attention core) or "
+                 "full; a bare --recompute means full")
+      ->expected(0, 1);
+  app.add_flag("--distributed-optimizer", distributed_optimizer,
+               "shard optimizer state and fp32 master weights over the data-parallel replicas "
+               "(Megatron's distributed optimizer, ZeRO-1)");
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
       ->delimiter(',');
@@ -46,8 +56,8 @@ void PlanOptions::add(CLI::App& app) {
 }
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
-  for (const char* name :
-       {"--schedule", "-w", "-d", "-m", "-b", "-v", "--recompute", "--stage-blocks"})
+  for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
+                           "--recompute", "--distributed-optimizer", "--stage-blocks"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -62,9 +72,17 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.v = v.value_or(1);
     p.b = b;
     p.m = m.value_or(p.d);
-    const int ranks = devices * ranks_per_gpu;
-    p.w = w.value_or(p.d > 0 && ranks % p.d == 0 ? std::max(1, ranks / p.d) : 1);
-    if (recompute) p.recompute.assign(std::size_t(std::max(p.d, 0)), planner::Recompute::full);
+    p.t = t;
+    p.sp = sp;
+    p.distributed_optimizer = distributed_optimizer;
+    const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
+    p.w =
+        w.value_or(p.d > 0 && groups % p.d == 0 ? int(std::max<std::int64_t>(1, groups / p.d)) : 1);
+    if (recompute) {
+      const auto mode =
+          recompute->empty() ? planner::Recompute::full : planner::parse_recompute(*recompute);
+      if (mode != planner::Recompute::none) p.recompute.assign(std::size_t(std::max(p.d, 0)), mode);
+    }
     p.stage_blocks = stage_blocks;
   }
   if (layers > 0)
@@ -76,6 +94,8 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
 
 void ScenarioOptions::add(CLI::App& app) {
   app.add_option("--model", model, "model preset or JSON file")->capture_default_str();
+  app.add_option("--seq-len", seq_len, "override the model's sequence length (tokens per sample)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
   cluster.add(app, "p3.16xlarge:8");
   plan.add(app);
   app.add_option("--trace,-t", trace, "trace JSON (default: analytic for the cluster's device)");
@@ -96,10 +116,11 @@ Scenario ScenarioOptions::resolve(const CLI::App& app) {
     fmt::print("(default scenario: {} on {}, 2bw, w=8 d=8 b=1 m=64; see --help)\n", model,
                cluster.cluster);
   }
-  Scenario sc{models::load_model(model), cluster.load(), {}, {}};
+  Scenario sc{load_model_with(model, seq_len), cluster.load(), {}, {}};
   sc.plan = plan.build(sc.model.layers, sc.cluster.devices());
   planner::place(sc.plan, {sc.cluster.nodes, sc.cluster.gpus_per_node}, plan.ranks_per_gpu);
-  sc.trace = load_or_make_trace(trace, sc.model, sc.cluster.device, sc.plan.b);
+  sc.trace =
+      load_or_make_trace(trace, sc.model, sc.cluster.device, sc.plan.b, {sc.plan.t, sc.plan.sp});
   return sc;
 }
 
@@ -121,9 +142,20 @@ std::function<void(int, int)> progress_bar(const std::string& what) {
   };
 }
 
+models::ModelSpec load_model_with(const std::string& name, std::optional<std::int64_t> seq_len) {
+  models::ModelSpec m = models::load_model(name);
+  if (seq_len) {
+    m.seq_len = *seq_len;
+    models::validate(m, fmt::format("{} with --seq-len {}", name, *seq_len));
+  }
+  return m;
+}
+
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
-                                 const clusters::DeviceSpec& device, std::int64_t b) {
-  if (trace_file.empty()) return traces::analytic_trace(model, device, {b});
+                                 const clusters::DeviceSpec& device, std::int64_t b,
+                                 const models::Sharding& sharding) {
+  models::check_sharding(model, sharding, model.name);
+  if (trace_file.empty()) return traces::analytic_trace(model, device, {b}, sharding);
   traces::Trace t = traces::read_trace(trace_file);
   if (t.model != model.name)
     throw InputError(fmt::format("{}: /model: trace is for model \"{}\", not \"{}\"", trace_file,
@@ -132,6 +164,10 @@ traces::Trace load_or_make_trace(const std::string& trace_file, const models::Mo
     throw InputError(fmt::format("{}: /dtype: trace is in {}, but model {} trains in {}",
                                  trace_file, models::to_string(t.dtype), model.name,
                                  models::to_string(model.dtype)));
+  if (!(t.sharding == sharding))
+    throw InputError(fmt::format(
+        "{}: /tensor_parallel: trace is for t = {}{}, but the plan has t = {}{}", trace_file,
+        t.sharding.t, t.sharding.sp ? " with SP" : "", sharding.t, sharding.sp ? " with SP" : ""));
   if (t.device != device.name)
     fmt::print("note: trace {} was made on {}; the cluster's device is {} (its timings are used)\n",
                trace_file, t.device, device.name);

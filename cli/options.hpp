@@ -25,13 +25,17 @@ struct ClusterOptions {
   clusters::Cluster load() const;
 };
 
-// A plan file (--plan) or the flags -w -d -m -b --schedule -v --recompute --stage-blocks.
+// A plan file (--plan) or the flags -w -d -m -b --schedule -v --tp --sp --recompute
+// --distributed-optimizer --stage-blocks.
 struct PlanOptions {
   std::string plan_file;
   std::string schedule = "1f1b";
   std::optional<int> w, d, m, v;
   int b = 1;
-  bool recompute = false;
+  int t = 1;
+  bool sp = false;
+  bool distributed_optimizer = false;
+  std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;
   void add(CLI::App& app);
@@ -54,6 +58,7 @@ struct Scenario {
 // m=64 (global batch 512).
 struct ScenarioOptions {
   std::string model = "pd2bw-gpt-3.9b";
+  std::optional<std::int64_t> seq_len;
   ClusterOptions cluster;
   PlanOptions plan;
   std::string trace;
@@ -70,9 +75,14 @@ std::string oom_message(const planner::RunReport& r);
 // stderr is not a terminal (CI logs stay clean).
 std::function<void(int, int)> progress_bar(const std::string& what);
 
-// Analytic trace for the cluster's device, or --trace FILE (checked against the model).
+// Analytic trace for the cluster's device, or --trace FILE (checked against the model), for one
+// GPU of a TP group of `sharding`'s shape.
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
-                                 const clusters::DeviceSpec& device, std::int64_t b);
+                                 const clusters::DeviceSpec& device, std::int64_t b,
+                                 const models::Sharding& sharding = {});
+
+// A model preset or file, its sequence length replaced by `seq_len` when given (re-validated).
+models::ModelSpec load_model_with(const std::string& name, std::optional<std::int64_t> seq_len);
 
 std::vector<std::int64_t> parse_int_list(const std::string& text, const std::string& option);
 

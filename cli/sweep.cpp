@@ -49,10 +49,16 @@ std::int64_t parse_positive(const std::string& text) {
   return v;
 }
 
-bool parse_bool(const std::string& text) {
-  if (text == "true") return true;
-  if (text == "false") return false;
-  throw InputError(fmt::format("\"{}\" is not true or false", text));
+// A recompute value: a mode (none, selective, full), or true / false for full / none.
+planner::Recompute parse_recompute_value(const std::string& text) {
+  if (text == "true") return planner::Recompute::full;
+  if (text == "false") return planner::Recompute::none;
+  try {
+    return planner::parse_recompute(text);
+  } catch (const InputError&) {
+    throw InputError(
+        fmt::format("\"{}\" is not a recompute mode (none, selective, full, true or false)", text));
+  }
 }
 
 // The sets that make a point's cluster: the base --set list, then the point's cluster axes.
@@ -78,7 +84,7 @@ void check_value(const SweepSpec& spec, const Axis& axis, const std::string& val
       planner::parse_schedule(value);
       return;
     case KeyKind::recompute:
-      parse_bool(value);
+      parse_recompute_value(value);
       return;
     case KeyKind::cluster: {
       std::vector<std::string> sets = spec.cluster.sets;
@@ -179,7 +185,7 @@ namespace {
 struct Overrides {
   std::optional<std::string> schedule;
   std::optional<int> w, d, b, m;
-  std::optional<bool> recompute;
+  std::optional<planner::Recompute> recompute;
   std::optional<std::int64_t> batch;
 };
 
@@ -208,7 +214,7 @@ Overrides overrides_of(const SweepSpec& spec, const Point& pt) {
         o.batch = parse_positive(v);
         break;
       case KeyKind::recompute:
-        o.recompute = parse_bool(v);
+        o.recompute = parse_recompute_value(v);
         break;
       default:
         break;
@@ -241,7 +247,7 @@ planner::Plan fixed_plan(const SweepSpec& spec, const Overrides& o, std::int64_t
     if (o.w) f.w = o.w;
     if (o.b) f.b = *o.b;
     if (o.m) f.m = o.m;
-    if (o.recompute) f.recompute = *o.recompute;
+    if (o.recompute) f.recompute = planner::to_string(*o.recompute);
     const int d = f.d.value_or(1);
     const int w = f.w.value_or(d > 0 && ranks % d == 0 ? std::max(1, ranks / d) : 1);
     if (o.batch) f.m = microbatches_for(*o.batch, w, f.b);
@@ -252,13 +258,13 @@ planner::Plan fixed_plan(const SweepSpec& spec, const Overrides& o, std::int64_t
     if (o.d && *o.d != p.d) {
       p.d = *o.d;
       p.stage_blocks.clear();  // a new depth is balanced
-      if (!p.recompute.empty()) p.recompute.assign(p.d, planner::Recompute(p.recompute.front()));
+      if (!p.recompute.empty())
+        p.recompute.assign(std::size_t(p.d), planner::Recompute(p.recompute.front()));
     }
     if (o.w) p.w = *o.w;
     if (o.b) p.b = *o.b;
     if (o.m) p.m = *o.m;
-    if (o.recompute)
-      p.recompute.assign(p.d, *o.recompute ? planner::Recompute::full : planner::Recompute::none);
+    if (o.recompute) p.recompute.assign(std::size_t(p.d), *o.recompute);
     if (o.batch) p.m = microbatches_for(*o.batch, p.w, p.b);
     planner::resolve_stages(p, layers);
   }

@@ -1,6 +1,7 @@
 // What every backend's workers share (see run_common.hpp).
 #include "exec/run_common.hpp"
 
+#include <algorithm>
 #include <exception>
 #include <thread>
 
@@ -41,6 +42,23 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   if (options.checkpoint_every < 1) throw InputError("--checkpoint-every must be at least 1");
   if (options.resume && options.checkpoint_dir.empty())
     throw InputError("--resume needs --checkpoint-dir");
+  // What the executor does not run yet (issue 14): say so instead of running something else.
+  if (plan.t > 1 || plan.sp)
+    throw InputError(
+        fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
+                    "(t = {}); simulate or estimate it instead",
+                    backend, plan.t));
+  if (plan.distributed_optimizer && plan.w > 1)
+    throw InputError(
+        fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
+                    "optimizer yet; simulate or estimate it instead",
+                    backend));
+  if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
+                  [](planner::Recompute r) { return r == planner::Recompute::selective; }))
+    throw InputError(
+        fmt::format("plan: recompute: the {} executor recomputes whole stages "
+                    "(full) or nothing, not selective",
+                    backend));
   PreparedRun run;
   run.identity = run_identity(model, plan, options, backend);
   if (!options.checkpoint_dir.empty()) remove_incomplete_checkpoints(options.checkpoint_dir);

@@ -224,3 +224,11 @@ void validate(const ModelSpec& s, const std::string& source) {
 }
 
 }  // namespace pw::models
+
+namespace pw::models {
+// Placeholder until the models branch lands (it implements sharding).
+void check_sharding(const ModelSpec&, const Sharding& sh, const std::string& source) {
+  if (sh.t != 1)
+    throw InputError(fmt::format("{}: tensor parallelism: not implemented yet", source));
+}
+}  // namespace pw::models

@@ -30,6 +30,31 @@ double ring_allreduce_s(double bytes, int n, const clusters::Link& link) {
   return 2.0 * (n - 1) * (link.latency_s + bytes / (n * link.bandwidth_bytes_per_s));
 }
 
+double tp_time_s(const TpTraffic& tr, int t, const clusters::Link& link) {
+  if (t <= 1 || tr.empty()) return 0;
+  const double steps = double(tr.latency_steps(t));
+  const double moved = 2.0 * (t - 1) / t * tr.equivalent_allreduce_bytes();
+  return steps * link.latency_s + moved / link.bandwidth_bytes_per_s;
+}
+
+MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
+                              std::int64_t parameters) {
+  const std::int64_t e = models::dtype_bytes(model.dtype);
+  MemoryBreakdown m;
+  m.weights = parameters * e;
+  m.gradients = parameters * e;
+  const std::int64_t optimizer = parameters * optimizer_bytes_per_parameter(model.dtype);
+  // The distributed optimizer shards master weights and Adam state over the w replicas (each
+  // holds ceil(1/w) of them).
+  m.optimizer = p.distributed_optimizer && p.w > 1 ? (optimizer + p.w - 1) / p.w : optimizer;
+  return m;
+}
+
+clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank) {
+  const auto& a = p.placement[std::size_t(rank)];
+  return clusters::p2p_link(c, a.node, a.gpu, a.node, a.gpu + (p.t > 1 ? 1 : 0));
+}
+
 namespace {
 
 // Microbatches (or, interleaved, microbatch-chunks) a device stashes at its peak.
@@ -81,16 +106,40 @@ int nic_sharers(const clusters::Cluster& c, const Plan& p, int s) {
   return std::max(k, 1);
 }
 
+void add_traffic(TpTraffic& tr, const std::vector<models::TpCollective>& list, std::int64_t count,
+                 std::int64_t b) {
+  for (const auto& c : list) {
+    const double bytes = double(count) * double(b) * double(c.bytes);
+    if (c.kind == models::CollectiveKind::all_reduce) {
+      tr.allreduce_bytes += bytes;
+      tr.allreduces += count;
+    } else {
+      tr.half_bytes += bytes;
+      tr.halves += count;
+    }
+  }
+}
+
+// The t GPUs of a TP group whose flows over `link` share one NIC (a NIC per node, the link crosses
+// the network); 1 otherwise.
+int tp_nic_sharers(const clusters::Cluster& c, const Plan& p, const clusters::Link& link) {
+  return link.via == "network" && c.network.nic_per == clusters::NicPer::node ? p.t : 1;
+}
+
 // Adds `count` layers' per-microbatch costs (trace entry at b) to a chunk.
-void add_layer(ChunkCost& ch, const traces::Trace& trace, const traces::LayerTimes& t,
-               LayerKind kind, std::int64_t count, std::int64_t parameters) {
+void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCosts& lc,
+               const traces::LayerTimes& t, LayerKind kind, std::int64_t count, std::int64_t b) {
   ch.forward_s += count * t.forward_s;
   ch.backward_s += count * t.backward_s;
   ch.recompute_s += count * t.recompute_s;
+  ch.selective_recompute_s += count * t.selective_recompute_s;
   ch.optimizer_s += count * trace.statics[kind].optimizer_step_s;
-  ch.parameters += count * parameters;
+  ch.parameters += count * lc.parameters;
   ch.stash_bytes += count * t.activation_bytes;
+  ch.selective_bytes += count * t.activation_selective_bytes;
   ch.workspace_bytes = std::max(ch.workspace_bytes, t.workspace_bytes);
+  add_traffic(ch.tp_forward, lc.tp_forward, count, b);
+  add_traffic(ch.tp_backward, lc.tp_backward, count, b);
 }
 
 }  // namespace
@@ -107,11 +156,10 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   const bool last = ch.virtual_stage == p.virtual_stages() - 1;
   if (first) {
     ch.has_embedding = true;
-    add_layer(ch, trace, e.layers[LayerKind::embedding], LayerKind::embedding, 1,
-              mc.embedding.parameters);
+    add_layer(ch, trace, mc.embedding, e.layers[LayerKind::embedding], LayerKind::embedding, 1,
+              p.b);
   }
-  add_layer(ch, trace, e.layers[LayerKind::block], LayerKind::block, ch.blocks,
-            mc.block.parameters);
+  add_layer(ch, trace, mc.block, e.layers[LayerKind::block], LayerKind::block, ch.blocks, p.b);
   // With recomputation a chunk keeps only its input: the token ids on the first virtual stage,
   // the first block's input elsewhere.
   ch.input_bytes = first ? e.layers[LayerKind::embedding].activation_recompute_bytes
@@ -119,7 +167,7 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   ch.output_bytes = last ? 0 : e.layers[LayerKind::block].output_bytes;
   if (last) {
     ch.has_head = true;
-    add_layer(ch, trace, e.layers[LayerKind::head], LayerKind::head, 1, mc.head.parameters);
+    add_layer(ch, trace, mc.head, e.layers[LayerKind::head], LayerKind::head, 1, p.b);
     // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
     if (!first) ch.parameters += mc.tied_copy_parameters;
   }
@@ -134,43 +182,73 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   const traces::Entry& e = trace.at(p.b);
   StageCost st;
   st.stage = s;
-  st.recompute = p.recomputes(s);
+  st.recompute = p.recompute_of(s);
+  const clusters::Link tp = tp_link(cluster, p, p.rank_of(s, 0));
   for (int c = 0; c < p.v; ++c) {
     const ChunkCost ch = chunk_cost(mc, trace, p, s, c);
+    const double tp_forward = tp_time_s(ch.tp_forward, p.t, tp);
+    const double tp_backward = tp_time_s(ch.tp_backward, p.t, tp);
     st.blocks += ch.blocks;
     st.has_embedding |= ch.has_embedding;
     st.has_head |= ch.has_head;
-    st.forward_s += ch.forward_s;
-    st.backward_s += ch.backward_s + (st.recompute ? ch.recompute_s : 0.0);
+    st.forward_s += ch.forward_s + tp_forward;
+    st.backward_s += ch.backward_s + tp_backward;
+    st.tp_s += tp_forward + tp_backward;
+    if (st.recompute == Recompute::full) {  // the forward again, its TP collectives included
+      st.backward_s += ch.recompute_s + tp_forward;
+      st.tp_s += tp_forward;
+    } else if (st.recompute == Recompute::selective) {
+      st.backward_s += ch.selective_recompute_s;
+    }
     st.optimizer_s += ch.optimizer_s;
     st.parameters += ch.parameters;
     st.stash_bytes += ch.stash_bytes;
+    st.selective_bytes += ch.selective_bytes;
     st.input_bytes += ch.input_bytes;
     st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
-  const std::int64_t eb = models::dtype_bytes(model.dtype);
-  st.memory.weights = st.parameters * eb;
-  st.memory.weight_versions = p.schedule == Schedule::two_bw ? st.parameters * eb : 0;
-  st.memory.gradients = st.parameters * eb;
-  st.memory.optimizer = st.parameters * optimizer_bytes_per_parameter(model.dtype);
+  const std::int64_t workspace = st.memory.workspace;
+  st.memory = static_memory(model, p, st.parameters);
+  st.memory.workspace = workspace;
+  st.memory.weight_versions =
+      p.schedule == Schedule::two_bw ? st.parameters * models::dtype_bytes(model.dtype) : 0;
+  if (p.distributed_optimizer && p.w > 1) st.optimizer_s /= p.w;  // each updates its shard
   st.in_flight = in_flight(p, s);
   // Interleaved stashes microbatch-chunks: each is on average 1/v of the device's stash.
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
+  const std::int64_t selective_unit = p.v > 1 ? st.selective_bytes / p.v : st.selective_bytes;
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
-  st.memory.activations =
-      st.recompute ? st.in_flight * input_unit + st.stash_bytes : st.in_flight * per_unit;
+  switch (st.recompute) {
+    case Recompute::full:
+      st.memory.activations = st.in_flight * input_unit + st.stash_bytes;
+      break;
+    case Recompute::selective:
+      st.memory.activations = st.in_flight * selective_unit;
+      break;
+    case Recompute::none:
+      st.memory.activations = st.in_flight * per_unit;
+      break;
+  }
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
-  // replicas leaving a node through its one NIC at the same moment share it.
+  // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
+  // of the TP group sends its 1/t of the tensor to its counterpart (Megatron's scatter/gather;
+  // with SP the output is already split), all through the node's NIC when there is one per node.
   if (p.d > 1 && (s < p.d - 1 || p.v > 1)) {
     const int next = p.rank_of((s + 1) % p.d, 0);
     const clusters::Link link = rank_link(cluster, p, p.rank_of(s, 0), next);
-    st.send_s = p.v * (link.latency_s + nic_sharers(cluster, p, s) *
-                                            double(e.layers[LayerKind::block].output_bytes) /
-                                            link.bandwidth_bytes_per_s);
+    const double out = double(e.layers[LayerKind::block].output_bytes);
+    const double piece = p.sp ? out : out / p.t;
+    const int sharers = nic_sharers(cluster, p, s) * tp_nic_sharers(cluster, p, link);
+    st.send_s = p.v * (link.latency_s + sharers * piece / link.bandwidth_bytes_per_s);
   }
-  if (p.w > 1)
-    st.allreduce_s =
-        ring_allreduce_s(double(st.memory.gradients), p.w, replica_ring_link(cluster, p, s));
+  // Each GPU of a TP group all-reduces its own shard over the stage's w replicas, the t rings at
+  // once (sharing a node's NIC). The distributed optimizer's reduce-scatter of the gradients and
+  // all-gather of the new parameters move what one all-reduce moves.
+  if (p.w > 1) {
+    clusters::Link ring = replica_ring_link(cluster, p, s);
+    ring.bandwidth_bytes_per_s /= tp_nic_sharers(cluster, p, ring);
+    st.allreduce_s = ring_allreduce_s(double(st.memory.gradients), p.w, ring);
+  }
   return st;
 }
 
@@ -219,8 +297,9 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
   const int last = p.d - 1;
   const clusters::Link link = rank_link(cluster, p, p.rank_of(last, 0), p.rank_of(0, 0));
   const double bytes = double(mc.tied_copy_parameters * models::dtype_bytes(model.dtype));
-  const double transfer_s =
-      link.latency_s + nic_sharers(cluster, p, last) * bytes / link.bandwidth_bytes_per_s;
+  const double transfer_s = link.latency_s + nic_sharers(cluster, p, last) *
+                                                 tp_nic_sharers(cluster, p, link) * bytes /
+                                                 link.bandwidth_bytes_per_s;
   double backwards = 0, forwards = 0;
   for (int s = 1; s < p.d; ++s)
     backwards += st[std::size_t(s)].backward_s / p.v;
@@ -242,7 +321,14 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     throw PlanError("plan: placement: the plan is not placed");
   if (int(p.stage_blocks.size()) != p.virtual_stages())
     throw PlanError("plan: stage_blocks: the plan's stages are not resolved");
-  const models::ModelCosts mc = models::derive_costs(model);
+  const models::Sharding sharding{p.t, p.sp};
+  models::check_sharding(model, sharding, model.name);
+  if (!(trace.sharding == sharding))
+    throw InputError(fmt::format(
+        "trace {}: its times are for tensor-parallel size {}{}, but the plan has t = {}{}",
+        trace.origin, trace.sharding.t, trace.sharding.sp ? " with SP" : "", p.t,
+        p.sp ? " with SP" : ""));
+  const models::ModelCosts mc = models::derive_costs(model, sharding);
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
@@ -271,7 +357,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   rep.cluster = fmt::format("{}:{}", cluster.name, cluster.nodes);  // preset:nodes
   rep.plan = p;
   rep.iteration_time_s = est.pipeline_s + est.allreduce_s + est.tied_s + est.optimizer_s;
-  set_throughput(rep, model, cluster, int(gpu_work.size()));
+  set_throughput(rep, model, cluster, int(gpu_work.size()) * p.t);
   for (int r = 0; r < p.ranks(); ++r) {
     const auto& st = est.stages[p.stage_of(r)];
     DeviceReport d;
@@ -294,15 +380,17 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
                       {"blocks", st.blocks},
                       {"embedding", st.has_embedding},
                       {"head", st.has_head},
-                      {"recompute", st.recompute},
+                      {"recompute", to_string(st.recompute)},
                       {"parameters", st.parameters},
                       {"forward_s", st.forward_s},
                       {"backward_s", st.backward_s},
                       {"optimizer_s", st.optimizer_s},
+                      {"tp_s", st.tp_s},
                       {"send_s", st.send_s},
                       {"allreduce_s", st.allreduce_s},
                       {"in_flight_microbatches", st.in_flight},
                       {"stash_bytes_per_microbatch", st.stash_bytes},
+                      {"selective_bytes_per_microbatch", st.selective_bytes},
                       {"input_bytes_per_microbatch", st.input_bytes}});
   rep.extra["estimate"] = {
       {"pipeline_s", est.pipeline_s},   {"allreduce_s", est.allreduce_s},    {"tied_s", est.tied_s},

@@ -13,8 +13,28 @@
 
 namespace pw::planner {
 
-// What one model chunk (the layers of one virtual stage) costs for one microbatch of size b.
-// The simulator replays these; the closed form sums them per stage.
+// The tensor-parallel collectives of one pass (forward or backward) of a chunk over its TP group,
+// for one microbatch, summed by kind: all-reduces, and all-gathers + reduce-scatters (each half an
+// all-reduce in a ring). Bytes are whole (unsharded) tensors.
+struct TpTraffic {
+  double allreduce_bytes = 0;
+  std::int64_t allreduces = 0;
+  double half_bytes = 0;  // all-gathers and reduce-scatters
+  std::int64_t halves = 0;
+  bool empty() const { return allreduces == 0 && halves == 0; }
+  // As one ring all-reduce: the bytes whose ring all-reduce moves the same data (a half counts
+  // half), and the extra latencies of the collectives beyond the first (in ring steps of t - 1).
+  double equivalent_allreduce_bytes() const { return allreduce_bytes + half_bytes / 2; }
+  std::int64_t latency_steps(int t) const { return (2 * allreduces + halves) * (t - 1); }
+};
+
+// Ring time of a chunk's TP collectives over t GPUs on `link` (closed form):
+// all-reduce 2(t-1)(alpha + S/(t beta)), all-gather / reduce-scatter (t-1)(alpha + S/(t beta)).
+double tp_time_s(const TpTraffic& traffic, int t, const clusters::Link& link);
+
+// What one model chunk (the layers of one virtual stage) costs for one microbatch of size b on
+// one GPU of its TP group. The simulator replays these; the closed form sums them per stage.
+// Compute times exclude the TP collectives, which are in tp_forward / tp_backward.
 struct ChunkCost {
   int stage = 0;
   int chunk = 0;
@@ -23,14 +43,17 @@ struct ChunkCost {
   bool has_embedding = false;
   bool has_head = false;
   double forward_s = 0;
-  double backward_s = 0;   // without the recompute forward
-  double recompute_s = 0;  // the recompute forward before the backward
+  double backward_s = 0;             // without the recompute forward
+  double recompute_s = 0;            // the recompute forward before the backward
+  double selective_recompute_s = 0;  // the attention cores recomputed before the backward
   double optimizer_s = 0;
-  std::int64_t parameters = 0;       // including the tied-embedding copy on the last stage
-  std::int64_t stash_bytes = 0;      // one microbatch's stash without recompute
-  std::int64_t input_bytes = 0;      // the chunk's input (all it keeps with recompute)
-  std::int64_t output_bytes = 0;     // activation sent to the next virtual stage (0 for the last)
-  std::int64_t workspace_bytes = 0;  // largest transient of its layers
+  TpTraffic tp_forward, tp_backward;  // per microbatch (a full recompute repeats tp_forward)
+  std::int64_t parameters = 0;        // including the tied-embedding copy on the last stage
+  std::int64_t stash_bytes = 0;       // one microbatch's stash without recompute
+  std::int64_t selective_bytes = 0;   // one microbatch's stash with selective recompute
+  std::int64_t input_bytes = 0;       // the chunk's input (all it keeps with recompute)
+  std::int64_t output_bytes = 0;      // activation sent to the next virtual stage (0 for the last)
+  std::int64_t workspace_bytes = 0;   // largest transient of its layers
 };
 
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
@@ -42,17 +65,20 @@ struct StageCost {
   std::int64_t blocks = 0;
   bool has_embedding = false;
   bool has_head = false;
-  bool recompute = false;
-  std::int64_t parameters = 0;   // including the tied-embedding copy on the last stage
-  double forward_s = 0;          // t_f(s)
-  double backward_s = 0;         // t_b(s), including the recompute forward when recomputing
-  double optimizer_s = 0;        // AdamW over the stage's parameters
-  double send_s = 0;             // activation to stage s+1 (and gradient back), one microbatch
-  double allreduce_s = 0;        // ring all-reduce of the stage's gradients over w replicas
-  std::int64_t in_flight = 0;    // microbatches stashed at once (n_s)
-  std::int64_t stash_bytes = 0;  // A_s(b): one microbatch's stash without recompute
-  std::int64_t input_bytes = 0;  // I_s(b): one microbatch's stage input (kept with recompute)
-  MemoryBreakdown memory;        // one rank of this stage
+  Recompute recompute = Recompute::none;
+  std::int64_t parameters = 0;       // per GPU, including the tied-embedding copy on the last stage
+  double forward_s = 0;              // t_f(s), TP collectives included
+  double backward_s = 0;             // t_b(s), including the recompute forward when recomputing
+  double tp_s = 0;                   // TP collectives inside forward_s + backward_s
+  double optimizer_s = 0;            // AdamW over the stage's parameters (its shard with the
+                                     // distributed optimizer)
+  double send_s = 0;                 // activation to stage s+1 (and gradient back), one microbatch
+  double allreduce_s = 0;            // ring all-reduce of the stage's gradients over w replicas
+  std::int64_t in_flight = 0;        // microbatches stashed at once (n_s)
+  std::int64_t stash_bytes = 0;      // A_s(b): one microbatch's stash without recompute
+  std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
+  std::int64_t input_bytes = 0;      // I_s(b): one microbatch's stage input (kept with recompute)
+  MemoryBreakdown memory;            // one rank of this stage
 };
 
 struct Estimate {
@@ -73,6 +99,16 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
 // Bytes of optimizer state per parameter: AdamW m and v in fp32, plus an fp32 master copy when
 // the compute dtype is 16-bit.
 std::int64_t optimizer_bytes_per_parameter(models::DType dtype);
+
+// Weights, gradients and optimizer state of one GPU holding `parameters` (its shard): the
+// optimizer state split over the w replicas with the distributed optimizer. Activations and
+// workspace are left 0.
+MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
+                              std::int64_t parameters);
+
+// The link a TP group's ring runs over: between the group's first two GPUs (a group stays inside
+// a node, on a uniform intra-node fabric).
+clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank);
 
 // Fills samples/s, tokens/s, model FLOP/s and MFU of a report from its iteration time and plan.
 void set_throughput(RunReport& r, const models::ModelSpec& model, const clusters::Cluster& cluster,

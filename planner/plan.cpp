@@ -63,10 +63,14 @@ namespace {
 }  // namespace
 
 void check(const Plan& p) {
-  const std::pair<const char*, int> positive[] = {
-      {"w", p.w}, {"d", p.d}, {"b", p.b}, {"m", p.m}, {"v", p.v}};
+  const std::pair<const char*, int> positive[] = {{"t", p.t}, {"w", p.w}, {"d", p.d},
+                                                  {"b", p.b}, {"m", p.m}, {"v", p.v}};
   for (auto [field, value] : positive)
     if (value < 1) reject(field, fmt::format("must be at least 1, found {}", value));
+  if (p.sp && p.t == 1)
+    reject("sp", "sequence parallelism splits a tensor-parallel group's work and needs t > 1");
+  if (std::int64_t(p.t) * p.w * p.d > kMaxGpus)
+    reject("t*w*d", fmt::format("t*w*d = {}*{}*{} GPUs is more than {}", p.t, p.w, p.d, kMaxGpus));
   if (p.schedule == Schedule::dp && p.d != 1)
     reject("d", fmt::format("schedule dp is data parallelism only and needs d = 1, found {}", p.d));
   if (p.schedule == Schedule::two_bw && p.m < p.d)
@@ -120,32 +124,54 @@ void resolve_stages(Plan& p, std::int64_t layers) {
 void place(Plan& p, const DeviceGrid& grid, int ranks_per_gpu) {
   check(p);
   if (ranks_per_gpu < 1) reject("ranks_per_gpu", "must be at least 1");
-  const int devices = grid.devices();
+  if (p.t > 1 && ranks_per_gpu > 1)
+    reject("t", fmt::format("a tensor-parallel group (t = {}) needs a GPU per rank, not {} ranks "
+                            "per GPU",
+                            p.t, ranks_per_gpu));
+  if (p.t > grid.gpus_per_node || grid.gpus_per_node % p.t != 0)
+    reject("t", fmt::format("a tensor-parallel group stays inside a node: t = {} must divide the "
+                            "{} GPUs per node",
+                            p.t, grid.gpus_per_node));
+  const std::int64_t devices = std::int64_t(grid.nodes) * grid.gpus_per_node;
   if (!p.placement.empty()) {
     for (int r = 0; r < p.ranks(); ++r) {
       const auto& pl = p.placement[r];
-      if (pl.node < 0 || pl.node >= grid.nodes || pl.gpu < 0 || pl.gpu >= grid.gpus_per_node)
+      if (pl.node < 0 || pl.node >= grid.nodes || pl.gpu < 0 || pl.gpu + p.t > grid.gpus_per_node)
         reject(fmt::format("placement[{}]", r),
-               fmt::format("rank {} is placed on node {} gpu {}, outside the cluster's {} x {}", r,
-                           pl.node, pl.gpu, grid.nodes, grid.gpus_per_node));
+               p.t == 1 ? fmt::format("rank {} is placed on node {} gpu {}, outside the cluster's "
+                                      "{} x {}",
+                                      r, pl.node, pl.gpu, grid.nodes, grid.gpus_per_node)
+                        : fmt::format("rank {}'s TP group is placed on node {} gpus {}..{}, "
+                                      "outside the cluster's {} x {}",
+                                      r, pl.node, pl.gpu, pl.gpu + p.t - 1, grid.nodes,
+                                      grid.gpus_per_node));
     }
     return;
   }
-  if (p.ranks() != devices * ranks_per_gpu) {
+  // Megatron's order: TP fastest (a group's t GPUs adjacent), then data parallelism, then the
+  // pipeline, over group slots of t GPUs. A plan may use fewer GPUs than the cluster has (the
+  // first ones).
+  const int slots_per_node = grid.gpus_per_node / p.t;
+  const std::int64_t slots = std::int64_t(grid.nodes) * slots_per_node;
+  if (std::int64_t(p.ranks()) > slots * ranks_per_gpu) {
+    if (p.t > 1)
+      reject("t*w*d", fmt::format("t*w*d = {}*{}*{} = {} GPUs but the cluster has {}", p.t, p.w,
+                                  p.d, p.gpus(), devices));
     if (ranks_per_gpu == 1)
       reject("w*d", fmt::format("w*d = {}*{} = {} ranks but the cluster has {} devices", p.w, p.d,
                                 p.ranks(), devices));
     reject("w*d", fmt::format("w*d = {} ranks but the cluster has {} devices x {} ranks per GPU",
                               p.ranks(), devices, ranks_per_gpu));
   }
-  p.placement.assign(p.ranks(), {});
-  const bool replicas_inside_node = p.w <= grid.gpus_per_node;
+  p.placement.assign(std::size_t(p.ranks()), {});
+  // A stage's replicas inside one node when they fit (its all-reduce stays on the intra-node
+  // fabric); otherwise each pipeline packed into consecutive slots (PipeDream-2BW's choice).
+  const bool replicas_inside_node = p.w <= slots_per_node;
   for (int r = 0; r < p.ranks(); ++r) {
     const int s = p.stage_of(r), rep = p.replica_of(r);
-    // Slot order: stage-major (a stage's replicas adjacent) or pipeline-major.
     const int slot = replicas_inside_node ? s * p.w + rep : rep * p.d + s;
     const int device = slot / ranks_per_gpu;
-    p.placement[r] = {device / grid.gpus_per_node, device % grid.gpus_per_node};
+    p.placement[std::size_t(r)] = {device / slots_per_node, (device % slots_per_node) * p.t};
   }
 }
 
@@ -163,6 +189,9 @@ Plan parse_plan(const Json& json, const std::string& source) {
     if (v > 1'000'000) r.fail_member(key, fmt::format("{} is too large", v));
     return int(v);
   };
+  p.t = r.has("t") ? small_int("t") : 1;
+  if (r.has("sp")) p.sp = r.get_bool("sp");
+  if (r.has("distributed_optimizer")) p.distributed_optimizer = r.get_bool("distributed_optimizer");
   p.w = small_int("w");
   p.d = small_int("d");
   p.b = small_int("b");
@@ -207,6 +236,9 @@ Plan parse_plan(const Json& json, const std::string& source) {
 Json to_json(const Plan& p) {
   Json j = {{"format", "pipewright.plan/1"},
             {"schedule", to_string(p.schedule)},
+            {"t", p.t},
+            {"sp", p.sp},
+            {"distributed_optimizer", p.distributed_optimizer},
             {"w", p.w},
             {"d", p.d},
             {"b", p.b},

@@ -19,7 +19,7 @@ Schedule parse_schedule(const std::string& s);  // throws InputError listing the
 // Activation recomputation of a stage: none, selective (Korthikanti et al. 2022: the attention
 // core's tensors are dropped and recomputed), or full (only each chunk's input is kept).
 enum class Recompute { none, selective, full };
-std::string to_string(Recompute r);              // "none", "selective", "full"
+std::string to_string(Recompute r);               // "none", "selective", "full"
 Recompute parse_recompute(const std::string& s);  // throws InputError listing the valid names
 
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
@@ -66,6 +66,8 @@ struct Plan {
   }
   bool recomputes(int stage) const { return recompute_of(stage) == Recompute::full; }
 };
+
+inline constexpr std::int64_t kMaxGpus = 1'000'000;  // t*w*d
 
 // Structural checks that need no model or cluster: w, d, b, m, v >= 1; d == 1 for dp; m >= d for
 // 2bw; v > 1 only for interleaved and m % d == 0 there; list lengths. Throws PlanError naming the

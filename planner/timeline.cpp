@@ -24,7 +24,7 @@ common::Json chrome_trace(const Programs& programs, const std::vector<RankTimeli
                       {"name", "process_sort_index"},
                       {"pid", r.rank},
                       {"args", {{"sort_index", r.rank}}}});
-    for (int s = 0; s < 4; ++s)
+    for (int s = 0; s < (plan.t > 1 ? 5 : 4); ++s)
       events.push_back(metadata("thread_name", r.rank, s, kStreamNames[s]));
     const auto& ops = programs.devices[std::size_t(r.rank)].ops;
     for (const TimedOp& e : r.ops) {
@@ -33,9 +33,11 @@ common::Json chrome_trace(const Programs& programs, const std::vector<RankTimeli
       if (op.microbatch >= 0) args["microbatch"] = op.microbatch;
       if (op.version >= 0) args["version"] = op.version;
       if (plan.v > 1) args["chunk"] = op.chunk;
-      const std::string name = e.stream == kCollectiveStream
-                                   ? fmt::format("all_reduce s{}", op.step)
-                                   : format_op(op, plan);
+      const std::string name =
+          e.stream == kCollectiveStream
+              ? fmt::format("all_reduce s{}", op.step)
+              : (e.stream == kTensorParallelStream ? fmt::format("tp {}", format_op(op, plan))
+                                                   : format_op(op, plan));
       events.push_back({{"ph", "X"},
                         {"name", name},
                         {"cat", kStreamNames[e.stream]},

@@ -12,8 +12,17 @@
 
 namespace pw::planner {
 
-enum Stream { kComputeStream = 0, kSendStream = 1, kRecvStream = 2, kCollectiveStream = 3 };
-inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective"};
+// The tensor_parallel stream (a pass's TP collectives, blocking the compute stream) appears only
+// in timelines of plans with t > 1.
+enum Stream {
+  kComputeStream = 0,
+  kSendStream = 1,
+  kRecvStream = 2,
+  kCollectiveStream = 3,
+  kTensorParallelStream = 4
+};
+inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective",
+                                               "tensor_parallel"};
 
 struct TimedOp {
   int stream = kComputeStream;

@@ -57,6 +57,8 @@ class Replayer {
       comm->wait();
       record(kSend, comm->get_start_time(), comm->get_finish_time(), op);
     }
+    for (auto& comm : side_sends_)
+      comm->wait();
     claim_mailboxes(false);
   }
 
@@ -91,19 +93,21 @@ class Replayer {
   void step(const Op& op) {
     switch (op.kind) {
       case OpKind::forward:
-        allocate(&planner::MemoryBreakdown::activations,
-                 me_.recompute ? chunk(op).input_bytes : chunk(op).stash_bytes);
+        allocate(&planner::MemoryBreakdown::activations, kept_bytes(chunk(op)));
         compute(chunk(op).forward_s);
+        tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::recompute:
         allocate(&planner::MemoryBreakdown::activations, chunk(op).stash_bytes);
         compute(chunk(op).recompute_s);
+        tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::backward:
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
-                 -(me_.recompute ? chunk(op).input_bytes + chunk(op).stash_bytes
-                                 : chunk(op).stash_bytes));
+                 -(me_.recompute == planner::Recompute::full
+                       ? chunk(op).input_bytes + chunk(op).stash_bytes
+                       : kept_bytes(chunk(op))));
         break;
       case OpKind::send_tied_gradient:
         wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
@@ -164,8 +168,38 @@ class Replayer {
     record(kCompute, start, sg4::Engine::get_clock(), op_);
   }
 
+  // What a forward keeps for its backward: the input (full recompute), the stash without the
+  // attention cores (selective), or everything.
+  std::int64_t kept_bytes(const planner::ChunkCost& ch) const {
+    switch (me_.recompute) {
+      case planner::Recompute::full:
+        return ch.input_bytes;
+      case planner::Recompute::selective:
+        return ch.selective_bytes;
+      case planner::Recompute::none:
+        break;
+    }
+    return ch.stash_bytes;
+  }
+
+  // A pass's TP collectives: blocking, as Megatron's are, one ring over the group's GPUs moving
+  // what they all move, plus the latencies of the collectives beyond the first.
+  void tensor_parallel(const planner::TpTraffic& traffic) {
+    const int t = int(me_.tp_hosts.size());
+    if (t <= 1 || traffic.empty()) return;
+    const double start = sg4::Engine::get_clock();
+    const std::int64_t extra = traffic.latency_steps(t) - 2 * (t - 1);
+    if (extra > 0) sg4::this_actor::sleep_for(double(extra) * me_.tp_latency_s);
+    ring_allreduce(me_.tp_hosts, traffic.equivalent_allreduce_bytes());
+    record(kTensorParallel, start, sg4::Engine::get_clock(), op_);
+  }
+
   void backward(const Op& op) {
-    const double t = chunk(op).backward_s;
+    const planner::ChunkCost& ch = chunk(op);
+    tensor_parallel(ch.tp_backward);
+    const double t =
+        ch.backward_s +
+        (me_.recompute == planner::Recompute::selective ? ch.selective_recompute_s : 0.0);
     if (!bucketed_[std::size_t(op_)]) return compute(t);
     const int buckets = w_.programs->buckets;
     for (int b = 0; b < buckets; ++b) {
@@ -181,11 +215,25 @@ class Replayer {
     const std::int64_t size = planner::is_tied(op.kind)          ? me_.tied_bytes
                               : op.kind == OpKind::send_gradient ? chunk(op).input_bytes
                                                                  : chunk(op).output_bytes;
-    const auto bytes = std::uint64_t(std::max<std::int64_t>(size, 1));
+    // With t > 1 each GPU of the group sends its 1/t to its counterpart in the peer's group
+    // (Megatron's scatter/gather; the tied tensor and SP activations are per-GPU shards already).
+    // The message carries GPU 0's piece; the others travel beside it on their own paths, equal
+    // flows that end together with it when they share a bottleneck.
+    const int t = int(me_.tp_hosts.size());
+    const bool whole = t > 1 && !planner::is_tied(op.kind) && !w_.plan().sp;
+    const auto bytes = std::uint64_t(std::max<std::int64_t>(whole ? size / t : size, 1));
     sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(op.peer, op.kind, me_.rank));
     reap_sends();
     sends_.emplace_back(box->put_async(&kToken, bytes), op_);
-    observe_transfer(me_.host, w_.ranks[std::size_t(op.peer)].host, double(bytes));
+    const RankState& peer = w_.ranks[std::size_t(op.peer)];
+    observe_transfer(me_.host, peer.host, double(bytes));
+    for (int i = 1; i < t; ++i) {
+      side_sends_.push_back(sg4::Comm::sendto_async(me_.tp_hosts[std::size_t(i)],
+                                                    peer.tp_hosts[std::size_t(i)], bytes));
+      observe_transfer(me_.tp_hosts[std::size_t(i)], peer.tp_hosts[std::size_t(i)], double(bytes));
+    }
+    while (!side_sends_.empty() && side_sends_.front()->test())
+      side_sends_.pop_front();
   }
 
   // Finished sends leave the actor's activity list only when tested or waited; SimGrid scans that
@@ -224,16 +272,30 @@ class Replayer {
     me_.triggered.push_back(key);
     Collective& c = collective(step, chunk, bucket);
     if (++c.arrived < w_.plan().w) return;
-    std::vector<std::pair<int, int>> members;
+    // Each GPU of a TP group all-reduces its own shard with its counterparts in the other
+    // replicas: t all-reduces at once.
+    const int t = w_.plan().t;
+    std::vector<std::vector<std::pair<int, int>>> groups(static_cast<std::size_t>(t));
     for (int r = 0; r < w_.plan().w; ++r) {
       const RankState& m = w_.ranks[std::size_t(w_.plan().rank_of(me_.stage, r))];
-      members.emplace_back(m.node, m.gpu);
+      for (int i = 0; i < t; ++i)
+        groups[std::size_t(i)].emplace_back(m.node, m.gpu + i);
     }
     const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
     const Platform* platform = w_.platform;
-    sg4::Actor::create("allreduce", me_.host, [&c, members, bytes, platform] {
+    sg4::Actor::create("allreduce", me_.host, [&c, groups, bytes, platform] {
       c.start = sg4::Engine::get_clock();
-      allreduce(*platform, members, bytes);
+      if (groups.size() == 1) {
+        allreduce(*platform, groups[0], bytes);
+      } else {
+        std::vector<sg4::ActorPtr> rings;
+        for (const auto& members : groups)
+          rings.push_back(sg4::Actor::create(
+              "allreduce", sg4::this_actor::get_host(),
+              [members, bytes, platform] { allreduce(*platform, members, bytes); }));
+        for (const auto& a : rings)
+          a->join();
+      }
       c.end = sg4::Engine::get_clock();
       std::unique_lock<sg4::Mutex> lock(*c.mutex);
       c.done = true;
@@ -246,6 +308,7 @@ class Replayer {
     double opt = 0;
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
+    if (w_.plan().distributed_optimizer && w_.plan().w > 1) opt /= w_.plan().w;  // its shard
     compute(opt);
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();
@@ -290,6 +353,7 @@ class Replayer {
   int waited_through_ = -1;  // the last step whose all-reduces this rank has waited for
   std::vector<bool> bucketed_;
   std::deque<std::pair<sg4::CommPtr, int>> sends_;
+  std::deque<sg4::CommPtr> side_sends_;  // the other TP GPUs' pieces of sent messages
   std::int64_t versions_ = 1;
   int op_ = 0;
 };

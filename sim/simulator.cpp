@@ -22,9 +22,9 @@ using detail::World;
 namespace {
 
 void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& trace,
-                 const Platform& platform) {
+                 const clusters::Cluster& cluster, const Platform& platform) {
   const planner::Plan& p = w.plan();
-  const models::ModelCosts mc = models::derive_costs(model);
+  const models::ModelCosts mc = models::derive_costs(model, {p.t, p.sp});
   const std::int64_t e = models::dtype_bytes(model.dtype);
   std::map<std::pair<int, int>, int> per_gpu;
   for (const auto& pl : p.placement)
@@ -40,7 +40,10 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     rs.gpu = p.placement[std::size_t(r)].gpu;
     rs.shares_gpu = per_gpu[{rs.node, rs.gpu}] > 1;
     rs.host = platform.gpu(rs.node, rs.gpu);
-    rs.recompute = p.recomputes(rs.stage);
+    for (int i = 0; i < p.t; ++i)
+      rs.tp_hosts.push_back(platform.gpu(rs.node, rs.gpu + i));
+    rs.tp_latency_s = planner::tp_link(cluster, p, r).latency_s;
+    rs.recompute = p.recompute_of(rs.stage);
     planner::MemoryBreakdown fixed;
     std::int64_t parameters = 0;
     for (int c = 0; c < p.v; ++c) {
@@ -52,9 +55,9 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     }
     rs.version_bytes = parameters * e;
     rs.tied_bytes = mc.tied_copy_parameters * e;
-    fixed.weights = parameters * e;
-    fixed.gradients = parameters * e;
-    fixed.optimizer = parameters * planner::optimizer_bytes_per_parameter(model.dtype);
+    const std::int64_t workspace = fixed.workspace;
+    fixed = planner::static_memory(model, p, parameters);
+    fixed.workspace = workspace;
     rs.optimizer_end.assign(std::size_t(w.programs->steps), 0);
     w.ranks.push_back(std::move(rs));
     w.rank_static.push_back(fixed);
@@ -125,7 +128,7 @@ planner::RunReport make_report(const World& w, const models::ModelSpec& model,
   std::map<std::pair<int, int>, int> gpus;
   for (const auto& pl : p.placement)
     gpus[{pl.node, pl.gpu}] = 1;
-  planner::set_throughput(rep, model, cluster, int(gpus.size()));
+  planner::set_throughput(rep, model, cluster, int(gpus.size()) * p.t);
   for (const RankState& r : w.ranks) {
     planner::DeviceReport d;
     d.rank = r.rank;
@@ -182,7 +185,7 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   w.programs = &programs;
   w.platform = &platform;
   w.options = options;
-  setup_ranks(w, model, trace, platform);
+  setup_ranks(w, model, trace, cluster, platform);
   set_transfer_observer(
       [&w](sg4::Host* from, sg4::Host* to, double bytes) { w.links.count(from, to, bytes); });
   for (int r = 0; r < plan.ranks(); ++r)

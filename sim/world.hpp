@@ -24,7 +24,8 @@ enum Stream {
   kCompute = planner::kComputeStream,
   kSend = planner::kSendStream,
   kRecv = planner::kRecvStream,
-  kCollective = planner::kCollectiveStream
+  kCollective = planner::kCollectiveStream,
+  kTensorParallel = planner::kTensorParallelStream
 };
 
 struct Event {
@@ -64,7 +65,9 @@ struct RankState {
   std::vector<planner::ChunkCost> chunks;  // by chunk
   std::int64_t version_bytes = 0;          // one weight version of this rank
   std::int64_t tied_bytes = 0;             // the tied tensor (its gradient or weights)
-  bool recompute = false;
+  planner::Recompute recompute = planner::Recompute::none;
+  std::vector<sg4::Host*> tp_hosts;  // the TP group's GPUs (this rank's host first)
+  double tp_latency_s = 0;           // latency of one step of the TP group's ring
   Ledger memory;
   std::vector<Event> events;                         // every op that took time
   std::vector<double> optimizer_end;                 // per step

@@ -44,7 +44,7 @@ TEST(PlanCheck, RejectsImpossiblePlansNamingTheField) {
   empty_stage.stage_blocks = {4, 0};
   expect_rejected(empty_stage, "stage_blocks[1]");
   Plan wrong_rc = make(Schedule::gpipe, 1, 2, 1, 2);
-  wrong_rc.recompute = {true};
+  wrong_rc.recompute = {pw::planner::Recompute::full};
   expect_rejected(wrong_rc, "recompute");
   EXPECT_NO_THROW(check(make(Schedule::two_bw, 2, 4, 2, 4)));
   EXPECT_NO_THROW(check(make(Schedule::interleaved, 1, 4, 1, 8, 3)));
@@ -95,11 +95,14 @@ TEST(PlanPlacement, SeveralRanksOnOneGpu) {
   Plan q = make(Schedule::one_f_one_b, 1, 4, 1, 8);
   EXPECT_THROW(place(q, {1, 1}), PlanError);  // 4 ranks, 1 device, 1 rank per GPU
   try {
-    place(q, {1, 8});
+    place(q, {1, 2});  // more ranks than GPUs
     FAIL();
   } catch (const PlanError& e) {
     EXPECT_NE(std::string(e.what()).find("w*d"), std::string::npos) << e.what();
   }
+  place(q, {1, 8});  // fewer ranks than GPUs: the first four
+  for (int r = 0; r < q.ranks(); ++r)
+    EXPECT_EQ(q.placement[std::size_t(r)], (Placement{0, r}));
 }
 
 TEST(PlanPlacement, ExplicitPlacementOutsideClusterNamesTheRank) {
@@ -115,7 +118,7 @@ TEST(PlanPlacement, ExplicitPlacementOutsideClusterNamesTheRank) {
 
 TEST(PlanJson, RoundTripAndErrors) {
   Plan p = make(Schedule::two_bw, 2, 4, 2, 8);
-  p.recompute = {true, false, false, true};
+  p.recompute = {Recompute::full, Recompute::none, Recompute::selective, Recompute::full};
   resolve_stages(p, 12);
   place(p, {1, 8});
   Plan q = parse_plan(to_json(p), "test");

@@ -100,7 +100,8 @@ expect_ok "simulate defaults" $PW simulate
 expect_ok "simulate one gpu" $PW simulate --model gpt2-124m --cluster h100-x1 -d 4 --ranks-per-gpu 4 -m 8 -b 2 --schedule 1f1b
 expect_error "simulate oom" "does not fit: rank 0" "$O" $PW simulate --model gpt3-175b --cluster h100-x1 --schedule dp --out "$O"
 expect_error "simulate trace lacks b" "microbatch size 8" "$O" $PW simulate --model gpt-tiny --cluster h100-x1 -b 8 --trace "$TMP/trace.json" --out "$O"
-expect_error "simulate wrong device count" "w\*d" "$O" $PW simulate --model gpt-tiny --cluster dgx-a100 -w 3 -d 2 --out "$O"
+expect_error "simulate too many ranks" "w\*d" "$O" $PW simulate --model gpt-tiny --cluster dgx-a100 -w 5 -d 2 --out "$O"
+expect_ok "simulate on fewer GPUs than the cluster has" $PW simulate --model gpt-tiny --cluster dgx-a100 -w 1 -d 2 -m 4
 expect_error "simulate unknown preset" "unknown cluster" "$O" $PW simulate --model gpt-tiny --cluster dgx-b200 --out "$O"
 expect_error "simulate bad steps" "steps" "$O" $PW simulate --model gpt-tiny --cluster h100-x1 --steps 0 --out "$O"
 
@@ -131,7 +132,7 @@ rows = list(csv.DictReader(open('$TMP/sw3.csv')))
 assert [r['B'] for r in rows] == ['16', '32'] and all(r['fits'] == 'true' and r['error'] == '' for r in rows), rows
 assert all(int(r['w']) * int(r['d']) == 8 and r['global_batch'] == r['B'] for r in rows), rows
 " && ok || bad "sweep --plan-best rows"
-expect_ok "sweep invalid point" $PW sweep "${SW[@]}" --vary w=8,3 --out "$TMP/sw4.csv"
+expect_ok "sweep invalid point" $PW sweep "${SW[@]}" --vary w=8,9 --out "$TMP/sw4.csv"
 grep -q "1 failed" "$TMP/out" && ok || bad "sweep says how many failed"
 python3 -c "
 import csv
@@ -251,7 +252,7 @@ expect_error "bad --set key" "network.bandwith_bytes_per_s" "$O" $PW estimate --
 expect_error "2bw m < d" "m >= d" "$O" $PW estimate --model gpt-tiny --cluster h100-x1 --ranks-per-gpu 2 -d 2 -m 1 --schedule 2bw --out "$O"
 expect_error "plan file m < d" "plan-m.json" "$O" $PW estimate --model gpt3-125m --cluster dgx-a100 --plan "$TMP/plan-m.json" --out "$O"
 expect_error "plan file wrong type" "/d" "$O" $PW estimate --model gpt3-125m --cluster dgx-a100 --plan "$TMP/plan-type.json" --out "$O"
-expect_error "w*d != devices" "w\*d" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 3 -d 2 --out "$O"
+expect_error "w*d > devices" "w\*d" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 5 -d 2 --out "$O"
 expect_error "more stages than blocks" "blocks" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 1 -d 8 --out "$O"
 expect_error "interleaved m % d" "multiple of d" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 -m 6 -v 2 --schedule interleaved --out "$O"
 expect_error "unknown schedule" "unknown schedule" "$O" $PW estimate --model gpt-tiny --cluster h100-x1 --schedule zb --out "$O"
