@@ -1,5 +1,8 @@
 // `pipewright plan`: the fastest plan that fits, found by the closed form and proved by
 // simulating the best candidates.
+#include <map>
+#include <memory>
+
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
@@ -23,14 +26,27 @@ struct PlanArgs {
   std::string trace;
   std::string out;
   std::string ranked;
+  std::vector<std::string> recompute_modes = {"none", "selective", "full"};
+  std::string sp = "both";
+  std::string dopt = "both";
   planner::SearchOptions search;
 };
 
-planner::SimulateFn simulate_fn(const Scenario& base, double headroom, int steps, int parallel) {
+std::vector<bool> on_off(const std::string& s) {
+  if (s == "on") return {true};
+  if (s == "off") return {false};
+  return {false, true};
+}
+
+using TraceMap = std::map<std::pair<int, bool>, traces::Trace>;  // by (t, sp)
+
+planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const TraceMap> traces,
+                                double headroom, int steps, int parallel) {
   return [=](const std::vector<planner::Plan>& plans) {
     std::vector<sim::SimJob> jobs;
     for (const auto& p : plans)
-      jobs.push_back({base.model, base.trace, base.cluster, p, sim::SimOptions{.steps = steps}});
+      jobs.push_back(
+          {base.model, traces->at({p.t, p.sp}), base.cluster, p, sim::SimOptions{.steps = steps}});
     const auto outcomes = sim::simulate_batch(jobs, parallel, progress_bar("plans simulated"));
     const double usable = double(base.cluster.device.memory_bytes) * (1.0 - headroom);
     std::vector<planner::Simulated> out;
@@ -52,20 +68,37 @@ planner::SimulateFn simulate_fn(const Scenario& base, double headroom, int steps
 }
 
 std::string plan_label(const planner::Plan& p) {
-  return fmt::format("{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "");
+  return fmt::format("{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
+                     p.distributed_optimizer ? " dopt" : "");
+}
+
+std::string tp_label(const planner::Plan& p) {
+  return fmt::format("{}{}", p.t, p.sp ? "+sp" : "");
+}
+
+const char* rc_label(const planner::Plan& p) {
+  switch (p.recompute_of(0)) {
+    case planner::Recompute::full:
+      return "full";
+    case planner::Recompute::selective:
+      return "sel";
+    case planner::Recompute::none:
+      break;
+  }
+  return "no";
 }
 
 void print_ranked(const std::vector<planner::Ranked>& ranked, std::size_t rows) {
-  fmt::print("  {:>4} {:<15} {:>4} {:>4} {:>4} {:>5} {:>3} {:>12} {:>12} {:>12} {:>5}\n", "rank",
-             "schedule", "w", "d", "b", "m", "rc", "est samp/s", "sim samp/s", "peak mem", "fits");
+  fmt::print("  {:>4} {:<20} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12} {:>12} {:>12} {:>5}\n",
+             "rank", "schedule", "t", "w", "d", "b", "m", "rc", "est samp/s", "sim samp/s",
+             "peak mem", "fits");
   for (std::size_t i = 0; i < std::min(rows, ranked.size()); ++i) {
     const auto& r = ranked[i];
     const auto& p = r.candidate.plan;
-    const bool rc = p.recompute_of(0) != planner::Recompute::none;
     const bool sim = r.simulated && r.simulated->ok;
     fmt::print(
-        "  {:>4} {:<15} {:>4} {:>4} {:>4} {:>5} {:>3} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,
-        plan_label(p), p.w, p.d, p.b, p.m, rc ? "yes" : "no", r.candidate.samples_per_s(),
+        "  {:>4} {:<20} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,
+        plan_label(p), tp_label(p), p.w, p.d, p.b, p.m, rc_label(p), r.candidate.samples_per_s(),
         sim ? fmt::format("{:.2f}", r.simulated->samples_per_s) : "-",
         human_bytes(double(sim ? r.simulated->peak_memory_bytes : r.candidate.peak_memory_bytes())),
         r.simulated ? (r.simulated->ok && r.simulated->fits ? "yes" : "NO") : "yes*");
@@ -130,8 +163,27 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--memory-headroom", a->search.memory_headroom,
                   "fraction of device memory to keep free, in [0, 1)")
       ->capture_default_str();
-  cmd->add_option("--depth,-d", a->search.depth, "only plans with this pipeline depth");
-  cmd->add_option("--width,-w", a->search.width, "only plans with this data-parallel width");
+  cmd->add_option("--depth,-d", a->search.depths,
+                  "only plans with these pipeline depths (one or a comma-separated list)")
+      ->delimiter(',');
+  cmd->add_option("--width,-w", a->search.widths,
+                  "only plans with these data-parallel widths (one or a list)")
+      ->delimiter(',');
+  cmd->add_option("--tp", a->search.tensor_parallel,
+                  "only these tensor-parallel sizes (one or a list; default: every t that divides "
+                  "the GPUs per node and the model)")
+      ->delimiter(',');
+  cmd->add_option("--recompute", a->recompute_modes,
+                  "recompute modes to consider, comma-separated (none, selective, full)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--sp", a->sp, "sequence parallelism where t > 1: on, off or both")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off", "both"}));
+  cmd->add_option("--distributed-optimizer", a->dopt,
+                  "the distributed optimizer where w > 1: on, off or both")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off", "both"}));
   cmd->add_option("--chunks", a->search.chunks, "v values tried for interleaved")
       ->delimiter(',')
       ->capture_default_str();
@@ -150,20 +202,41 @@ void add_plan_command(CLI::App& app) {
     a->search.schedules.clear();
     for (const auto& s : a->schedules)
       a->search.schedules.push_back(planner::parse_schedule(s));
+    a->search.recompute.clear();
+    for (const auto& r : a->recompute_modes)
+      a->search.recompute.push_back(planner::parse_recompute(r));
+    a->search.sequence_parallel = on_off(a->sp);
+    a->search.distributed_optimizer = on_off(a->dopt);
     Scenario sc{models::load_model(a->model), a->cluster.load(), {}, {}};
     std::vector<std::int64_t> sizes;
     for (int b = 1; b <= a->search.max_microbatch; b *= 2)
       sizes.push_back(b);
-    sc.trace = a->trace.empty() ? traces::analytic_trace(sc.model, sc.cluster.device, sizes)
-                                : load_or_make_trace(a->trace, sc.model, sc.cluster.device, 1);
+    // One trace per sharding the search tries (each simulation gets its plan's).
+    auto traces = std::make_shared<TraceMap>();
+    if (!a->trace.empty()) {
+      traces::Trace t = load_or_make_trace(a->trace, sc.model, sc.cluster.device, 1,
+                                           traces::read_trace(a->trace).sharding);
+      (*traces)[{t.sharding.t, t.sharding.sp}] = t;
+      a->search.tensor_parallel = {t.sharding.t};
+      a->search.sequence_parallel = {t.sharding.sp};
+    }
+    const planner::TraceFn trace_for = [&](const models::Sharding& s) {
+      auto it = traces->find({s.t, s.sp});
+      if (it == traces->end())
+        it = traces
+                 ->emplace(std::make_pair(s.t, s.sp),
+                           traces::analytic_trace(sc.model, sc.cluster.device, sizes, s))
+                 .first;
+      return it->second;
+    };
     const planner::SearchResult res =
-        planner::search_plans(sc.model, sc.trace, sc.cluster, a->search);
+        planner::search_plans(sc.model, trace_for, sc.cluster, a->search);
     fmt::print("{} on {} ({} x {} x {}), global batch {}: {} candidate plans, {} fit in memory\n",
                sc.model.name, sc.cluster.name, sc.cluster.nodes, sc.cluster.gpus_per_node,
                sc.cluster.device.name, a->batch, res.considered, res.fitting.size());
     if (res.fitting.empty()) throw PlanError("plan: " + planner::explain_no_fit(res));
     const auto ranked = planner::rank_by_simulation(
-        res, a->top, simulate_fn(sc, a->search.memory_headroom, a->steps, a->parallel));
+        res, a->top, simulate_fn(sc, traces, a->search.memory_headroom, a->steps, a->parallel));
     print_ranked(ranked, std::size_t(std::max(a->top, 10)));
     const planner::Ranked& best = ranked.front();
     if (best.simulated && !(best.simulated->ok && best.simulated->fits))
@@ -171,8 +244,11 @@ void add_plan_command(CLI::App& app) {
                                   a->top,
                                   best.simulated->ok ? "over capacity" : best.simulated->error));
     const planner::Plan& p = best.candidate.plan;
-    fmt::print("best: {} w={} d={} b={} m={}{}: {:.2f} samples/s {}\n", plan_label(p), p.w, p.d,
-               p.b, p.m, p.recomputes(0) ? " with recompute" : "",
+    fmt::print("best: {} t={} w={} d={} b={} m={}{}: {:.2f} samples/s {}\n", plan_label(p),
+               tp_label(p), p.w, p.d, p.b, p.m,
+               p.recompute_of(0) == planner::Recompute::none
+                   ? ""
+                   : fmt::format(" with {} recompute", to_string(p.recompute_of(0))),
                best.simulated ? best.simulated->samples_per_s : best.candidate.samples_per_s(),
                best.simulated ? "(simulated)" : "(closed form)");
     if (!a->out.empty()) {

@@ -38,7 +38,19 @@ int schedule_rank(Schedule s) {
 }
 
 bool any_recompute(const Plan& p) {
-  return std::any_of(p.recompute.begin(), p.recompute.end(), [](Recompute r) { return r != Recompute::none; });
+  return std::any_of(p.recompute.begin(), p.recompute.end(),
+                     [](Recompute r) { return r != Recompute::none; });
+}
+
+int recompute_rank(const Plan& p) {
+  int worst = 0;
+  for (Recompute r : p.recompute)
+    worst = std::max(worst, r == Recompute::full ? 2 : (r == Recompute::selective ? 1 : 0));
+  return worst;
+}
+
+bool allowed(const std::vector<int>& list, int x) {
+  return list.empty() || std::find(list.begin(), list.end(), x) != list.end();
 }
 
 // Candidate shapes (w, d) for n ranks.
@@ -48,12 +60,13 @@ std::vector<std::pair<int, int>> shapes(int n, std::int64_t layers, const Search
     if (n % d != 0 || d > layers) continue;
     if (o.depth && d != *o.depth) continue;
     if (o.width && n / d != *o.width) continue;
+    if (!allowed(o.depths, d) || !allowed(o.widths, n / d)) continue;
     out.emplace_back(n / d, d);
   }
   return out;
 }
 
-// The plans one (w, d, b) gives: each schedule (and v for interleaved), recompute off and on.
+// The plans one (w, d, b) gives: each schedule (and v for interleaved) and recompute mode.
 std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const SearchOptions& o) {
   std::vector<Plan> out;
   if (o.global_batch % (std::int64_t(w) * b) != 0) return out;
@@ -66,7 +79,7 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
       if (s == Schedule::two_bw && m < d) continue;
       if (s == Schedule::dp && d != 1) continue;
       if (s == Schedule::interleaved && (d < 2 || v < 2 || m % d != 0 || d * v > layers)) continue;
-      for (bool rc : {false, true}) {
+      for (Recompute rc : o.recompute) {
         Plan p;
         p.schedule = s;
         p.w = w;
@@ -74,7 +87,7 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
         p.b = b;
         p.m = int(m);
         p.v = v;
-        if (rc) p.recompute.assign(std::size_t(d), Recompute::full);
+        if (rc != Recompute::none) p.recompute.assign(std::size_t(d), rc);
         out.push_back(p);
       }
     }
@@ -87,48 +100,88 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
 bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (ta != tb) return ta > tb;
   if (a.d != b.d) return a.d < b.d;
+  if (a.t != b.t) return a.t < b.t;
   if (a.b != b.b) return a.b < b.b;
-  if (any_recompute(a) != any_recompute(b)) return !any_recompute(a);
+  if (recompute_rank(a) != recompute_rank(b)) return recompute_rank(a) < recompute_rank(b);
+  if (a.sp != b.sp) return !a.sp;
+  if (a.distributed_optimizer != b.distributed_optimizer) return !a.distributed_optimizer;
   if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
   return a.v < b.v;
 }
 
 SearchResult search_plans(const models::ModelSpec& model, const traces::Trace& trace,
+                          const clusters::Cluster& cluster, const SearchOptions& options) {
+  SearchOptions o = options;
+  o.tensor_parallel = {trace.sharding.t};
+  o.sequence_parallel = {trace.sharding.sp};
+  return search_plans(
+      model, [&trace](const models::Sharding&) { return trace; }, cluster, o);
+}
+
+SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_for,
                           const clusters::Cluster& cluster, const SearchOptions& o) {
   if (o.global_batch < 1) throw InputError("plan search: --batch must be at least 1");
   if (!(o.memory_headroom >= 0 && o.memory_headroom < 1))
     throw InputError(fmt::format("plan search: --memory-headroom must be in [0, 1), found {}",
                                  o.memory_headroom));
-  const std::vector<std::int64_t> have = trace.microbatch_sizes();
-  const std::set<std::int64_t> traced(have.begin(), have.end());
-  const int ranks = cluster.devices() * o.ranks_per_gpu;
+  std::vector<int> tps;
+  for (int t = 1; t <= cluster.gpus_per_node; ++t) {
+    if (cluster.gpus_per_node % t != 0 || !allowed(o.tensor_parallel, t)) continue;
+    if (t > 1 && o.ranks_per_gpu > 1) continue;
+    try {
+      models::check_sharding(model, {t, false}, model.name);
+    } catch (const InputError&) {
+      if (!o.tensor_parallel.empty()) throw;  // asked for explicitly: say why not
+      continue;
+    }
+    tps.push_back(t);
+  }
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
-  for (auto [w, d] : shapes(ranks, model.layers, o))
-    for (int b = 1; b <= o.max_microbatch; b *= 2) {
-      if (!traced.count(b)) continue;
-      for (Plan p : plans_for(w, d, b, model.layers, o)) {
-        try {
-          resolve_stages(p, model.layers);
-          place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
-        } catch (const PlanError&) {
-          continue;  // e.g. more virtual stages than blocks
+  int ranks = cluster.devices() * o.ranks_per_gpu;
+  for (int t : tps)
+    for (bool sp : o.sequence_parallel) {
+      if (sp && t == 1) continue;
+      if (!sp && t > 1 &&
+          std::find(o.sequence_parallel.begin(), o.sequence_parallel.end(), false) ==
+              o.sequence_parallel.end())
+        continue;
+      const traces::Trace trace = trace_for({t, sp});
+      const std::vector<std::int64_t> have = trace.microbatch_sizes();
+      const std::set<std::int64_t> traced(have.begin(), have.end());
+      ranks = cluster.devices() * o.ranks_per_gpu / t;
+      for (auto [w, d] : shapes(ranks, model.layers, o))
+        for (int b = 1; b <= o.max_microbatch; b *= 2) {
+          if (!traced.count(b)) continue;
+          for (const Plan& shape : plans_for(w, d, b, model.layers, o))
+            for (bool dopt : o.distributed_optimizer) {
+              if (dopt && w == 1) continue;
+              Plan p = shape;
+              p.t = t;
+              p.sp = sp;
+              p.distributed_optimizer = dopt;
+              try {
+                resolve_stages(p, model.layers);
+                place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
+              } catch (const PlanError&) {
+                continue;  // e.g. more virtual stages than blocks
+              }
+              Candidate c{p, estimate(model, trace, cluster, p), true, ""};
+              for (auto& dev : c.estimate.report.devices) {
+                dev.fits = double(dev.peak_memory_bytes) <= usable;
+                c.fits = c.fits && dev.fits;
+              }
+              if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
+              ++result.considered;
+              (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+            }
         }
-        Candidate c{p, estimate(model, trace, cluster, p), true, ""};
-        for (auto& dev : c.estimate.report.devices) {
-          dev.fits = double(dev.peak_memory_bytes) <= usable;
-          c.fits = c.fits && dev.fits;
-        }
-        if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
-        ++result.considered;
-        (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
-      }
     }
   if (result.considered == 0)
     throw InputError(fmt::format(
-        "plan search: no valid plan for global batch {} on {} ranks (B must be a multiple of w*b "
-        "for some w dividing the ranks and b a power of two <= {} in the trace)",
-        o.global_batch, ranks, o.max_microbatch));
+        "plan search: no valid plan for global batch {} on {} GPUs (B must be a multiple of w*b "
+        "for some w dividing the GPUs / t and b a power of two <= {} in the trace)",
+        o.global_batch, cluster.devices() * o.ranks_per_gpu, o.max_microbatch));
   auto order = [](const Candidate& a, const Candidate& b) {
     return better(a.samples_per_s(), a.plan, b.samples_per_s(), b.plan);
   };

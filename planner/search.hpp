@@ -26,7 +26,18 @@ struct SearchOptions {
   std::optional<int> width;       // only this w
   std::vector<int> chunks = {2};  // v tried for interleaved
   int ranks_per_gpu = 1;          // ranks sharing each GPU (w * d = devices * this)
+  // Tensor-parallel sizes tried; empty: every t dividing the GPUs per node that the model
+  // allows (models::check_sharding). Pipeline depths and widths tried; empty: all that divide.
+  std::vector<int> tensor_parallel;
+  std::vector<int> depths, widths;
+  std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1
+  std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
+  std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
 };
+
+// The trace of the model on the cluster's device for one GPU of a TP group (every microbatch
+// size the search may try); called once per sharding.
+using TraceFn = std::function<traces::Trace(const models::Sharding&)>;
 
 struct Candidate {
   Plan plan;          // resolved and placed
@@ -49,6 +60,9 @@ struct SearchResult {
 // that the trace has, m = B / (w b) integral, schedule constraints such as m >= d for 2bw),
 // estimates each, splits them into fitting and rejected. Throws InputError when no candidate is
 // valid at all (e.g. B not divisible), naming why.
+SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_for,
+                          const clusters::Cluster& cluster, const SearchOptions& options);
+// With one trace: only plans of its sharding.
 SearchResult search_plans(const models::ModelSpec& model, const traces::Trace& trace,
                           const clusters::Cluster& cluster, const SearchOptions& options);
 
@@ -56,7 +70,8 @@ SearchResult search_plans(const models::ModelSpec& model, const traces::Trace& t
 std::string explain_no_fit(const SearchResult& result);
 
 // Sort key shared by the closed-form and simulated rankings: higher throughput first, then
-// fewer stages, smaller b, no recompute, and the schedule order gpipe, 1f1b, 2bw, interleaved.
+// fewer stages, smaller t, smaller b, less recompute, no SP, no distributed optimizer, and the
+// schedule order gpipe, 1f1b, 2bw, interleaved.
 bool better(double throughput_a, const Plan& a, double throughput_b, const Plan& b);
 
 }  // namespace pw::planner
