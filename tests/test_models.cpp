@@ -56,8 +56,16 @@ TEST(ModelCosts, BlockFormulasForGpt2Small) {
   EXPECT_DOUBLE_EQ(c.block.forward_flops, 2 * T * (4 * C * C + 2 * C * F) + 4 * T * T * C);
   // Backward = 2 x forward: dX and dW per weight GEMM; dP, dV, dQ, dK for attention.
   EXPECT_DOUBLE_EQ(c.block.backward_flops(), 2 * c.block.forward_flops);
-  // Stash: e*T*(8C + 2F + NH*T) + two norms x (mean, rstd) x T x 4 bytes.
-  EXPECT_EQ(c.block.activation_bytes, std::int64_t(e * T * (8 * C + 2 * F + NH * T) + 16 * T));
+  // fp16 resolves to fused (FlashAttention) attention: no NH x T x T probabilities, an fp32
+  // logsumexp per row and head instead. Stash: e*T*(8C + 2F) + 4*NH*T + two norms x (mean, rstd)
+  // x T x 4 bytes = 2*1024*12288 + 49,152 + 16,384 = 25,231,360.
+  EXPECT_EQ(s.attention, Attention::fused);
+  EXPECT_EQ(c.block.activation_bytes, std::int64_t(e * T * (8 * C + 2 * F) + 4 * NH * T + 16 * T));
+  EXPECT_EQ(c.block.activation_bytes, 25'231'360);
+  // Unfused (as the executors run it): the probabilities come back, e*T*NH*T more.
+  s.attention = Attention::unfused;
+  EXPECT_EQ(derive_costs(s).block.activation_bytes,
+            std::int64_t(e * T * (8 * C + 2 * F + NH * T) + 16 * T));
   EXPECT_EQ(c.block.activation_recompute_bytes, std::int64_t(e * T * C));
   EXPECT_EQ(c.block.output_bytes, std::int64_t(e * T * C));
   // LM head: 2TCV forward FLOPs.
