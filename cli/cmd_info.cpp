@@ -16,6 +16,9 @@ void print_model(const models::ModelSpec& s) {
   fmt::print("  {} x {} blocks, hidden {}, heads {}, ffn {}, seq_len {}, vocab {}, dtype {}\n",
              to_string(s.arch), s.layers, s.hidden, s.heads, s.ffn, s.seq_len, s.vocab,
              to_string(s.dtype));
+  fmt::print("  kv_heads {}, attention {}, dropout {}, vocab_multiple {}\n",
+             models::key_value_heads(s), models::to_string(s.attention), s.dropout ? "yes" : "no",
+             s.vocab_multiple);
   fmt::print("  parameters {} ({:.3f} B); model FLOPs per sample (fwd+bwd) {:.4g}\n",
              c.total_parameters, c.total_parameters / 1e9, c.flops_per_sample);
   fmt::print("  per sample          {:>14} {:>12} {:>12} {:>12} {:>12} {:>12}\n", "parameters",
@@ -43,6 +46,8 @@ common::Json model_json(const models::ModelSpec& s) {
                             {"elementwise_bytes", l.elementwise_bytes},
                             {"activation_bytes", l.activation_bytes},
                             {"activation_recompute_bytes", l.activation_recompute_bytes},
+                            {"activation_selective_bytes", l.activation_selective_bytes},
+                            {"selective_recompute_flops", l.selective_recompute_flops},
                             {"input_bytes", l.input_bytes},
                             {"output_bytes", l.output_bytes},
                             {"workspace_bytes", l.workspace_bytes}};

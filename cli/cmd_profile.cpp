@@ -5,6 +5,7 @@
 #include "cli/backend.hpp"
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
+#include "exec/gpt_layout.hpp"
 #include "exec/profile.hpp"
 
 #ifdef PW_HAVE_CUDA
@@ -53,7 +54,8 @@ void add_profile_command(CLI::App& app) {
   cmd->callback([a] {
     check_backend(a->backend);
     const std::vector<std::int64_t> sizes = parse_int_list(a->microbatch, "--microbatch");
-    const traces::Trace t = profile_on(a->backend, models::load_model(a->model), sizes, a->repeats);
+    const traces::Trace t = profile_on(
+        a->backend, exec::with_executor_attention(models::load_model(a->model)), sizes, a->repeats);
     if (a->out.empty()) {
       fmt::print("{}\n", traces::to_json(t).dump(2));
       return;

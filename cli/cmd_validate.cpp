@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "cli/measured_report.hpp"
 #include "cli/options.hpp"
+#include "exec/gpt_layout.hpp"
 #include "exec/gpu_host.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
@@ -177,7 +178,7 @@ Machine probe_gpu(const planner::Plan& plan, const std::vector<std::int64_t>& pr
 void run_and_compare(const ValidateArgs& a) {
   check_backend(a.backend);
   const bool gpu = a.backend == "cuda";
-  const models::ModelSpec model = models::load_model(a.model);
+  const models::ModelSpec model = exec::with_executor_attention(models::load_model(a.model));
   if (!gpu && model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));

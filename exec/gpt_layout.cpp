@@ -25,6 +25,11 @@ void unsupported(const models::ModelSpec& m, const std::string& backend, const s
 
 }  // namespace
 
+models::ModelSpec with_executor_attention(models::ModelSpec model) {
+  model.attention = models::Attention::unfused;
+  return model;
+}
+
 GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string& backend)
     : spec(s), element_bytes(models::dtype_bytes(dtype)), word_elements(4 / element_bytes) {
   const models::ModelSpec& m = s.model;
@@ -34,6 +39,14 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.norm != models::Norm::layernorm) unsupported(m, backend, "norm", "rmsnorm");
   if (m.positions != models::Positions::learned) unsupported(m, backend, "positions", "rope");
   if (!m.bias) unsupported(m, backend, "bias", "false");
+  // Both backends materialize the attention scores (unfused) and run without dropout; the
+  // planner's prediction must count the same tensors (with_executor_attention()).
+  if (m.attention != models::Attention::unfused) unsupported(m, backend, "attention", "fused");
+  if (m.dropout) unsupported(m, backend, "dropout", "true");
+  if (models::key_value_heads(m) != m.heads)
+    unsupported(m, backend, "kv_heads", std::to_string(models::key_value_heads(m)));
+  if (models::padded_vocab(m) != m.vocab)
+    unsupported(m, backend, "vocab_multiple", std::to_string(m.vocab_multiple));
   // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
   if (m.seq_len % word_elements != 0)

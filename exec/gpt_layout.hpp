@@ -28,6 +28,11 @@ enum BlockTensor {
   kBlockTensors
 };
 
+// The model as the executors run it: unfused attention (both backends materialize the T x T
+// scores). train, profile and validate plan and predict with this spec; a GptLayout refuses a
+// fused one.
+models::ModelSpec with_executor_attention(models::ModelSpec model);
+
 struct GptLayout {
   // A layout in elements of `dtype` (the backend computes in it whatever the model says).
   // Validates the model (GPT-2 style; with 2-byte elements an even seq_len) and the block range;

@@ -23,7 +23,7 @@ std::string to_string(DType t);
 std::string to_string(Arch a);
 DType parse_dtype(const std::string& s);  // throws InputError naming the value
 Arch parse_arch(const std::string& s);
-std::string to_string(Attention a);                // "fused", "unfused"
+std::string to_string(Attention a);               // "fused", "unfused"
 Attention parse_attention(const std::string& s);  // throws InputError naming the value
 
 // The shape of a transformer: embedding, `layers` identical blocks, final norm + head.
@@ -52,7 +52,11 @@ struct ModelSpec {
   std::string description;
 };
 
-// Megatron's padding: the vocabulary rounded up to a multiple of vocab_multiple * t.
+// kv_heads, or heads when kv_heads is 0 (multi-head attention).
+std::int64_t key_value_heads(const ModelSpec& spec);
+
+// Megatron's padding: the vocabulary rounded up to a multiple of vocab_multiple * t. Throws
+// InputError naming /vocab_multiple when that multiple is too large.
 std::int64_t padded_vocab(const ModelSpec& spec, int t = 1);
 
 // How one rank holds a layer: Megatron tensor parallelism over t ranks (column-parallel QKV and
@@ -103,9 +107,11 @@ struct LayerCosts {
   std::int64_t activation_selective_bytes = 0;  // stashed with selective recompute (the
                                                 // attention core's tensors dropped)
   double selective_recompute_flops = 0;         // re-running the attention core before backward
-  std::int64_t input_bytes = 0;                 // the layer's input activation
-  std::int64_t output_bytes = 0;                // what it hands the next layer / stage
-  std::int64_t workspace_bytes = 0;             // transient scratch while it runs backward
+                                                // (unfused attention only; 0 when fused)
+  double selective_recompute_elementwise_bytes = 0;  // its softmax (+ dropout) traffic
+  std::int64_t input_bytes = 0;                      // the layer's input activation
+  std::int64_t output_bytes = 0;                     // what it hands the next layer / stage
+  std::int64_t workspace_bytes = 0;                  // transient scratch while it runs backward
   // TP collectives of one forward and of one backward (empty when t = 1), in execution order.
   std::vector<TpCollective> tp_forward, tp_backward;
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
@@ -129,7 +135,8 @@ std::vector<Gemm> forward_gemms(const ModelSpec& spec, LayerKind kind, std::int6
                                 const Sharding& sharding = {});
 
 // Throws InputError "<source>: /heads: tensor-parallel size 3 does not divide 32" when t does not
-// divide heads, kv_heads, ffn or the padded vocabulary, or t < 1.
+// divide heads, kv_heads, ffn or the padded vocabulary, or t < 1; with sp also seq_len. sp with
+// t = 1 is allowed and changes nothing. derive_costs and forward_gemms call it.
 void check_sharding(const ModelSpec& spec, const Sharding& sharding, const std::string& source);
 
 // Throws InputError naming the field when a shape is impossible (hidden % heads, seq_len >

@@ -62,6 +62,14 @@ ModelSpec parse_model(const Json& json, const std::string& source) {
                              {{"learned", Positions::learned}, {"rope", Positions::rope}});
   s.dtype = parse_choice(r, "dtype", DType::fp16,
                          {{"fp32", DType::fp32}, {"fp16", DType::fp16}, {"bf16", DType::bf16}});
+  s.kv_heads = r.has("kv_heads") ? r.get_nonnegative_int("kv_heads") : 0;
+  if (s.kv_heads == 0) s.kv_heads = s.heads;  // 0 or missing: multi-head attention
+  // FlashAttention is what 16-bit training runs; fp32 has no fused kernel in common use.
+  s.attention =
+      parse_choice(r, "attention", s.dtype == DType::fp32 ? Attention::unfused : Attention::fused,
+                   {{"fused", Attention::fused}, {"unfused", Attention::unfused}});
+  s.dropout = r.has("dropout") ? r.get_bool("dropout") : false;
+  s.vocab_multiple = r.has("vocab_multiple") ? r.get_positive_int("vocab_multiple") : 1;
   if (r.has("description")) s.description = r.get_string("description");
   validate(s, source);
   return s;
@@ -84,7 +92,11 @@ Json to_json(const ModelSpec& s) {
             {"mlp", mlp_name(s.mlp)},
             {"norm", norm_name(s.norm)},
             {"positions", positions_name(s.positions)},
-            {"dtype", to_string(s.dtype)}};
+            {"dtype", to_string(s.dtype)},
+            {"kv_heads", key_value_heads(s)},
+            {"attention", to_string(s.attention)},
+            {"dropout", s.dropout},
+            {"vocab_multiple", s.vocab_multiple}};
   if (!s.description.empty()) j["description"] = s.description;
   return j;
 }
@@ -131,9 +143,7 @@ ModelSpec import_hf_config(const Json& json, const std::string& source, const st
   s.hidden = hf_int(r, {"n_embd", "hidden_size"});
   s.heads = hf_int(r, {"n_head", "num_attention_heads"});
   s.vocab = hf_int(r, {"vocab_size"});
-  if (auto kv = r.find("num_key_value_heads"); kv && kv->as_int() != s.heads)
-    kv->fail(
-        "grouped-query attention (num_key_value_heads != num_attention_heads) is not modelled");
+  s.kv_heads = r.has("num_key_value_heads") ? hf_int(r, {"num_key_value_heads"}) : s.heads;
   if (auto inner = r.find("n_inner"); inner)
     s.ffn = inner->as_int();
   else if (r.has("intermediate_size"))
@@ -157,8 +167,19 @@ ModelSpec import_hf_config(const Json& json, const std::string& source, const st
   s.tied_embeddings =
       r.has("tie_word_embeddings") ? r.get_bool("tie_word_embeddings") : s.mlp != Mlp::swiglu;
   s.seq_len = s.max_positions;
-  std::string dtype = hf_string(r, "torch_dtype", "float16");
-  s.dtype = dtype == "float32" ? DType::fp32 : (dtype == "bfloat16" ? DType::bf16 : DType::fp16);
+  if (auto v = r.find("torch_dtype")) {
+    const std::string dtype = v->as_string();
+    if (dtype == "float32")
+      s.dtype = DType::fp32;
+    else if (dtype == "bfloat16")
+      s.dtype = DType::bf16;
+    else if (dtype == "float16")
+      s.dtype = DType::fp16;
+    else
+      v->fail(
+          fmt::format("unsupported dtype \"{}\" (expected bfloat16, float16 or float32)", dtype));
+  }
+  s.attention = s.dtype == DType::fp32 ? Attention::unfused : Attention::fused;
   s.description = fmt::format("imported from Hugging Face config {} (model_type {})", source, type);
   validate(s, source);
   return s;

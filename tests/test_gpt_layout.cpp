@@ -149,6 +149,22 @@ TEST(GptLayout, RejectsWhatTheBackendsCannotRun) {
     m.arch = pw::models::Arch::bert;
     EXPECT_THROW(layout(stage(m, true, 0, 3, true), be), pw::InputError);
     EXPECT_THROW(layout(stage(pw::testing::gpt_tiny(3), false, 0, 1, true), be), pw::InputError);
+    // Both backends run unfused attention without dropout, GQA or vocabulary padding (what the
+    // prediction counts must be what they stash): one-line errors naming the field.
+    auto refused = [&](auto edit, const char* field) {
+      auto x = pw::testing::gpt_tiny(3);
+      edit(x);
+      const std::string e = pw::testing::error_of([&] { layout(stage(x, true, 0, 3, true), be); });
+      EXPECT_NE(e.find(field), std::string::npos) << e;
+      EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    };
+    refused([](auto& x) { x.attention = pw::models::Attention::fused; }, "attention = fused");
+    refused([](auto& x) { x.dropout = true; }, "dropout");
+    refused([](auto& x) { x.kv_heads = 2; }, "kv_heads");
+    refused([](auto& x) { x.vocab_multiple = 100; }, "vocab_multiple");  // 256 -> 300 rows
+    auto fused = pw::testing::gpt_tiny(3);
+    fused.attention = pw::models::Attention::fused;
+    EXPECT_NO_THROW(layout(stage(pw::exec::with_executor_attention(fused), true, 0, 3, true), be));
   }
   // An odd seq_len would leave bf16's fp32 statistics misaligned; fp32 elements have no such limit.
   auto m = pw::testing::gpt_tiny(3);

@@ -93,6 +93,81 @@ TEST(Roofline, BlockMatchesHandComputation) {
   EXPECT_EQ(blk.activation_bytes, costs.block.activation_bytes);
 }
 
+// A TP rank's trace is the roofline of its per-rank GEMMs and traffic (formulas.md §3a): with
+// t = 4 every block GEMM is the hand shape with n or k / 4 and NH / 4 heads; the elementwise
+// traffic outside the TP region (norms 4C, residual adds 6C) stays whole without SP.
+TEST(Roofline, TensorParallelRankMatchesHandComputation) {
+  const auto s = wide_gpt();  // unfused, no dropout
+  const double C = 8192, F = 32768, T = 2048, NH = 64, hd = 128, t = 4;
+  double weight_s = hand_gemm_s(T, 3 * C / t, C) + hand_gemm_s(T, C, C / t) +
+                    hand_gemm_s(T, F / t, C) + hand_gemm_s(T, C, F / t);
+  double attn_s = hand_gemm_s(T, T, hd, NH / t) + hand_gemm_s(T, hd, T, NH / t);
+  double core_s = 2 * 2 * NH / t * T * T / kH100Hbm;  // softmax, read + write
+  double elem_s = (2 * T * 10 * C + 2 * T * 2 * F / t) / kH100Hbm + core_s;
+  Trace tr = analytic_trace(s, clusters::load_device("H100-SXM"), {1}, {4, false});
+  EXPECT_EQ(tr.sharding, (models::Sharding{4, false}));
+  const LayerTimes& blk = tr.at(1).layers.block;
+  EXPECT_NEAR(blk.forward_s, weight_s + attn_s + elem_s, 1e-12);
+  EXPECT_NEAR(blk.backward_input_s, weight_s + 2 * attn_s, 1e-12);
+  // Selective recompute re-runs the attention core: its matmuls and its softmax traffic.
+  EXPECT_NEAR(blk.selective_recompute_s, attn_s + core_s, 1e-12);
+  const auto c = models::derive_costs(s, {4, false});
+  EXPECT_EQ(blk.activation_selective_bytes, c.block.activation_selective_bytes);
+  EXPECT_EQ(blk.activation_bytes - blk.activation_selective_bytes, 2 * 16 * 2048 * 2048);
+  EXPECT_EQ(tr.statics.block.parameters, c.block.parameters);
+}
+
+// FlashAttention's backward recomputes Q K^T: one more scores matmul in the backward time; it
+// stashes no core, so selective recompute has nothing to do.
+TEST(Roofline, FusedAttentionBackwardRecomputesTheScores) {
+  auto s = wide_gpt();
+  s.attention = models::Attention::fused;
+  const double T = 2048, NH = 64, hd = 128;
+  const auto h100 = clusters::load_device("H100-SXM");
+  const LayerTimes fused = analytic_trace(s, h100, {1}).at(1).layers.block;
+  s.attention = models::Attention::unfused;
+  const LayerTimes unfused = analytic_trace(s, h100, {1}).at(1).layers.block;
+  // Same GEMMs; fused drops the softmax traffic 2 e NH T^2 and adds one Q K^T to the backward.
+  EXPECT_NEAR(unfused.forward_s - fused.forward_s, 2 * 2 * NH * T * T / kH100Hbm, 1e-12);
+  EXPECT_NEAR(fused.backward_input_s - unfused.backward_input_s, hand_gemm_s(T, T, hd, NH), 1e-12);
+  EXPECT_EQ(fused.selective_recompute_s, 0);
+  EXPECT_EQ(fused.activation_selective_bytes, fused.activation_bytes);
+}
+
+TEST(TraceFormat, ShardingAndSelectiveFieldsRoundTripAndDefault) {
+  TempDir dir("traces");
+  const auto s = wide_gpt();
+  Trace t = analytic_trace(s, clusters::load_device("H100-SXM"), {1, 2}, {2, true});
+  write_trace(dir.file("tp.json"), t);
+  EXPECT_EQ(read_trace(dir.file("tp.json")), t);
+  const common::Json j = to_json(t);
+  EXPECT_EQ(j["tensor_parallel"], 2);
+  EXPECT_EQ(j["sequence_parallel"], true);
+  // A trace written before these fields: one rank, nothing dropped, nothing re-run.
+  common::Json old = j;
+  old.erase("tensor_parallel");
+  old.erase("sequence_parallel");
+  for (auto& e : old["entries"])
+    for (auto& [kind, layer] : e["layers"].items()) {
+      layer.erase("selective_recompute_s");
+      layer.erase("activation_selective_bytes");
+    }
+  const Trace back = parse_trace(old, "old.json");
+  EXPECT_EQ(back.sharding, (models::Sharding{1, false}));
+  const LayerTimes& blk = back.at(2).layers.block;
+  EXPECT_EQ(blk.activation_selective_bytes, blk.activation_bytes);
+  EXPECT_EQ(blk.selective_recompute_s, 0);
+  common::Json bad = j;
+  bad["tensor_parallel"] = 0;
+  EXPECT_NE(error_of([&] { parse_trace(bad, "bad.json"); }).find("bad.json: /tensor_parallel: "),
+            std::string::npos);
+  // A sharding the model cannot take is refused before anything is computed.
+  EXPECT_THROW(analytic_trace(s, clusters::load_device("H100-SXM"), {1}, {3, false}), InputError);
+  // A microbatch size that would wrap the byte counts is refused.
+  EXPECT_THROW(analytic_trace(s, clusters::load_device("H100-SXM"), {std::int64_t(1) << 40}),
+               InputError);
+}
+
 TEST(Roofline, WeightGemmsMatchTheModelsFlops) {
   const auto s = models::load_model("gpt2-124m");
   const auto costs = models::derive_costs(s);

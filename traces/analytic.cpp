@@ -3,6 +3,7 @@
 #include "traces/analytic.hpp"
 
 #include <algorithm>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -17,31 +18,46 @@ double dim_factor(std::int64_t x) {
 struct GemmTimes {
   double weight_s = 0;     // GEMMs with a weight operand
   double attention_s = 0;  // activation x activation matmuls
+  double scores_s = 0;     // Q K^T alone (FlashAttention's backward recomputes it)
 };
 
 GemmTimes layer_gemm_times(const models::ModelSpec& spec, models::LayerKind kind, std::int64_t b,
-                           const clusters::DeviceSpec& d) {
+                           const models::Sharding& sharding, const clusters::DeviceSpec& d) {
   GemmTimes t;
-  for (const auto& g : models::forward_gemms(spec, kind, b))
-    (is_weight_gemm(g) ? t.weight_s : t.attention_s) += gemm_time_s(g, d, spec.dtype);
+  for (const auto& g : models::forward_gemms(spec, kind, b, sharding)) {
+    const double s = gemm_time_s(g, d, spec.dtype);
+    (is_weight_gemm(g) ? t.weight_s : t.attention_s) += s;
+    if (g.label == "attn_scores") t.scores_s += s;
+  }
   return t;
 }
 
 LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& costs,
-                       std::int64_t b, const clusters::DeviceSpec& d) {
-  const GemmTimes g = layer_gemm_times(spec, costs.kind, b, d);
-  const double elementwise_s = costs.elementwise_bytes * double(b) / d.memory_bandwidth_bytes_per_s;
+                       std::int64_t b, const models::Sharding& sharding,
+                       const clusters::DeviceSpec& d) {
+  const GemmTimes g = layer_gemm_times(spec, costs.kind, b, sharding, d);
+  const double bw = d.memory_bandwidth_bytes_per_s;
+  const double elementwise_s = costs.elementwise_bytes * double(b) / bw;
+  const bool fused = spec.attention == models::Attention::fused;
   LayerTimes t;
   t.forward_s = g.weight_s + g.attention_s + elementwise_s;
   // dX of each weight GEMM has its forward shape; each attention matmul needs two (dQ and dK,
-  // dP and dV), of shapes with the same efficiency and traffic as the forward one.
-  t.backward_input_s = g.weight_s + 2 * g.attention_s;
+  // dP and dV), of shapes with the same efficiency and traffic as the forward one. Fused
+  // attention recomputes Q K^T in its backward (time here, not model FLOPs).
+  t.backward_input_s = g.weight_s + 2 * g.attention_s + (fused ? g.scores_s : 0.0);
   t.backward_weight_s = g.weight_s;
   // The elementwise backward reads the saved input and the incoming gradient and writes one.
   t.backward_s = t.backward_input_s + t.backward_weight_s + 2 * elementwise_s;
   t.recompute_s = t.forward_s;
+  // Selective recompute re-runs the unfused attention core (its matmuls, softmax and dropout);
+  // fused attention stashes nothing to drop.
+  t.selective_recompute_s =
+      costs.selective_recompute_flops > 0
+          ? g.attention_s + costs.selective_recompute_elementwise_bytes * double(b) / bw
+          : 0.0;
   t.activation_bytes = costs.activation_bytes * b;
   t.activation_recompute_bytes = costs.activation_recompute_bytes * b;
+  t.activation_selective_bytes = costs.activation_selective_bytes * b;
   t.output_bytes = costs.output_bytes * b;
   t.workspace_bytes = costs.workspace_bytes * b;
   return t;
@@ -96,13 +112,22 @@ double adamw_bytes_per_parameter(models::DType t) {
 Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& device,
                      const std::vector<std::int64_t>& microbatch_sizes,
                      const models::Sharding& sharding) {
-  if (sharding.t != 1) throw InputError("tensor parallelism: not implemented yet");
   const auto sizes = checked_sizes(microbatch_sizes);
-  const models::ModelCosts costs = models::derive_costs(spec);
+  const models::ModelCosts costs = models::derive_costs(spec, sharding);
+  // Bytes scale with b: refuse a b that would wrap them.
+  for (auto k : kLayerKinds) {
+    const auto& c = costs.layer(k);
+    const std::int64_t widest =
+        std::max({c.activation_bytes, c.workspace_bytes, c.output_bytes, std::int64_t(1)});
+    if (sizes.back() > std::numeric_limits<std::int64_t>::max() / widest)
+      throw InputError(fmt::format("analytic trace: microbatch size {} is too large for {}",
+                                   sizes.back(), spec.name));
+  }
   Trace t;
   t.model = spec.name;
   t.device = device.name;
   t.dtype = spec.dtype;
+  t.sharding = sharding;
   t.source = {"analytic", device.name, "", "",
               fmt::format("pipewright {} analytic roofline", PW_VERSION)};
   t.origin =
@@ -117,7 +142,7 @@ Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& 
     Entry e;
     e.microbatch_size = b;
     for (auto k : kLayerKinds)
-      e.layers[k] = layer_times(spec, costs.layer(k), b, device);
+      e.layers[k] = layer_times(spec, costs.layer(k), b, sharding, device);
     t.entries.push_back(e);
   }
   return t;

@@ -44,6 +44,12 @@ LayerTimes parse_times(const JsonReader& r) {
   t.recompute_s = r.get_nonnegative("recompute_s");
   t.activation_bytes = r.get_nonnegative_int("activation_bytes");
   t.activation_recompute_bytes = r.get_nonnegative_int("activation_recompute_bytes");
+  // Optional (traces written before selective recompute): nothing dropped, nothing re-run.
+  t.activation_selective_bytes = r.has("activation_selective_bytes")
+                                     ? r.get_nonnegative_int("activation_selective_bytes")
+                                     : t.activation_bytes;
+  t.selective_recompute_s =
+      r.has("selective_recompute_s") ? r.get_nonnegative("selective_recompute_s") : 0.0;
   t.output_bytes = r.get_nonnegative_int("output_bytes");
   t.workspace_bytes = r.get_nonnegative_int("workspace_bytes");
   return t;
@@ -69,8 +75,10 @@ Json times_json(const LayerTimes& t) {
           {"backward_input_s", t.backward_input_s},
           {"backward_weight_s", t.backward_weight_s},
           {"recompute_s", t.recompute_s},
+          {"selective_recompute_s", t.selective_recompute_s},
           {"activation_bytes", t.activation_bytes},
           {"activation_recompute_bytes", t.activation_recompute_bytes},
+          {"activation_selective_bytes", t.activation_selective_bytes},
           {"output_bytes", t.output_bytes},
           {"workspace_bytes", t.workspace_bytes}};
 }
@@ -132,6 +140,13 @@ Trace parse_trace(const Json& json, const std::string& source) {
   } catch (const InputError& e) {
     r.fail_member("dtype", e.what());
   }
+  // Optional (traces written before tensor parallelism): one rank holding everything.
+  if (auto tp = r.find("tensor_parallel")) {
+    const std::int64_t v = tp->as_int();
+    if (v < 1 || v > 1'000'000) tp->fail(fmt::format("must be between 1 and 1000000, found {}", v));
+    t.sharding.t = int(v);
+  }
+  if (auto sp = r.find("sequence_parallel")) t.sharding.sp = sp->as_bool();
   t.source = parse_source(r.at("source"));
   t.statics = parse_by_layer<LayerStatic>(r.at("static"), parse_static);
   t.entries = parse_entries(r.at("entries"));
@@ -145,6 +160,8 @@ Json to_json(const Trace& t) {
   j["model"] = t.model;
   j["device"] = t.device;
   j["dtype"] = models::to_string(t.dtype);
+  j["tensor_parallel"] = t.sharding.t;
+  j["sequence_parallel"] = t.sharding.sp;
   j["source"] = {{"kind", t.source.kind},
                  {"device_name", t.source.device_name},
                  {"date", t.source.date},
