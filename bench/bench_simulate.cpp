@@ -21,7 +21,7 @@ void BM_Simulate(benchmark::State& state, const char* model_name, const char* cl
   plan.m = m;
   plan.b = 1;
   plan.w = cluster.devices() / d;
-  if (recompute) plan.recompute.assign(std::size_t(d), true);
+  if (recompute) plan.recompute.assign(std::size_t(d), pw::planner::Recompute::full);
   planner::resolve_stages(plan, model.layers);
   planner::place(plan, {cluster.nodes, cluster.gpus_per_node});
   const traces::Trace trace = traces::analytic_trace(model, cluster.device, {1});

@@ -15,7 +15,7 @@ Plan make_plan(Schedule schedule, int d, int m, int w = 1, bool recompute = fals
   plan.d = d;
   plan.m = m;
   plan.w = w;
-  if (recompute) plan.recompute.assign(std::size_t(d), true);
+  if (recompute) plan.recompute.assign(std::size_t(d), pw::planner::Recompute::full);
   return plan;
 }
 

@@ -115,7 +115,7 @@ using Memory = Fixture;
 TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
   // 2|W|/d + |A_total(b)|/d + d|A_input(b)|, here for a middle stage s with n = d - s.
   Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
-  p.recompute.assign(4, true);
+  p.recompute.assign(4, pw::planner::Recompute::full);
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
   const int s = 1;
@@ -146,7 +146,7 @@ TEST_F(Memory, TwoBwWithoutRecomputeStashesDMicrobatches) {
 TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
   // Paper: |W|/d + |A_total(b)|/d + m|A_input(b)|; one weight version.
   Plan p = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, grid(cluster));
-  p.recompute.assign(4, true);
+  p.recompute.assign(4, pw::planner::Recompute::full);
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
   const auto& st = e.stages[2];

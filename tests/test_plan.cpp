@@ -44,7 +44,7 @@ TEST(PlanCheck, RejectsImpossiblePlansNamingTheField) {
   empty_stage.stage_blocks = {4, 0};
   expect_rejected(empty_stage, "stage_blocks[1]");
   Plan wrong_rc = make(Schedule::gpipe, 1, 2, 1, 2);
-  wrong_rc.recompute = {true};
+  wrong_rc.recompute = {Recompute::full};
   expect_rejected(wrong_rc, "recompute");
   EXPECT_NO_THROW(check(make(Schedule::two_bw, 2, 4, 2, 4)));
   EXPECT_NO_THROW(check(make(Schedule::interleaved, 1, 4, 1, 8, 3)));
@@ -115,7 +115,7 @@ TEST(PlanPlacement, ExplicitPlacementOutsideClusterNamesTheRank) {
 
 TEST(PlanJson, RoundTripAndErrors) {
   Plan p = make(Schedule::two_bw, 2, 4, 2, 8);
-  p.recompute = {true, false, false, true};
+  p.recompute = {Recompute::full, Recompute::none, Recompute::none, Recompute::full};
   resolve_stages(p, 12);
   place(p, {1, 8});
   Plan q = parse_plan(to_json(p), "test");

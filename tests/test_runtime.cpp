@@ -104,7 +104,7 @@ TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
   // Recomputation changes when activations exist, not what is computed.
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
     Plan p = make_plan(s, 1, 2, 2, 4), q = p;
-    q.recompute.assign(2, true);
+    q.recompute.assign(2, pw::planner::Recompute::full);
     SCOPED_TRACE(to_string(s) + " with recompute");
     // Bit-identical: the recomputed stash is the forward's, bit for bit.
     expect_same_weights(train_cpu(testing::gpt_tiny(4), q, options(3)), q,
@@ -240,7 +240,7 @@ TEST(Memory, MeasuredPeakMatchesTheClosedForm) {
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
     for (bool rc : {false, true}) {
       Plan p = make_plan(s, 1, 2, 2, 4);
-      if (rc) p.recompute.assign(2, true);
+      if (rc) p.recompute.assign(2, pw::planner::Recompute::full);
       SCOPED_TRACE(to_string(s) + (rc ? " recompute" : ""));
       TrainOptions o = options(2, "adamw");
       const TrainResult r = train_cpu(model, p, o);

@@ -19,7 +19,7 @@ Plan make_plan(Schedule schedule, int d, int m, int v = 1, int w = 1, bool recom
   plan.m = m;
   plan.v = v;
   plan.w = w;
-  if (recompute) plan.recompute.assign(std::size_t(d), true);
+  if (recompute) plan.recompute.assign(std::size_t(d), pw::planner::Recompute::full);
   return plan;
 }
 

@@ -193,7 +193,7 @@ TEST_F(Uniform, PeakMemoryEqualsTheClosedForm) {
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
     for (bool rc : {false, true}) {
       Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, grid(cl), 1);
-      if (rc) p.recompute.assign(4, true);
+      if (rc) p.recompute.assign(4, pw::planner::Recompute::full);
       const planner::RunReport est = planner::estimate(model, trace, cl, p).report;
       const planner::RunReport sim = simulate(model, trace, cl, p).report;
       for (int r = 0; r < p.ranks(); ++r) {
