@@ -16,5 +16,6 @@ void add_train_command(CLI::App& app);
 void add_profile_command(CLI::App& app);
 void add_sweep_command(CLI::App& app);
 void add_validate_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 }  // namespace pw::cli

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   pw::cli::add_profile_command(app);
   pw::cli::add_sweep_command(app);
   pw::cli::add_validate_command(app);
+  pw::cli::add_calibrate_command(app);
   try {
     pw::cli::start_mpi_if_launched(&argc, &argv);  // before any thread starts
     app.parse(argc, argv);

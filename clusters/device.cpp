@@ -20,6 +20,38 @@ std::string joined_names(const std::vector<std::string>& names) {
 
 }  // namespace
 
+DeviceEfficiency parse_efficiency(const common::JsonReader& r) {
+  if (!r.value().is_object()) r.fail("expected an object");
+  for (const auto& [key, value] : r.value().items())
+    if (key != "gemm_max" && key != "gemm_half_dim" && key != "attention" && key != "elementwise" &&
+        key != "optimizer" && key != "layer_overhead_s")
+      r.fail_member(key,
+                    "unknown efficiency parameter; expected gemm_max, gemm_half_dim, "
+                    "attention, elementwise, optimizer or layer_overhead_s");
+  DeviceEfficiency e;
+  auto positive = [&](const char* key, double& field) {
+    if (r.has(key)) field = r.get_positive(key);
+  };
+  auto nonnegative = [&](const char* key, double& field) {
+    if (r.has(key)) field = r.get_nonnegative(key);
+  };
+  positive("gemm_max", e.gemm_max);
+  if (e.gemm_max > 1)
+    r.fail_member("gemm_max", fmt::format("must be in (0, 1], found {}", e.gemm_max));
+  nonnegative("gemm_half_dim", e.gemm_half_dim);
+  positive("attention", e.attention);
+  positive("elementwise", e.elementwise);
+  positive("optimizer", e.optimizer);
+  nonnegative("layer_overhead_s", e.layer_overhead_s);
+  return e;
+}
+
+common::Json to_json(const DeviceEfficiency& e) {
+  return {{"gemm_max", e.gemm_max},   {"gemm_half_dim", e.gemm_half_dim},
+          {"attention", e.attention}, {"elementwise", e.elementwise},
+          {"optimizer", e.optimizer}, {"layer_overhead_s", e.layer_overhead_s}};
+}
+
 DeviceSpec parse_device(const common::JsonReader& r, bool require_format) {
   if (require_format || r.has("format")) r.expect_format(kDeviceFormat);
   DeviceSpec d;
@@ -28,6 +60,7 @@ DeviceSpec parse_device(const common::JsonReader& r, bool require_format) {
   d.peak_fp32_flops_per_s = r.get_positive("peak_fp32_flops_per_s");
   d.memory_bandwidth_bytes_per_s = r.get_positive("memory_bandwidth_bytes_per_s");
   d.memory_bytes = r.get_positive_int("memory_bytes");
+  if (auto eff = r.find("efficiency")) d.efficiency = parse_efficiency(*eff);
   if (auto notes = r.find("notes")) d.notes = notes->as_string();
   return d;
 }
@@ -40,6 +73,7 @@ common::Json to_json(const DeviceSpec& d) {
   j["peak_fp32_flops_per_s"] = d.peak_fp32_flops_per_s;
   j["memory_bandwidth_bytes_per_s"] = d.memory_bandwidth_bytes_per_s;
   j["memory_bytes"] = d.memory_bytes;
+  if (d.efficiency != DeviceEfficiency{}) j["efficiency"] = to_json(d.efficiency);
   if (!d.notes.empty()) j["notes"] = d.notes;
   return j;
 }

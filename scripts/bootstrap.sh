@@ -11,6 +11,9 @@ PACKAGES=(
   # MPI (issue 6): `mpirun -np N pipewright train` broadcasts the NCCL unique id over MPI and
   # exec/cuda/mpi_launch.cpp links it; the build leaves MPI out when this is missing.
   libopenmpi-dev
+  # GSL (issue 12): `pipewright calibrate` fits the device model with gsl_multifit_nlinear
+  # (Levenberg-Marquardt nonlinear least squares).
+  libgsl-dev
   jupyter-nbconvert python3-nbconvert python3-ipykernel python3-matplotlib python3-pandas
 )
 

@@ -11,8 +11,8 @@ namespace pw::traces {
 
 namespace {
 
-double dim_factor(std::int64_t x) {
-  return double(x) / (double(x) + kHalfDim);
+double dim_factor(std::int64_t x, double half_dim) {
+  return double(x) / (double(x) + half_dim);
 }
 
 struct GemmTimes {
@@ -36,18 +36,20 @@ LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& 
                        std::int64_t b, const models::Sharding& sharding,
                        const clusters::DeviceSpec& d) {
   const GemmTimes g = layer_gemm_times(spec, costs.kind, b, sharding, d);
-  const double bw = d.memory_bandwidth_bytes_per_s;
+  const double bw = d.memory_bandwidth_bytes_per_s * d.efficiency.elementwise;
   const double elementwise_s = costs.elementwise_bytes * double(b) / bw;
+  const double overhead_s = d.efficiency.layer_overhead_s;
   const bool fused = spec.attention == models::Attention::fused;
   LayerTimes t;
-  t.forward_s = g.weight_s + g.attention_s + elementwise_s;
+  t.forward_s = g.weight_s + g.attention_s + elementwise_s + overhead_s;
   // dX of each weight GEMM has its forward shape; each attention matmul needs two (dQ and dK,
   // dP and dV), of shapes with the same efficiency and traffic as the forward one. Fused
   // attention recomputes Q K^T in its backward (time here, not model FLOPs).
   t.backward_input_s = g.weight_s + 2 * g.attention_s + (fused ? g.scores_s : 0.0);
   t.backward_weight_s = g.weight_s;
   // The elementwise backward reads the saved input and the incoming gradient and writes one.
-  t.backward_s = t.backward_input_s + t.backward_weight_s + 2 * elementwise_s;
+  // A backward launches about twice a forward's kernels: twice the fixed cost.
+  t.backward_s = t.backward_input_s + t.backward_weight_s + 2 * elementwise_s + 2 * overhead_s;
   t.recompute_s = t.forward_s;
   // Selective recompute re-runs the unfused attention core (its matmuls, softmax and dropout);
   // fused attention stashes nothing to drop.
@@ -87,7 +89,11 @@ bool is_weight_gemm(const models::Gemm& g) {
 }
 
 double gemm_efficiency(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t) {
-  const double compute = kMaxGemmEfficiency * dim_factor(g.m) * dim_factor(g.n) * dim_factor(g.k);
+  const clusters::DeviceEfficiency& e = d.efficiency;
+  // Same association as before the parameters moved into the device: defaults are bit-identical.
+  const double compute = e.gemm_max * dim_factor(g.m, e.gemm_half_dim) *
+                         dim_factor(g.n, e.gemm_half_dim) * dim_factor(g.k, e.gemm_half_dim) *
+                         (is_weight_gemm(g) ? 1.0 : e.attention);
   // Memory roofline: A, B and C each cross HBM once.
   const double bytes = double(models::dtype_bytes(t)) * double(g.batch) *
                        (double(g.m) * g.k + double(g.k) * g.n + double(g.m) * g.n);
@@ -134,9 +140,9 @@ Trace analytic_trace(const models::ModelSpec& spec, const clusters::DeviceSpec& 
       fmt::format("analytic({}, {}, {})", spec.name, device.name, models::to_string(spec.dtype));
   for (auto k : kLayerKinds) {
     const auto p = costs.layer(k).parameters;
-    t.statics[k] = {
-        p, p * models::dtype_bytes(spec.dtype),
-        adamw_bytes_per_parameter(spec.dtype) * double(p) / device.memory_bandwidth_bytes_per_s};
+    t.statics[k] = {p, p * models::dtype_bytes(spec.dtype),
+                    adamw_bytes_per_parameter(spec.dtype) * double(p) /
+                        (device.memory_bandwidth_bytes_per_s * device.efficiency.optimizer)};
   }
   for (auto b : sizes) {
     Entry e;

@@ -12,15 +12,15 @@
 
 namespace pw::traces {
 
-// GEMM efficiency curve: kMaxGemmEfficiency * h(m) * h(n) * h(k), h(x) = x / (x + kHalfDim),
-// capped by the memory roofline. Calibrated so an 8192^3 bf16 GEMM runs at 0.80 of peak (790 of
-// 989 TFLOP/s measured on H100 and H200).
-inline constexpr double kMaxGemmEfficiency = 0.84;
-inline constexpr double kHalfDim = 128;
+// GEMM efficiency curve: gemm_max * h(m) * h(n) * h(k), h(x) = x / (x + gemm_half_dim), capped
+// by the memory roofline; the parameters are the device's (clusters::DeviceEfficiency). The
+// defaults (0.84, 128) put an 8192^3 bf16 GEMM at 0.80 of peak (790 of 989 TFLOP/s measured on
+// H100 and H200).
 
 // Tensor-core peak for fp16/bf16, the fp32 peak for fp32.
 double peak_flops_per_s(const clusters::DeviceSpec& d, models::DType t);
-// Fraction of peak_flops_per_s one GEMM reaches, in (0, kMaxGemmEfficiency].
+// Fraction of peak_flops_per_s one GEMM reaches, in (0, gemm_max]; attention's activation
+// matmuls (no weight operand) are further multiplied by the device's `attention` factor.
 double gemm_efficiency(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t);
 double gemm_time_s(const models::Gemm& g, const clusters::DeviceSpec& d, models::DType t);
 // True for GEMMs with a weight operand (those have a dL/dW GEMM); false for attention's

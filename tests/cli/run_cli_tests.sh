@@ -331,5 +331,42 @@ expect_error "validate trace lacks b" "microbatch size 8" "$O" $PW validate --tr
 expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 -m 1 --out "$O"
 # ---- validate (end) ------------------------------------------------------------------------
 
+# ---- calibrate -----------------------------------------------------------------------------
+CAL_HEADER='# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)'
+# The first 120 t = 1 rows of vTrain's data: fast enough for a CLI test.
+{ echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/calibrate/data/vtrain-a100-single-node.csv" | head -120; } >"$TMP/cal.csv"
+expect_ok "help calibrate" $PW calibrate --help
+expect_ok "calibrate a" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 3 --out "$TMP/cal-a.json" --residuals "$TMP/cal-a.csv"
+grep -q "3-fold cross-validation: mean |error|" "$TMP/out" && ok || bad "calibrate prints the CV error"
+expect_ok "calibrate b" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 3 --out "$TMP/cal-b.json"
+cmp -s "$TMP/cal-a.json" "$TMP/cal-b.json" && ok || bad "calibrate output is deterministic"
+python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['format']=='pipewright.device/1' and d['name']=='A100-80GB-cal' and 0<d['efficiency']['gemm_max']<=1" && ok || bad "calibrate writes a device"
+[ "$(wc -l <"$TMP/cal-a.csv")" -eq 121 ] && ok || bad "calibrate residuals: one line per row"
+expect_ok "estimate with the calibrated device" $PW estimate --model gpt2-124m --cluster vtrain-a100 --set "device=$TMP/cal-a.json" -w 8 -b 1 -m 4
+{ echo "$CAL_HEADER"; echo "8,32,4,1024,16,24,1024,2,2,2,219.7"; } >"$TMP/cal-tp.csv"
+expect_error "calibrate unsupported row" "row 1 (line 2): cannot predict" "$O" $PW calibrate --measurements "$TMP/cal-tp.csv" --out "$O"
+cat "$TMP/cal.csv" "$TMP/cal-tp.csv" | grep -v "^# GPUs,global batch" | { echo "$CAL_HEADER"; cat; } >"$TMP/cal-mixed.csv"
+expect_ok "calibrate --skip-unsupported" $PW calibrate --measurements "$TMP/cal-mixed.csv" --skip-unsupported --folds 2 --out "$TMP/cal-c.json"
+grep -q "skipped 1 row" "$TMP/out" && ok || bad "calibrate counts skipped rows"
+: >"$TMP/cal-empty.csv"
+expect_error "calibrate empty file" "cal-empty.csv: empty file" "$O" $PW calibrate --measurements "$TMP/cal-empty.csv" --out "$O"
+{ echo "# GPUs,global batch"; echo "2,16"; } >"$TMP/cal-cols.csv"
+expect_error "calibrate missing column" 'missing column "micro batch"' "$O" $PW calibrate --measurements "$TMP/cal-cols.csv" --out "$O"
+{ echo "$CAL_HEADER"; echo "2,16,8,1024,16,24,1024,1,1,2,-1"; } >"$TMP/cal-neg.csv"
+expect_error "calibrate negative time" 'column "iteration time (ms)": must be a positive' "$O" $PW calibrate --measurements "$TMP/cal-neg.csv" --out "$O"
+{ echo "$CAL_HEADER"; echo "2,16,8,1024,16,24,1024,1,1,2,nan"; } >"$TMP/cal-nan.csv"
+expect_error "calibrate non-finite time" 'must be a positive finite time' "$O" $PW calibrate --measurements "$TMP/cal-nan.csv" --out "$O"
+{ echo "$CAL_HEADER"; echo "two,16,8,1024,16,24,1024,1,1,2,300"; } >"$TMP/cal-int.csv"
+expect_error "calibrate non-integer GPUs" 'column "# GPUs": "two" is not an integer' "$O" $PW calibrate --measurements "$TMP/cal-int.csv" --out "$O"
+{ echo "$CAL_HEADER"; echo "8,16,8,1024,16,24,1024,1,1,2,300"; } >"$TMP/cal-prod.csv"
+expect_error "calibrate t*w*d != GPUs" '= 2, not 8' "$O" $PW calibrate --measurements "$TMP/cal-prod.csv" --out "$O"
+{ echo "$CAL_HEADER"; } >"$TMP/cal-huge.csv"; truncate -s 65M "$TMP/cal-huge.csv"
+expect_error "calibrate huge file" "over the 64 MiB limit" "$O" $PW calibrate --measurements "$TMP/cal-huge.csv" --out "$O"
+rm -f "$TMP/cal-huge.csv"
+expect_error "calibrate without --out" "--out DEVICE.json is required" - $PW calibrate --measurements "$TMP/cal.csv"
+expect_ok "calibrate --allreduce" $PW calibrate --allreduce "$SRC"/calibrate/data/vtrain-a100-allreduce/allreduce_{2,8}gpu.csv --cluster-out "$TMP/cal-cluster.json"
+python3 -c "import json; d=json.load(open('$TMP/cal-cluster.json')); assert 0<d['intra_node']['efficiency']<1" && ok || bad "calibrate --allreduce writes the cluster"
+# ---- calibrate (end) -----------------------------------------------------------------------
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
