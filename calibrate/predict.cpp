@@ -38,9 +38,8 @@ RowSetup setup_row(const Measurement& m, const clusters::Cluster& cluster) {
   RowSetup r;
   r.model = row_model(m);
   r.cluster = cluster;
-  if (m.gpus < cluster.gpus_per_node) {
-    r.cluster.nodes = 1;
-    r.cluster.gpus_per_node = m.gpus;
+  if (m.gpus <= cluster.gpus_per_node) {
+    r.cluster.nodes = 1;  // a plan may use the first GPUs of a node
   } else if (m.gpus % cluster.gpus_per_node == 0) {
     r.cluster.nodes = m.gpus / cluster.gpus_per_node;
   } else {

@@ -161,7 +161,7 @@ expect_ok "simulate the planned plan" $PW simulate --model gpt2-124m --cluster d
 expect_ok "plan 2bw only" $PW plan --model gpt2-124m --cluster dgx-a100 --batch 64 --schedules 2bw --depth 2 --top 2
 grep -q "best: 2bw.* d=2 " "$TMP/out" && ok || bad "plan --schedules/--depth restrict the search"
 expect_error "plan nothing fits" "nothing fits in memory" "$O" $PW plan --model gpt3-175b --cluster h100-x1 --batch 8 --out "$O"
-expect_error "plan bad batch" "no valid plan" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 3 --out "$O"
+expect_error "plan bad batch" "no valid plan" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 3 --tp 1 --out "$O"
 expect_error "plan bad schedule" "unknown schedule" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 8 --schedules 2bw,pipedream --out "$O"
 expect_error "plan bad headroom" "memory-headroom" "$O" $PW plan --model gpt-tiny --cluster dgx-a100 --batch 8 --memory-headroom 1.5 --out "$O"
 
@@ -334,7 +334,7 @@ expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 
 # ---- calibrate -----------------------------------------------------------------------------
 CAL_HEADER='# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)'
 # The first 120 t = 1 rows of vTrain's data: fast enough for a CLI test.
-{ echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/calibrate/data/vtrain-a100-single-node.csv" | head -120; } >"$TMP/cal.csv"
+{ echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/../shared/data/calibration/vtrain-a100-single-node.csv" | head -120; } >"$TMP/cal.csv"
 expect_ok "help calibrate" $PW calibrate --help
 expect_ok "calibrate a" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 3 --out "$TMP/cal-a.json" --residuals "$TMP/cal-a.csv"
 grep -q "3-fold cross-validation: mean |error|" "$TMP/out" && ok || bad "calibrate prints the CV error"
@@ -343,7 +343,7 @@ cmp -s "$TMP/cal-a.json" "$TMP/cal-b.json" && ok || bad "calibrate output is det
 python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['format']=='pipewright.device/1' and d['name']=='A100-80GB-cal' and 0<d['efficiency']['gemm_max']<=1" && ok || bad "calibrate writes a device"
 [ "$(wc -l <"$TMP/cal-a.csv")" -eq 121 ] && ok || bad "calibrate residuals: one line per row"
 expect_ok "estimate with the calibrated device" $PW estimate --model gpt2-124m --cluster vtrain-a100 --set "device=$TMP/cal-a.json" -w 8 -b 1 -m 4
-{ echo "$CAL_HEADER"; echo "8,32,4,1024,16,24,1024,2,2,2,219.7"; } >"$TMP/cal-tp.csv"
+{ echo "$CAL_HEADER"; echo "8,32,4,1536,12,24,1024,8,1,1,219.7"; } >"$TMP/cal-tp.csv"
 expect_error "calibrate unsupported row" "row 1 (line 2): cannot predict" "$O" $PW calibrate --measurements "$TMP/cal-tp.csv" --out "$O"
 cat "$TMP/cal.csv" "$TMP/cal-tp.csv" | grep -v "^# GPUs,global batch" | { echo "$CAL_HEADER"; cat; } >"$TMP/cal-mixed.csv"
 expect_ok "calibrate --skip-unsupported" $PW calibrate --measurements "$TMP/cal-mixed.csv" --skip-unsupported --folds 2 --out "$TMP/cal-c.json"
@@ -364,7 +364,7 @@ expect_error "calibrate t*w*d != GPUs" '= 2, not 8' "$O" $PW calibrate --measure
 expect_error "calibrate huge file" "over the 64 MiB limit" "$O" $PW calibrate --measurements "$TMP/cal-huge.csv" --out "$O"
 rm -f "$TMP/cal-huge.csv"
 expect_error "calibrate without --out" "--out DEVICE.json is required" - $PW calibrate --measurements "$TMP/cal.csv"
-expect_ok "calibrate --allreduce" $PW calibrate --allreduce "$SRC"/calibrate/data/vtrain-a100-allreduce/allreduce_{2,8}gpu.csv --cluster-out "$TMP/cal-cluster.json"
+expect_ok "calibrate --allreduce" $PW calibrate --allreduce "$SRC"/../shared/data/calibration/vtrain-a100-allreduce/allreduce_{2,8}gpu.csv --cluster-out "$TMP/cal-cluster.json"
 python3 -c "import json; d=json.load(open('$TMP/cal-cluster.json')); assert 0<d['intra_node']['efficiency']<1" && ok || bad "calibrate --allreduce writes the cluster"
 # ---- calibrate (end) -----------------------------------------------------------------------
 
