@@ -20,11 +20,9 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
                     const clusters::Cluster& cluster) {
   const auto& r = est.report;
   const auto& p = r.plan;
-  fmt::print("{} on {} ({} x {} x {}): {}{} w={} d={} b={} m={}{}{}, global batch {}\n", model.name,
-             cluster.name, cluster.nodes, cluster.gpus_per_node, cluster.device.name,
-             to_string(p.schedule), p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "",
-             p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
-             p.distributed_optimizer ? " distributed-optimizer" : "", p.global_batch());
+  fmt::print("{} on {} ({} x {} x {}): {}, global batch {}\n", model.name, cluster.name,
+             cluster.nodes, cluster.gpus_per_node, cluster.device.name, plan_summary(p),
+             p.global_batch());
   fmt::print(
       "  step time {} (pipeline {}, all-reduce {}, tied-embedding exchange {}, optimizer {})\n",
       human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),

@@ -16,9 +16,8 @@ namespace {
 void print_simulation(const sim::SimResult& res, const Scenario& sc) {
   const auto& r = res.report;
   const auto& p = r.plan;
-  fmt::print("{} on {} ({} x {} x {}): {} w={} d={} b={} m={}{}, global batch {}\n", sc.model.name,
-             sc.cluster.name, sc.cluster.nodes, sc.cluster.gpus_per_node, sc.cluster.device.name,
-             to_string(p.schedule), p.w, p.d, p.b, p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
+  fmt::print("{} on {} ({} x {} x {}): {}, global batch {}\n", sc.model.name, sc.cluster.name,
+             sc.cluster.nodes, sc.cluster.gpus_per_node, sc.cluster.device.name, plan_summary(p),
              p.global_batch());
   fmt::print("  simulated step time {} (steady state: step {} of {})\n",
              human_seconds(r.iteration_time_s), res.step_end_s.size() / 2, res.step_end_s.size());

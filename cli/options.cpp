@@ -124,6 +124,13 @@ Scenario ScenarioOptions::resolve(const CLI::App& app) {
   return sc;
 }
 
+std::string plan_summary(const planner::Plan& p) {
+  return fmt::format("{}{} w={} d={} b={} m={}{}{}", to_string(p.schedule),
+                     p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b,
+                     p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
+                     p.distributed_optimizer ? " distributed-optimizer" : "");
+}
+
 std::string oom_message(const planner::RunReport& r) {
   return fmt::format(
       "the plan does not fit: {}; use --recompute, a deeper pipeline or a smaller -b, or "

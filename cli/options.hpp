@@ -68,6 +68,9 @@ struct ScenarioOptions {
   Scenario resolve(const CLI::App& app);
 };
 
+// "1f1b t=4 sp w=4 d=2 b=1 m=16 distributed-optimizer": the plan's shape in one phrase.
+std::string plan_summary(const planner::Plan& p);
+
 // "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)" + what to try.
 std::string oom_message(const planner::RunReport& r);
 

@@ -41,15 +41,18 @@ LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& 
   const double overhead_s = d.efficiency.layer_overhead_s;
   const bool fused = spec.attention == models::Attention::fused;
   LayerTimes t;
-  t.forward_s = g.weight_s + g.attention_s + elementwise_s + overhead_s;
+  // The host issues a layer's kernels at a bounded rate while the GPU runs them: a layer takes at
+  // least the issue time (launch-bound), else its GPU time (layer_overhead_s, 0 by default).
+  t.forward_s = std::max(g.weight_s + g.attention_s + elementwise_s, overhead_s);
   // dX of each weight GEMM has its forward shape; each attention matmul needs two (dQ and dK,
   // dP and dV), of shapes with the same efficiency and traffic as the forward one. Fused
   // attention recomputes Q K^T in its backward (time here, not model FLOPs).
   t.backward_input_s = g.weight_s + 2 * g.attention_s + (fused ? g.scores_s : 0.0);
   t.backward_weight_s = g.weight_s;
   // The elementwise backward reads the saved input and the incoming gradient and writes one.
-  // A backward launches about twice a forward's kernels: twice the fixed cost.
-  t.backward_s = t.backward_input_s + t.backward_weight_s + 2 * elementwise_s + 2 * overhead_s;
+  // A backward issues about twice a forward's kernels: twice the floor.
+  t.backward_s =
+      std::max(t.backward_input_s + t.backward_weight_s + 2 * elementwise_s, 2 * overhead_s);
   t.recompute_s = t.forward_s;
   // Selective recompute re-runs the unfused attention core (its matmuls, softmax and dropout);
   // fused attention stashes nothing to drop.
