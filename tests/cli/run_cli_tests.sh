@@ -253,6 +253,28 @@ expect_error "2bw m < d" "m >= d" "$O" $PW estimate --model gpt-tiny --cluster h
 expect_error "plan file m < d" "plan-m.json" "$O" $PW estimate --model gpt3-125m --cluster dgx-a100 --plan "$TMP/plan-m.json" --out "$O"
 expect_error "plan file wrong type" "/d" "$O" $PW estimate --model gpt3-125m --cluster dgx-a100 --plan "$TMP/plan-type.json" --out "$O"
 expect_error "w*d > devices" "w\*d" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 5 -d 2 --out "$O"
+# 3D parallelism (issue 12): flags, their errors, the executors' refusal.
+expect_ok "estimate --tp --sp --recompute selective --distributed-optimizer" $PW estimate --model llama2-7b --cluster dgx-a100:2 --tp 4 --sp -d 2 -w 2 -b 1 -m 8 --recompute selective --distributed-optimizer --out "$TMP/tp.json"
+grep -q "1f1b t=4 sp w=2 d=2 b=1 m=8 distributed-optimizer" "$TMP/out" && ok || bad "estimate prints the 3D plan"
+python3 -c "
+import json; r = json.load(open('$TMP/tp.json'))
+p = r['plan']; assert p['t'] == 4 and p['sp'] and p['distributed_optimizer'] and p['recompute'] == ['selective', 'selective'], p
+assert [d['gpu'] for d in r['devices']] == [0, 0, 4, 4] and [d['node'] for d in r['devices']] == [0, 1, 0, 1], r['devices']
+assert all(s['tp_s'] > 0 for s in r['estimate']['stages'])
+" && ok || bad "estimate report of a TP plan"
+expect_ok "simulate a TP plan" $PW simulate --model llama2-7b --cluster dgx-a100:2 --tp 4 --sp -d 2 -w 2 -b 1 -m 8 --recompute selective --timeline "$TMP/tp-tl.json"
+grep -q '"tensor_parallel"' "$TMP/tp-tl.json" && ok || bad "TP timeline has a tensor_parallel stream"
+expect_ok "bare --recompute is full" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 1 -d 2 --recompute --out "$TMP/rc.json"
+python3 -c "import json; assert json.load(open('$TMP/rc.json'))['plan']['recompute'] == ['full', 'full']" && ok || bad "bare --recompute means full"
+expect_error "--tp not dividing the node" "t = 3 must divide" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 --tp 3 -w 1 -d 1 --out "$O"
+expect_error "--tp not dividing the heads" "/heads" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 8 -w 1 -d 1 --out "$O"
+expect_error "--sp without --tp" "sp:" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 --sp -d 2 --out "$O"
+expect_error "--recompute unknown mode" "partial" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 --recompute partial -d 2 --out "$O"
+expect_error "--seq-len beyond max_positions" "max_positions" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 --seq-len 2048 -d 2 --out "$O"
+expect_ok "--seq-len with rotary positions" $PW estimate --model llama2-7b --cluster dgx-a100 --seq-len 8192 --tp 8 -w 1 -d 1
+expect_error "train refuses --tp" "does not run tensor parallelism" "$O" $PW train --model gpt-tiny --tp 2 -d 1 -w 1 --steps 1 --out "$O"
+expect_ok "plan over --tp and -d lists" $PW plan --model gpt3-1.3b --cluster dgx-a100 --batch 64 --tp 1,2,4 -d 1,2 --top 2 --out "$TMP/plan3d.json"
+python3 -c "import json; p = json.load(open('$TMP/plan3d.json')); assert p['t'] in (1, 2, 4) and p['d'] in (1, 2), p" && ok || bad "plan honours --tp and -d lists"
 expect_error "more stages than blocks" "blocks" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 1 -d 8 --out "$O"
 expect_error "interleaved m % d" "multiple of d" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 -m 6 -v 2 --schedule interleaved --out "$O"
 expect_error "unknown schedule" "unknown schedule" "$O" $PW estimate --model gpt-tiny --cluster h100-x1 --schedule zb --out "$O"
