@@ -58,6 +58,7 @@ void add_estimate_command(CLI::App& app) {
     planner::Estimate est = planner::estimate(sc.model, sc.trace, sc.cluster, sc.plan);
     print_estimate(est, sc.model, sc.cluster);
     if (!est.report.fits() && !a->allow_oom) throw PlanError(oom_message(est.report));
+    est.report.extra["inputs"] = a->inputs(sc);
     if (!a->out.empty()) {
       common::write_json_file(a->out, planner::to_json(est.report));
       fmt::print("wrote {}\n", a->out);

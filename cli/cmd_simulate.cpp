@@ -80,6 +80,7 @@ void add_simulate_command(CLI::App& app) {
     sim::SimResult res = sim::simulate(sc.model, sc.trace, sc.cluster, sc.plan, a->options);
     print_simulation(res, sc);
     if (!res.report.fits() && !a->scenario.allow_oom) throw PlanError(oom_message(res.report));
+    res.report.extra["inputs"] = a->scenario.inputs(sc);
     if (!a->platform.empty()) {
       common::write_file_atomic(a->platform, sim::platform_xml(sc.cluster));
       fmt::print("wrote {}\n", a->platform);

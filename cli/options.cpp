@@ -124,6 +124,18 @@ Scenario ScenarioOptions::resolve(const CLI::App& app) {
   return sc;
 }
 
+common::Json ScenarioOptions::inputs(const Scenario& sc) const {
+  common::Json j = {{"model", model},
+                    {"cluster", cluster.cluster},
+                    {"sets", cluster.sets},
+                    {"device", sc.cluster.device.name},
+                    {"device_spec", clusters::to_json(sc.cluster.device)},
+                    {"trace", trace.empty() ? "analytic" : trace}};
+  j["nodes"] = cluster.nodes ? common::Json(*cluster.nodes) : common::Json(nullptr);
+  j["seq_len"] = seq_len ? common::Json(*seq_len) : common::Json(nullptr);
+  return j;
+}
+
 std::string plan_summary(const planner::Plan& p) {
   return fmt::format("{}{} w={} d={} b={} m={}{}{}", to_string(p.schedule),
                      p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b,

@@ -66,6 +66,10 @@ struct ScenarioOptions {
   bool allow_oom = false;
   void add(CLI::App& app);
   Scenario resolve(const CLI::App& app);
+  // What the run was made from, for a report's "inputs" section: the model and cluster as given,
+  // every --set, --nodes and --seq-len, and the device used (its whole description), so a run can
+  // be reproduced from its report.
+  common::Json inputs(const Scenario& sc) const;
 };
 
 // "1f1b t=4 sp w=4 d=2 b=1 m=16 distributed-optimizer": the plan's shape in one phrase.
