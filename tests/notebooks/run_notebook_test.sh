@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Executes notebooks/whatif.ipynb headless on freshly generated data; fails if a cell fails.
+# Executes notebooks/NAME.ipynb (whatif or calibration) headless on freshly generated data
+# (notebooks/make_NAME_data.sh); fails if a cell fails or a figure is missing.
 # Uses Debian's Jupyter and Python (/usr/bin): the python3 first on PATH may be another interpreter
 # without nbconvert, matplotlib and pandas. The kernel spec is written into a private folder so a
 # user's own "python3" kernel cannot take its place.
-# Usage: run_notebook_test.sh PATH/TO/pipewright SOURCE_DIR
+# Usage: run_notebook_test.sh PATH/TO/pipewright SOURCE_DIR [NAME]   (NAME defaults to whatif)
 set -euo pipefail
 PW=$1
 SRC=$2
+NB=${3:-whatif}
+case "$NB" in
+  whatif) FIGS="whatif_batch whatif_bandwidth whatif_memory whatif_timeline" ;;
+  calibration) FIGS="calibration_scatter calibration_residuals calibration_gemm" ;;
+  *) echo "unknown notebook $NB" >&2; exit 2 ;;
+esac
 if ! /usr/bin/python3 -c "import nbconvert, ipykernel, matplotlib, pandas" 2>/dev/null; then
   echo "notebook test needs Debian's jupyter-nbconvert python3-ipykernel python3-matplotlib" \
     "python3-pandas (scripts/bootstrap.sh installs them)" >&2
@@ -17,7 +24,7 @@ trap 'rm -rf "$TMP"' EXIT
 
 [ -n "${PW_KEEP_FIGURES:-}" ] && trap 'cp -r "$TMP/figures" "$PW_KEEP_FIGURES"; rm -rf "$TMP"' EXIT
 start=$(date +%s.%N)
-bash "$SRC/notebooks/make_whatif_data.sh" "$PW" "$TMP/data"
+bash "$SRC/notebooks/make_${NB}_data.sh" "$PW" "$TMP/data"
 generated=$(date +%s.%N)
 
 mkdir -p "$TMP/jupyter/kernels/python3"
@@ -30,10 +37,10 @@ export MPLCONFIGDIR="$TMP/matplotlib" PYTHONNOUSERSITE=1 PYDEVD_DISABLE_FILE_VAL
 unset PYTHONPATH PYTHONHOME
 export PW_DATA="$TMP/data" PW_FIGURES="$TMP/figures"
 /usr/bin/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.kernel_name=python3 \
-  --ExecutePreprocessor.timeout=120 --output-dir "$TMP/out" "$SRC/notebooks/whatif.ipynb"
-for f in batch bandwidth memory timeline; do
-  [ -s "$TMP/figures/whatif_$f.png" ] || { echo "missing figure whatif_$f.png" >&2; exit 1; }
+  --ExecutePreprocessor.timeout=120 --output-dir "$TMP/out" "$SRC/notebooks/$NB.ipynb"
+for f in $FIGS; do
+  [ -s "$TMP/figures/$f.png" ] || { echo "missing figure $f.png" >&2; exit 1; }
 done
 end=$(date +%s.%N)
-awk -v a="$start" -v b="$generated" -v c="$end" \
-  'BEGIN { printf "notebook whatif: ok (data %.1f s, notebook %.1f s)\n", b - a, c - b }'
+awk -v nb="$NB" -v a="$start" -v b="$generated" -v c="$end" \
+  'BEGIN { printf "notebook " nb ": ok (data %.1f s, notebook %.1f s)\n", b - a, c - b }'
