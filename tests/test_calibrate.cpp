@@ -215,14 +215,20 @@ TEST(Fit, DefaultParametersReproduceTheUncalibratedEstimate) {
   EXPECT_EQ(predict_s(s, d), expected);
 }
 
-TEST(Fit, RowsOnFewerGpusThanANodeRunOnAClusterOfTheirSize) {
+// A run on fewer GPUs than a node uses the node's first GPUs (a plan may use fewer GPUs than the
+// cluster has).
+TEST(Fit, RowsOnFewerGpusThanANodeUseItsFirstGpus) {
   const clusters::Cluster cluster = clusters::load_cluster("vtrain-a100");
   Measurement m;
   m.where = "r", m.hidden = 1024, m.heads = 16, m.layers = 24, m.seq_len = 1024;
   m.gpus = 2, m.w = 1, m.d = 2, m.micro_batch = 8, m.global_batch = 16;
   const RowSetup s = setup_row(m, cluster);
   EXPECT_EQ(s.cluster.nodes, 1);
-  EXPECT_EQ(s.cluster.gpus_per_node, 2);
+  EXPECT_EQ(s.cluster.gpus_per_node, 8);
+  planner::Plan p = s.plan;
+  planner::place(p, {s.cluster.nodes, s.cluster.gpus_per_node});
+  EXPECT_EQ(p.placement[0], (planner::Placement{0, 0}));
+  EXPECT_EQ(p.placement[1], (planner::Placement{0, 1}));
   EXPECT_GT(predict_s(s, cluster.device), 0);
 }
 
