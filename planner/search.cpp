@@ -97,6 +97,38 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
 
 }  // namespace
 
+std::vector<std::int64_t> time_balanced_split(const Plan& p, std::int64_t layers,
+                                              const traces::Trace& trace) {
+  const traces::Entry& e = trace.at(p.b);
+  const bool rc = p.recompute_of(0) == Recompute::full;
+  auto cost = [&](models::LayerKind k) {
+    const traces::LayerTimes& t = e.layers[k];
+    return t.forward_s + t.backward_s + (rc ? t.recompute_s : 0.0);
+  };
+  const int parts = p.virtual_stages();
+  if (parts < 1 || layers < parts)
+    throw PlanError(fmt::format("plan: d: d*v = {} stages but the model has only {} blocks",
+                                parts, layers));
+  const double block = cost(models::LayerKind::block);
+  std::vector<double> fixed(std::size_t(parts), 0.0);
+  fixed.front() += cost(models::LayerKind::embedding);
+  fixed.back() += cost(models::LayerKind::head);
+  std::vector<std::int64_t> blocks(std::size_t(parts), 1);
+  for (std::int64_t left = layers - parts; left > 0; --left) {
+    std::size_t best = 0;
+    double best_time = 0;
+    for (std::size_t s = 0; s < blocks.size(); ++s) {
+      const double t = fixed[s] + double(blocks[s] + 1) * block;
+      if (s == 0 || t < best_time) {
+        best = s;
+        best_time = t;
+      }
+    }
+    ++blocks[best];
+  }
+  return blocks;
+}
+
 bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (ta != tb) return ta > tb;
   if (a.d != b.d) return a.d < b.d;
@@ -166,14 +198,24 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               } catch (const PlanError&) {
                 continue;  // e.g. more virtual stages than blocks
               }
-              Candidate c{p, estimate(model, trace, cluster, p), true, ""};
-              for (auto& dev : c.estimate.report.devices) {
-                dev.fits = double(dev.peak_memory_bytes) <= usable;
-                c.fits = c.fits && dev.fits;
+              // The evenly split plan, and the split balanced by time when it differs (the
+              // head-heavy last stage gets fewer blocks; it may need more memory elsewhere).
+              std::vector<Plan> splits = {p};
+              if (p.d > 1) {
+                Plan q = p;
+                q.stage_blocks = time_balanced_split(p, model.layers, trace);
+                if (q.stage_blocks != p.stage_blocks) splits.push_back(q);
               }
-              if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
-              ++result.considered;
-              (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+              for (const Plan& x : splits) {
+                Candidate c{x, estimate(model, trace, cluster, x), true, ""};
+                for (auto& dev : c.estimate.report.devices) {
+                  dev.fits = double(dev.peak_memory_bytes) <= usable;
+                  c.fits = c.fits && dev.fits;
+                }
+                if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
+                ++result.considered;
+                (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+              }
             }
         }
     }

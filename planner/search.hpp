@@ -66,6 +66,14 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
 SearchResult search_plans(const models::ModelSpec& model, const traces::Trace& trace,
                           const clusters::Cluster& cluster, const SearchOptions& options);
 
+// Blocks per virtual stage (d*v entries, each >= 1) that minimize the slowest virtual stage's time
+// for one microbatch: a block costs its forward + backward (+ recompute with full recomputation)
+// from the trace at plan.b, virtual stage 0 also the embedding's, the last also the head's. Greedy
+// (optimal for these separable costs): one block each, then each further block to the stage whose
+// time stays lowest (the first such stage on ties). Uniform costs give balanced_split's counts.
+std::vector<std::int64_t> time_balanced_split(const Plan& plan, std::int64_t layers,
+                                              const traces::Trace& trace);
+
 // One line for people: why the best rejected candidate does not fit (its largest memory term).
 std::string explain_no_fit(const SearchResult& result);
 

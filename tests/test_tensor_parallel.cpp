@@ -6,6 +6,7 @@
 #include "tests/test_util.hpp"
 
 #include "planner/cost_model.hpp"
+#include "planner/search.hpp"
 #include "sim/simulator.hpp"
 #include "traces/analytic.hpp"
 
@@ -230,6 +231,28 @@ TEST(TpSimulate, ThreeDPlanAgreesAndIsDeterministic) {
     EXPECT_EQ(a.report.devices[std::size_t(r)].peak_memory_bytes,
               est.devices[std::size_t(r)].peak_memory_bytes);
   EXPECT_EQ(to_json(a.report).dump(), to_json(b.report).dump());
+}
+
+// Stages balanced by time: with uniform blocks and free embedding and head the counts are
+// balanced_split's; a head as slow as 2.5 blocks (12 blocks, d = 4) leaves the last stage
+// 1 block (1 + 2.5 = 3.5 block-times) and gives the others 4, 4, 3 (max 4 block-times, against 3 +
+// 2.5 = 5.5 evenly split).
+TEST(StageBalance, HeadHeavyLastStageGetsFewerBlocks) {
+  const models::ModelSpec m = models::load_model("gpt2-124m");  // 12 blocks
+  traces::Trace t = pw::testing::uniform_trace(m, 1);
+  Plan p;
+  p.d = 4;
+  p.m = 4;
+  EXPECT_EQ(time_balanced_split(p, 12, t), balanced_split(12, 4));
+  p.d = 5;
+  EXPECT_EQ(time_balanced_split(p, 12, t), balanced_split(12, 5));
+  auto& head = t.entries[0].layers[models::LayerKind::head];
+  head.forward_s = 2.5e-3;
+  head.backward_s = 5e-3;  // 2.5 x a block's 1 ms + 2 ms
+  p.d = 4;
+  EXPECT_EQ(time_balanced_split(p, 12, t), (std::vector<std::int64_t>{4, 4, 3, 1}));
+  p.d = 13;
+  EXPECT_THROW(time_balanced_split(p, 12, t), PlanError);
 }
 
 }  // namespace
