@@ -73,7 +73,13 @@ void add_trace_command(CLI::App& app) {
   auto device = std::make_shared<std::string>();
   auto micro = std::make_shared<std::string>("1,2,4");
   auto out = std::make_shared<std::string>();
+  auto tp = std::make_shared<int>(1);
+  auto sp = std::make_shared<bool>(false);
   cmd->add_option("--model", *model, "model preset or JSON file")->required();
+  cmd->add_option("--tp", *tp, "tensor-parallel size: times and bytes of one GPU of a TP group")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1'000'000));
+  cmd->add_flag("--sp", *sp, "with sequence parallelism");
   cmd->add_option("--device", *device,
                   "device preset (V100-16GB, A100-80GB, H100-SXM, ...) or file")
       ->required();
@@ -82,8 +88,9 @@ void add_trace_command(CLI::App& app) {
   cmd->add_option("--out,-o", *out, "output file (default: standard output)");
   cmd->callback([=] {
     std::vector<std::int64_t> sizes = parse_int_list(*micro, "--microbatch");
-    traces::Trace t =
-        traces::analytic_trace(models::load_model(*model), clusters::load_device(*device), sizes);
+    const models::ModelSpec m = models::load_model(*model);
+    models::check_sharding(m, {*tp, *sp}, m.name);
+    traces::Trace t = traces::analytic_trace(m, clusters::load_device(*device), sizes, {*tp, *sp});
     common::Json j = traces::to_json(t);
     if (out->empty()) {
       fmt::print("{}\n", j.dump(2));
