@@ -53,11 +53,12 @@ sg4::CommPtr start_flow(sg4::Host* from, sg4::Host* to, std::uint64_t bytes) {
   sg4::CommPtr comm = flow_box->put_init(&flow_token, bytes);
   sg4::Actor* me = sg4::Actor::self();
   sg4::Host* home = me->get_host();
+  // Actor::set_host walks the actor's activity list: move only what is not there already.
   simgrid::kernel::actor::simcall_answered([&] {
-    flow_sink->set_host(to);
-    me->set_host(from);
+    if (flow_sink->get_host() != to) flow_sink->set_host(to);
+    if (from != home) me->set_host(from);
     comm->start();
-    me->set_host(home);
+    if (from != home) me->set_host(home);
   });
   return comm;
 }
