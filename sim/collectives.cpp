@@ -9,11 +9,59 @@
 #include <fmt/format.h>
 #include <simgrid/s4u/Actor.hpp>
 #include <simgrid/s4u/Comm.hpp>
+#include <simgrid/s4u/Mailbox.hpp>
+#include <simgrid/simix.hpp>
 
 #include "common/error.hpp"
 #include "sim/observer.hpp"
 
 namespace pw::sim {
+
+namespace {
+
+// The flow service: a mailbox whose permanent receiver is one daemon actor that only drains it.
+sg4::Mailbox* flow_box = nullptr;
+sg4::ActorPtr flow_sink;
+int flow_token = 0;  // SimGrid needs a payload pointer; only the simulated size matters
+
+}  // namespace
+
+void start_flow_service(sg4::Host* host) {
+  flow_box = sg4::Mailbox::by_name("pw-flows");
+  flow_sink = sg4::Actor::create("flows", host, [] {
+    sg4::Actor::self()->daemonize();
+    for (;;)
+      flow_box->get<int>();
+  });
+  flow_box->set_receiver(flow_sink);
+}
+
+void stop_flow_service() {
+  flow_box = nullptr;
+  flow_sink = nullptr;
+}
+
+bool in_flow_service() {
+  return flow_sink && sg4::Actor::self() == flow_sink.get();
+}
+
+// A mailbox comm runs from its sender's host to its receiver's host, read when it starts. Both
+// actors are moved to the flow's ends, the comm started and the sender moved back in one kernel
+// call, so the flows start in the same order and at the same instants as sendto_async's would.
+sg4::CommPtr start_flow(sg4::Host* from, sg4::Host* to, std::uint64_t bytes) {
+  if (!flow_box) return sg4::Comm::sendto_async(from, to, bytes);
+  sg4::CommPtr comm = flow_box->put_init(&flow_token, bytes);
+  sg4::Actor* me = sg4::Actor::self();
+  sg4::Host* home = me->get_host();
+  // Actor::set_host walks the actor's activity list: move only what is not there already.
+  simgrid::kernel::actor::simcall_answered([&] {
+    if (flow_sink->get_host() != to) flow_sink->set_host(to);
+    if (from != home) me->set_host(from);
+    comm->start();
+    if (from != home) me->set_host(home);
+  });
+  return comm;
+}
 
 namespace {
 
@@ -31,7 +79,7 @@ void run_pipelined(const std::vector<HostFlow>& flows, std::uint64_t bytes) {
   std::vector<sg4::CommPtr> comms;
   for (const auto& [from, to] : flows) {
     observe_transfer(from, to, double(bytes));
-    comms.push_back(sg4::Comm::sendto_async(from, to, bytes));
+    comms.push_back(start_flow(from, to, bytes));
   }
   sg4::Comm::wait_all(comms);
 }

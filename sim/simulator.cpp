@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include "sim/collectives.hpp"
 #include "sim/engine.hpp"
 #include "sim/observer.hpp"
 #include "sim/timeline.hpp"
@@ -191,9 +192,13 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   for (int r = 0; r < plan.ranks(); ++r)
     sg4::Actor::create(fmt::format("rank{}", r), w.ranks[std::size_t(r)].host,
                        [&w, r] { detail::replay(w, r); });
+  start_flow_service(w.ranks[0].host);
   std::int64_t transfers = 0;
-  sg4::Activity::on_completion_cb([&transfers](const sg4::Activity&) { ++transfers; });
+  sg4::Activity::on_completion_cb([&transfers](const sg4::Activity&) {
+    if (!in_flow_service()) ++transfers;
+  });
   engine->run();
+  stop_flow_service();
 
   SimResult result;
   result.simulated_s = sg4::Engine::get_clock();

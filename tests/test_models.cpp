@@ -56,10 +56,15 @@ TEST(ModelParams, PipeDream2bwModelsMatchTheirNames) {
 //   7,241,732,096.
 //   Llama 3 8B: Mistral's block, V 128256: 525,336,576 + 6,979,584,000 + 525,340,672 =
 //   8,030,261,248.
+//   Llama 3.1 405B: C 16384, L 126, KV 8 (hd 128), F 53248, V 128256: block 32,768 +
+//   301,989,888 + 268,435,456 + 2,617,245,696 = 3,187,703,808; 2,101,346,304 + 126 blocks +
+//   2,101,362,688 = 405,853,388,800.
 TEST(ModelParams, LlamaFamilyAndMistralMatchReleasedCountsExactly) {
   EXPECT_EQ(params("llama2-7b"), 6'738'415'616);
   EXPECT_EQ(params("mistral-7b"), 7'241'732'096);
   EXPECT_EQ(params("llama3-8b"), 8'030'261'248);
+  EXPECT_EQ(params("llama3-405b"), 405'853'388'800);
+  EXPECT_EQ(derive_costs(load_model("llama3-405b")).block.parameters, 3'187'703'808);
   EXPECT_EQ(derive_costs(load_model("mistral-7b")).block.parameters, 218'112'000);
   EXPECT_EQ(load_model("mistral-7b").kv_heads, 8);
   EXPECT_EQ(load_model("llama2-7b").kv_heads, 32);
