@@ -107,8 +107,8 @@ std::vector<std::int64_t> time_balanced_split(const Plan& p, std::int64_t layers
   };
   const int parts = p.virtual_stages();
   if (parts < 1 || layers < parts)
-    throw PlanError(fmt::format("plan: d: d*v = {} stages but the model has only {} blocks",
-                                parts, layers));
+    throw PlanError(
+        fmt::format("plan: d: d*v = {} stages but the model has only {} blocks", parts, layers));
   const double block = cost(models::LayerKind::block);
   std::vector<double> fixed(std::size_t(parts), 0.0);
   fixed.front() += cost(models::LayerKind::embedding);
@@ -258,17 +258,23 @@ std::vector<Ranked> rank_by_simulation(const SearchResult& result, int top_k,
   for (std::size_t i = 0; i < k; ++i)
     plans.push_back(result.fitting[i].plan);
   const std::vector<Simulated> sims = k > 0 ? simulate(plans) : std::vector<Simulated>{};
-  std::vector<Ranked> top;
+  if (sims.size() != k)
+    throw Error("plan search: the simulation function returned too few results");
+  // Sorted by index (no optional moved around: GCC 12 warns about its copies in stable_sort).
+  std::vector<std::size_t> order(k);
   for (std::size_t i = 0; i < k; ++i)
-    top.push_back({result.fitting[i], sims.at(i)});
-  std::stable_sort(top.begin(), top.end(), [](const Ranked& a, const Ranked& b) {
-    const bool ga = a.simulated->ok && a.simulated->fits;
-    const bool gb = b.simulated->ok && b.simulated->fits;
+    order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const bool ga = sims[a].ok && sims[a].fits;
+    const bool gb = sims[b].ok && sims[b].fits;
     if (ga != gb) return ga;
     if (!ga) return false;  // keep closed-form order among the failures
-    return better(a.simulated->samples_per_s, a.candidate.plan, b.simulated->samples_per_s,
-                  b.candidate.plan);
+    return better(sims[a].samples_per_s, result.fitting[a].plan, sims[b].samples_per_s,
+                  result.fitting[b].plan);
   });
+  std::vector<Ranked> top;
+  for (std::size_t i : order)
+    top.push_back({result.fitting[i], sims[i]});
   for (std::size_t i = k; i < result.fitting.size(); ++i)
     top.push_back({result.fitting[i], std::nullopt});
   return top;

@@ -35,13 +35,6 @@ std::string show(const T& v) {
   return fmt::format("{}", v);
 }
 
-std::string show(const std::vector<bool>& v) {
-  std::vector<std::string> words;
-  for (bool b : v)
-    words.push_back(b ? "true" : "false");
-  return fmt::format("[{}]", fmt::join(words, ", "));
-}
-
 template <typename T>
 std::string show(const std::vector<T>& v) {
   return fmt::format("[{}]", fmt::join(v, ", "));
