@@ -21,7 +21,8 @@ const std::map<std::string, KeyKind>& plan_keys() {
       {"model", KeyKind::model}, {"schedule", KeyKind::schedule},
       {"b", KeyKind::b},         {"m", KeyKind::m},
       {"B", KeyKind::B},         {"w", KeyKind::w},
-      {"d", KeyKind::d},         {"recompute", KeyKind::recompute}};
+      {"d", KeyKind::d},         {"recompute", KeyKind::recompute},
+      {"t", KeyKind::t}};
   return keys;
 }
 
@@ -96,7 +97,7 @@ void check_value(const SweepSpec& spec, const Axis& axis, const std::string& val
         if (msg.find("unknown key") != std::string::npos)
           throw InputError(
               fmt::format("sweep: --vary {}: {}; or a plan key: model, schedule, b, "
-                          "m, B, w, d, recompute",
+                          "m, B, t, w, d, recompute",
                           axis.key, msg));
         throw InputError(fmt::format("sweep: --vary {}={}: {}", axis.key, value, msg));
       }
@@ -184,7 +185,7 @@ namespace {
 // The plan fields a point overrides.
 struct Overrides {
   std::optional<std::string> schedule;
-  std::optional<int> w, d, b, m;
+  std::optional<int> t, w, d, b, m;
   std::optional<planner::Recompute> recompute;
   std::optional<std::int64_t> batch;
 };
@@ -197,6 +198,9 @@ Overrides overrides_of(const SweepSpec& spec, const Point& pt) {
     switch (spec.axes[i].kind) {
       case KeyKind::schedule:
         o.schedule = v;
+        break;
+      case KeyKind::t:
+        o.t = int(parse_positive(v));
         break;
       case KeyKind::w:
         o.w = int(parse_positive(v));
@@ -248,8 +252,10 @@ planner::Plan fixed_plan(const SweepSpec& spec, const Overrides& o, std::int64_t
     if (o.b) f.b = *o.b;
     if (o.m) f.m = o.m;
     if (o.recompute) f.recompute = planner::to_string(*o.recompute);
+    if (o.t) f.t = *o.t;
     const int d = f.d.value_or(1);
-    const int w = f.w.value_or(d > 0 && ranks % d == 0 ? std::max(1, ranks / d) : 1);
+    const int groups = ranks / std::max(f.t, 1);
+    const int w = f.w.value_or(d > 0 && groups % d == 0 ? std::max(1, groups / d) : 1);
     if (o.batch) f.m = microbatches_for(*o.batch, w, f.b);
     p = f.build(layers, c.devices());
   } else {
@@ -260,6 +266,10 @@ planner::Plan fixed_plan(const SweepSpec& spec, const Overrides& o, std::int64_t
       p.stage_blocks.clear();  // a new depth is balanced
       if (!p.recompute.empty())
         p.recompute.assign(std::size_t(p.d), planner::Recompute(p.recompute.front()));
+    }
+    if (o.t && *o.t != p.t) {
+      p.t = *o.t;
+      p.placement.clear();  // TP groups of another size: placed anew
     }
     if (o.w) p.w = *o.w;
     if (o.b) p.b = *o.b;
@@ -282,11 +292,14 @@ std::optional<planner::Plan> best_plan(const SweepSpec& spec, const Overrides& o
   if (o.schedule) opt.schedules = {planner::parse_schedule(*o.schedule)};
   opt.width = o.w;
   opt.depth = o.d;
+  if (o.t) opt.tensor_parallel = {*o.t};
   std::vector<std::int64_t> sizes;
   for (std::int64_t b = 1; b <= opt.max_microbatch; b *= 2)
     sizes.push_back(b);
-  const auto result =
-      planner::search_plans(model, traces::analytic_trace(model, c.device, sizes), c, opt);
+  const auto result = planner::search_plans(
+      model,
+      [&](const models::Sharding& s) { return traces::analytic_trace(model, c.device, sizes, s); },
+      c, opt);
   if (result.fitting.empty()) {
     note = "no plan fits: " + planner::explain_no_fit(result);
     return std::nullopt;
@@ -318,7 +331,7 @@ std::optional<sim::SimJob> prepare(const SweepSpec& spec, Row& row, sim::SimOpti
     if (!plan) return std::nullopt;
     row.planned = true;
     row.plan = *plan;
-    traces::Trace trace = traces::analytic_trace(model, c.device, {plan->b});
+    traces::Trace trace = traces::analytic_trace(model, c.device, {plan->b}, {plan->t, plan->sp});
     return sim::SimJob{std::move(model), std::move(trace), std::move(c), *plan, options};
   } catch (const Error& e) {
     row.error = e.what();

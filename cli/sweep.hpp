@@ -16,7 +16,7 @@
 namespace pw::cli::sweep {
 
 // What a --vary key changes: a cluster field (as --set), or the model / a plan field.
-enum class KeyKind { cluster, model, schedule, b, m, B, w, d, recompute };
+enum class KeyKind { cluster, model, schedule, b, m, B, t, w, d, recompute };
 
 struct Axis {
   std::string key;

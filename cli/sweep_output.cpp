@@ -66,6 +66,7 @@ Json row_json(const SweepSpec& spec, const Row& row) {
   const auto& p = row.plan;
   const std::pair<const char*, Json> plan_fields[] = {
       {"schedule", row.planned ? Json(planner::to_string(p.schedule)) : Json()},
+      {"t", row.planned ? Json(p.t) : Json()},
       {"w", row.planned ? Json(p.w) : Json()},
       {"d", row.planned ? Json(p.d) : Json()},
       {"b", row.planned ? Json(p.b) : Json()},

@@ -276,6 +276,11 @@ expect_error "train refuses --tp" "does not run tensor parallelism" "$O" $PW tra
 expect_ok "trace --tp --sp" $PW trace --model llama2-7b --device A100-80GB --tp 4 --sp --microbatch 1 --out "$TMP/t4.json"
 expect_ok "estimate from a TP trace" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 4 --sp -d 2 -w 1 --trace "$TMP/t4.json"
 expect_error "a TP trace for another t" "/tensor_parallel: trace is for t = 4 with SP" "$O" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 2 -d 2 -w 1 --trace "$TMP/t4.json" --out "$O"
+expect_ok "sweep over t" $PW sweep --model llama2-7b --cluster dgx-a100:2 -d 2 -b 1 --schedule 1f1b --vary t=1,4 --vary B=32 --steps 2 --out "$TMP/swt.csv"
+python3 -c "
+import csv; rows = list(csv.DictReader(open('$TMP/swt.csv')))
+assert [(r['t'], r['w']) for r in rows] == [('1', '8'), ('4', '2')] and all(r['error'] == '' for r in rows), rows
+" && ok || bad "sweep --vary t sets t and the default w"
 expect_ok "plan over --tp and -d lists" $PW plan --model gpt3-1.3b --cluster dgx-a100 --batch 64 --tp 1,2,4 -d 1,2 --top 2 --out "$TMP/plan3d.json"
 python3 -c "import json; p = json.load(open('$TMP/plan3d.json')); assert p['t'] in (1, 2, 4) and p['d'] in (1, 2), p" && ok || bad "plan honours --tp and -d lists"
 expect_error "more stages than blocks" "blocks" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 1 -d 8 --out "$O"
