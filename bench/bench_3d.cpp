@@ -99,8 +99,9 @@ void BM_PlanSearch3d(benchmark::State& state) {
     const planner::TraceFn trace_for = [&](const models::Sharding& s) {
       auto it = traces.find({s.t, s.sp});
       if (it == traces.end())
-        it = traces.emplace(std::make_pair(s.t, s.sp),
-                            traces::analytic_trace(model, cluster.device, sizes, s))
+        it = traces
+                 .emplace(std::make_pair(s.t, s.sp),
+                          traces::analytic_trace(model, cluster.device, sizes, s))
                  .first;
       return it->second;
     };

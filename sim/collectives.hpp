@@ -30,7 +30,8 @@ namespace pw::sim {
 // wait or test it). Same transfer as sg4::Comm::sendto_async, which SimGrid 3.32 detaches into one
 // list of the whole engine that every completion scans (quadratic in the flows in flight: 97% of
 // a 16,384-GPU run); after start_flow_service() these flows are mailbox comms instead, kept in the
-// calling actor's own short list. Without the service (tests of the collectives) it is sendto_async.
+// calling actor's own short list. Without the service (tests of the collectives) it is
+// sendto_async.
 sg4::CommPtr start_flow(sg4::Host* from, sg4::Host* to, std::uint64_t bytes);
 // Before the engine runs: one daemon actor (on `host`) receives every flow. Once per simulation.
 void start_flow_service(sg4::Host* host);

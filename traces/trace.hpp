@@ -83,9 +83,8 @@ struct Trace {
   const Entry& at(std::int64_t b) const;
   std::vector<std::int64_t> microbatch_sizes() const;
   bool operator==(const Trace& o) const {  // ignores origin
-    return model == o.model && device == o.device && dtype == o.dtype &&
-           sharding == o.sharding && source == o.source &&
-           statics == o.statics && entries == o.entries;
+    return model == o.model && device == o.device && dtype == o.dtype && sharding == o.sharding &&
+           source == o.source && statics == o.statics && entries == o.entries;
   }
 };
 
