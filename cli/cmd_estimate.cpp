@@ -89,7 +89,6 @@ void add_trace_command(CLI::App& app) {
   cmd->callback([=] {
     std::vector<std::int64_t> sizes = parse_int_list(*micro, "--microbatch");
     const models::ModelSpec m = models::load_model(*model);
-    models::check_sharding(m, {*tp, *sp}, m.name);
     traces::Trace t = traces::analytic_trace(m, clusters::load_device(*device), sizes, {*tp, *sp});
     common::Json j = traces::to_json(t);
     if (out->empty()) {

@@ -214,8 +214,7 @@ void add_plan_command(CLI::App& app) {
     // One trace per sharding the search tries (each simulation gets its plan's).
     auto traces = std::make_shared<TraceMap>();
     if (!a->trace.empty()) {
-      traces::Trace t = load_or_make_trace(a->trace, sc.model, sc.cluster.device, 1,
-                                           traces::read_trace(a->trace).sharding);
+      traces::Trace t = load_or_make_trace(a->trace, sc.model, sc.cluster.device, 1);
       (*traces)[{t.sharding.t, t.sharding.sp}] = t;
       a->search.tensor_parallel = {t.sharding.t};
       a->search.sequence_parallel = {t.sharding.sp};

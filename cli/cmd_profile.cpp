@@ -54,8 +54,8 @@ void add_profile_command(CLI::App& app) {
   cmd->callback([a] {
     check_backend(a->backend);
     const std::vector<std::int64_t> sizes = parse_int_list(a->microbatch, "--microbatch");
-    const traces::Trace t = profile_on(
-        a->backend, exec::with_executor_attention(models::load_model(a->model)), sizes, a->repeats);
+    const traces::Trace t =
+        profile_on(a->backend, exec::as_executed(models::load_model(a->model)), sizes, a->repeats);
     if (a->out.empty()) {
       fmt::print("{}\n", traces::to_json(t).dump(2));
       return;

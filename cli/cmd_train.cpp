@@ -72,7 +72,7 @@ void add_train_command(CLI::App& app) {
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
   cmd->callback([a] {
     check_backend(a->backend);
-    const models::ModelSpec model = exec::with_executor_attention(models::load_model(a->model));
+    const models::ModelSpec model = exec::as_executed(models::load_model(a->model));
     // Without -w the width is 1 (build() checks the plan).
     const planner::Plan plan = a->plan.build(model.layers, 1);
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes

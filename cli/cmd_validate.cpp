@@ -178,7 +178,7 @@ Machine probe_gpu(const planner::Plan& plan, const std::vector<std::int64_t>& pr
 void run_and_compare(const ValidateArgs& a) {
   check_backend(a.backend);
   const bool gpu = a.backend == "cuda";
-  const models::ModelSpec model = exec::with_executor_attention(models::load_model(a.model));
+  const models::ModelSpec model = exec::as_executed(models::load_model(a.model));
   if (!gpu && model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));
@@ -194,7 +194,7 @@ void run_and_compare(const ValidateArgs& a) {
   if (!a.trace.empty()) {  // read and checked before anything runs
     clusters::DeviceSpec device;
     device.name = "cpu";  // what profile writes on the CPU; a GPU trace names its GPU
-    trace = load_or_make_trace(a.trace, model, device, plan.b);
+    trace = load_or_make_trace(a.trace, model, device, plan.b, models::Sharding{plan.t, plan.sp});
     trace.at(plan.b);
   }
   const MeasuredOn on = measured_on(a.backend, model, plan);

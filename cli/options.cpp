@@ -119,8 +119,8 @@ Scenario ScenarioOptions::resolve(const CLI::App& app) {
   Scenario sc{load_model_with(model, seq_len), cluster.load(), {}, {}};
   sc.plan = plan.build(sc.model.layers, sc.cluster.devices());
   planner::place(sc.plan, {sc.cluster.nodes, sc.cluster.gpus_per_node}, plan.ranks_per_gpu);
-  sc.trace =
-      load_or_make_trace(trace, sc.model, sc.cluster.device, sc.plan.b, {sc.plan.t, sc.plan.sp});
+  sc.trace = load_or_make_trace(trace, sc.model, sc.cluster.device, sc.plan.b,
+                                models::Sharding{sc.plan.t, sc.plan.sp});
   return sc;
 }
 
@@ -172,9 +172,9 @@ models::ModelSpec load_model_with(const std::string& name, std::optional<std::in
 
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
                                  const clusters::DeviceSpec& device, std::int64_t b,
-                                 const models::Sharding& sharding) {
-  models::check_sharding(model, sharding, model.name);
-  if (trace_file.empty()) return traces::analytic_trace(model, device, {b}, sharding);
+                                 std::optional<models::Sharding> sharding) {
+  if (trace_file.empty())
+    return traces::analytic_trace(model, device, {b}, sharding.value_or(models::Sharding{}));
   traces::Trace t = traces::read_trace(trace_file);
   if (t.model != model.name)
     throw InputError(fmt::format("{}: /model: trace is for model \"{}\", not \"{}\"", trace_file,
@@ -183,10 +183,7 @@ traces::Trace load_or_make_trace(const std::string& trace_file, const models::Mo
     throw InputError(fmt::format("{}: /dtype: trace is in {}, but model {} trains in {}",
                                  trace_file, models::to_string(t.dtype), model.name,
                                  models::to_string(model.dtype)));
-  if (!(t.sharding == sharding))
-    throw InputError(fmt::format(
-        "{}: /tensor_parallel: trace is for t = {}{}, but the plan has t = {}{}", trace_file,
-        t.sharding.t, t.sharding.sp ? " with SP" : "", sharding.t, sharding.sp ? " with SP" : ""));
+  if (sharding) traces::check_sharding(t, *sharding);
   if (t.device != device.name)
     fmt::print("note: trace {} was made on {}; the cluster's device is {} (its timings are used)\n",
                trace_file, t.device, device.name);

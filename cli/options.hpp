@@ -83,10 +83,10 @@ std::string oom_message(const planner::RunReport& r);
 std::function<void(int, int)> progress_bar(const std::string& what);
 
 // Analytic trace for the cluster's device, or --trace FILE (checked against the model), for one
-// GPU of a TP group of `sharding`'s shape.
+// GPU of a TP group of `sharding`'s shape (none given: the file's, or t = 1 for analytic).
 traces::Trace load_or_make_trace(const std::string& trace_file, const models::ModelSpec& model,
                                  const clusters::DeviceSpec& device, std::int64_t b,
-                                 const models::Sharding& sharding = {});
+                                 std::optional<models::Sharding> sharding = std::nullopt);
 
 // A model preset or file, its sequence length replaced by `seq_len` when given (re-validated).
 models::ModelSpec load_model_with(const std::string& name, std::optional<std::int64_t> seq_len);

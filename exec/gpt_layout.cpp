@@ -25,8 +25,9 @@ void unsupported(const models::ModelSpec& m, const std::string& backend, const s
 
 }  // namespace
 
-models::ModelSpec with_executor_attention(models::ModelSpec model) {
+models::ModelSpec as_executed(models::ModelSpec model) {
   model.attention = models::Attention::unfused;
+  model.dropout = false;
   return model;
 }
 
@@ -40,7 +41,7 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.positions != models::Positions::learned) unsupported(m, backend, "positions", "rope");
   if (!m.bias) unsupported(m, backend, "bias", "false");
   // Both backends materialize the attention scores (unfused) and run without dropout; the
-  // planner's prediction must count the same tensors (with_executor_attention()).
+  // planner's prediction must count the same tensors (as_executed()).
   if (m.attention != models::Attention::unfused) unsupported(m, backend, "attention", "fused");
   if (m.dropout) unsupported(m, backend, "dropout", "true");
   if (models::key_value_heads(m) != m.heads)

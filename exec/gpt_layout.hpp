@@ -29,9 +29,9 @@ enum BlockTensor {
 };
 
 // The model as the executors run it: unfused attention (both backends materialize the T x T
-// scores). train, profile and validate plan and predict with this spec; a GptLayout refuses a
-// fused one.
-models::ModelSpec with_executor_attention(models::ModelSpec model);
+// scores) and no dropout (neither backend has it). train, profile and validate plan and predict
+// with this spec; a GptLayout refuses a fused or dropout one.
+models::ModelSpec as_executed(models::ModelSpec model);
 
 struct GptLayout {
   // A layout in elements of `dtype` (the backend computes in it whatever the model says).

@@ -50,6 +50,10 @@ MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
   return m;
 }
 
+std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes) {
+  return p.t > 1 && !p.sp ? bytes / p.t : bytes;
+}
+
 clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank) {
   const auto& a = p.placement[std::size_t(rank)];
   return clusters::p2p_link(c, a.node, a.gpu, a.node, a.gpu + (p.t > 1 ? 1 : 0));
@@ -171,6 +175,8 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
     // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
     if (!first) ch.parameters += mc.tied_copy_parameters;
   }
+  // The distributed optimizer: each replica updates its 1/w of the chunk's parameters.
+  if (p.distributed_optimizer && p.w > 1) ch.optimizer_s /= p.w;
   return ch;
 }
 
@@ -212,7 +218,6 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   st.memory.workspace = workspace;
   st.memory.weight_versions =
       p.schedule == Schedule::two_bw ? st.parameters * models::dtype_bytes(model.dtype) : 0;
-  if (p.distributed_optimizer && p.w > 1) st.optimizer_s /= p.w;  // each updates its shard
   st.in_flight = in_flight(p, s);
   // Interleaved stashes microbatch-chunks: each is on average 1/v of the device's stash.
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
@@ -236,8 +241,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   if (p.d > 1 && (s < p.d - 1 || p.v > 1)) {
     const int next = p.rank_of((s + 1) % p.d, 0);
     const clusters::Link link = rank_link(cluster, p, p.rank_of(s, 0), next);
-    const double out = double(e.layers[LayerKind::block].output_bytes);
-    const double piece = p.sp ? out : out / p.t;
+    const double piece = double(message_piece_bytes(p, e.layers[LayerKind::block].output_bytes));
     const int sharers = nic_sharers(cluster, p, s) * tp_nic_sharers(cluster, p, link);
     st.send_s = p.v * (link.latency_s + sharers * piece / link.bandwidth_bytes_per_s);
   }
@@ -322,13 +326,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   if (int(p.stage_blocks.size()) != p.virtual_stages())
     throw PlanError("plan: stage_blocks: the plan's stages are not resolved");
   const models::Sharding sharding{p.t, p.sp};
-  models::check_sharding(model, sharding, model.name);
-  if (!(trace.sharding == sharding))
-    throw InputError(fmt::format(
-        "trace {}: its times are for tensor-parallel size {}{}, but the plan has t = {}{}",
-        trace.origin, trace.sharding.t, trace.sharding.sp ? " with SP" : "", p.t,
-        p.sp ? " with SP" : ""));
-  const models::ModelCosts mc = models::derive_costs(model, sharding);
+  traces::check_sharding(trace, sharding);
+  const models::ModelCosts mc = models::derive_costs(model, sharding);  // checks t against it
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));

@@ -106,6 +106,10 @@ std::int64_t optimizer_bytes_per_parameter(models::DType dtype);
 MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
                               std::int64_t parameters);
 
+// What each GPU of a TP group sends of a pipeline message of `bytes` (one GPU's activation or
+// gradient): its 1/t (Megatron's scatter/gather); with SP the tensor is already the GPU's shard.
+std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes);
+
 // The link a TP group's ring runs over: between the group's first two GPUs (a group stays inside
 // a node, on a uniform intra-node fabric).
 clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank);

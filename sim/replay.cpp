@@ -220,8 +220,9 @@ class Replayer {
     // The message carries GPU 0's piece; the others travel beside it on their own paths, equal
     // flows that end together with it when they share a bottleneck.
     const int t = int(me_.tp_hosts.size());
-    const bool whole = t > 1 && !planner::is_tied(op.kind) && !w_.plan().sp;
-    const auto bytes = std::uint64_t(std::max<std::int64_t>(whole ? size / t : size, 1));
+    const std::int64_t piece =
+        planner::is_tied(op.kind) ? size : planner::message_piece_bytes(w_.plan(), size);
+    const auto bytes = std::uint64_t(std::max<std::int64_t>(piece, 1));
     sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(op.peer, op.kind, me_.rank));
     reap_sends();
     sends_.emplace_back(box->put_async(&kToken, bytes), op_);
@@ -319,7 +320,6 @@ class Replayer {
     double opt = 0;
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
-    if (w_.plan().distributed_optimizer && w_.plan().w > 1) opt /= w_.plan().w;  // its shard
     compute(opt);
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();

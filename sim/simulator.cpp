@@ -175,11 +175,7 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
                               const SimOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
-  if (!(trace.sharding == models::Sharding{plan.t, plan.sp}))
-    throw InputError(fmt::format(
-        "trace {}: its times are for tensor-parallel size {}{}, but the plan has t = {}{}",
-        trace.origin, trace.sharding.t, trace.sharding.sp ? " with SP" : "", plan.t,
-        plan.sp ? " with SP" : ""));
+  traces::check_sharding(trace, {plan.t, plan.sp});
   planner::ProgramOptions po;
   po.steps = options.steps;
   po.gradient_buckets = options.gradient_buckets;

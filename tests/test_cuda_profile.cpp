@@ -64,7 +64,7 @@ void expect_stage_sizes(const models::ModelSpec& m, const traces::Entry& e) {
 
 TEST(CudaProfile, EntrySizesAreTheCudaStagesSizes) {
   for (const char* name : {"gpt-tiny", "gpt2-124m"}) {
-    models::ModelSpec m = exec::with_executor_attention(models::load_model(name));
+    models::ModelSpec m = exec::as_executed(models::load_model(name));
     m.dtype = models::DType::bf16;
     const models::ModelCosts mc = models::derive_costs(m);
     for (const std::int64_t b : {1, 3})

@@ -168,7 +168,7 @@ TEST(CudaStage, ForwardAndBackwardMatchTheCpuStage) {
 // T cut to 256 to keep the CPU reference quick: the last stage.
 TEST(CudaStage, Gpt2SizedLastStageMatchesTheCpuStage) {
   PW_SKIP_WITHOUT_GPU();
-  auto m = pw::exec::with_executor_attention(pw::models::load_model("gpt2-124m"));
+  auto m = pw::exec::as_executed(pw::models::load_model("gpt2-124m"));
   m.seq_len = 256;
   const StageSpec sp = stage(m, false, m.layers - 1, 1, true);
   DeviceArena arena(4ll << 30);

@@ -164,7 +164,7 @@ TEST(GptLayout, RejectsWhatTheBackendsCannotRun) {
     refused([](auto& x) { x.vocab_multiple = 100; }, "vocab_multiple");  // 256 -> 300 rows
     auto fused = pw::testing::gpt_tiny(3);
     fused.attention = pw::models::Attention::fused;
-    EXPECT_NO_THROW(layout(stage(pw::exec::with_executor_attention(fused), true, 0, 3, true), be));
+    EXPECT_NO_THROW(layout(stage(pw::exec::as_executed(fused), true, 0, 3, true), be));
   }
   // An odd seq_len would leave bf16's fp32 statistics misaligned; fp32 elements have no such limit.
   auto m = pw::testing::gpt_tiny(3);

@@ -142,7 +142,7 @@ TEST(TpEstimate, ModelMustDivideByT) {
   // A trace of another sharding is refused rather than used.
   const traces::Trace t1 = traces::analytic_trace(m, c.device, {1});
   const Plan p = tp_plan(Schedule::one_f_one_b, 2, 1, 2, 1, 2, m.layers, c);
-  EXPECT_NE(error_of([&] { estimate(m, t1, c, p); }).find("tensor-parallel size 1"),
+  EXPECT_NE(error_of([&] { estimate(m, t1, c, p); }).find("trace is for t = 1, but the plan has t = 2"),
             std::string::npos);
 }
 

@@ -128,6 +128,15 @@ std::vector<std::int64_t> Trace::microbatch_sizes() const {
   return out;
 }
 
+void check_sharding(const Trace& t, const models::Sharding& sharding) {
+  if (t.sharding == sharding) return;
+  auto shape = [](const models::Sharding& s) {
+    return fmt::format("t = {}{}", s.t, s.sp ? " with SP" : "");
+  };
+  throw InputError(fmt::format("{}: /tensor_parallel: trace is for {}, but the plan has {}",
+                               t.origin, shape(t.sharding), shape(sharding)));
+}
+
 Trace parse_trace(const Json& json, const std::string& source) {
   JsonReader r(json, source);
   r.expect_format(kTraceFormat);

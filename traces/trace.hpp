@@ -88,6 +88,10 @@ struct Trace {
   }
 };
 
+// Throws InputError "<origin>: /tensor_parallel: trace is for t = 4 with SP, but the plan has
+// t = 2" unless the trace's times are those of a TP group of `sharding`'s shape.
+void check_sharding(const Trace& t, const models::Sharding& sharding);
+
 Trace parse_trace(const common::Json& json, const std::string& source);
 common::Json to_json(const Trace& t);
 Trace read_trace(const std::string& path);
