@@ -170,18 +170,13 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   }
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
-  int ranks = cluster.devices() * o.ranks_per_gpu;
   for (int t : tps)
-    for (bool sp : o.sequence_parallel) {
-      if (sp && t == 1) continue;
-      if (!sp && t > 1 &&
-          std::find(o.sequence_parallel.begin(), o.sequence_parallel.end(), false) ==
-              o.sequence_parallel.end())
-        continue;
+    // SP splits a TP group's work: t = 1 runs without it whatever the list says.
+    for (bool sp : t == 1 ? std::vector<bool>{false} : o.sequence_parallel) {
       const traces::Trace trace = trace_for({t, sp});
       const std::vector<std::int64_t> have = trace.microbatch_sizes();
       const std::set<std::int64_t> traced(have.begin(), have.end());
-      ranks = cluster.devices() * o.ranks_per_gpu / t;
+      const int ranks = cluster.devices() * o.ranks_per_gpu / t;  // pipeline ranks (TP groups)
       for (auto [w, d] : shapes(ranks, model.layers, o))
         for (int b = 1; b <= o.max_microbatch; b *= 2) {
           if (!traced.count(b)) continue;

@@ -30,7 +30,7 @@ struct SearchOptions {
   // allows (models::check_sharding). Pipeline depths and widths tried; empty: all that divide.
   std::vector<int> tensor_parallel;
   std::vector<int> depths, widths;
-  std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1
+  std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1 (t = 1: off)
   std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
   std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
 };

@@ -142,8 +142,9 @@ TEST(TpEstimate, ModelMustDivideByT) {
   // A trace of another sharding is refused rather than used.
   const traces::Trace t1 = traces::analytic_trace(m, c.device, {1});
   const Plan p = tp_plan(Schedule::one_f_one_b, 2, 1, 2, 1, 2, m.layers, c);
-  EXPECT_NE(error_of([&] { estimate(m, t1, c, p); }).find("trace is for t = 1, but the plan has t = 2"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { estimate(m, t1, c, p); }).find("trace is for t = 1, but the plan has t = 2"),
+      std::string::npos);
 }
 
 // Distributed optimizer: the optimizer state is split over the w replicas, ceil(12 P / w) bytes,
@@ -231,6 +232,32 @@ TEST(TpSimulate, ThreeDPlanAgreesAndIsDeterministic) {
     EXPECT_EQ(a.report.devices[std::size_t(r)].peak_memory_bytes,
               est.devices[std::size_t(r)].peak_memory_bytes);
   EXPECT_EQ(to_json(a.report).dump(), to_json(b.report).dump());
+}
+
+// The search's SP list applies where t > 1: asking for SP on still searches t = 1 (without it).
+TEST(TpSearch, SpOnKeepsPlansWithoutTp) {
+  const models::ModelSpec m = models::load_model("gpt3-1.3b");
+  const clusters::Cluster c = clusters::load_cluster("dgx-a100");
+  SearchOptions o;
+  o.global_batch = 32;
+  o.max_microbatch = 2;
+  o.schedules = {Schedule::one_f_one_b};
+  o.tensor_parallel = {1, 2};
+  o.sequence_parallel = {true};
+  const SearchResult r = search_plans(
+      m,
+      [&](const models::Sharding& s) {
+        return traces::analytic_trace(m, c.device, {1, 2}, s);
+      },
+      c, o);
+  bool t1 = false, t2 = false;
+  for (const auto* list : {&r.fitting, &r.rejected})
+    for (const Candidate& x : *list) {
+      (x.plan.t == 1 ? t1 : t2) = true;
+      EXPECT_EQ(x.plan.sp, x.plan.t > 1);
+    }
+  EXPECT_TRUE(t1);
+  EXPECT_TRUE(t2);
 }
 
 // Stages balanced by time: with uniform blocks and free embedding and head the counts are
