@@ -88,6 +88,10 @@ void add_trace_command(CLI::App& app) {
   cmd->add_option("--out,-o", *out, "output file (default: standard output)");
   cmd->callback([=] {
     std::vector<std::int64_t> sizes = parse_int_list(*micro, "--microbatch");
+    if (*sp && *tp == 1)
+      throw InputError(
+          "--sp: sequence parallelism splits a tensor-parallel group's work and "
+          "needs --tp > 1");
     const models::ModelSpec m = models::load_model(*model);
     traces::Trace t = traces::analytic_trace(m, clusters::load_device(*device), sizes, {*tp, *sp});
     common::Json j = traces::to_json(t);
