@@ -365,6 +365,10 @@ expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 
 # ---- validate (end) ------------------------------------------------------------------------
 
 # ---- calibrate -----------------------------------------------------------------------------
+# vTrain's measurements live in ../shared beside the repository (as CI has it); without them
+# these checks cannot run, and say so rather than fail one after another.
+CAL_DATA="$SRC/../shared/data/calibration"
+if [ -f "$CAL_DATA/vtrain-a100-single-node.csv" ]; then
 CAL_HEADER='# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)'
 # The first 120 t = 1 rows of vTrain's data: fast enough for a CLI test.
 { echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/../shared/data/calibration/vtrain-a100-single-node.csv" | head -120; } >"$TMP/cal.csv"
@@ -399,6 +403,9 @@ rm -f "$TMP/cal-huge.csv"
 expect_error "calibrate without --out" "--out DEVICE.json is required" - $PW calibrate --measurements "$TMP/cal.csv"
 expect_ok "calibrate --allreduce" $PW calibrate --allreduce "$SRC"/../shared/data/calibration/vtrain-a100-allreduce/allreduce_{2,8}gpu.csv --cluster-out "$TMP/cal-cluster.json"
 python3 -c "import json; d=json.load(open('$TMP/cal-cluster.json')); assert 0<d['intra_node']['efficiency']<1" && ok || bad "calibrate --allreduce writes the cluster"
+else
+  echo "skipped: calibrate tests ($CAL_DATA not found beside the repository)"
+fi
 # ---- calibrate (end) -----------------------------------------------------------------------
 
 echo "$pass passed, $fail failed"
