@@ -53,17 +53,18 @@ calibrate::FitData prepare(const std::vector<calibrate::Measurement>& rows,
   }
   for (const auto& [reason, count] : skipped)
     fmt::print("skipped {} row{}: {}\n", count, count == 1 ? "" : "s", reason);
-  if (data.rows.size() < 6)
+  if (data.rows.size() < 7)
     throw InputError(
-        fmt::format("calibrate: {} predictable rows cannot fit 6 parameters", data.rows.size()));
+        fmt::format("calibrate: {} predictable rows cannot fit 7 parameters", data.rows.size()));
   return data;
 }
 
 void print_parameters(const clusters::DeviceEfficiency& e) {
   fmt::print(
       "  gemm_max {:.4f}  gemm_half_dim {:.1f}  attention {:.4f}  elementwise {:.4f}  optimizer "
-      "{:.4f}  layer_overhead_s {:.3e}\n",
-      e.gemm_max, e.gemm_half_dim, e.attention, e.elementwise, e.optimizer, e.layer_overhead_s);
+      "{:.4f}  layer_overhead_s {:.3e}  overhead_exponent {:.3f}\n",
+      e.gemm_max, e.gemm_half_dim, e.attention, e.elementwise, e.optimizer, e.layer_overhead_s,
+      e.overhead_exponent);
 }
 
 void print_worst(const std::vector<calibrate::Measurement>& rows, const calibrate::FitData& data,

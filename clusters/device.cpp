@@ -24,10 +24,10 @@ DeviceEfficiency parse_efficiency(const common::JsonReader& r) {
   if (!r.value().is_object()) r.fail("expected an object");
   for (const auto& [key, value] : r.value().items())
     if (key != "gemm_max" && key != "gemm_half_dim" && key != "attention" && key != "elementwise" &&
-        key != "optimizer" && key != "layer_overhead_s")
+        key != "optimizer" && key != "layer_overhead_s" && key != "overhead_exponent")
       r.fail_member(key,
                     "unknown efficiency parameter; expected gemm_max, gemm_half_dim, "
-                    "attention, elementwise, optimizer or layer_overhead_s");
+                    "attention, elementwise, optimizer, layer_overhead_s or overhead_exponent");
   DeviceEfficiency e;
   auto positive = [&](const char* key, double& field) {
     if (r.has(key)) field = r.get_positive(key);
@@ -43,13 +43,22 @@ DeviceEfficiency parse_efficiency(const common::JsonReader& r) {
   positive("elementwise", e.elementwise);
   positive("optimizer", e.optimizer);
   nonnegative("layer_overhead_s", e.layer_overhead_s);
+  nonnegative("overhead_exponent", e.overhead_exponent);
+  if (e.overhead_exponent > 0 && e.overhead_exponent < 1)
+    r.fail_member("overhead_exponent",
+                  fmt::format("must be 0 (max of GPU time and floor) or >= 1, found {}",
+                              e.overhead_exponent));
   return e;
 }
 
 common::Json to_json(const DeviceEfficiency& e) {
-  return {{"gemm_max", e.gemm_max},   {"gemm_half_dim", e.gemm_half_dim},
-          {"attention", e.attention}, {"elementwise", e.elementwise},
-          {"optimizer", e.optimizer}, {"layer_overhead_s", e.layer_overhead_s}};
+  return {{"gemm_max", e.gemm_max},
+          {"gemm_half_dim", e.gemm_half_dim},
+          {"attention", e.attention},
+          {"elementwise", e.elementwise},
+          {"optimizer", e.optimizer},
+          {"layer_overhead_s", e.layer_overhead_s},
+          {"overhead_exponent", e.overhead_exponent}};
 }
 
 DeviceSpec parse_device(const common::JsonReader& r, bool require_format) {

@@ -21,6 +21,8 @@ struct DeviceEfficiency {
   double elementwise = 1;       // fraction of HBM bandwidth non-GEMM traffic reaches, > 0
   double optimizer = 1;         // fraction of HBM bandwidth AdamW reaches, > 0
   double layer_overhead_s = 0;  // fixed time per layer forward (twice per backward), >= 0
+  // How GPU time g and that floor o combine: (g^p + o^p)^(1/p); 0 means max(g, o) (p -> inf).
+  double overhead_exponent = 0;  // 0 or >= 1
   bool operator==(const DeviceEfficiency&) const = default;
 };
 

@@ -7,7 +7,7 @@
 #   preset.json     the shipped preset clusters/devices/A100-80GB-cal.json, for comparison
 # The measurements live beside the repository, in ../shared/data/calibration (PW_MEASUREMENTS
 # names another file).
-# Usage: make_calibration_data.sh PATH/TO/pipewright OUT_DIR   (about 30 s on one core)
+# Usage: make_calibration_data.sh PATH/TO/pipewright OUT_DIR   (about 90 s on one core)
 set -euo pipefail
 PW=$1
 OUT=$2

@@ -172,7 +172,7 @@ FitData synthetic(const clusters::Cluster& cluster, const clusters::DeviceSpec& 
 TEST(Fit, RecoversTheParametersThatGeneratedTheMeasurements) {
   const clusters::Cluster cluster = clusters::load_cluster("vtrain-a100");
   clusters::DeviceSpec truth = cluster.device;
-  truth.efficiency = {0.7, 200, 0.5, 0.6, 0.8, 2e-4};
+  truth.efficiency = {0.7, 200, 0.5, 0.6, 0.8, 2e-4, 2.5};
   const FitData data = synthetic(cluster, truth);
   clusters::DeviceSpec start = cluster.device;
   start.efficiency = {};
@@ -184,6 +184,7 @@ TEST(Fit, RecoversTheParametersThatGeneratedTheMeasurements) {
   EXPECT_NEAR(e.elementwise, 0.6, 1e-4);
   EXPECT_NEAR(e.optimizer, 0.8, 1e-4);
   EXPECT_NEAR(e.layer_overhead_s, 2e-4, 1e-8);
+  EXPECT_NEAR(e.overhead_exponent, 2.5, 1e-4);
   EXPECT_LT(max_abs(relative_errors(fit.predicted_s, data.measured_s)), 1e-6);
   // Held-out folds of exact data are predicted exactly too.
   const CrossValidation cv = cross_validate(data, start, 3);

@@ -174,6 +174,11 @@ TEST(Reader, ErrorsNameTheFileAndJsonPath) {
        "unknown kind"},
       {"oversub", [](auto& j) { j["network"]["oversubscription"] = 0.5; },
        "/network/oversubscription", "must be >= 1"},
+      {"exponent",
+       [](auto& j) {
+         j["device"]["efficiency"] = {{"overhead_exponent", 0.5}};
+       },
+       "/device/efficiency/overhead_exponent", "or >= 1"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);

@@ -1,5 +1,6 @@
 // Trace format (round trip, reader errors, lookup by b) and the analytic roofline generator checked
 // against hand computations.
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -91,6 +92,28 @@ TEST(Roofline, BlockMatchesHandComputation) {
   EXPECT_EQ(t.statics.block.parameter_bytes, 2 * costs.block.parameters);
   EXPECT_DOUBLE_EQ(t.statics.block.optimizer_step_s, 28.0 * costs.block.parameters / kH100Hbm);
   EXPECT_EQ(blk.activation_bytes, costs.block.activation_bytes);
+}
+
+// The launch floor o (formulas.md §6): with exponent 0 a pass takes max(g, o); with p it takes
+// (g^p + o^p)^(1/p), g the pass's GPU time without the floor.
+TEST(Roofline, LaunchFloorIsAMaxOrAPNormBlend) {
+  const auto s = wide_gpt();
+  clusters::DeviceSpec d = clusters::load_device("H100-SXM");
+  const LayerTimes g = analytic_trace(s, d, {1}).at(1).layers.block;  // o = 0
+  const double o = 4e-3;  // between the forward (5.18 ms) and below the backward
+  d.efficiency.layer_overhead_s = o;
+  const LayerTimes hard = analytic_trace(s, d, {1}).at(1).layers.block;
+  EXPECT_DOUBLE_EQ(hard.forward_s, g.forward_s);  // 5.18 ms > 4 ms
+  d.efficiency.layer_overhead_s = 6e-3;
+  EXPECT_DOUBLE_EQ(analytic_trace(s, d, {1}).at(1).layers.block.forward_s, 6e-3);
+  d.efficiency.layer_overhead_s = o;
+  d.efficiency.overhead_exponent = 2;
+  const LayerTimes soft = analytic_trace(s, d, {1}).at(1).layers.block;
+  EXPECT_NEAR(soft.forward_s, std::sqrt(g.forward_s * g.forward_s + o * o), 1e-15);
+  EXPECT_NEAR(soft.backward_s, std::sqrt(g.backward_s * g.backward_s + 4 * o * o), 1e-15);
+  EXPECT_DOUBLE_EQ(soft.recompute_s, soft.forward_s);
+  d.efficiency.overhead_exponent = 1;  // p = 1: the sum
+  EXPECT_NEAR(analytic_trace(s, d, {1}).at(1).layers.block.forward_s, g.forward_s + o, 1e-15);
 }
 
 // A TP rank's trace is the roofline of its per-rank GEMMs and traffic (formulas.md §3a): with

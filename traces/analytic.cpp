@@ -3,6 +3,7 @@
 #include "traces/analytic.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include <fmt/format.h>
@@ -10,6 +11,14 @@
 namespace pw::traces {
 
 namespace {
+
+// GPU time g with the launch floor o: max(g, o) when p = 0, else (g^p + o^p)^(1/p), which is
+// above both and approaches max(g, o) as p grows (scaled by the larger, so no underflow).
+double with_floor(double g, double o, double p) {
+  const double top = std::max(g, o);
+  if (p == 0 || top == 0) return top;
+  return top * std::pow(std::pow(g / top, p) + std::pow(o / top, p), 1 / p);
+}
 
 double dim_factor(std::int64_t x, double half_dim) {
   return double(x) / (double(x) + half_dim);
@@ -43,7 +52,8 @@ LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& 
   LayerTimes t;
   // The host issues a layer's kernels at a bounded rate while the GPU runs them: a layer takes at
   // least the issue time (launch-bound), else its GPU time (layer_overhead_s, 0 by default).
-  t.forward_s = std::max(g.weight_s + g.attention_s + elementwise_s, overhead_s);
+  t.forward_s = with_floor(g.weight_s + g.attention_s + elementwise_s, overhead_s,
+                           d.efficiency.overhead_exponent);
   // dX of each weight GEMM has its forward shape; each attention matmul needs two (dQ and dK,
   // dP and dV), of shapes with the same efficiency and traffic as the forward one. Fused
   // attention recomputes Q K^T in its backward (time here, not model FLOPs).
@@ -51,8 +61,8 @@ LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& 
   t.backward_weight_s = g.weight_s;
   // The elementwise backward reads the saved input and the incoming gradient and writes one.
   // A backward issues about twice a forward's kernels: twice the floor.
-  t.backward_s =
-      std::max(t.backward_input_s + t.backward_weight_s + 2 * elementwise_s, 2 * overhead_s);
+  t.backward_s = with_floor(t.backward_input_s + t.backward_weight_s + 2 * elementwise_s,
+                            2 * overhead_s, d.efficiency.overhead_exponent);
   t.recompute_s = t.forward_s;
   // Selective recompute re-runs the unfused attention core (its matmuls, softmax and dropout);
   // fused attention stashes nothing to drop.
