@@ -28,11 +28,16 @@ double logistic(double x) {
 // its default 1, where the logistic has no finite preimage.
 std::vector<double> to_variables(const clusters::DeviceEfficiency& e) {
   const double overhead = e.layer_overhead_s > 0 ? e.layer_overhead_s : kOverheadScale_s;
-  return {logit(e.gemm_max), std::log(std::max(e.gemm_half_dim, 1e-3)), std::log(e.attention),
-          std::log(e.elementwise), logit(std::min(e.optimizer, 0.9)),
-          std::sqrt(overhead / kOverheadScale_s),
-          // p = 1 + e^x6 > 1; a device without a blend (p = 0, the hard max) starts at p = 3.
-          std::log(e.overhead_exponent > 1 ? e.overhead_exponent - 1 : 2.0)};
+  std::vector<double> x = {logit(e.gemm_max),
+                           std::log(std::max(e.gemm_half_dim, 1e-3)),
+                           std::log(e.attention),
+                           std::log(e.elementwise),
+                           logit(std::min(e.optimizer, 0.9)),
+                           std::sqrt(overhead / kOverheadScale_s)};
+  // The floor blend's exponent is fitted only when the start has one (p = 1 + e^x6 > 1); a start
+  // of 0 keeps the hard max(g, o) and six variables.
+  if (e.overhead_exponent > 0) x.push_back(std::log(std::max(e.overhead_exponent - 1, 1e-6)));
+  return x;
 }
 
 clusters::DeviceEfficiency from_variables(const std::vector<double>& x) {
@@ -43,7 +48,7 @@ clusters::DeviceEfficiency from_variables(const std::vector<double>& x) {
   e.elementwise = std::exp(x[3]);
   e.optimizer = logistic(x[4]);
   e.layer_overhead_s = kOverheadScale_s * x[5] * x[5];
-  e.overhead_exponent = 1 + std::exp(x[6]);
+  if (x.size() > 6) e.overhead_exponent = 1 + std::exp(x[6]);
   return e;
 }
 

@@ -27,9 +27,10 @@ struct DeviceFit {
 
 // The fitted parameters, in order: gemm_max (logistic of its variable, in (0, 1)), gemm_half_dim,
 // attention, elementwise (each exp of its variable, > 0), optimizer (logistic, in (0, 1)),
-// layer_overhead_s (1e-4 s * x^2, >= 0), overhead_exponent (1 + exp, > 1). Fits from `start` (a
+// layer_overhead_s (1e-4 s * x^2, >= 0), and overhead_exponent (1 + exp, > 1) only when `start`
+// has one (> 0; otherwise the fit keeps the hard max of the launch floor). Fits from `start` (a
 // zero overhead starts at 1e-4 s so its variable is not at the stationary x = 0; an optimizer of 1
-// starts at 0.9; an exponent of 0, the hard max, starts at 3). `device` supplies the peaks.
+// starts at 0.9). `device` supplies the peaks.
 DeviceFit fit_device(const FitData& data, const clusters::DeviceSpec& device,
                      const clusters::DeviceEfficiency& start = {});
 

@@ -29,6 +29,7 @@ struct CalibrateArgs {
   std::string note;
   int folds = 5;
   bool skip_unsupported = false;
+  bool blend_floor = false;
 };
 
 // The rows the model can predict; the others are an error naming the row or, with
@@ -147,14 +148,16 @@ Rendered fit_measurements(const CalibrateArgs& a, const clusters::Cluster& clust
   fmt::print("{} of {} rows of {} on {} ({} x {}); default parameters: mean |error| {:.2f}%\n",
              data.rows.size(), rows.size(), a.measurements, cluster.name, cluster.gpus_per_node,
              cluster.device.name, 100 * calibrate::mean_abs(before));
-  const calibrate::DeviceFit fit = calibrate::fit_device(data, base);
+  clusters::DeviceEfficiency start;  // the defaults; --blend-floor fits the exponent from 3
+  if (a.blend_floor) start.overhead_exponent = 3;
+  const calibrate::DeviceFit fit = calibrate::fit_device(data, base, start);
   const auto err = calibrate::relative_errors(fit.predicted_s, data.measured_s);
   fmt::print("fit ({} iterations, {}):\n", fit.iterations, fit.status);
   print_parameters(fit.efficiency);
   fmt::print("  in-sample: mean |error| {:.2f}%, max {:.2f}%\n", 100 * calibrate::mean_abs(err),
              100 * calibrate::max_abs(err));
   print_worst(rows, data, fit.predicted_s);
-  const auto cv = calibrate::cross_validate(data, base, a.folds);
+  const auto cv = calibrate::cross_validate(data, base, a.folds, start);
   const auto cv_err = calibrate::relative_errors(cv.predicted_s, data.measured_s);
   fmt::print("  {}-fold cross-validation: mean |error| {:.2f}%, max {:.2f}%\n", a.folds,
              100 * calibrate::mean_abs(cv_err), 100 * calibrate::max_abs(cv_err));
@@ -224,6 +227,9 @@ void add_calibrate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--residuals", a->residuals,
                   "write each row's measured, fitted and cross-validated times here (CSV)");
+  cmd->add_flag("--blend-floor", a->blend_floor,
+                "also fit overhead_exponent: the launch floor blends with GPU time as a p-norm "
+                "instead of a max (docs/formulas.md section 6)");
   cmd->add_flag("--skip-unsupported", a->skip_unsupported,
                 "skip (and count) rows the model cannot predict instead of failing");
   cmd->add_option("--name", a->name,

@@ -176,7 +176,9 @@ TEST(Fit, RecoversTheParametersThatGeneratedTheMeasurements) {
   const FitData data = synthetic(cluster, truth);
   clusters::DeviceSpec start = cluster.device;
   start.efficiency = {};
-  const DeviceFit fit = fit_device(data, start);
+  clusters::DeviceEfficiency from;  // fit the blend's exponent too (from 3)
+  from.overhead_exponent = 3;
+  const DeviceFit fit = fit_device(data, start, from);
   const auto& e = fit.efficiency;
   EXPECT_NEAR(e.gemm_max, 0.7, 1e-4);
   EXPECT_NEAR(e.gemm_half_dim, 200, 0.05);
@@ -187,8 +189,23 @@ TEST(Fit, RecoversTheParametersThatGeneratedTheMeasurements) {
   EXPECT_NEAR(e.overhead_exponent, 2.5, 1e-4);
   EXPECT_LT(max_abs(relative_errors(fit.predicted_s, data.measured_s)), 1e-6);
   // Held-out folds of exact data are predicted exactly too.
-  const CrossValidation cv = cross_validate(data, start, 3);
+  const CrossValidation cv = cross_validate(data, start, 3, from);
   EXPECT_LT(max_abs(relative_errors(cv.predicted_s, data.measured_s)), 1e-5);
+}
+
+// Without a start exponent the fit keeps the hard floor max(g, o) (six parameters, p stays 0).
+TEST(Fit, HardFloorFitRecoversSixParametersAndKeepsTheMax) {
+  const clusters::Cluster cluster = clusters::load_cluster("vtrain-a100");
+  clusters::DeviceSpec truth = cluster.device;
+  truth.efficiency = {0.7, 200, 0.5, 0.6, 0.8, 2e-4, 0};
+  const FitData data = synthetic(cluster, truth);
+  clusters::DeviceSpec start = cluster.device;
+  start.efficiency = {};
+  const DeviceFit fit = fit_device(data, start);
+  EXPECT_EQ(fit.efficiency.overhead_exponent, 0);
+  EXPECT_NEAR(fit.efficiency.gemm_max, 0.7, 1e-4);
+  EXPECT_NEAR(fit.efficiency.layer_overhead_s, 2e-4, 1e-8);
+  EXPECT_LT(max_abs(relative_errors(fit.predicted_s, data.measured_s)), 1e-6);
 }
 
 TEST(Fit, FoldsAreRowIndexModK) {

@@ -379,6 +379,9 @@ expect_ok "calibrate b" $PW calibrate --measurements "$TMP/cal.csv" --cluster vt
 cmp -s "$TMP/cal-a.json" "$TMP/cal-b.json" && ok || bad "calibrate output is deterministic"
 python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['format']=='pipewright.device/1' and d['name']=='A100-80GB-cal' and 0<d['efficiency']['gemm_max']<=1" && ok || bad "calibrate writes a device"
 [ "$(wc -l <"$TMP/cal-a.csv")" -eq 121 ] && ok || bad "calibrate residuals: one line per row"
+python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['efficiency']['overhead_exponent']==0" && ok || bad "calibrate keeps the hard floor by default"
+expect_ok "calibrate --blend-floor" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 2 --blend-floor --out "$TMP/cal-blend.json"
+python3 -c "import json; d=json.load(open('$TMP/cal-blend.json')); assert d['efficiency']['overhead_exponent']>1" && ok || bad "calibrate --blend-floor fits the exponent"
 expect_ok "estimate with the calibrated device" $PW estimate --model gpt2-124m --cluster vtrain-a100 --set "device=$TMP/cal-a.json" -w 8 -b 1 -m 4
 { echo "$CAL_HEADER"; echo "8,32,4,1536,12,24,1024,8,1,1,219.7"; } >"$TMP/cal-tp.csv"
 expect_error "calibrate unsupported row" "row 1 (line 2): cannot predict" "$O" $PW calibrate --measurements "$TMP/cal-tp.csv" --out "$O"
