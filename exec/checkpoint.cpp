@@ -428,6 +428,10 @@ void check_manifest(const Manifest& manifest, int ranks, const common::Json& ide
         path, field, have ? have->dump() : "nothing", want->dump()));
 }
 
+void check_manifest(const std::string& dir, int step, int ranks, const common::Json& identity) {
+  check_manifest(read_manifest(dir, step), ranks, identity);
+}
+
 std::optional<std::string> verify_checkpoint(const std::string& dir, int step) {
   try {
     const Manifest m = read_manifest(dir, step);
@@ -484,6 +488,7 @@ void write_shard(const std::string& path, common::Json header,
     list.push_back({{"name", t.name},
                     {"floats", t.size},
                     {"crc32", hex(crc32_of(t.data, std::size_t(t.size) * sizeof(float)))}});
+  header["format"] = kShardFormat;
   header["tensors"] = list;
   const std::string text = header.dump();
   unsigned char prefix[kPrefix], crc[4];

@@ -54,6 +54,8 @@ Manifest read_manifest(const std::string& dir, int step);
 // Checks that the manifest was written by a run with the same `identity` (model, plan,
 // optimizer, seed, data) and `ranks`: an InputError names the first field that differs.
 void check_manifest(const Manifest& manifest, int ranks, const common::Json& identity);
+// The same, reading the manifest of `step` in `dir` first.
+void check_manifest(const std::string& dir, int step, int ranks, const common::Json& identity);
 
 // Reads the whole checkpoint of `step` (manifest, every shard's header and tensors) and checks
 // every checksum and size: nullopt when intact, else the first problem in one line naming the
@@ -75,7 +77,8 @@ struct ShardTensor {
   std::int64_t size = 0;  // floats
 };
 
-// Writes one rank's shard atomically. `header` gets "tensors" (names, sizes, CRC-32s) added.
+// Writes one rank's shard atomically. `header` gets "format" (pipewright.checkpoint-shard/2) set
+// and "tensors" (names, sizes, CRC-32s) added.
 void write_shard(const std::string& path, common::Json header,
                  const std::vector<ShardTensor>& tensors);
 
