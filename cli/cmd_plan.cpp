@@ -238,10 +238,12 @@ void add_plan_command(CLI::App& app) {
         res, a->top, simulate_fn(sc, traces, a->search.memory_headroom, a->steps, a->parallel));
     print_ranked(ranked, std::size_t(std::max(a->top, 10)));
     const planner::Ranked& best = ranked.front();
-    if (best.simulated && !(best.simulated->ok && best.simulated->fits))
-      throw PlanError(fmt::format("plan: none of the {} simulated candidates ran within memory: {}",
-                                  a->top,
-                                  best.simulated->ok ? "over capacity" : best.simulated->error));
+    if (best.simulated && !best.simulated->ok)
+      throw PlanError(fmt::format("plan: none of the {} simulated candidates ran: {}", a->top,
+                                  best.simulated->error));
+    if (best.simulated && !best.simulated->fits)
+      throw PlanError(fmt::format(
+          "plan: none of the {} simulated candidates ran within memory: over capacity", a->top));
     const planner::Plan& p = best.candidate.plan;
     fmt::print("best: {} t={} w={} d={} b={} m={}{}: {:.2f} samples/s {}\n", plan_label(p),
                tp_label(p), p.w, p.d, p.b, p.m,

@@ -64,8 +64,9 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--resume", a->options.resume,
-                "continue from the newest complete checkpoint in --checkpoint-dir (from step 0 "
-                "if there is none) up to --steps; bit-identical to an unbroken run")
+                "continue from the newest intact checkpoint in --checkpoint-dir (from step 0 "
+                "if there is none) up to --steps; bit-identical to an unbroken run. At the final "
+                "checkpoint of a finished run: writes its report again")
       ->needs(dir);
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
@@ -81,13 +82,21 @@ void add_train_command(CLI::App& app) {
       fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
                  model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
                  plan.global_batch(), a->options.steps, plan.ranks(), on.cluster);
-    if (a->options.resume && lead) {
-      if (const auto step = exec::latest_checkpoint(a->options.checkpoint_dir))
-        fmt::print("resuming from {} (step {})\n",
-                   exec::checkpoint_path(a->options.checkpoint_dir, *step), *step);
-      else
-        fmt::print("no checkpoint in {}: starting from step 0\n", a->options.checkpoint_dir);
-    }
+    if (lead)
+      a->options.on_resume = [dir = a->options.checkpoint_dir](const exec::ResumeInfo& info) {
+        for (const std::string& w : info.warnings)
+          fmt::print(stderr, "{}\n", w);
+        if (info.finished)
+          fmt::print(
+              "{} is the final checkpoint of a finished run of {} steps: nothing to run, "
+              "its report is written again\n",
+              info.checkpoint, info.step);
+        else if (info.step > 0)
+          fmt::print("resuming from {} (step {})\n", info.checkpoint, info.step);
+        else
+          fmt::print("no checkpoint in {}: starting from step 0\n", dir);
+        std::fflush(stdout);
+      };
     const exec::TrainResult r = train_on(a->backend, model, plan, a->options, print_step);
     if (!lead) return;
     planner::RunReport report = measured_report(model, plan, r, on);
@@ -95,7 +104,12 @@ void add_train_command(CLI::App& app) {
       fmt::print("{}: {:.0f} tokens/s, {:.1f} model TFLOP/s, MFU {:.1f}% of {:.0f} TFLOP/s\n",
                  on.cluster, report.tokens_per_s, report.model_flops_per_s / 1e12, 100 * report.mfu,
                  on.peak_flops_per_s / 1e12);
-    if (!a->timeline.empty()) {
+    if (!a->timeline.empty() && r.from_checkpoint) {
+      fmt::print(stderr,
+                 "warning: --timeline {}: a finished run's checkpoint keeps no timeline; not "
+                 "written\n",
+                 a->timeline);
+    } else if (!a->timeline.empty()) {
       std::vector<planner::RankTimeline> ranks;
       for (const auto& rank : r.ranks)
         ranks.push_back(rank.timeline);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <limits>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,7 +36,7 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
 namespace detail {
 
 PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& plan,
-                        const TrainOptions& options, const std::string& backend) {
+                        const TrainOptions& options, const std::string& backend, bool tidy) {
   if (options.optimizer != "adamw" && options.optimizer != "sgd")
     throw InputError(fmt::format("--optimizer: unknown \"{}\" (adamw or sgd)", options.optimizer));
   if (options.steps < 1) throw InputError("--steps must be at least 1");
@@ -70,14 +71,30 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
           options.checkpoint_dir, *step));
   }
   if (options.resume) {
-    if (const auto step = latest_checkpoint(options.checkpoint_dir)) {
-      check_manifest(options.checkpoint_dir, *step, plan.ranks(), run.identity);
-      if (*step >= options.steps)
-        throw InputError(fmt::format("--resume: {} is at step {}; --steps {} leaves nothing to run",
-                                     checkpoint_path(options.checkpoint_dir, *step), *step,
-                                     options.steps));
-      run.first_step = *step;
+    ResumeInfo info;
+    const ResumePoint found = find_resume_point(options.checkpoint_dir, tidy);
+    info.warnings = found.warnings;
+    if (found.step) {
+      const int step = *found.step;
+      const Manifest m = read_manifest(options.checkpoint_dir, step);
+      check_manifest(m, plan.ranks(), run.identity);
+      info.step = step;
+      info.checkpoint = checkpoint_path(options.checkpoint_dir, step);
+      if (step == options.steps && !m.result.is_null()) {
+        run.finished = result_from_record(m.result, m.path);
+        if (int(run.finished->ranks.size()) != plan.ranks())
+          throw InputError(fmt::format("{}: /result/ranks: {} ranks, the checkpoint has {}", m.path,
+                                       run.finished->ranks.size(), plan.ranks()));
+        info.finished = true;
+      } else if (step >= options.steps) {
+        throw InputError(fmt::format(
+            "--resume: {} is at step {}{}; --steps {} leaves nothing to run", info.checkpoint, step,
+            m.result.is_null() ? " (written in the middle of a longer run)" : "", options.steps));
+      }
+      run.first_step = step;
     }
+    if (options.on_resume) options.on_resume(info);
+    if (run.finished) return run;
   }
   planner::ProgramOptions po;
   po.steps = options.steps - run.first_step;
@@ -127,7 +144,7 @@ void StepBook::finish_step(int step) {
   std::lock_guard<std::mutex> lock(mutex);
   if (++finished[std::size_t(step - first_step)] < ranks_here) return;
   // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
-  if (checkpoint_after(step)) {
+  if (checkpoint_after(step) && step + 1 < options->steps) {
     if (before_manifest) before_manifest();
     if (write_manifests)
       write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
@@ -135,6 +152,77 @@ void StepBook::finish_step(int step) {
   const double now = std::chrono::duration<double>(Clock::now() - start).count();
   logs.push_back(make_log(step, loss_sum[std::size_t(step - first_step)], now));
   if (on_step) on_step(logs.back());
+}
+
+void StepBook::write_final_manifest(const TrainResult& result) const {
+  if (options->checkpoint_dir.empty() || !write_manifests) return;
+  write_manifest(options->checkpoint_dir, options->steps, plan().ranks(), identity, 2,
+                 result_record(result));
+}
+
+common::Json result_record(const TrainResult& r) {
+  common::Json steps = common::Json::array(), ranks = common::Json::array();
+  for (const StepLog& s : r.steps)
+    steps.push_back({{"step", s.step},
+                     {"loss", s.loss},
+                     {"seconds", s.seconds},
+                     {"tokens_per_s", s.tokens_per_s}});
+  for (const RankResult& k : r.ranks) {
+    const planner::MemoryBreakdown& m = k.memory;
+    ranks.push_back({{"rank", k.rank},
+                     {"peak_memory_bytes", k.peak_memory_bytes},
+                     {"busy_s", k.busy_s},
+                     {"memory_bytes",
+                      {{"weights", m.weights},
+                       {"weight_versions", m.weight_versions},
+                       {"gradients", m.gradients},
+                       {"optimizer", m.optimizer},
+                       {"activations", m.activations},
+                       {"workspace", m.workspace}}}});
+  }
+  return {{"first_step", r.first_step}, {"wall_s", r.wall_s}, {"steps", steps}, {"ranks", ranks}};
+}
+
+TrainResult result_from_record(const common::Json& record, const std::string& source) {
+  const common::JsonReader r(record, source, "/result");
+  TrainResult out;
+  out.from_checkpoint = true;
+  const auto small_int = [](const common::JsonReader& at, const std::string& key) {
+    const std::int64_t v = at.get_nonnegative_int(key);
+    if (v > std::numeric_limits<int>::max()) at.fail_member(key, fmt::format("{} is too large", v));
+    return int(v);
+  };
+  out.first_step = small_int(r, "first_step");
+  out.wall_s = r.get_nonnegative("wall_s");
+  const common::JsonReader steps = r.at("steps");
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const common::JsonReader s = steps.at(i);
+    StepLog log;
+    log.step = small_int(s, "step");
+    log.loss = s.get_number("loss");
+    log.seconds = s.get_nonnegative("seconds");
+    log.tokens_per_s = s.get_nonnegative("tokens_per_s");
+    out.steps.push_back(log);
+  }
+  if (out.steps.empty()) steps.fail("expected at least one step");
+  const common::JsonReader ranks = r.at("ranks");
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const common::JsonReader k = ranks.at(i);
+    RankResult rank;
+    rank.rank = small_int(k, "rank");
+    if (rank.rank != int(i)) k.fail_member("rank", fmt::format("{}, expected {}", rank.rank, i));
+    rank.peak_memory_bytes = k.get_nonnegative_int("peak_memory_bytes");
+    rank.busy_s = k.get_nonnegative("busy_s");
+    const common::JsonReader m = k.at("memory_bytes");
+    rank.memory.weights = m.get_nonnegative_int("weights");
+    rank.memory.weight_versions = m.get_nonnegative_int("weight_versions");
+    rank.memory.gradients = m.get_nonnegative_int("gradients");
+    rank.memory.optimizer = m.get_nonnegative_int("optimizer");
+    rank.memory.activations = m.get_nonnegative_int("activations");
+    rank.memory.workspace = m.get_nonnegative_int("workspace");
+    out.ranks.push_back(rank);
+  }
+  return out;
 }
 
 StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int stage, int chunk) {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,10 +27,19 @@ struct PreparedRun {
   int first_step = 0;  // the resumed checkpoint's step, else 0
   common::Json identity;
   planner::Programs programs;
+  // Resumed at the final checkpoint of a finished run: its record; nothing is left to run.
+  std::optional<TrainResult> finished;
 };
-// `backend` ("cpu", "cuda") goes into the identity a checkpoint must match.
+// `backend` ("cpu", "cuda") goes into the identity a checkpoint must match. `tidy`: this process
+// may rename damaged checkpoints (under mpirun only rank 0 does).
 PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& plan,
-                        const TrainOptions& options, const std::string& backend);
+                        const TrainOptions& options, const std::string& backend, bool tidy = true);
+
+// A finished run's record, kept in its final checkpoint's manifest ("result"): what its report is
+// made of (steps' losses and times, ranks' memory and busy time), and back (errors name `source`
+// and the JSON path).
+common::Json result_record(const TrainResult& r);
+TrainResult result_from_record(const common::Json& record, const std::string& source);
 
 // Losses and step ends as ranks report them; the step log once every rank finished a step.
 struct StepBook {
@@ -59,8 +69,11 @@ struct StepBook {
   // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
   bool checkpoint_after(int step) const;
   void add_loss(int step, double loss);
-  // Called by each rank when its optimizer step of `step` is done (its shard written).
+  // Called by each rank when its optimizer step of `step` is done (its shard written). The last
+  // step's manifest waits for write_final_manifest.
   void finish_step(int step);
+  // After the run (every shard written): the final checkpoint's manifest, with the run's record.
+  void write_final_manifest(const TrainResult& result) const;
   // The log line of `step` ending at `now_s` with these summed losses (finish_step's, and the
   // gathered logs of an mpirun job); its time is from last_end_s, which then becomes now_s.
   StepLog make_log(int step, double loss_sum_of_step, double now_s);

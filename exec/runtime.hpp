@@ -16,6 +16,16 @@
 
 namespace pw::exec {
 
+// What --resume found in the checkpoint directory, told before anything runs (the CLI prints it).
+struct ResumeInfo {
+  int step = 0;            // the checkpoint resumed from; 0: none (the run starts from step 0)
+  std::string checkpoint;  // its folder
+  // The final checkpoint of a finished run of these steps: nothing runs, the result is the record
+  // that checkpoint keeps (so that the report can be written again).
+  bool finished = false;
+  std::vector<std::string> warnings;  // one line per damaged newer checkpoint skipped
+};
+
 struct TrainOptions {
   int steps = 10;
   std::string optimizer = "adamw";  // "adamw" or "sgd" (with momentum)
@@ -31,6 +41,7 @@ struct TrainOptions {
   std::string checkpoint_dir;
   int checkpoint_every = 1;
   bool resume = false;
+  std::function<void(const ResumeInfo&)> on_resume;  // called once when `resume` is set
 };
 
 struct StepLog {
@@ -52,7 +63,10 @@ struct RankResult {
 };
 
 struct TrainResult {
-  int first_step = 0;          // > 0 when resumed from a checkpoint of that step
+  int first_step = 0;  // > 0 when resumed from a checkpoint of that step
+  // Read back from the final checkpoint of a finished run (--resume with nothing left to run):
+  // steps and ranks' figures as that run measured them; no programs, weights or timelines.
+  bool from_checkpoint = false;
   planner::Programs programs;  // what ran (the timeline indexes its ops)
   std::vector<StepLog> steps;
   std::vector<RankResult> ranks;

@@ -15,6 +15,7 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
                     "use a model file with \"dtype\": \"fp32\"",
                     model.name, models::to_string(model.dtype)));
   const detail::PreparedRun run = detail::prepare_run(model, plan, options, "cpu");
+  if (run.finished) return *run.finished;
   const planner::Programs& programs = run.programs;
   const TokenSource data(options.data, model.vocab, options.seed);
   detail::Shared shared;
@@ -35,6 +36,7 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   result.wall_s = std::chrono::duration<double>(detail::Clock::now() - shared.start).count();
   for (const auto& w : workers)
     result.ranks.push_back(w->result());
+  shared.write_final_manifest(result);
   return result;
 }
 

@@ -68,7 +68,7 @@ std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions)
 void Worker::save_checkpoint(int step) {
   const int updates = step + 1;
   const std::vector<int> versions = planner::initial_versions(s_.plan(), updates);
-  common::Json header = {{"format", "pipewright.checkpoint-shard/1"},
+  common::Json header = {{"format", "pipewright.checkpoint-shard/2"},
                          {"rank", rank_},
                          {"stage", stage_},
                          {"replica", replica_},

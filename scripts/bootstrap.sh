@@ -14,6 +14,9 @@ PACKAGES=(
   # GSL (issue 12): `pipewright calibrate` fits the device model with gsl_multifit_nlinear
   # (Levenberg-Marquardt nonlinear least squares).
   libgsl-dev
+  # zlib (issue 13): crc32 checksums of every checkpoint tensor, shard header and manifest, checked
+  # on load (exec/checkpoint.cpp; CMake's FindZLIB).
+  zlib1g-dev
   jupyter-nbconvert python3-nbconvert python3-ipykernel python3-matplotlib python3-pandas
 )
 

@@ -2,6 +2,8 @@
 // result back as JSON over a pipe; errors come back with their type and message.
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -84,36 +86,112 @@ void write_all(int fd, const std::string& text) {
 struct Running {
   std::size_t job = 0;
   pid_t pid = -1;
-  int fd = -1;
+  int fd = -1;      // the result; -1 once at its end
+  int err_fd = -1;  // the child's stderr; -1 once at its end
   std::string text;
+  std::string err;  // its first kMaxErr bytes
 };
 
+constexpr std::size_t kMaxErr = 1 << 16;
+
 Running spawn(const SimJob& job, std::size_t index) {
-  int fds[2];
+  int fds[2], errs[2];
   if (::pipe(fds) != 0) throw Error(fmt::format("simulate: pipe: {}", std::strerror(errno)));
+  if (::pipe(errs) != 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    throw Error(fmt::format("simulate: pipe: {}", std::strerror(errno)));
+  }
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid < 0) throw Error(fmt::format("simulate: fork: {}", std::strerror(errno)));
   if (pid == 0) {
     ::close(fds[0]);
+    ::close(errs[0]);
+    // SimGrid's messages (and, should it abort, its backtrace) go to the parent, which passes
+    // them on, or sums a crash up in one line.
+    ::dup2(errs[1], STDERR_FILENO);
+    ::close(errs[1]);
     child(fds[1], job);
   }
   ::close(fds[1]);
-  return {index, pid, fds[0], {}};
+  ::close(errs[1]);
+  return {index, pid, fds[0], errs[0], {}, {}};
+}
+
+std::string trim(std::string s) {
+  const auto first = s.find_first_not_of(" \t\r");
+  if (first == std::string::npos) return "";
+  s.erase(0, first);
+  s.erase(s.find_last_not_of(" \t\r") + 1);
+  return s;
+}
+
+// The line of a dead child's stderr that says why: an uncaught exception's what(), else
+// SimGrid's failed assertion or critical message, else the first line; "" when there is none.
+std::string crash_cause(const std::string& err) {
+  std::vector<std::string> lines;
+  std::size_t at = 0;
+  while (at < err.size()) {
+    std::size_t end = err.find('\n', at);
+    if (end == std::string::npos) end = err.size();
+    std::string line = trim(err.substr(at, end - at));
+    if (!line.empty()) lines.push_back(std::move(line));
+    at = end + 1;
+  }
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    const auto what = lines[i].find("what():");
+    if (what != std::string::npos) return trim(lines[i].substr(what + 7));
+  }
+  // "[n0g0:rank0:(1) 0.000000] ./src/s4u/s4u_Actor.cpp:310: [root/CRITICAL] duration is not
+  // finite!" says "duration is not finite!".
+  for (const auto& line : lines) {
+    const auto critical = line.find("/CRITICAL] ");
+    if (critical != std::string::npos) return "SimGrid: " + trim(line.substr(critical + 11));
+  }
+  for (const char* mark : {"Assertion", "Error", "error"})
+    for (const auto& line : lines)
+      if (line.find(mark) != std::string::npos) return line;
+  return lines.empty() ? "" : lines.front();
+}
+
+std::string shorten(std::string s) {
+  constexpr std::size_t kMax = 300;
+  if (s.size() > kMax) s = s.substr(0, kMax) + "...";
+  return s;
 }
 
 SimOutcome finish(Running& r) {
-  ::close(r.fd);
   int status = 0;
   while (::waitpid(r.pid, &status, 0) < 0 && errno == EINTR) {
   }
   SimOutcome o;
   o.error_kind = "error";
+  const std::string cause = crash_cause(r.err);
+  const std::string because = cause.empty() ? "" : ": " + shorten(cause);
   if (WIFSIGNALED(status)) {
-    o.error = fmt::format("simulation crashed (signal {})", WTERMSIG(status));
-  } else if (r.text.empty()) {
-    o.error = "simulation ended without a result";
-  } else {
+    const int sig = WTERMSIG(status);
+    o.error = fmt::format("simulation crashed (signal {}, {}){}", sig, ::strsignal(sig),
+                          cause.empty() && sig == SIGKILL ? " (out of memory?)" : because);
+    return o;
+  }
+  // SimGrid's critical messages (a deadlock it detected, say) mean a broken simulation, even
+  // from a child that ended normally: one line, as a crash.
+  if (r.err.find("/CRITICAL]") != std::string::npos) {
+    o.error = fmt::format("simulation failed{}", because);
+    return o;
+  }
+  // Otherwise what SimGrid said on the way (warnings) passes on as it was.
+  if (!r.err.empty()) {
+    std::fwrite(r.err.data(), 1, r.err.size(), stderr);
+    std::fflush(stderr);
+  }
+  if (r.text.empty()) {
+    o.error = fmt::format("simulation ended without a result (exit status {}){}",
+                          WIFEXITED(status) ? WEXITSTATUS(status) : -1, because);
+    return o;
+  }
+  try {
     const Json out = Json::parse(r.text);
     o.ok = out.at("ok").get<bool>();
     if (o.ok) {
@@ -123,28 +201,51 @@ SimOutcome finish(Running& r) {
       o.error_kind = out.at("kind").get<std::string>();
       o.error = out.at("message").get<std::string>();
     }
+  } catch (const std::exception& e) {
+    o.ok = false;
+    o.error_kind = "error";
+    o.error = fmt::format("simulation returned a bad result: {}", e.what());
   }
   return o;
 }
 
-// Reads what is available from the running children; returns the index of one that has finished
-// writing (EOF), or -1.
+// Reads what is available from the running children (results and stderr); returns the index of
+// one whose both pipes reached their end, or -1.
 int read_some(std::vector<Running>& running) {
   std::vector<pollfd> fds;
-  for (const auto& r : running)
-    fds.push_back({r.fd, POLLIN, 0});
+  std::vector<std::pair<std::size_t, bool>> owner;  // (running index, is stderr)
+  for (std::size_t i = 0; i < running.size(); ++i) {
+    if (running[i].fd >= 0) {
+      fds.push_back({running[i].fd, POLLIN, 0});
+      owner.emplace_back(i, false);
+    }
+    if (running[i].err_fd >= 0) {
+      fds.push_back({running[i].err_fd, POLLIN, 0});
+      owner.emplace_back(i, true);
+    }
+  }
+  for (std::size_t i = 0; i < running.size(); ++i)
+    if (running[i].fd < 0 && running[i].err_fd < 0) return int(i);
   while (::poll(fds.data(), fds.size(), -1) < 0)
     if (errno != EINTR) throw Error(fmt::format("simulate: poll: {}", std::strerror(errno)));
   char buf[1 << 16];
-  for (std::size_t i = 0; i < fds.size(); ++i) {
-    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-    const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+  for (std::size_t k = 0; k < fds.size(); ++k) {
+    if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    Running& r = running[owner[k].first];
+    const bool is_err = owner[k].second;
+    const ssize_t n = ::read(fds[k].fd, buf, sizeof buf);
     if (n > 0) {
-      running[i].text.append(buf, std::size_t(n));
+      if (!is_err)
+        r.text.append(buf, std::size_t(n));
+      else if (r.err.size() < kMaxErr)
+        r.err.append(buf, std::min(std::size_t(n), kMaxErr - r.err.size()));
     } else if (n == 0 || errno != EINTR) {
-      return int(i);
+      ::close(fds[k].fd);
+      (is_err ? r.err_fd : r.fd) = -1;
     }
   }
+  for (std::size_t i = 0; i < running.size(); ++i)
+    if (running[i].fd < 0 && running[i].err_fd < 0) return int(i);
   return -1;
 }
 

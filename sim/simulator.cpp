@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 
 #include <fmt/format.h>
@@ -176,6 +177,10 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
   traces::check_sharding(trace, {plan.t, plan.sp});
+  // Test hook: PIPEWRIGHT_TEST_NO_PREFLIGHT=1 lets SimGrid meet what it aborts on (to test how a
+  // crashed child is reported).
+  if (std::getenv("PIPEWRIGHT_TEST_NO_PREFLIGHT") == nullptr)
+    check_simulable(model, trace, cluster, plan, options);
   planner::ProgramOptions po;
   po.steps = options.steps;
   po.gradient_buckets = options.gradient_buckets;

@@ -53,6 +53,14 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
                               const clusters::Cluster& cluster, const planner::Plan& plan,
                               const SimOptions& options = {});
 
+// Refuses, before SimGrid starts, what would make it abort or overflow: a compute time, latency
+// or transfer time that is not finite or above 1e9 s, a size that is negative (an overflow) or
+// above 2^53 bytes. The InputError names the trace, model or cluster field it comes from.
+// simulate_in_process calls it first.
+void check_simulable(const models::ModelSpec& model, const traces::Trace& trace,
+                     const clusters::Cluster& cluster, const planner::Plan& plan,
+                     const SimOptions& options = {});
+
 // Transport of a result between processes (and the report's "links" section).
 common::Json to_json(const SimResult& r);
 SimResult sim_result_from_json(const common::Json& j);

@@ -8,11 +8,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include "exec/checkpoint.hpp"
+#include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
 #include "planner/plan.hpp"
@@ -205,11 +208,12 @@ TEST(Checkpoint, MismatchesAndDamageAreNamedErrors) {
               train_cpu(testing::gpt_tiny(4), p, options(4, dir, false));
             }).find("--resume"),
             std::string::npos);
-  // Nothing left to run.
+  // Nothing left to run: before the end, an error; at the end, the finished run's record.
   EXPECT_NE(error_of([&] {
-              train_cpu(testing::gpt_tiny(4), p, options(2, dir, true));
+              train_cpu(testing::gpt_tiny(4), p, options(1, dir, true));
             }).find("nothing to run"),
             std::string::npos);
+  EXPECT_TRUE(train_cpu(testing::gpt_tiny(4), p, options(2, dir, true)).from_checkpoint);
   // Another plan or optimizer setting: the field is named.
   EXPECT_NE(error_of([&] {
               train_cpu(testing::gpt_tiny(4), make_plan(Schedule::two_bw, 1, 2, 2),
@@ -226,18 +230,274 @@ TEST(Checkpoint, MismatchesAndDamageAreNamedErrors) {
                         options(4, dir, true));
             }).find("field ranks"),
             std::string::npos);
-  // A truncated shard (written by something else than pipewright's atomic writer).
+  // A truncated shard (written by something else than pipewright's atomic writer): read directly,
+  // a named error; on --resume, a warning, and (no older checkpoint) a run from step 0.
   const std::string shard = shard_path(checkpoint_path(dir, 2), 1);
   const std::string whole = bytes_of(shard);
   std::ofstream(shard, std::ios::binary | std::ios::trunc) << whole.substr(0, whole.size() / 2);
-  const std::string e =
-      error_of([&] { train_cpu(testing::gpt_tiny(4), p, options(4, dir, true)); });
+  const std::string e = *verify_checkpoint(dir, 2);
   EXPECT_NE(e.find(shard), std::string::npos) << e;
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
   std::ofstream(shard, std::ios::binary | std::ios::trunc) << "not a shard";
+  EXPECT_NE(verify_checkpoint(dir, 2)->find("not a pipewright checkpoint shard"),
+            std::string::npos);
+  std::vector<std::string> warnings;
+  TrainOptions o = options(4, dir, true);
+  o.on_resume = [&](const ResumeInfo& info) { warnings = info.warnings; };
+  const TrainResult r = train_cpu(testing::gpt_tiny(4), p, o);
+  EXPECT_EQ(r.first_step, 0);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find(shard), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("starting from step 0"), std::string::npos) << warnings[0];
+  EXPECT_TRUE(fs::exists(checkpoint_path(dir, 2) + ".damaged"));
+}
+
+// A model small enough that every byte of its checkpoint can be flipped in a test.
+models::ModelSpec gpt_micro() {
+  models::ModelSpec s = testing::gpt_tiny(2);
+  s.name = "gpt-micro";
+  s.hidden = 4;
+  s.heads = 1;
+  s.kv_heads = 1;
+  s.ffn = 8;
+  s.seq_len = 2;
+  s.max_positions = 2;
+  s.vocab = 8;
+  return s;
+}
+
+std::vector<std::string> files_of(const std::string& checkpoint) {
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(checkpoint))
+    files.push_back(entry.path().string());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+void flip_bit(const std::string& path, std::size_t byte, int bit) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekg(std::streamoff(byte));
+  char c = 0;
+  f.read(&c, 1);
+  c = char(c ^ (1 << bit));
+  f.seekp(std::streamoff(byte));
+  f.write(&c, 1);
+}
+
+// Every bit of a real (small) training checkpoint, flipped one at a time: the shards' prefixes,
+// headers, tensor values and the manifest. Each flip is found by verify_checkpoint, and the
+// checkpoint is intact again once the bit is flipped back.
+TEST(Checkpoint, EveryFlippedBitIsDetected) {
+  const Plan p = [] {
+    Plan q;
+    q.schedule = Schedule::two_bw;
+    q.w = 1;
+    q.d = 2;
+    q.b = 1;
+    q.m = 2;
+    planner::resolve_stages(q, 2);
+    return q;
+  }();
+  TempDir tmp("ckpt_flip");
+  const std::string dir = tmp.file("c");
+  TrainOptions o = options(2, dir, false);
+  o.checkpoint_every = 2;
+  train_cpu(gpt_micro(), p, o);
+  ASSERT_FALSE(verify_checkpoint(dir, 2).has_value());
+  std::int64_t flips = 0, bytes = 0;
+  for (const std::string& file : files_of(checkpoint_path(dir, 2))) {
+    const std::size_t n = fs::file_size(file);
+    bytes += std::int64_t(n);
+    for (std::size_t byte = 0; byte < n; ++byte)
+      for (int bit = 0; bit < 8; ++bit) {
+        flip_bit(file, byte, bit);
+        const auto problem = verify_checkpoint(dir, 2);
+        flip_bit(file, byte, bit);
+        ++flips;
+        if (!problem) {
+          ADD_FAILURE() << file << ": bit " << bit << " of byte " << byte << " flipped unnoticed";
+          return;
+        }
+      }
+  }
+  EXPECT_FALSE(verify_checkpoint(dir, 2).has_value());
+  EXPECT_EQ(flips, 8 * bytes);
+  EXPECT_GT(bytes, 2000);  // three files: two shards and the manifest
+  std::cout << "flipped each of " << flips << " bits of a " << bytes
+            << "-byte checkpoint: all detected\n";
+}
+
+// The newest checkpoint damaged (a tensor bit, a manifest byte): --resume warns once, names the
+// file, resumes from the older intact one and still ends bit-identical to an unbroken run.
+TEST(Checkpoint, DamagedNewestFallsBackToTheNewestIntactOne) {
+  const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
+  TempDir tmp("ckpt_fallback");
+  const std::string a = tmp.file("a");
+  const TrainResult unbroken = train_cpu(testing::gpt_tiny(4), p, options(6, a, false));
+  for (const char* damage : {"tensor", "manifest"}) {
+    SCOPED_TRACE(damage);
+    const std::string b = tmp.file(std::string("b-") + damage);
+    TrainOptions first = options(6, b, false);
+    first.steps = 4;  // checkpoints 2 and 4
+    train_cpu(testing::gpt_tiny(4), p, first);
+    const std::string victim = std::string(damage) == "tensor"
+                                   ? shard_path(checkpoint_path(b, 4), 1)
+                                   : (fs::path(checkpoint_path(b, 4)) / "manifest.json").string();
+    flip_bit(victim, fs::file_size(victim) - 40, 2);
+    std::vector<std::string> warnings;
+    TrainOptions o = options(6, b, true);
+    o.on_resume = [&](const ResumeInfo& info) {
+      warnings = info.warnings;
+      EXPECT_EQ(info.step, 2);
+    };
+    const TrainResult resumed = train_cpu(testing::gpt_tiny(4), p, o);
+    EXPECT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_NE(warnings[0].find(victim), std::string::npos) << warnings[0];
+    EXPECT_NE(warnings[0].find("damaged"), std::string::npos) << warnings[0];
+    EXPECT_NE(warnings[0].find("resuming from " + checkpoint_path(b, 2)), std::string::npos)
+        << warnings[0];
+    EXPECT_EQ(warnings[0].find('\n'), std::string::npos);
+    EXPECT_TRUE(fs::exists(checkpoint_path(b, 4) + ".damaged"));
+    expect_identical(resumed, unbroken, b, a, 6, p.ranks());
+  }
+}
+
+// A finished run's final checkpoint keeps its record: --resume with nothing left to run gives
+// back the steps and ranks' figures the run measured, bit for bit, without running anything.
+TEST(Checkpoint, FinishedRunGivesItsRecordBack) {
+  const Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 2);
+  TempDir tmp("ckpt_finished");
+  const std::string dir = tmp.file("c");
+  const TrainResult done = train_cpu(testing::gpt_tiny(4), p, options(3, dir, false));
+  const std::string before = bytes_of(shard_path(checkpoint_path(dir, 3), 0));
+  bool finished = false;
+  TrainOptions o = options(3, dir, true);
+  o.on_resume = [&](const ResumeInfo& info) { finished = info.finished; };
+  const TrainResult again = train_cpu(testing::gpt_tiny(4), p, o);
+  EXPECT_TRUE(finished);
+  EXPECT_TRUE(again.from_checkpoint);
+  EXPECT_EQ(again.first_step, done.first_step);
+  EXPECT_EQ(again.wall_s, done.wall_s);
+  ASSERT_EQ(again.steps.size(), done.steps.size());
+  for (std::size_t i = 0; i < done.steps.size(); ++i) {
+    EXPECT_EQ(again.steps[i].step, done.steps[i].step);
+    EXPECT_EQ(again.steps[i].loss, done.steps[i].loss);
+    EXPECT_EQ(again.steps[i].seconds, done.steps[i].seconds);
+    EXPECT_EQ(again.steps[i].tokens_per_s, done.steps[i].tokens_per_s);
+  }
+  ASSERT_EQ(again.ranks.size(), done.ranks.size());
+  for (std::size_t r = 0; r < done.ranks.size(); ++r) {
+    EXPECT_EQ(again.ranks[r].rank, done.ranks[r].rank);
+    EXPECT_EQ(again.ranks[r].peak_memory_bytes, done.ranks[r].peak_memory_bytes);
+    EXPECT_EQ(again.ranks[r].busy_s, done.ranks[r].busy_s);
+    EXPECT_EQ(again.ranks[r].memory.total(), done.ranks[r].memory.total());
+    EXPECT_EQ(again.ranks[r].memory.activations, done.ranks[r].memory.activations);
+  }
+  EXPECT_EQ(bytes_of(shard_path(checkpoint_path(dir, 3), 0)), before);  // nothing was written
+  // The middle checkpoint of a longer run keeps no record: nothing to run, and no report.
+  const std::string longer = tmp.file("longer");
+  train_cpu(testing::gpt_tiny(4), p, options(4, longer, false));
   EXPECT_NE(error_of([&] {
-              train_cpu(testing::gpt_tiny(4), p, options(4, dir, true));
-            }).find("not a pipewright checkpoint shard"),
+              train_cpu(testing::gpt_tiny(4), p, options(2, longer, true));
+            }).find("nothing to run"),
+            std::string::npos);
+}
+
+std::string hex_crc(const std::string& bytes) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08lx",
+                ::crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), uInt(bytes.size())));
+  return buf;
+}
+
+// A manifest with an intact checksum (as a hand-edited one would be given) but a wrong JSON type.
+void write_manifest_text(const std::string& path, const std::string& body) {
+  const std::string prefix = "{\n" + body;
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      << prefix << ",\n  \"crc32\": \"" << hex_crc(prefix) << "\"\n}\n";
+}
+
+// A shard with intact checksums around a header of wrong types.
+void write_shard_text(const std::string& path, const std::string& header) {
+  std::string prefix = "PWCKPT02";
+  for (int i = 0; i < 8; ++i)
+    prefix += char((header.size() >> (8 * i)) & 0xff);
+  const auto le32 = [](const std::string& crc_hex) {
+    const unsigned long v = std::stoul(crc_hex, nullptr, 16);
+    std::string out;
+    for (int i = 0; i < 4; ++i)
+      out += char((v >> (8 * i)) & 0xff);
+    return out;
+  };
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      << prefix << le32(hex_crc(prefix)) << header << le32(hex_crc(header));
+}
+
+TEST(Checkpoint, WrongTypesInManifestAndHeaderNameFileAndField) {
+  TempDir tmp("ckpt_types");
+  const std::string dir = tmp.file("c");
+  const std::string ck = checkpoint_path(dir, 2);
+  fs::create_directories(ck);
+  const std::string manifest = (fs::path(ck) / "manifest.json").string();
+  const auto manifest_error = [&](const std::string& body) {
+    write_manifest_text(manifest, body);
+    return error_of([&] { read_manifest(dir, 2); });
+  };
+  const std::string head = "  \"format\": \"pipewright.checkpoint/2\",\n";
+  EXPECT_NE(manifest_error(head + "  \"step\": \"two\", \"ranks\": 1, \"run\": {}")
+                .find(manifest + ": /step: expected a number"),
+            std::string::npos);
+  EXPECT_NE(manifest_error(head + "  \"step\": 2, \"ranks\": [1], \"run\": {}")
+                .find(manifest + ": /ranks: expected a number"),
+            std::string::npos);
+  EXPECT_NE(manifest_error(head + "  \"step\": 2, \"ranks\": 1, \"run\": 3")
+                .find(manifest + ": /run: expected an object"),
+            std::string::npos);
+  EXPECT_NE(manifest_error(head + "  \"step\": 2, \"ranks\": 1, \"run\": {}, \"result\": []")
+                .find(manifest + ": /result: expected an object"),
+            std::string::npos);
+  EXPECT_NE(manifest_error(head + "  \"step\": 3, \"ranks\": 1, \"run\": {}").find("/step: 3, but"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              detail::result_from_record(common::Json::parse(R"({"first_step": 0, "wall_s": 1,
+                  "steps": [{"step": 0, "loss": "high", "seconds": 1, "tokens_per_s": 1}],
+                  "ranks": []})"),
+                                         manifest);
+            }).find(manifest + ": /result/steps/0/loss: expected a number"),
+            std::string::npos);
+  // An old (format 1) manifest: refused with a line saying why.
+  std::ofstream(manifest, std::ios::trunc)
+      << R"({"format": "pipewright.checkpoint/1", "step": 2, "ranks": 1, "run": {}})";
+  EXPECT_NE(error_of([&] { find_resume_point(dir); }).find("older format"), std::string::npos);
+
+  const std::string shard = shard_path(ck, 0);
+  const auto shard_error = [&](const std::string& header) {
+    write_shard_text(shard, header);
+    std::vector<ShardTensor> none;
+    return error_of([&] { read_shard(shard, none); });
+  };
+  const std::string fmt_ = R"("format": "pipewright.checkpoint-shard/2")";
+  EXPECT_NE(shard_error("{" + fmt_ + R"(, "step": 2, "rank": "0", "tensors": []})")
+                .find(shard + ": /rank: expected a number"),
+            std::string::npos);
+  EXPECT_NE(shard_error("{" + fmt_ + R"(, "step": 2, "rank": 0, "tensors": {}})")
+                .find(shard + ": /tensors: expected an array"),
+            std::string::npos);
+  EXPECT_NE(shard_error("{" + fmt_ +
+                        R"(, "step": 2, "rank": 0, "tensors": [{"name": "a", "floats": "1",
+                           "crc32": "00000000"}]})")
+                .find(shard + ": /tensors/0/floats: expected a number"),
+            std::string::npos);
+  EXPECT_NE(shard_error("{" + fmt_ +
+                        R"(, "step": 2, "rank": 0, "tensors": [{"name": "a", "floats": 0,
+                           "crc32": 0}]})")
+                .find(shard + ": /tensors/0/crc32: expected a string"),
+            std::string::npos);
+  EXPECT_NE(shard_error("{" + fmt_ +
+                        R"(, "step": 2, "rank": 0, "tensors": [{"name": "a", "floats": 4,
+                           "crc32": "00000000"}]})")
+                .find("truncated in tensor a"),
             std::string::npos);
 }
 

@@ -6,6 +6,7 @@
 #include "tests/test_util.hpp"
 
 #include <deque>
+#include <iostream>
 #include <map>
 #include <tuple>
 
@@ -254,6 +255,65 @@ TEST(BadInput, MissingMicrobatchSizeIsAnInputError) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("microbatch size 2"), std::string::npos) << e.what();
   }
+}
+
+// What would make SimGrid abort is refused before it starts, in one line naming the input.
+TEST(BadInput, WhatSimGridWouldAbortOnIsRefusedFirst) {
+  const models::ModelSpec m = models::load_model("gpt-tiny");
+  const auto message = [&](const clusters::Cluster& c, const models::ModelSpec& model) {
+    const traces::Trace t = traces::analytic_trace(model, c.device, {2});
+    const Plan p = plan_of(Schedule::one_f_one_b, 8, 2, 2, 2, 1, model.layers, grid(c));
+    try {
+      simulate(model, t, c, p);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InputError");
+  };
+  const auto one_line = [](const std::string& s) { return s.find('\n') == std::string::npos; };
+  const std::string latency =
+      message(clusters::load_cluster("dgx-a100", 2, {"network.latency_s=1e308"}), m);
+  EXPECT_NE(latency.find("cluster dgx-a100: network.latency_s = 1e+308 s"), std::string::npos)
+      << latency;
+  const std::string flops =
+      message(clusters::load_cluster("dgx-a100", 2, {"device.peak_fp32_flops_per_s=1e-300"}), m);
+  EXPECT_NE(flops.find("analytic(gpt-tiny"), std::string::npos) << flops;
+  EXPECT_NE(flops.find("outside 0 to 1e+09 s"), std::string::npos) << flops;
+  const std::string bandwidth =
+      message(clusters::load_cluster("dgx-a100", 2, {"network.bandwidth_bytes_per_s=1e-300"}), m);
+  EXPECT_NE(bandwidth.find("network.bandwidth_bytes_per_s"), std::string::npos) << bandwidth;
+  models::ModelSpec huge = m;
+  huge.hidden = 1'000'000'000;
+  huge.ffn = 4 * huge.hidden;
+  const std::string sizes = message(clusters::load_cluster("dgx-a100", 2), huge);
+  EXPECT_NE(sizes.find("model gpt-tiny: stage"), std::string::npos) << sizes;
+  EXPECT_NE(sizes.find("too large to simulate"), std::string::npos) << sizes;
+  for (const std::string& s : {latency, flops, bandwidth, sizes})
+    EXPECT_TRUE(one_line(s)) << s;
+}
+
+// Should the child die anyway (here: SimGrid given what the check refuses, the check skipped by a
+// test hook), the parent's error is one line with the cause, not the child's backtrace: an abort
+// (a non-finite duration), and a deadlock SimGrid reports in a child that ends normally.
+TEST(BadInput, AFailedChildIsOneLineWithItsCause) {
+  const models::ModelSpec m = models::load_model("gpt-tiny");
+  const auto outcome = [&](const std::string& set) {
+    const clusters::Cluster c = clusters::load_cluster("dgx-a100", 2, {set});
+    const traces::Trace t = traces::analytic_trace(m, c.device, {2});
+    const Plan p = plan_of(Schedule::one_f_one_b, 8, 2, 2, 2, 1, m.layers, grid(c));
+    ::setenv("PIPEWRIGHT_TEST_NO_PREFLIGHT", "1", 1);
+    const std::vector<SimOutcome> out = simulate_batch({SimJob{m, t, c, p, {}}}, 1);
+    ::unsetenv("PIPEWRIGHT_TEST_NO_PREFLIGHT");
+    EXPECT_FALSE(out[0].ok);
+    EXPECT_EQ(out[0].error.find('\n'), std::string::npos) << out[0].error;
+    std::cout << set << ": " << out[0].error << "\n";
+    return out[0].error;
+  };
+  EXPECT_EQ(outcome("device.peak_fp32_flops_per_s=1e-300"),
+            "simulation crashed (signal 6, Aborted): SimGrid: duration is not finite!");
+  EXPECT_EQ(
+      outcome("network.latency_s=1e308").rfind("simulation failed: SimGrid: Oops! Deadlock", 0),
+      0u);
 }
 
 }  // namespace

@@ -115,7 +115,8 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   const int devices = cuda_device_count();
   if (devices == 0) throw InputError("--backend cuda: " + no_device_reason());
   const exec::detail::PreparedRun prepared =
-      exec::detail::prepare_run(model, plan, options, "cuda");
+      exec::detail::prepare_run(model, plan, options, "cuda", !run.mpi || run.mpi->rank() == 0);
+  if (prepared.finished) return *prepared.finished;
   const TokenSource data(options.data, model.vocab, options.seed);
 
   detail::GpuShared shared;
@@ -215,6 +216,8 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   }
   result.steps = shared.logs;
   workers.clear();  // before the transport and the arena
+  // Every process has written its last shard (the gathers above waited for all of them).
+  shared.write_final_manifest(result);
   return result;
 }
 

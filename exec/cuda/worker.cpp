@@ -641,7 +641,7 @@ void CudaWorker::save_checkpoint(int step) {
       ++k;
     }
   }
-  const common::Json header = {{"format", "pipewright.checkpoint-shard/1"},
+  const common::Json header = {{"format", "pipewright.checkpoint-shard/2"},
                                {"backend", "cuda"},
                                {"rank", rank_},
                                {"stage", stage_},

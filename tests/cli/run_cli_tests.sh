@@ -224,7 +224,7 @@ for delay in 0.05 0.15 0.3; do  # killed wherever it happens to be
 done
 expect_error "fresh run into a used checkpoint dir" "pass --resume" "$O" $TRAIN_CK --checkpoint-dir "$CK/ref" --out "$O"
 expect_error "resume with another plan" "field run.plan.m" "$O" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 --steps 8 --checkpoint-dir "$CK/stop" --resume --out "$O"
-expect_error "resume past the end" "nothing to run" "$O" $TRAIN_CK --checkpoint-dir "$CK/ref" --resume --out "$O"
+expect_error "resume past the end" "nothing to run" "$O" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 4 --steps 5 --checkpoint-every 1 --checkpoint-dir "$CK/ref" --resume --out "$O"
 expect_error "resume without a dir" "checkpoint-dir" "$O" $PW train --model gpt-tiny --steps 1 --resume --out "$O"
 
 # profile: a measured trace that estimate and simulate accept.
