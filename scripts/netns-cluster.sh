@@ -8,7 +8,8 @@
 # and removes every namespace it made when COMMAND ends, fails or is interrupted.
 #
 # Usage (as root; iproute2 and Open MPI from Debian):
-#   scripts/netns-cluster.sh [--nodes N] [--rate 100mbit] [--delay 1ms] [--cluster-out FILE] \
+#   scripts/netns-cluster.sh [--nodes N] [--rate 100mbit] [--burst 8kb] [--delay 1ms] \
+#       [--cluster-out FILE] \
 #       -- COMMAND...
 #   e.g. scripts/netns-cluster.sh --nodes 2 --rate 200mbit -- \
 #        bash -c '$PW_MPIRUN -np 2 build/pipewright train --model gpt-tiny -d 2 -m 4 --steps 5'
@@ -26,12 +27,14 @@ set -uo pipefail
 NODES=2
 RATE=100mbit
 DELAY=""  # none: the veths' own (tens of us)
+BURST=8kb  # tbf's bucket
 CLUSTER_OUT=""
 while (($#)); do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
     --delay) DELAY=$2; shift 2 ;;
+    --burst) BURST=$2; shift 2 ;;
     --cluster-out) CLUSTER_OUT=$2; shift 2 ;;
     --) shift; break ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
@@ -105,7 +108,9 @@ for ((i = 0; i < NODES; i++)); do
   ns="${TAG}n$i"
   mkns "$ns"
   attach "$ns" pwnet "10.77.0.$((i + 1))" "n$i"
-  # The node's link: its egress at RATE (tbf; a queue of up to 2 s, so TCP sees no drops), after
+  # The node's link: its egress at RATE (tbf with a small bucket, BURST, so that a message of
+  # tens of KiB is not sent at the veth's speed out of a full bucket; a queue of up to 2 s, so TCP
+  # sees no drops; tbf segments larger GSO packets), after
   # DELAY where asked (netem, where the kernel has it).
   if [ -n "$DELAY" ]; then
     tc -n "$ns" qdisc add dev pwnet root handle 1: netem delay "$DELAY" limit 100000 \
@@ -114,7 +119,7 @@ for ((i = 0; i < NODES; i++)); do
   else
     parent="root"
   fi
-  tc -n "$ns" qdisc add dev pwnet $parent handle 10: tbf rate "$RATE" burst 64kb latency 2s \
+  tc -n "$ns" qdisc add dev pwnet $parent handle 10: tbf rate "$RATE" burst "$BURST" latency 2s \
     2>"$WORK/err" || skip "tc tbf: $(head -1 "$WORK/err")"
   echo "10.77.0.$((i + 1)) slots=1" >>"$WORK/hostfile"
   echo "10.77.0.$((i + 1)) $ns n$i" >>"$WORK/nodes"
@@ -164,8 +169,13 @@ EOF
   echo "netns-cluster: wrote $CLUSTER_OUT"
 fi
 
+# Eager TCP sends up to 4 MiB: Open MPI progresses the TCP BTL only inside MPI calls, so the rest
+# of a rendezvous message (above the 64 KiB default) would wait for the sender's next MPI call
+# while it computes; sent eagerly, the whole message is in the socket at once and drains meanwhile.
 export PW_MPIRUN="ip netns exec $HEAD_NS env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 mpirun --hostfile $WORK/hostfile --mca plm_rsh_agent $WORK/agent --mca btl tcp,self \
---mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 --bind-to none"
+--mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 --bind-to none \
+--mca btl_tcp_eager_limit 4194304 --mca btl_tcp_rndv_eager_limit 4194304 \
+--mca btl_tcp_max_send_size 4194304"
 echo "netns-cluster: $NODES nodes (10.77.0.1-$NODES), links $RATE, delay ${DELAY:-none}; \$PW_MPIRUN set"
 "$@"

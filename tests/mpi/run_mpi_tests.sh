@@ -9,6 +9,8 @@
 #       a killed rank is named by mpirun ("process rank 1 ... exited on signal 9"), a hung one by
 #       pipewright's one-line error ("rank R: OP timed out after 5s (--comm-timeout): rank P is
 #       dead or hung") on each rank that gave up before rank 0's MPI_Abort ended the job
+#   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR validate
+#       `mpirun -np 2 pipewright validate` runs and writes a report with the MPI link as network
 # Exit 77 (ctest SKIP_RETURN_CODE) with the reason where mpirun or an MPI build is missing.
 set -u
 PW=$1
@@ -92,6 +94,24 @@ EOF
         { echo "FAIL: no one-line timeout error naming the rank and op"; exit 1; }
     fi
     echo "ok: ended in ${elapsed}s with $errors pipewright error line(s)"
+    ;;
+  validate)
+    # validate under mpirun: rank 0 profiles, ranks 0 and 1 ping-pong over MPI, rank 0 simulates
+    # on N one-core nodes joined by that link, every rank trains, rank 0 compares and writes.
+    "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --schedule 1f1b -d 2 -m 4 -b 2 --steps 3 \
+      --repeats 3 --round-trips 20 --out "$TMP/v.json" >"$TMP/out" 2>"$TMP/err" ||
+      { echo "FAIL: mpirun validate: $(tail -5 "$TMP/err")"; exit 1; }
+    cat "$TMP/out"
+    python3 - "$TMP/v.json" <<'EOF' || exit 1
+import json, sys
+v = json.load(open(sys.argv[1]))
+m = v['machine']
+assert m['transport']['kind'] == 'MPI (ranks 0 and 1)' and m['processes'] == 2, m
+c = m['cluster']
+assert c['nodes'] == 2 and c['gpus_per_node'] == 1 and c['network']['bandwidth_bytes_per_s'] > 0, c
+assert len(v['devices']) == 2
+print("ok: validate over 2 processes")
+EOF
     ;;
   *)
     echo "unknown mode $MODE"
