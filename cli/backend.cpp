@@ -1,5 +1,5 @@
 // --backend checks and dispatch (see backend.hpp). The CUDA parts are linked only in builds with
-// CUDA.
+// CUDA; the MPI session in every build (it throws where the build has no MPI).
 #include "cli/backend.hpp"
 
 #include <cstdlib>
@@ -9,9 +9,10 @@
 
 #include "common/error.hpp"
 
+#include "exec/mpi/launch.hpp"
+#include "exec/mpi/train.hpp"
 #ifdef PW_HAVE_CUDA
 #include "exec/cuda/device.hpp"
-#include "exec/cuda/mpi_launch.hpp"
 #include "exec/cuda/probe.hpp"
 #include "exec/cuda/runtime.hpp"
 #endif
@@ -20,12 +21,11 @@ namespace pw::cli {
 
 namespace {
 
-#ifdef PW_HAVE_CUDA
-std::unique_ptr<exec::cuda::MpiSession>& mpi() {
-  static std::unique_ptr<exec::cuda::MpiSession> session;
+// The MPI session of a job launched by mpirun (any backend), else null.
+std::unique_ptr<exec::MpiSession>& mpi() {
+  static std::unique_ptr<exec::MpiSession> session;
   return session;
 }
-#endif
 
 }  // namespace
 
@@ -33,13 +33,7 @@ void check_backend(const std::string& backend) {
   if (backend != "cpu" && backend != "cuda")
     throw InputError(fmt::format("--backend: unknown \"{}\" (cpu or cuda)", backend));
 #ifdef PW_HAVE_CUDA
-  if (backend == "cpu") {
-    if (mpi() && mpi()->size() > 1)
-      throw InputError(
-          "--backend cpu runs every rank as a thread of one process: do not launch it with "
-          "mpirun (use --backend cuda for one process per GPU)");
-    return;
-  }
+  if (backend == "cpu") return;
   const exec::cuda::DeviceProbe probe = exec::cuda::probe_devices();
   if (probe.count == 0)
     throw InputError(fmt::format("--backend cuda: no CUDA device ({}); use --backend cpu",
@@ -54,11 +48,17 @@ void check_backend(const std::string& backend) {
 
 exec::TrainResult train_on(const std::string& backend, const models::ModelSpec& model,
                            const planner::Plan& plan, const exec::TrainOptions& options,
-                           const std::function<void(const exec::StepLog&)>& on_step) {
-  if (backend == "cpu") return exec::train_cpu(model, plan, options, on_step);
+                           const std::function<void(const exec::StepLog&)>& on_step,
+                           double comm_timeout_s) {
+  if (backend == "cpu") {
+    if (mpi() && mpi()->size() > 1)
+      return exec::train_cpu_mpi(model, plan, options, on_step, *mpi(), {comm_timeout_s});
+    return exec::train_cpu(model, plan, options, on_step);
+  }
 #ifdef PW_HAVE_CUDA
   exec::cuda::CudaRunOptions run;
   run.mpi = mpi().get();
+  run.timeout_s = comm_timeout_s;
   return exec::cuda::train_cuda(model, plan, options, on_step, run);
 #else
   check_backend(backend);
@@ -89,33 +89,30 @@ MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& mode
 }
 
 void start_mpi_if_launched(int* argc, char*** argv) {
+  if (exec::detect_mpi_env().launched && exec::MpiSession::available()) {
 #ifdef PW_HAVE_CUDA
-  if (exec::cuda::detect_mpi_env().launched && exec::cuda::MpiSession::available()) {
     // Lazy module loading can make a kernel's first launch wait for the whole device, while NCCL
     // kernels of another stream wait for a peer: load every module at CUDA's initialisation.
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-    mpi() = std::make_unique<exec::cuda::MpiSession>(argc, argv);
-  }
-#else
-  (void)argc;
-  (void)argv;
 #endif
+    mpi() = std::make_unique<exec::MpiSession>(argc, argv);
+  }
 }
 
 int process_rank() {
-#ifdef PW_HAVE_CUDA
   return mpi() ? mpi()->rank() : 0;
-#else
-  return 0;
-#endif
+}
+
+const exec::MpiSession* mpi_session() {
+  return mpi().get();
+}
+
+int process_count() {
+  return mpi() ? mpi()->size() : 1;
 }
 
 void abort_job_if_mpi(int code) {
-#ifdef PW_HAVE_CUDA
   if (mpi() && mpi()->size() > 1) mpi()->abort(code);
-#else
-  (void)code;
-#endif
 }
 
 }  // namespace pw::cli

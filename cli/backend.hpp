@@ -1,5 +1,5 @@
 // --backend: which executor backend a command runs on, a one-line error when it cannot, the run
-// itself on that backend, and the mpirun session of a CUDA job.
+// itself on that backend, and the mpirun session of a job (one rank per process).
 #pragma once
 
 #include <functional>
@@ -7,18 +7,25 @@
 
 #include "exec/runtime.hpp"
 
+namespace pw::exec {
+class MpiSession;
+}  // namespace pw::exec
+
 namespace pw::cli {
 
 // "cpu" passes. "cuda" passes where this build has the CUDA parts and a CUDA device is found;
 // otherwise an InputError saying why (a build without CUDA, or no device with cudaGetDeviceCount's
-// answer). Anything else: an InputError naming the value. Under mpirun only cuda is allowed.
+// answer). Anything else: an InputError naming the value.
 void check_backend(const std::string& backend);
 
-// Trains on the backend (check_backend first): train_cpu, or train_cuda (every rank a thread on
-// GPU 0, or under mpirun this process's rank on its GPU).
+// Trains on the backend (check_backend first): train_cpu (every rank a thread, or under mpirun
+// this process's rank: train_cpu_mpi), or train_cuda (every rank a thread on GPU 0, or under
+// mpirun this process's rank on its GPU). A wait for a peer longer than `comm_timeout_s` ends the
+// run with an error naming the rank and op (mpirun jobs and the CUDA backend; <= 0: no limit).
 exec::TrainResult train_on(const std::string& backend, const models::ModelSpec& model,
                            const planner::Plan& plan, const exec::TrainOptions& options,
-                           const std::function<void(const exec::StepLog&)>& on_step);
+                           const std::function<void(const exec::StepLog&)>& on_step,
+                           double comm_timeout_s = 300);
 
 // What a measured run ran on, for its report: the cluster text ("cpu:<ranks>", or "<GPU name>:1"
 // for ranks sharing GPU 0, "<GPU name>:<N>" under mpirun) and the devices' summed peak flops for
@@ -36,7 +43,11 @@ MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& mode
 void start_mpi_if_launched(int* argc, char*** argv);
 // This process's rank under mpirun, else 0: only rank 0 prints step lines and writes files.
 int process_rank();
-// Under mpirun with more than one process: ends the whole job (the peers may wait in NCCL).
+// The processes of the mpirun job, else 1.
+int process_count();
+// The job's MPI session under mpirun, else null (exec/mpi/launch.hpp).
+const exec::MpiSession* mpi_session();
+// Under mpirun with more than one process: ends the whole job (MPI_Abort: the peers may wait).
 void abort_job_if_mpi(int code);
 
 }  // namespace pw::cli

@@ -1,4 +1,5 @@
-// `pipewright train`: run a plan for real — `--backend cpu`: one thread per rank, OpenBLAS, fp32;
+// `pipewright train`: run a plan for real — `--backend cpu`: one thread per rank (one process per
+// rank under `mpirun -np N`), OpenBLAS, fp32;
 // `--backend cuda`: bf16 on GPU 0 with every rank a thread, or one process per GPU under
 // `mpirun -np N` — and write the run report with "source": "measured".
 #include <algorithm>
@@ -26,6 +27,7 @@ struct TrainArgs {
   exec::TrainOptions options;
   std::string out;
   std::string timeline;
+  double comm_timeout_s = 300;
 };
 
 }  // namespace
@@ -40,8 +42,8 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   a->plan.add(*cmd);
   cmd->add_option("--backend", a->backend,
-                  "cpu (a thread per rank), or cuda (every rank on GPU 0; under mpirun -np N, "
-                  "one process per GPU)")
+                  "cpu (a thread per rank; under mpirun -np N, one process per rank), or cuda "
+                  "(every rank on GPU 0; under mpirun -np N, one process per GPU)")
       ->capture_default_str();
   cmd->add_option("--steps", a->options.steps, "optimizer steps")
       ->capture_default_str()
@@ -68,6 +70,11 @@ void add_train_command(CLI::App& app) {
                 "if there is none) up to --steps; bit-identical to an unbroken run. At the final "
                 "checkpoint of a finished run: writes its report again")
       ->needs(dir);
+  cmd->add_option("--comm-timeout", a->comm_timeout_s,
+                  "seconds a rank waits for a peer (a message, the all-reduce) before the job ends "
+                  "with an error naming the rank and op (mpirun jobs, --backend cuda; 0: forever)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
@@ -79,9 +86,10 @@ void add_train_command(CLI::App& app) {
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
     if (lead)
-      fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
+      fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
                  model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
-                 plan.global_batch(), a->options.steps, plan.ranks(), on.cluster);
+                 plan.global_batch(), a->options.steps, plan.ranks(), on.cluster,
+                 process_count() > 1 ? fmt::format(" ({} processes)", process_count()) : "");
     if (lead)
       a->options.on_resume = [dir = a->options.checkpoint_dir](const exec::ResumeInfo& info) {
         for (const std::string& w : info.warnings)
@@ -97,7 +105,8 @@ void add_train_command(CLI::App& app) {
           fmt::print("no checkpoint in {}: starting from step 0\n", dir);
         std::fflush(stdout);
       };
-    const exec::TrainResult r = train_on(a->backend, model, plan, a->options, print_step);
+    const exec::TrainResult r =
+        train_on(a->backend, model, plan, a->options, print_step, a->comm_timeout_s);
     if (!lead) return;
     planner::RunReport report = measured_report(model, plan, r, on);
     if (on.peak_flops_per_s > 0)

@@ -1,5 +1,6 @@
 // `pipewright validate --backend cpu`: profile this machine, simulate the plan on a cluster
-// description of it (its cores as devices, the in-process transport as the link), train the plan
+// description of it (its cores as devices, the in-process transport as the link; under
+// `mpirun -np N` N one-core nodes joined by the MPI link, measured by a ping-pong), train the plan
 // for real, and compare predicted with measured step time, busy time and peak memory per rank.
 // `pipewright validate --predicted sim.json --measured measured.json` compares two reports.
 #include <algorithm>
@@ -16,6 +17,8 @@
 #include "cli/options.hpp"
 #include "exec/gpt_layout.hpp"
 #include "exec/gpu_host.hpp"
+#include "exec/mpi/launch.hpp"
+#include "exec/mpi/probe.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
 #include "exec/runtime.hpp"
@@ -151,6 +154,53 @@ Machine probe_cpu(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   return m;
 }
 
+// cpu under `mpirun -np N` (one rank per process): N nodes of one core each, joined by the MPI
+// link as ranks 0 and 1 measure it with a ping-pong (latency and bandwidth as the network).
+Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& probe_sizes,
+                  int round_trips, const exec::MpiSession& job) {
+  Machine m;
+  m.devices = job.size();
+  fmt::print(
+      "probing the MPI link between ranks 0 and 1 ({} sizes up to {}, {} round trips each)...\n",
+      probe_sizes.size(), human_bytes(double(probe_sizes.back())), round_trips);
+  std::fflush(stdout);
+  m.link = exec::measure_mpi_transport(job, probe_sizes, round_trips);
+  const double gemm = exec::measure_sgemm_flops_per_s();
+  m.cluster = exec::cpu_host_cluster(1, m.link, gemm);
+  m.cluster.name = fmt::format("mpi-{}-nodes", job.size());
+  m.cluster.nodes = job.size();
+  m.cluster.intra_node = {};
+  m.cluster.intra_node.kind = clusters::IntraKind::none;
+  m.cluster.network.nic_per = clusters::NicPer::node;
+  m.cluster.network.bandwidth_bytes_per_s = m.link.bandwidth_bytes_per_s;
+  m.cluster.network.latency_s = m.link.latency_s;
+  m.cluster.network.oversubscription = 1;
+  m.cluster.network.efficiency = 1;
+  m.cluster.notes = fmt::format(
+      "the processes of an mpirun job as measured by pipewright validate: {} nodes of one core "
+      "(rank 0's single-threaded OpenBLAS sgemm rate) joined by the MPI link between ranks 0 and "
+      "1 (MpiTransport ping-pong fit: {:.3g} us + bytes / {:.3g} MB/s)",
+      job.size(), m.link.latency_s * 1e6, m.link.bandwidth_bytes_per_s / 1e6);
+  fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(m.link.latency_s),
+             human_rate(m.link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
+  for (int r = 0; r < plan.ranks(); ++r)
+    m.placement.push_back({r, 0});
+  m.json = {{"processes", job.size()}, {"gemm_flops_per_s", gemm}};
+  return m;
+}
+
+// validate under mpirun, ranks other than 0: wait while rank 0 profiles, take part in the
+// ping-pong, wait while it simulates, train (rank 0 compares and writes).
+void follow_validate(const ValidateArgs& a, const exec::MpiSession& job,
+                     const models::ModelSpec& model, const planner::Plan& plan) {
+  exec::wait_for_all(job, "wait for rank 0's profile");
+  std::int64_t sizes[4] = {};
+  job.broadcast(sizes, int(sizeof sizes), 0);
+  exec::measure_mpi_transport(job, {sizes[0], sizes[1], sizes[2], sizes[3]}, a.round_trips);
+  exec::wait_for_all(job, "wait for rank 0's simulation");
+  train_on(a.backend, model, plan, a.train, print_step);
+}
+
 #ifdef PW_HAVE_CUDA
 // cuda: the one GPU as the only device, every rank on it (the simulator shares its compute and
 // memory among them, as the ranks' streams do); the LocalTransport's copies between ranks as the
@@ -185,6 +235,14 @@ void run_and_compare(const ValidateArgs& a) {
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
   const planner::Plan plan = a.plan.build(model.layers, 1);
+  // Under mpirun: one rank per process; rank 0 profiles, simulates, compares and prints.
+  const exec::MpiSession* job = process_count() > 1 ? mpi_session() : nullptr;
+  if (job) {
+    if (gpu) throw InputError("validate under mpirun: --backend cpu only (one rank per process)");
+    exec::check_world_size(job->size(), plan.ranks(),
+                           fmt::format("{} w={} d={}", to_string(plan.schedule), plan.w, plan.d));
+    if (job->rank() != 0) return follow_validate(a, *job, model, plan);
+  }
   std::vector<std::int64_t> sizes = a.microbatch.empty()
                                         ? std::vector<std::int64_t>{}
                                         : parse_int_list(a.microbatch, "--microbatch");
@@ -201,7 +259,9 @@ void run_and_compare(const ValidateArgs& a) {
   fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n", model.name,
              to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
              a.train.steps, plan.ranks(),
-             gpu ? on.device : fmt::format("{} cores", exec::hardware_threads()));
+             gpu   ? on.device
+             : job ? fmt::format("{} processes (mpirun)", job->size())
+                   : fmt::format("{} cores", exec::hardware_threads()));
 
   // 1. Profile the per-layer trace (or use the one given).
   if (a.trace.empty()) {
@@ -217,6 +277,7 @@ void run_and_compare(const ValidateArgs& a) {
 #endif
       trace = exec::profile_cpu(model, sizes, a.repeats, statistic);
   }
+  if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
   const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
   fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
              human_seconds(block.backward_s), human_seconds(block.recompute_s));
@@ -225,11 +286,15 @@ void run_and_compare(const ValidateArgs& a) {
   // sizes, and its devices.
   const std::int64_t message = std::max<std::int64_t>(block.output_bytes, 4096);
   const std::vector<std::int64_t> probe_sizes = {4, message / 4, message, 4 * message};
+  std::int64_t shared_sizes[4] = {probe_sizes[0], probe_sizes[1], probe_sizes[2], probe_sizes[3]};
+  if (job) job->broadcast(shared_sizes, int(sizeof shared_sizes), 0);
 #ifdef PW_HAVE_CUDA
-  const Machine machine_probe = gpu ? probe_gpu(plan, probe_sizes, a.round_trips)
-                                    : probe_cpu(plan, probe_sizes, a.round_trips);
+  const Machine machine_probe = gpu   ? probe_gpu(plan, probe_sizes, a.round_trips)
+                                : job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
+                                      : probe_cpu(plan, probe_sizes, a.round_trips);
 #else
-  const Machine machine_probe = probe_cpu(plan, probe_sizes, a.round_trips);
+  const Machine machine_probe = job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
+                                    : probe_cpu(plan, probe_sizes, a.round_trips);
 #endif
   const clusters::Cluster& cluster = machine_probe.cluster;
   const exec::TransportFit& link = machine_probe.link;
@@ -256,6 +321,7 @@ void run_and_compare(const ValidateArgs& a) {
   so.gradient_buckets = a.train.gradient_buckets;
   sim::SimResult sim = sim::simulate(model, trace, cluster, placed, so);
   if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
+  if (job) exec::wait_for_all(*job, "wait for rank 0's simulation");
 
   // 4. Train for real.
   fmt::print("training {} steps on {} ranks...\n", a.train.steps, plan.ranks());
@@ -278,7 +344,9 @@ void run_and_compare(const ValidateArgs& a) {
   common::Json machine = machine_probe.json;
   machine["backend"] = a.backend;
   machine[gpu ? "ranks_per_gpu" : "ranks_per_core"] = per_core;
-  machine["transport"] = {{"kind", gpu ? "local (one GPU)" : "in-process"},
+  machine["transport"] = {{"kind", gpu   ? "local (one GPU)"
+                                   : job ? "MPI (ranks 0 and 1)"
+                                         : "in-process"},
                           {"latency_s", link.latency_s},
                           {"bandwidth_bytes_per_s", link.bandwidth_bytes_per_s},
                           {"round_trips", a.round_trips},

@@ -1,4 +1,5 @@
-// train_cpu: programs for the plan, one thread per rank, step logs as steps complete.
+// train_cpu: programs for the plan, one thread per rank, step logs as steps complete (one process
+// per rank under mpirun: exec/mpi/train.cpp).
 #include <fmt/format.h>
 
 #include "exec/checkpoint.hpp"
@@ -6,19 +7,25 @@
 
 namespace pw::exec {
 
-TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
-                      const TrainOptions& options,
-                      const std::function<void(const StepLog&)>& on_step) {
+void detail::check_cpu_model(const models::ModelSpec& model) {
   if (model.dtype != models::DType::fp32)
     throw InputError(
         fmt::format("model {}: the CPU backend trains in fp32 (the model says {}); "
                     "use a model file with \"dtype\": \"fp32\"",
                     model.name, models::to_string(model.dtype)));
+}
+
+TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
+                      const TrainOptions& options,
+                      const std::function<void(const StepLog&)>& on_step) {
+  detail::check_cpu_model(model);
   const detail::PreparedRun run = detail::prepare_run(model, plan, options, "cpu");
   if (run.finished) return *run.finished;
   const planner::Programs& programs = run.programs;
   const TokenSource data(options.data, model.vocab, options.seed);
+  InProcessTransport transport;
   detail::Shared shared;
+  shared.transport = &transport;
   shared.init(model, run, options, data, plan.ranks());
   shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks()));
   shared.on_step = on_step;
@@ -27,8 +34,7 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
     workers.push_back(std::make_unique<detail::Worker>(shared, r));
   shared.start = detail::Clock::now();
   detail::run_threads(
-      plan.ranks(), [&](int r) { workers[std::size_t(r)]->run(); },
-      [&] { shared.transport.abort(); });
+      plan.ranks(), [&](int r) { workers[std::size_t(r)]->run(); }, [&] { transport.abort(); });
   TrainResult result;
   result.first_step = run.first_step;
   result.programs = programs;

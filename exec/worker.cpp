@@ -124,8 +124,10 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
 
 void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
-  for (op_ = 0; op_ < int(ops.size()); ++op_)
+  for (op_ = 0; op_ < int(ops.size()); ++op_) {
+    if (s_.before_op) s_.before_op(rank_, op_);
     step(ops[std::size_t(op_)]);
+  }
 }
 
 void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
@@ -144,27 +146,27 @@ void Worker::step(const Op& op) {
       return backward(op);
     case OpKind::send_activation:
       record(planner::kSendStream, Clock::now(), Clock::now());
-      s_.transport.send(
+      s_.transport->send(
           rank_, op.peer, Channel::activation,
           std::vector<float>(outputs_[key].data(), outputs_[key].data() + outputs_[key].size()));
       outputs_.erase(key);
       return;
     case OpKind::send_gradient:
       record(planner::kSendStream, Clock::now(), Clock::now());
-      s_.transport.send(
+      s_.transport->send(
           rank_, op.peer, Channel::gradient,
           std::vector<float>(d_inputs_[key].data(), d_inputs_[key].data() + d_inputs_[key].size()));
       d_inputs_.erase(key);
       return;
     case OpKind::recv_activation: {
       const auto t0 = Clock::now();
-      inputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::activation));
+      inputs_[key] = to_buffer(s_.transport->recv(op.peer, rank_, Channel::activation));
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
     case OpKind::recv_gradient: {
       const auto t0 = Clock::now();
-      d_outputs_[key] = to_buffer(s_.transport.recv(op.peer, rank_, Channel::gradient));
+      d_outputs_[key] = to_buffer(s_.transport->recv(op.peer, rank_, Channel::gradient));
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
@@ -263,8 +265,8 @@ void Worker::all_reduce(const Op& op) {
   std::vector<int> group;
   for (int r = 0; r < p.w; ++r)
     group.push_back(p.rank_of(stage_, r));
-  s_.transport.all_reduce_sum(fmt::format("ar/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket),
-                              group, rank_, c.grads.data() + begin, end - begin);
+  s_.transport->all_reduce_sum(fmt::format("ar/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket),
+                               group, rank_, c.grads.data() + begin, end - begin);
 }
 
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter. Stage 0
@@ -281,11 +283,11 @@ void Worker::tied(const Op& op) {
   switch (op.kind) {
     case OpKind::send_tied_gradient:
       record(planner::kSendStream, t0, t0);
-      s_.transport.send(rank_, op.peer, Channel::tied, std::vector<float>(grad, grad + n));
+      s_.transport->send(rank_, op.peer, Channel::tied, std::vector<float>(grad, grad + n));
       std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
       return;
     case OpKind::recv_tied_gradient: {
-      const std::vector<float> head = s_.transport.recv(op.peer, rank_, Channel::tied);
+      const std::vector<float> head = s_.transport->recv(op.peer, rank_, Channel::tied);
       for (std::int64_t i = 0; i < n; ++i)
         grad[i] = grad[i] + head[std::size_t(i)];
       record(planner::kRecvStream, t0, Clock::now());
@@ -294,11 +296,11 @@ void Worker::tied(const Op& op) {
     case OpKind::send_tied_weights: {
       const float* w = params(c, op.version) + c.tied_offset;
       record(planner::kSendStream, t0, t0);
-      s_.transport.send(rank_, op.peer, Channel::tied_weights, std::vector<float>(w, w + n));
+      s_.transport->send(rank_, op.peer, Channel::tied_weights, std::vector<float>(w, w + n));
       return;
     }
     default: {
-      const std::vector<float> w = s_.transport.recv(op.peer, rank_, Channel::tied_weights);
+      const std::vector<float> w = s_.transport->recv(op.peer, rank_, Channel::tied_weights);
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
       std::copy(w.begin(), w.end(), out);
       record(planner::kRecvStream, t0, Clock::now());
@@ -365,7 +367,8 @@ RankResult Worker::result() const {
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
   r.timeline.rank = rank_;
-  r.timeline.label = fmt::format("rank {} (thread, stage {}, replica {})", rank_, stage_, replica_);
+  r.timeline.label =
+      fmt::format("rank {} ({}, stage {}, replica {})", rank_, s_.runs_on, stage_, replica_);
   r.timeline.ops = ops_;
   for (const auto& [t, bytes] : memory_->samples())
     r.timeline.memory.emplace_back(

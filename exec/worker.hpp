@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,12 +21,19 @@
 
 namespace pw::exec::detail {
 
-// The CPU run: the step book plus the in-process transport and a byte counter per rank (each
-// thread is its own device).
+// The CPU run: the step book plus the transport (in-process between threads, or MPI between
+// processes) and a byte counter per rank (each thread or process is its own device).
 struct Shared : StepBook {
-  InProcessTransport transport;
+  Transport* transport = nullptr;
   std::vector<MemoryCounter> devices;
+  const char* runs_on = "thread";  // in the timeline's labels: "thread" or "process"
+  // Called before each op of a rank's program with its index (a test's fault injection); may be
+  // empty.
+  std::function<void(int rank, int op)> before_op;
 };
+
+// The CPU backend trains fp32 models only: an InputError naming the model otherwise.
+void check_cpu_model(const models::ModelSpec& model);
 
 class Worker {
  public:

@@ -8,9 +8,13 @@ PACKAGES=(
   build-essential cmake pkg-config git python3
   nlohmann-json3-dev libcli11-dev libfmt-dev libsimgrid-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  # MPI (issue 6): `mpirun -np N pipewright train` broadcasts the NCCL unique id over MPI and
-  # exec/cuda/mpi_launch.cpp links it; the build leaves MPI out when this is missing.
-  libopenmpi-dev
+  # MPI (issues 6, 16): `mpirun -np N pipewright train` runs one rank per process (CPU ranks talk
+  # over MPI, CUDA ranks broadcast the NCCL id over it); exec/mpi/ links it; the build leaves MPI
+  # out when this is missing. openmpi-bin: mpirun, for the mpirun tests (skipped without it).
+  libopenmpi-dev openmpi-bin
+  # iproute2 (ip netns, tc): scripts/netns-cluster.sh's emulated multi-node cluster (its test skips
+  # where namespaces cannot be made); util-linux: unshare, a host name per emulated node.
+  iproute2 util-linux
   # GSL (issue 12): `pipewright calibrate` fits the device model with gsl_multifit_nlinear
   # (Levenberg-Marquardt nonlinear least squares).
   libgsl-dev

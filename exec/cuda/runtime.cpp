@@ -11,6 +11,7 @@
 #include "exec/cuda/mpi_launch.hpp"
 #include "exec/cuda/worker.hpp"
 #include "exec/gpu_host.hpp"
+#include "exec/mpi/train.hpp"
 #ifdef PW_HAVE_NCCL
 #include "exec/cuda/nccl_transport.hpp"
 #endif
@@ -50,60 +51,6 @@ std::vector<int> program_peers(const planner::Programs& programs, int rank, Chan
   return {peers.begin(), peers.end()};
 }
 #endif
-
-// Under mpirun each process logged its own ranks' view of a step: the loss only where the last
-// stage runs, its own end time. The job's step log sums the losses and takes the latest end.
-void merge_logs(exec::detail::StepBook& book, const MpiSession& mpi) {
-  const std::size_t n = book.logs.size();
-  std::vector<double> loss(n), end(n);
-  double t = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    loss[i] = book.loss_sum[i];
-    end[i] = (t += book.logs[i].seconds);
-  }
-  mpi.all_reduce(loss.data(), int(n));
-  mpi.all_reduce(end.data(), int(n), true);
-  std::vector<StepLog> logs;
-  book.last_end_s = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    logs.push_back(book.make_log(book.logs[i].step, loss[i], end[i]));
-    logs.back().checkpoint = book.logs[i].checkpoint;
-  }
-  book.logs = logs;
-}
-
-// Every rank's memory and busy time, for the job's report (weights and timelines stay local).
-void gather_ranks(TrainResult& result, const MpiSession& mpi) {
-  constexpr int kFields = 8;
-  const RankResult& mine = result.ranks.front();
-  const planner::MemoryBreakdown& m = mine.memory;
-  const double local[kFields] = {double(mine.peak_memory_bytes),
-                                 double(m.weights),
-                                 double(m.weight_versions),
-                                 double(m.gradients),
-                                 double(m.optimizer),
-                                 double(m.activations),
-                                 double(m.workspace),
-                                 mine.busy_s};
-  std::vector<double> all(std::size_t(kFields * mpi.size()));
-  mpi.all_gather(local, int(sizeof(local)), all.data());
-  std::vector<RankResult> ranks(std::size_t(mpi.size()));
-  for (int r = 0; r < mpi.size(); ++r) {
-    const double* f = all.data() + std::size_t(kFields * r);
-    RankResult& out = ranks[std::size_t(r)];
-    if (r == mine.rank) out = mine;
-    out.rank = r;
-    out.peak_memory_bytes = std::int64_t(f[0]);
-    out.memory.weights = std::int64_t(f[1]);
-    out.memory.weight_versions = std::int64_t(f[2]);
-    out.memory.gradients = std::int64_t(f[3]);
-    out.memory.optimizer = std::int64_t(f[4]);
-    out.memory.activations = std::int64_t(f[5]);
-    out.memory.workspace = std::int64_t(f[6]);
-    out.busy_s = f[7];
-  }
-  result.ranks = std::move(ranks);
-}
 
 }  // namespace
 
@@ -208,8 +155,8 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   for (auto& w : workers)
     result.ranks.push_back(w->result());
   if (run.mpi) {
-    merge_logs(shared, *run.mpi);
-    gather_ranks(result, *run.mpi);
+    exec::detail::merge_logs(shared, *run.mpi);
+    exec::detail::gather_ranks(result, *run.mpi, true);
     if (run.mpi->rank() == 0 && on_step)
       for (const StepLog& log : shared.logs)
         on_step(log);

@@ -10,9 +10,13 @@
 
 #include "exec/runtime.hpp"
 
+namespace pw::exec {
+class MpiSession;  // exec/mpi/launch.hpp
+}  // namespace pw::exec
+
 namespace pw::exec::cuda {
 
-class MpiSession;
+using exec::MpiSession;
 
 struct CudaRunOptions {
   // Bytes of the one cudaMalloc per device; 0: default_arena_bytes() (arena.hpp: the free memory
@@ -28,7 +32,8 @@ struct CudaRunOptions {
 // As train_cpu (exec/runtime.hpp) for a model with a 2-byte dtype (fp16 or bf16; computed in
 // bf16). The weights start as the CPU backend's (the same fp32 initialisation, rounded to bf16;
 // the fp32 master keeps them exactly). Under mpirun the result holds every rank's memory and busy
-// time (gathered to every process) but only this rank's timeline and weights; the step logs (loss
+// time (gathered to every process), every rank's timeline on rank 0 (the others: their own) and
+// only this rank's weights; the step logs (loss
 // and time per step) are complete on every process, and `on_step` is called on rank 0 only, at the
 // end of the run (the loss lives on the last stage's process).
 // RankResult::weights are the newest bf16 weights as floats.

@@ -1,5 +1,5 @@
-// The launcher's environment and the MPI session (exec/cuda/mpi_launch.hpp).
-#include "exec/cuda/mpi_launch.hpp"
+// The launcher's environment and the MPI session (exec/mpi/launch.hpp).
+#include "exec/mpi/launch.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -10,7 +10,7 @@
 #include <mpi.h>
 #endif
 
-namespace pw::exec::cuda {
+namespace pw::exec {
 
 namespace {
 
@@ -95,9 +95,7 @@ int local_device(const MpiEnv& env, int device_count) {
 
 #if PW_HAVE_MPI
 
-namespace {
-
-void check_mpi(int rank, const char* op, int code) {
+void check_mpi(int rank, const std::string& op, int code) {
   if (code == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING] = {};
   int n = 0;
@@ -107,8 +105,6 @@ void check_mpi(int rank, const char* op, int code) {
     if (c == '\n') c = ' ';
   throw Error("rank " + std::to_string(rank) + ": " + op + " failed: " + t);
 }
-
-}  // namespace
 
 bool MpiSession::available() {
   return true;
@@ -152,6 +148,26 @@ void MpiSession::all_reduce(double* data, int n, bool max) const {
       MPI_Allreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, max ? MPI_MAX : MPI_SUM, MPI_COMM_WORLD));
 }
 
+std::vector<std::string> MpiSession::gather(const std::string& mine, int root) const {
+  int bytes = int(mine.size());
+  std::vector<int> counts(rank_ == root ? std::size_t(size_) : 0), offsets(counts.size());
+  check_mpi(rank_, "MPI_Gather",
+            MPI_Gather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, root, MPI_COMM_WORLD));
+  std::string all;
+  if (rank_ == root) {
+    for (int r = 1; r < size_; ++r)
+      offsets[std::size_t(r)] = offsets[std::size_t(r - 1)] + counts[std::size_t(r - 1)];
+    all.resize(std::size_t(offsets.back() + counts.back()));
+  }
+  check_mpi(rank_, "MPI_Gatherv",
+            MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), offsets.data(),
+                        MPI_BYTE, root, MPI_COMM_WORLD));
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < counts.size(); ++r)
+    out.push_back(all.substr(std::size_t(offsets[r]), std::size_t(counts[r])));
+  return out;
+}
+
 void MpiSession::abort(int code) const {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort should not return
@@ -173,10 +189,14 @@ void MpiSession::broadcast(void*, int, int) const {}
 void MpiSession::barrier() const {}
 void MpiSession::all_gather(const void*, int, void*) const {}
 void MpiSession::all_reduce(double*, int, bool) const {}
+std::vector<std::string> MpiSession::gather(const std::string&, int) const {
+  return {};
+}
+void check_mpi(int, const std::string&, int) {}
 void MpiSession::abort(int code) const {
   std::_Exit(code);
 }
 
 #endif
 
-}  // namespace pw::exec::cuda
+}  // namespace pw::exec

@@ -1,0 +1,193 @@
+// The CPU ranks' MPI transport (exec/mpi/transport.hpp).
+#include "exec/mpi/transport.hpp"
+
+#if PW_HAVE_MPI
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "exec/mpi/launch.hpp"
+
+namespace pw::exec {
+
+namespace {
+
+// Tags: one per point-to-point channel, then the all-reduce's parts and sums.
+int channel_tag(Channel c) {
+  return 1 + int(c);
+}
+constexpr int kPartTag = 16, kSumTag = 17;
+
+const char* channel_name(Channel c) {
+  switch (c) {
+    case Channel::activation:
+      return "activation";
+    case Channel::gradient:
+      return "gradient";
+    case Channel::tied:
+      return "tied gradient";
+    case Channel::tied_weights:
+      return "tied weights";
+  }
+  return "?";
+}
+
+}  // namespace
+
+MpiTransport::MpiTransport(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s) {}
+
+MpiTransport::~MpiTransport() {
+  // Normally empty (flush() ran). After an error the job is being aborted: cancel, do not wait.
+  for (Pending& p : pending_)
+    if (p.request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&p.request);
+      MPI_Request_free(&p.request);
+    }
+}
+
+void MpiTransport::isend(std::shared_ptr<const std::vector<float>> data, int dst, int tag,
+                         std::string what) {
+  Pending& p = pending_.emplace_back();
+  p.data = std::move(data);
+  p.peer = dst;
+  p.what = std::move(what);
+  check_mpi(rank_, fmt::format("{} to rank {}: MPI_Isend", p.what, dst),
+            MPI_Isend(p.data->data(), int(p.data->size()), MPI_FLOAT, dst, tag, MPI_COMM_WORLD,
+                      &p.request));
+  progress();
+}
+
+void MpiTransport::progress() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    check_mpi(rank_, fmt::format("{} to rank {}: MPI_Test", it->what, it->peer),
+              MPI_Test(&it->request, &done, MPI_STATUS_IGNORE));
+    it = done ? pending_.erase(it) : std::next(it);
+  }
+}
+
+void MpiTransport::wait(const std::string& op, int peer, const std::function<bool()>& done) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto nap = std::chrono::microseconds(0);
+  for (int polls = 0;; ++polls) {
+    if (aborted_) throw Error(fmt::format("transport aborted: rank {}: {}", rank_, op));
+    progress();
+    if (done()) return;
+    if (timeout_s_ > 0 && std::chrono::duration<double>(Clock::now() - start).count() > timeout_s_)
+      throw Error(fmt::format(
+          "rank {}: {} timed out after {:g}s (--comm-timeout): {} is dead or hung", rank_, op,
+          timeout_s_, peer < 0 ? std::string("a peer") : fmt::format("rank {}", peer)));
+    // Most waits end within microseconds; longer ones nap (up to 100 us) so that a waiting rank
+    // leaves the core to the ranks computing beside it.
+    if (polls < 64) {
+      std::this_thread::yield();
+    } else {
+      nap = std::min(std::chrono::microseconds(100), nap + std::chrono::microseconds(10));
+      std::this_thread::sleep_for(nap);
+    }
+  }
+}
+
+void MpiTransport::wait_request(MPI_Request& request, const std::string& op, int peer) {
+  wait(op, peer, [&] {
+    int done = 0;
+    check_mpi(rank_, op + ": MPI_Test", MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+    return done != 0;
+  });
+}
+
+void MpiTransport::send(int src, int dst, Channel channel, std::vector<float> data) {
+  if (src != rank_)
+    throw Error(fmt::format("rank {}: send from rank {}: not this process's rank", rank_, src));
+  isend(std::make_shared<const std::vector<float>>(std::move(data)), dst, channel_tag(channel),
+        fmt::format("send {}", channel_name(channel)));
+}
+
+std::vector<float> MpiTransport::recv(int src, int dst, Channel channel) {
+  if (dst != rank_)
+    throw Error(fmt::format("rank {}: receive for rank {}: not this process's rank", rank_, dst));
+  const std::string op = fmt::format("receive {} from rank {}", channel_name(channel), src);
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  wait(op, src, [&] {
+    int found = 0;
+    check_mpi(rank_, op + ": MPI_Improbe",
+              MPI_Improbe(src, channel_tag(channel), MPI_COMM_WORLD, &found, &message, &status));
+    return found != 0;
+  });
+  int count = 0;
+  check_mpi(rank_, op + ": MPI_Get_count", MPI_Get_count(&status, MPI_FLOAT, &count));
+  std::vector<float> data(std::size_t(std::max(count, 0)));
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(rank_, op + ": MPI_Imrecv",
+            MPI_Imrecv(data.data(), count, MPI_FLOAT, &message, &request));
+  wait_request(request, op, src);
+  return data;
+}
+
+void MpiTransport::all_reduce_sum(const std::string& key, const std::vector<int>& group, int rank,
+                                  float* data, std::int64_t n) {
+  if (rank != rank_ || std::find(group.begin(), group.end(), rank) == group.end())
+    throw Error(fmt::format("rank {}: all-reduce {} for rank {}", rank_, key, rank));
+  const int root = group.front();
+  const int count = int(n);
+  if (rank_ != root) {
+    // The part to the group's first rank, the sum back from it.
+    isend(std::make_shared<const std::vector<float>>(data, data + n), root, kPartTag,
+          fmt::format("all-reduce {}: send part", key));
+    MPI_Request request = MPI_REQUEST_NULL;
+    check_mpi(rank_, fmt::format("all-reduce {}: MPI_Irecv", key),
+              MPI_Irecv(data, count, MPI_FLOAT, root, kSumTag, MPI_COMM_WORLD, &request));
+    wait_request(request, fmt::format("all-reduce {}: receive the sum from rank {}", key, root),
+                 root);
+    return;
+  }
+  // Every part's receive posted at once (they arrive concurrently), then waited for in turn.
+  std::vector<std::vector<float>> parts(group.size());
+  std::vector<MPI_Request> requests(group.size(), MPI_REQUEST_NULL);
+  for (std::size_t i = 1; i < group.size(); ++i) {
+    parts[i].resize(std::size_t(n));
+    check_mpi(rank_, fmt::format("all-reduce {}: MPI_Irecv", key),
+              MPI_Irecv(parts[i].data(), count, MPI_FLOAT, group[i], kPartTag, MPI_COMM_WORLD,
+                        &requests[i]));
+  }
+  for (std::size_t i = 1; i < group.size(); ++i)
+    wait_request(requests[i],
+                 fmt::format("all-reduce {}: receive the part of rank {}", key, group[i]),
+                 group[i]);
+  // InProcessTransport's sum: from zero, member after member in group order.
+  auto sum = std::make_shared<std::vector<float>>(std::size_t(n), 0.0f);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    const float* part = i == 0 ? data : parts[i].data();
+    for (std::int64_t j = 0; j < n; ++j)
+      (*sum)[std::size_t(j)] += part[j];
+  }
+  std::copy(sum->begin(), sum->end(), data);
+  for (std::size_t i = 1; i < group.size(); ++i)
+    isend(sum, group[i], kSumTag, fmt::format("all-reduce {}: send the sum", key));
+}
+
+void MpiTransport::abort() {
+  aborted_ = true;
+}
+
+void MpiTransport::barrier(const std::string& op) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(rank_, op + ": MPI_Ibarrier", MPI_Ibarrier(MPI_COMM_WORLD, &request));
+  wait_request(request, op, -1);
+}
+
+void MpiTransport::flush() {
+  if (pending_.empty()) return;
+  const Pending& first = pending_.front();
+  wait(fmt::format("{} to rank {} (completing the sends)", first.what, first.peer), first.peer,
+       [&] { return pending_.empty(); });
+}
+
+}  // namespace pw::exec
+
+#endif  // PW_HAVE_MPI

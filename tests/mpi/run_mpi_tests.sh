@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# `mpirun -np N pipewright train --backend cpu`: one rank per process over MPI.
+# Usage:
+#   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR identity NP PLAN-ARGS...
+#       the mpirun job's losses equal the threaded run's of the same plan, bit for bit (the JSON
+#       numbers of both reports compared as text), and rank 0's report and timeline hold every rank
+#   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR fault kill|hang
+#       rank 1 dies (SIGKILL) or stops answering mid-run: the job ends non-zero within the timeout;
+#       a killed rank is named by mpirun ("process rank 1 ... exited on signal 9"), a hung one by
+#       pipewright's one-line error ("rank R: OP timed out after 5s (--comm-timeout): rank P is
+#       dead or hung") on each rank that gave up before rank 0's MPI_Abort ended the job
+#   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR validate
+#       `mpirun -np 2 pipewright validate` runs and writes a report with the MPI link as network
+# Exit 77 (ctest SKIP_RETURN_CODE) with the reason where mpirun or an MPI build is missing.
+set -u
+PW=$1
+SRC=$2
+MODE=$3
+shift 3
+MODEL="$SRC/tests/data/gpt-micro-4l.json"
+
+if ! command -v mpirun >/dev/null 2>&1; then
+  echo "SKIP: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)"
+  exit 77
+fi
+if ! ldd "$PW" 2>/dev/null | grep -q libmpi; then
+  echo "SKIP: $PW was built without MPI (libopenmpi-dev missing at configure time)"
+  exit 77
+fi
+# Open MPI refuses to start as root without these (containers, CI); harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# This machine may have fewer cores than ranks; no InfiniBand/shared-memory probing noise.
+MPIRUN=(mpirun --oversubscribe --mca btl self,vader,tcp)
+
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+case "$MODE" in
+  identity)
+    NP=$1
+    shift
+    "$PW" train --model "$MODEL" "$@" --out "$TMP/threads.json" >"$TMP/threads.out" 2>&1 ||
+      { echo "FAIL: threaded run: $(tail -3 "$TMP/threads.out")"; exit 1; }
+    "${MPIRUN[@]}" -np "$NP" "$PW" train --model "$MODEL" "$@" --out "$TMP/mpi.json" \
+      --timeline "$TMP/mpi-tl.json" >"$TMP/mpi.out" 2>"$TMP/mpi.err" ||
+      { echo "FAIL: mpirun -np $NP: $(tail -5 "$TMP/mpi.err")"; exit 1; }
+    cat "$TMP/mpi.out"
+    python3 - "$TMP/threads.json" "$TMP/mpi.json" "$TMP/mpi-tl.json" "$NP" <<'EOF' || exit 1
+import json, re, sys
+threads, mpi, timeline, np = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+def losses(path):
+    # The numbers as written (shortest round-trip text of the double): equal text, equal bits.
+    text = open(path).read()
+    return re.search(r'"losses":\s*\[([^\]]*)\]', text).group(1).split(',')
+a, b = losses(threads), losses(mpi)
+if [x.strip() for x in a] != [x.strip() for x in b]:
+    sys.exit(f"FAIL: losses differ: threads {a} vs mpirun {b}")
+d = json.load(open(mpi))
+assert len(d['devices']) == np, d['devices']
+assert all(x['peak_memory_bytes'] > 0 and x['busy_s'] > 0 for x in d['devices'])
+t = json.load(open(timeline))
+pids = {e['pid'] for e in t['traceEvents'] if e['ph'] == 'X'}
+assert pids == set(range(np)), f"timeline ranks {pids}"
+print(f"ok: {len(a)} losses bit-identical to the threaded run: {[x.strip() for x in b]}")
+EOF
+    ;;
+  fault)
+    ACTION=$1
+    TIMEOUT=5
+    start=$(date +%s.%N)
+    # Rank 1 fails before op 12 of its program (mid-way through the first step).
+    PW_TEST_FAULT="1:12:$ACTION" timeout 120 "${MPIRUN[@]}" -x PW_TEST_FAULT -np 4 "$PW" train \
+      --model "$MODEL" --schedule 1f1b -w 2 -d 2 -m 4 --steps 3 --comm-timeout $TIMEOUT \
+      >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    elapsed=$(python3 -c "import time; print(f'{time.time() - $start:.1f}')")
+    echo "mpirun exit $rc after ${elapsed}s; stderr:"
+    cat "$TMP/err"
+    [ "$rc" -ne 0 ] || { echo "FAIL: the job exited 0"; exit 1; }
+    [ "$rc" -ne 124 ] || { echo "FAIL: the job hung (killed by timeout 120)"; exit 1; }
+    python3 -c "import sys; sys.exit(0 if $elapsed < $TIMEOUT + 25 else 1)" ||
+      { echo "FAIL: the job took ${elapsed}s, more than the ${TIMEOUT}s timeout + 25s"; exit 1; }
+    # pipewright's own errors are one line each.
+    errors=$(grep -c "^pipewright: error: " "$TMP/err")
+    if [ "$ACTION" = kill ]; then
+      # mpirun notices the death first (before any --comm-timeout) and says which rank it was.
+      grep -q "process rank 1 .*exited on signal 9" "$TMP/err" ||
+        { echo "FAIL: mpirun did not name the killed rank 1"; exit 1; }
+    fi
+    if [ "$ACTION" = hang ]; then
+      # The first rank to give up names the op and the peer it waited for (rank 1, or a rank
+      # waiting for rank 1 in turn); its MPI_Abort ends the others.
+      grep -Eq "^pipewright: error: rank [0-9]+: .+ timed out after ${TIMEOUT}s \(--comm-timeout\): rank [0-9]+ is dead or hung$" "$TMP/err" ||
+        { echo "FAIL: no one-line timeout error naming the rank and op"; exit 1; }
+    fi
+    echo "ok: ended in ${elapsed}s with $errors pipewright error line(s)"
+    ;;
+  validate)
+    # validate under mpirun: rank 0 profiles, ranks 0 and 1 ping-pong over MPI, rank 0 simulates
+    # on N one-core nodes joined by that link, every rank trains, rank 0 compares and writes.
+    "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --schedule 1f1b -d 2 -m 4 -b 2 --steps 3 \
+      --repeats 3 --round-trips 20 --out "$TMP/v.json" >"$TMP/out" 2>"$TMP/err" ||
+      { echo "FAIL: mpirun validate: $(tail -5 "$TMP/err")"; exit 1; }
+    cat "$TMP/out"
+    python3 - "$TMP/v.json" <<'EOF' || exit 1
+import json, sys
+v = json.load(open(sys.argv[1]))
+m = v['machine']
+assert m['transport']['kind'] == 'MPI (ranks 0 and 1)' and m['processes'] == 2, m
+c = m['cluster']
+assert c['nodes'] == 2 and c['gpus_per_node'] == 1 and c['network']['bandwidth_bytes_per_s'] > 0, c
+assert len(v['devices']) == 2
+print("ok: validate over 2 processes")
+EOF
+    ;;
+  *)
+    echo "unknown mode $MODE"
+    exit 2
+    ;;
+esac
