@@ -99,9 +99,9 @@ std::int64_t JsonReader::as_int() const {
 
 std::int64_t JsonReader::as_int_in(std::int64_t lo, std::int64_t hi) const {
   const std::int64_t v = as_int();
-  if (v < lo || v > hi)
-    fail(hi == INT64_MAX ? fmt::format("must be at least {}, found {}", lo, v)
-                         : fmt::format("must be in {} .. {}, found {}", lo, hi, v));
+  if (v < lo && lo == 0) fail(fmt::format("must not be negative, found {}", v));
+  if (v < lo && lo == 1) fail(fmt::format("must be at least 1, found {}", v));
+  if (v < lo || v > hi) fail(fmt::format("must be in {} .. {}, found {}", lo, hi, v));
   return v;
 }
 

@@ -196,6 +196,13 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   // linearly with the ranks of a data-parallel all-reduce (2048 ranks: about 30 s on one core),
   // so a run with more ranks is refused before anything is built.
   constexpr std::int64_t kMaxSimulatedRanks = 4096;
+  // The platform has a host per GPU of the cluster: 16,384 (dgx-h100:2048) simulate in about 80 s.
+  constexpr std::int64_t kMaxSimulatedGpus = 16'384;
+  if (cluster.devices() > kMaxSimulatedGpus)
+    throw InputError(fmt::format(
+        "simulate: the cluster's {} x {} = {} GPUs are more than the {} a simulation takes "
+        "(docs/formats.md, Limits); use a smaller --nodes",
+        cluster.nodes, cluster.gpus_per_node, cluster.devices(), kMaxSimulatedGpus));
   if (plan.ranks() > kMaxSimulatedRanks)
     throw InputError(fmt::format(
         "simulate: w*d = {}*{} = {} pipeline ranks is more than the {} a simulation takes "

@@ -66,21 +66,20 @@ TEST(ParseJson, DepthIsLimitedBeforeAnythingRecursive) {
 
 TEST(ReadJsonFile, NonRegularFilesAreRefusedBeforeReading) {
   testing::TempDir dir("limits");
-  for (const std::string& path : {std::string("/dev/zero"), dir.path().string()}) {
+  const std::string folder = dir.file("");
+  for (const std::string& path : {std::string("/dev/zero"), folder}) {
     const std::string msg = error_of([&] { common::read_json_file(path); });
     EXPECT_NE(msg.find("not a regular file"), std::string::npos) << msg;
   }
-  const std::string fifo = (dir.path() / "fifo").string();
+  const std::string fifo = dir.file("fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   EXPECT_NE(error_of([&] { common::read_json_file(fifo); }).find("not a regular file"),
             std::string::npos);
-  const std::string huge = (dir.path() / "huge.json").string();
+  const std::string huge = dir.file("huge.json");
   { std::ofstream create(huge); }
   std::filesystem::resize_file(huge, std::uintmax_t(common::kMaxJsonFileBytes + 1));
   EXPECT_NE(error_of([&] { common::read_json_file(huge); }).find("limit"), std::string::npos);
-  EXPECT_NE(error_of([&] {
-              common::read_json_file((dir.path() / "missing").string());
-            }).find("cannot open"),
+  EXPECT_NE(error_of([&] { common::read_json_file(dir.file("missing")); }).find("cannot open"),
             std::string::npos);
 }
 
