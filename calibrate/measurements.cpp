@@ -98,17 +98,8 @@ void check_row(const Measurement& m, const std::string& gpus_name, const std::st
 }
 
 std::string read_limited(const std::string& path) {
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw InputError(fmt::format("{}: cannot read: {}", path, ec.message()));
-  if (std::int64_t(size) > kMaxMeasurementFileBytes)
-    throw InputError(fmt::format("{}: {} bytes is over the {} MiB limit for a measurements file",
-                                 path, size, kMaxMeasurementFileBytes >> 20));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(fmt::format("{}: cannot open", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  // A regular file only: a directory, a FIFO or /dev/zero is refused before it is read.
+  return common::read_regular_file(path, kMaxMeasurementFileBytes, "measurements file");
 }
 
 }  // namespace

@@ -98,7 +98,7 @@ void add_clusters_command(CLI::App& app) {
   auto opts = std::make_shared<ClusterOptions>();
   auto json = std::make_shared<bool>(false);
   cmd->add_option("name", opts->cluster, "preset name, NAME:NODES or a cluster JSON file");
-  cmd->add_option("--nodes", opts->nodes, "number of nodes");
+  cmd->add_option("--nodes", opts->nodes, "number of nodes")->check(count_range());
   cmd->add_option("--set", opts->sets, "override a field, e.g. --set network.latency_s=2e-6");
   cmd->add_flag("--json", *json, "machine-readable output");
   cmd->callback([opts, json] {

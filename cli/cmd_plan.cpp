@@ -150,29 +150,35 @@ void add_plan_command(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   cmd->add_option("--model", a->model, "model preset or JSON file")->required();
   a->cluster.add(*cmd, "p3.16xlarge:8");
-  cmd->add_option("--batch,-B", a->batch, "global batch size B = w*m*b")->required();
+  cmd->add_option("--batch,-B", a->batch, "global batch size B = w*m*b")
+      ->required()
+      ->check(CLI::Range(std::int64_t{1}, common::kMaxCount * common::kMaxCount));
   cmd->add_option("--schedules", a->schedules, "schedules to consider, comma-separated")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--top", a->top, "simulate this many of the best closed-form candidates")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(std::int64_t{0}, common::kMaxCount));
   cmd->add_option("--max-microbatch", a->search.max_microbatch, "largest microbatch size b")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--memory-headroom", a->search.memory_headroom,
                   "fraction of device memory to keep free, in [0, 1)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(finite_range(0, 0.999999));
   cmd->add_option("--depth,-d", a->search.depths,
                   "only plans with these pipeline depths (one or a comma-separated list)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(count_range());
   cmd->add_option("--width,-w", a->search.widths,
                   "only plans with these data-parallel widths (one or a list)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(count_range());
   cmd->add_option("--tp", a->search.tensor_parallel,
                   "only these tensor-parallel sizes (one or a list; default: every t that divides "
                   "the GPUs per node and the model)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(count_range());
   cmd->add_option("--recompute", a->recompute_modes,
                   "recompute modes to consider, comma-separated (none, selective, full)")
       ->delimiter(',')
@@ -186,15 +192,17 @@ void add_plan_command(CLI::App& app) {
       ->check(CLI::IsMember({"on", "off", "both"}));
   cmd->add_option("--chunks", a->search.chunks, "v values tried for interleaved")
       ->delimiter(',')
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(count_range());
   cmd->add_option("--ranks-per-gpu", a->search.ranks_per_gpu, "ranks sharing each GPU")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--trace,-t", a->trace, "trace JSON (default: analytic, every b)");
   cmd->add_option("--steps", a->steps, "optimizer steps per simulation")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--parallel", a->parallel, "simulations at once (default: cores)");
+      ->check(count_range());
+  cmd->add_option("--parallel", a->parallel, "simulations at once (default: cores)")
+      ->check(CLI::Range(0, 1024));
   cmd->add_option("--out,-o", a->out, "write the winning plan (a plan file) here");
   cmd->add_option("--ranked", a->ranked, "write every fitting candidate, ranked, as JSON here");
   cmd->callback([a] {

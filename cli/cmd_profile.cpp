@@ -49,7 +49,7 @@ void add_profile_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "timed runs per measurement (the median is kept)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--out,-o", a->out, "output trace (default: standard output)");
   cmd->callback([a] {
     check_backend(a->backend);

@@ -25,12 +25,15 @@ void add_schedule_command(CLI::App& app) {
   a->plan.add(*cmd);
   cmd->add_option("--steps", a->steps, "optimizer steps to lay out")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--buckets", a->buckets, "gradient all-reduce buckets per stage")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--layers", a->layers, "blocks in the model (default: d*v, one per stage)");
-  cmd->add_option("--columns", a->columns, "width of the timeline")->capture_default_str();
+      ->check(count_range());
+  cmd->add_option("--layers", a->layers, "blocks in the model (default: d*v, one per stage)")
+      ->check(count_range());
+  cmd->add_option("--columns", a->columns, "width of the timeline (20 .. 100000)")
+      ->capture_default_str()
+      ->check(CLI::Range(20, 100'000));
   cmd->add_flag("--show-comm", a->comm, "draw communication ops in the timeline");
   cmd->add_flag("--programs-only", a->programs_only, "print only the programs");
   cmd->add_flag("--timeline-only", a->timeline_only, "print only the timeline");

@@ -67,11 +67,11 @@ void add_simulate_command(CLI::App& app) {
                   "optimizer steps to simulate (the report gives "
                   "the steady state)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--buckets", a->options.gradient_buckets,
                   "gradient all-reduce buckets per stage, overlapping the last backward")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--timeline", a->timeline, "write a Chrome-trace timeline (Perfetto) here");
   cmd->add_option("--export-platform", a->platform, "write the SimGrid platform as XML here");
   cmd->callback([a, cmd] {

@@ -29,7 +29,7 @@ void add_options(CLI::App& cmd, SweepArgs& a) {
                "at each point, simulate the planner's best fitting plan for --batch / B");
   cmd.add_option("--batch", a.batch,
                  "global batch B: the planner's batch, or m = B/(w*b) with a fixed plan")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t{1}, common::kMaxCount * common::kMaxCount));
   cmd.add_option("--vary", a.vary,
                  "KEY=v1,v2,... (repeatable; the cross product is swept). KEY: a cluster field "
                  "as in --set (network.bandwidth_bytes_per_s, device, nodes, ...), model, "
@@ -38,10 +38,10 @@ void add_options(CLI::App& cmd, SweepArgs& a) {
   cmd.add_option("--out,-o", a.csv, "write the rows as CSV here");
   cmd.add_option("--json", a.json, "write the sweep as JSON (pipewright.sweep/1) here");
   cmd.add_option("--parallel,-j", a.spec.parallel, "simulations at once (default: cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1024));
   cmd.add_option("--steps", a.spec.steps, "optimizer steps simulated per point")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
 }
 
 void run(SweepArgs& a, const CLI::App& cmd) {

@@ -47,24 +47,27 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--steps", a->options.steps, "optimizer steps")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--data", a->options.data,
                   "token file (uint16 little-endian); default: a "
                   "synthetic corpus");
   cmd->add_option("--optimizer", a->options.optimizer, "adamw or sgd")->capture_default_str();
-  cmd->add_option("--lr", a->options.lr, "learning rate")->capture_default_str();
+  cmd->add_option("--lr", a->options.lr, "learning rate, in (0, 1e6]")
+      ->capture_default_str()
+      ->check(finite_range(0, 1e6, /*lo_open=*/true));
   cmd->add_option("--weight-decay", a->options.weight_decay, "AdamW decoupled weight decay")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(finite_range(0, 1e6));
   cmd->add_option("--seed", a->options.seed, "weights and synthetic data")->capture_default_str();
   cmd->add_option("--buckets", a->options.gradient_buckets, "all-reduce buckets per stage")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   auto* dir = cmd->add_option("--checkpoint-dir", a->options.checkpoint_dir,
                               "write checkpoints here (atomically; the 2 newest are kept)");
   cmd->add_option("--checkpoint-every", a->options.checkpoint_every,
                   "steps between checkpoints (and one after the last step)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_flag("--resume", a->options.resume,
                 "continue from the newest intact checkpoint in --checkpoint-dir (from step 0 "
                 "if there is none) up to --steps; bit-identical to an unbroken run. At the final "

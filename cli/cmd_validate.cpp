@@ -415,7 +415,7 @@ void add_validate_command(CLI::App& app) {
   cmd->add_option("--repeats", a->repeats,
                   "timed runs per profiled measurement (see --profile-statistic)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--profile-statistic", a->statistic,
                   "mean (what a run's mean step time averages) or median of the profiled runs")
       ->capture_default_str()
@@ -423,13 +423,13 @@ void add_validate_command(CLI::App& app) {
   cmd->add_option("--round-trips", a->round_trips,
                   "ping-pong round trips per message size when probing the transport")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--trace,-t", a->trace, "use this measured trace instead of profiling");
   cmd->add_option("--seed", a->train.seed, "weights and synthetic data")->capture_default_str();
   cmd->add_option("--buckets", a->train.gradient_buckets,
                   "all-reduce buckets per stage (simulated and trained)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
   cmd->add_option("--out,-o", a->out, "write the validation report (JSON) here");
   cmd->add_option("--trace-out", a->trace_out, "keep the profiled trace here");
   cmd->add_option("--simulated-out", a->simulated_out, "keep the simulated run report here");

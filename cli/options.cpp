@@ -11,12 +11,33 @@
 
 namespace pw::cli {
 
+CLI::Validator finite_range(double lo, double hi, bool lo_open) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          std::size_t used = 0;
+          v = std::stod(text, &used);
+          if (used != text.size()) return "\"" + text + "\" is not a number";
+        } catch (const std::exception&) {
+          // std::stod throws out_of_range for 1e400: a number, but not a finite one.
+          return "\"" + text + "\" is not a finite number";
+        }
+        if (!std::isfinite(v)) return "\"" + text + "\" is not a finite number";
+        if (v < lo || v > hi || (lo_open && v == lo))
+          return fmt::format("{} is not in {}{}, {}]", text, lo_open ? "(" : "[", lo, hi);
+        return std::string();
+      },
+      fmt::format("FLOAT in {}{}, {}]", lo_open ? "(" : "[", lo, hi));
+}
+
 void ClusterOptions::add(CLI::App& app, const std::string& default_cluster) {
   cluster = default_cluster;
   app.add_option("--cluster,-c", cluster,
                  "cluster preset (p3.16xlarge, dgx-a100, ...), NAME:NODES, or a JSON file")
       ->capture_default_str();
-  app.add_option("--nodes", nodes, "number of nodes (overrides NAME:NODES and the file)");
+  app.add_option("--nodes", nodes, "number of nodes (overrides NAME:NODES and the file)")
+      ->check(count_range());
   app.add_option("--set", sets,
                  "override a cluster field, e.g. --set network.bandwidth_bytes_per_s=1.25e10 "
                  "(repeatable)");
@@ -30,14 +51,18 @@ void PlanOptions::add(CLI::App& app) {
   app.add_option("--plan,-p", plan_file, "plan JSON file (instead of the plan flags)");
   app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, 2bw, interleaved or dp")
       ->capture_default_str();
-  app.add_option("-w,--width", w, "data-parallel width (default: devices / d)");
-  app.add_option("-d,--depth", d, "pipeline depth (default 1)");
-  app.add_option("-m,--microbatches", m, "microbatches per optimizer step (default d)");
-  app.add_option("-b,--microbatch-size", b, "samples per microbatch")->capture_default_str();
-  app.add_option("-v,--chunks", v, "model chunks per device (interleaved)");
+  app.add_option("-w,--width", w, "data-parallel width (default: devices / d)")
+      ->check(count_range());
+  app.add_option("-d,--depth", d, "pipeline depth (default 1)")->check(count_range());
+  app.add_option("-m,--microbatches", m, "microbatches per optimizer step (default d)")
+      ->check(count_range());
+  app.add_option("-b,--microbatch-size", b, "samples per microbatch")
+      ->capture_default_str()
+      ->check(count_range());
+  app.add_option("-v,--chunks", v, "model chunks per device (interleaved)")->check(count_range());
   app.add_option("--tp", t, "tensor-parallel size (Megatron; a TP group stays inside a node)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1'000'000));
+      ->check(count_range());
   app.add_flag("--sp", sp, "sequence parallelism (needs --tp > 1)");
   app.add_option("--recompute", recompute,
                  "recompute activations on every stage: none, selective (attention core) or "
@@ -48,11 +73,12 @@ void PlanOptions::add(CLI::App& app) {
                "(Megatron's distributed optimizer, ZeRO-1)");
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(count_range());
   app.add_option("--ranks-per-gpu", ranks_per_gpu,
                  "put this many ranks on each GPU (e.g. a 4-stage plan on one GPU)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_range());
 }
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
@@ -76,8 +102,10 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.sp = sp;
     p.distributed_optimizer = distributed_optimizer;
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
-    p.w =
-        w.value_or(p.d > 0 && groups % p.d == 0 ? int(std::max<std::int64_t>(1, groups / p.d)) : 1);
+    // Clamped past the limit so that check() refuses it (an int must not wrap).
+    p.w = w.value_or(p.d > 0 && groups % p.d == 0
+                         ? int(std::clamp<std::int64_t>(groups / p.d, 1, common::kMaxCount + 1))
+                         : 1);
     if (recompute) {
       const auto mode =
           recompute->empty() ? planner::Recompute::full : planner::parse_recompute(*recompute);

@@ -10,12 +10,20 @@
 
 #include "clusters/cluster.hpp"
 #include "common/format.hpp"
+#include "common/limits.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
 #include "planner/report.hpp"
 #include "traces/trace.hpp"
 
 namespace pw::cli {
+
+// CLI11 validators with the limits of common/limits.hpp, the same as for files and --set:
+// counts are 1 .. kMaxCount; a real number must be finite (CLI::Range lets NaN through).
+inline CLI::Range count_range() {
+  return CLI::Range(std::int64_t{1}, common::kMaxCount);
+}
+CLI::Validator finite_range(double lo, double hi, bool lo_open = false);
 
 struct ClusterOptions {
   std::string cluster;

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
 #include "planner/search.hpp"
 #include "sim/simulator.hpp"
 #include "traces/analytic.hpp"
@@ -47,6 +48,8 @@ std::int64_t parse_positive(const std::string& text) {
   }
   if (used != text.size() || v < 1)
     throw InputError(fmt::format("\"{}\" is not a positive integer", text));
+  if (v > common::kMaxCount)  // the limit of the plan flags and files
+    throw InputError(fmt::format("{} is more than {}", text, common::kMaxCount));
   return v;
 }
 
@@ -163,6 +166,11 @@ std::vector<Point> cross_product(const std::vector<Axis>& axes) {
 
 void validate(const SweepSpec& spec) {
   if (spec.axes.empty()) throw InputError("sweep: give at least one --vary KEY=v1,v2,...");
+  std::int64_t points = 1;
+  for (const auto& axis : spec.axes)
+    points =
+        common::checked_mul(points, std::int64_t(axis.values.size()),
+                            "sweep: points of the --vary cross product", common::kMaxSweepPoints);
   check_combination(spec);
   models::load_model(spec.model);
   spec.cluster.load();
@@ -236,7 +244,10 @@ std::string model_of(const SweepSpec& spec, const Point& pt) {
 int microbatches_for(std::int64_t batch, int w, int b) {
   if (batch % (std::int64_t(w) * b) != 0)
     throw PlanError(fmt::format("m = B/(w*b) = {}/({}*{}) is not an integer", batch, w, b));
-  return int(batch / (std::int64_t(w) * b));
+  const std::int64_t m = batch / (std::int64_t(w) * b);
+  if (m > common::kMaxCount)
+    throw PlanError(fmt::format("m = B/(w*b) = {} is more than {}", m, common::kMaxCount));
+  return int(m);
 }
 
 // A fixed plan (file or flags) with the point's overrides, resolved and placed.

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
 #include "common/presets.hpp"
 
 namespace pw::clusters {
@@ -19,12 +20,6 @@ constexpr const char* kClusterFormat = "pipewright.cluster/1";
 
 using common::Json;
 using common::JsonReader;
-
-int get_count(const JsonReader& r, const std::string& key) {
-  std::int64_t v = r.get_positive_int(key);
-  if (v > std::numeric_limits<int>::max()) r.fail_member(key, fmt::format("too large: {}", v));
-  return static_cast<int>(v);
-}
 
 double get_efficiency(const JsonReader& r) {
   double v = r.get_positive("efficiency");
@@ -77,7 +72,7 @@ Network parse_network(const JsonReader& r, int nodes) {
 
 Host parse_host(const JsonReader& r) {
   Host h;
-  h.memory_bytes = r.get_nonnegative_int("memory_bytes");
+  h.memory_bytes = r.get_int_in("memory_bytes", 0, common::kMaxBytes);
   h.pcie_bandwidth_bytes_per_s = r.get_nonnegative("pcie_bandwidth_bytes_per_s");
   h.pcie_latency_s = r.get_nonnegative("pcie_latency_s");
   return h;
@@ -105,8 +100,9 @@ std::pair<std::string, std::optional<int>> split_node_suffix(const std::string& 
   std::string tail = spec.substr(colon + 1);
   if (!std::all_of(tail.begin(), tail.end(), [](unsigned char ch) { return std::isdigit(ch); }))
     return {spec, std::nullopt};
-  if (tail.size() > 9 || std::stoi(tail) < 1)
-    throw InputError(fmt::format("cluster \"{}\": node count must be 1 .. 999999999", spec));
+  if (tail.size() > 9 || std::stoi(tail) < 1 || std::stoi(tail) > common::kMaxCount)
+    throw InputError(
+        fmt::format("cluster \"{}\": node count must be 1 .. {}", spec, common::kMaxCount));
   return {spec.substr(0, colon), std::stoi(tail)};
 }
 
@@ -142,8 +138,11 @@ Cluster parse_cluster(const Json& json, const std::string& source, const std::st
   r.expect_format(kClusterFormat);
   Cluster c;
   c.name = r.get_string("name");
-  c.nodes = get_count(r, "nodes");
-  c.gpus_per_node = get_count(r, "gpus_per_node");
+  c.nodes = r.get_count("nodes");
+  c.gpus_per_node = r.get_count("gpus_per_node");
+  if (std::int64_t(c.nodes) * c.gpus_per_node > common::kMaxDevices)
+    r.fail(fmt::format("nodes x gpus_per_node = {} x {} GPUs is more than {}", c.nodes,
+                       c.gpus_per_node, common::kMaxDevices));
   c.device = parse_device_field(r, base_dir);
   c.intra_node = parse_intra(r.at("intra_node"), c.gpus_per_node);
   c.network = parse_network(r.at("network"), c.nodes);
@@ -202,8 +201,9 @@ Cluster load_cluster(const std::string& spec, std::optional<int> nodes,
   }
   if (!nodes) nodes = spec_nodes;
   if (nodes && doc.is_object()) {
-    if (*nodes < 1)
-      throw InputError(fmt::format("{}: nodes must be at least 1, found {}", source, *nodes));
+    if (*nodes < 1 || *nodes > common::kMaxCount)
+      throw InputError(
+          fmt::format("{}: nodes must be in 1 .. {}, found {}", source, common::kMaxCount, *nodes));
     doc["nodes"] = *nodes;
   }
   for (const auto& s : sets)

@@ -53,7 +53,8 @@ struct Cluster {
   Network network;
   Host host;
   std::string notes;  // sources and assumptions (optional)
-  int devices() const { return nodes * gpus_per_node; }
+  // At most kMaxDevices for a parsed cluster (parse_cluster checks the product).
+  int devices() const { return int(std::int64_t(nodes) * gpus_per_node); }
   int nics_per_node() const { return network.nic_per == NicPer::gpu ? gpus_per_node : 1; }
   bool operator==(const Cluster&) const = default;
 };

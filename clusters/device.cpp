@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
 #include "common/presets.hpp"
 
 namespace pw::clusters {
@@ -68,7 +69,7 @@ DeviceSpec parse_device(const common::JsonReader& r, bool require_format) {
   d.peak_fp16_flops_per_s = r.get_positive("peak_fp16_flops_per_s");
   d.peak_fp32_flops_per_s = r.get_positive("peak_fp32_flops_per_s");
   d.memory_bandwidth_bytes_per_s = r.get_positive("memory_bandwidth_bytes_per_s");
-  d.memory_bytes = r.get_positive_int("memory_bytes");
+  d.memory_bytes = r.get_int_in("memory_bytes", 1, common::kMaxBytes);
   if (auto eff = r.find("efficiency")) d.efficiency = parse_efficiency(*eff);
   if (auto notes = r.find("notes")) d.notes = notes->as_string();
   return d;

@@ -5,10 +5,17 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
+#include <cerrno>
+#include <cstring>
+#include <unordered_set>
+
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include "common/limits.hpp"
 
 namespace pw::common {
 
@@ -78,11 +85,24 @@ double JsonReader::as_number() const {
 }
 
 std::int64_t JsonReader::as_int() const {
+  if (value_->is_number_unsigned()) {
+    const auto u = value_->get<std::uint64_t>();
+    if (u > std::uint64_t(INT64_MAX)) fail(fmt::format("{} is too large", u));
+    return std::int64_t(u);
+  }
   if (value_->is_number_integer()) return value_->get<std::int64_t>();
   double v = as_number();
   if (v != std::floor(v) || std::fabs(v) > 9.0e18)
     fail(fmt::format("expected an integer, found {}", v));
   return static_cast<std::int64_t>(v);
+}
+
+std::int64_t JsonReader::as_int_in(std::int64_t lo, std::int64_t hi) const {
+  const std::int64_t v = as_int();
+  if (v < lo && lo == 0) fail(fmt::format("must not be negative, found {}", v));
+  if (v < lo && lo == 1) fail(fmt::format("must be at least 1, found {}", v));
+  if (v < lo || v > hi) fail(fmt::format("must be in {} .. {}, found {}", lo, hi, v));
+  return v;
 }
 
 bool JsonReader::as_bool() const {
@@ -128,6 +148,19 @@ std::int64_t JsonReader::get_nonnegative_int(const std::string& key) const {
   return v;
 }
 
+std::int64_t JsonReader::get_int_in(const std::string& key, std::int64_t lo,
+                                    std::int64_t hi) const {
+  return at(key).as_int_in(lo, hi);
+}
+
+int JsonReader::get_count(const std::string& key) const {
+  return int(get_int_in(key, 1, kMaxCount));
+}
+
+int JsonReader::get_index(const std::string& key) const {
+  return int(get_int_in(key, 0, kMaxCount - 1));
+}
+
 void JsonReader::expect_format(const std::string& expected) const {
   require_object();
   if (!has("format")) fail_member("format", fmt::format("missing; expected \"{}\"", expected));
@@ -136,25 +169,127 @@ void JsonReader::expect_format(const std::string& expected) const {
     fail_member("format", fmt::format("unknown format \"{}\"; expected \"{}\"", got, expected));
 }
 
+namespace {
+
+// Follows the parser's events to know the JSON path it is at, refuse nesting deeper than
+// kMaxJsonDepth (before a deep document can reach anything recursive) and keys given twice.
+class ParseGuard {
+ public:
+  explicit ParseGuard(const std::string& source) : source_(source) {}
+
+  bool operator()(int depth, nlohmann::detail::parse_event_t event, Json& parsed) {
+    using E = nlohmann::detail::parse_event_t;
+    switch (event) {
+      case E::object_start:
+      case E::array_start:
+        if (depth >= kMaxJsonDepth)
+          fail(fmt::format("nested deeper than {} levels", kMaxJsonDepth));
+        frames_.push_back({event == E::array_start, 0, {}, {}});
+        break;
+      case E::key: {
+        Frame& f = frames_.back();
+        f.key = parsed.get<std::string>();
+        if (!f.keys.insert(f.key).second) fail("key given twice in one object");
+        break;
+      }
+      case E::value:
+        if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+        break;
+      case E::object_end:
+      case E::array_end:
+        frames_.pop_back();
+        if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+        break;
+    }
+    return true;
+  }
+
+  std::string path() const {
+    std::string p;
+    for (const Frame& f : frames_)
+      if (f.array)
+        p += "/" + std::to_string(f.index);
+      else if (!f.keys.empty())
+        p += "/" + f.key;
+    return p.empty() ? "/" : p;
+  }
+
+  [[noreturn]] void fail(const std::string& message) const {
+    throw InputError(fmt::format("{}: {}: invalid JSON: {}", source_, path(), message));
+  }
+
+ private:
+  struct Frame {
+    bool array = false;
+    std::size_t index = 0;
+    std::string key;
+    std::unordered_set<std::string> keys;
+  };
+  const std::string& source_;
+  std::vector<Frame> frames_;
+};
+
+}  // namespace
+
 Json parse_json(const std::string& text, const std::string& source) {
+  ParseGuard guard(source);
   try {
-    return Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    // nlohmann's message is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."
+    return Json::parse(text, [&guard](int depth, nlohmann::detail::parse_event_t event,
+                                      Json& parsed) { return guard(depth, event, parsed); });
+  } catch (const nlohmann::json::exception& e) {
+    // Any of nlohmann's errors: parse_error (syntax, invalid UTF-8), out_of_range (1e400), ...
+    // Its message is "[json.exception.parse_error.101] parse error at line 3, column 5: ...".
     std::string msg = e.what();
     auto pos = msg.find("] ");
     if (pos != std::string::npos) msg = msg.substr(pos + 2);
-    throw InputError(fmt::format("{}: invalid JSON: {}", source, msg));
+    guard.fail(msg);
   }
 }
 
+std::string read_regular_file(const std::string& path, std::int64_t max_bytes,
+                              const std::string& what) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0)
+    throw InputError(fmt::format("{}: cannot open {}: {}", path, what, std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0)
+    throw InputError(fmt::format("{}: cannot read {}: {}", path, what, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode))
+    throw InputError(fmt::format("{}: not a regular file ({} expected)", path, what));
+  if (st.st_size > max_bytes)
+    throw InputError(fmt::format("{}: {} bytes is over the {} MiB limit for a {}", path, st.st_size,
+                                 max_bytes >> 20, what));
+  std::string text;
+  text.resize(std::size_t(st.st_size));
+  std::size_t got = 0;
+  while (true) {
+    if (got == text.size()) {
+      // The file may have grown since fstat: read on, within the limit.
+      if (std::int64_t(got) >= max_bytes + 1) break;
+      text.resize(std::min<std::size_t>(std::size_t(max_bytes + 1), got + 65536));
+    }
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw InputError(fmt::format("{}: read error: {}", path, std::strerror(errno)));
+    }
+    if (n == 0) break;
+    got += std::size_t(n);
+  }
+  if (std::int64_t(got) > max_bytes)
+    throw InputError(
+        fmt::format("{}: over the {} MiB limit for a {}", path, max_bytes >> 20, what));
+  text.resize(got);
+  return text;
+}
+
 Json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(fmt::format("{}: cannot open file", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw InputError(fmt::format("{}: read error", path));
-  return parse_json(ss.str(), path);
+  return parse_json(read_regular_file(path, kMaxJsonFileBytes, "JSON file"), path);
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {

@@ -39,11 +39,18 @@ class JsonReader {
   std::int64_t get_int(const std::string& key) const;           // integral number
   std::int64_t get_positive_int(const std::string& key) const;  // integral, >= 1
   std::int64_t get_nonnegative_int(const std::string& key) const;
+  // Integral and in [lo, hi] (read as 64-bit; out of range is an error, never wrapped).
+  std::int64_t get_int_in(const std::string& key, std::int64_t lo, std::int64_t hi) const;
+  // A count: integral, 1 .. kMaxCount (common/limits.hpp), as an int.
+  int get_count(const std::string& key) const;
+  // An index (rank, node, gpu, stage, replica): integral, 0 .. kMaxCount - 1, as an int.
+  int get_index(const std::string& key) const;
   bool get_bool(const std::string& key) const;
 
   std::string as_string() const;
   double as_number() const;
   std::int64_t as_int() const;
+  std::int64_t as_int_in(std::int64_t lo, std::int64_t hi) const;
   bool as_bool() const;
 
   // Throws if the object's "format" is not `expected` (e.g. "pipewright.model/1").
@@ -59,10 +66,18 @@ class JsonReader {
   std::string path_;
 };
 
-// Reads and parses a JSON file; a missing file or a syntax error is an InputError naming the file.
+// Reads and parses a JSON file; a missing file, a non-regular file (a directory, /dev/zero, a
+// FIFO), one over kMaxJsonFileBytes or any parse error is an InputError naming the file.
 Json read_json_file(const std::string& path);
-// Parses JSON text; a syntax error is an InputError naming `source`.
+// Parses JSON text. Any error (syntax, invalid UTF-8, a number out of double's range such as
+// 1e400, nesting deeper than kMaxJsonDepth, a key given twice in one object) is a one-line
+// InputError naming `source` and the JSON path where it happened.
 Json parse_json(const std::string& text, const std::string& source);
+
+// The contents of a regular file of at most `max_bytes`; anything else (missing, a directory, a
+// device, a FIFO, too large, unreadable) is an InputError naming `path` and `what` it should be.
+std::string read_regular_file(const std::string& path, std::int64_t max_bytes,
+                              const std::string& what = "file");
 
 // Writes `text` to `path` atomically: a temporary file beside it, then rename. On any failure the
 // temporary is removed and nothing is left at `path` that was not there before.

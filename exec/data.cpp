@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "common/error.hpp"
+#include "common/json_reader.hpp"
 
 namespace pw::exec {
 
@@ -21,9 +22,9 @@ std::uint64_t splitmix(std::uint64_t x) {
 TokenSource::TokenSource(const std::string& path, std::int64_t vocab, std::uint64_t seed)
     : path_(path), vocab_(vocab), seed_(seed) {
   if (path.empty()) return;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(fmt::format("{}: cannot open token file", path));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // A regular file of at most 4 GiB (2^31 tokens): a directory, a FIFO or /dev/zero is refused.
+  const std::string bytes =
+      common::read_regular_file(path, std::int64_t(4) << 30, "token file (uint16 tokens)");
   if (bytes.size() % 2 != 0)
     throw InputError(fmt::format("{}: odd size {}: not uint16 tokens", path, bytes.size()));
   tokens_.resize(bytes.size() / 2);

@@ -3,8 +3,11 @@
 #include "models/model.hpp"
 
 #include <limits>
+#include <string_view>
 
 #include <fmt/format.h>
+
+#include "common/limits.hpp"
 
 namespace pw::models {
 
@@ -117,8 +120,18 @@ void validate(const ModelSpec& s, const std::string& source) {
   const std::pair<const char*, std::int64_t> positive[] = {
       {"layers", s.layers}, {"hidden", s.hidden},   {"heads", s.heads},
       {"ffn", s.ffn},       {"seq_len", s.seq_len}, {"vocab", s.vocab}};
-  for (auto [field, v] : positive)
-    if (v < 1) bad(field, fmt::format("must be at least 1, found {}", v));
+  for (auto [field, v] : positive) {
+    const std::int64_t hi =
+        std::string_view(field) == "layers" ? common::kMaxCount : common::kMaxDim;
+    if (v < 1 || v > hi) bad(field, fmt::format("must be in 1 .. {}, found {}", hi, v));
+  }
+  const std::pair<const char*, std::int64_t> bounded[] = {{"kv_heads", s.kv_heads},
+                                                          {"max_positions", s.max_positions},
+                                                          {"type_vocab", s.type_vocab},
+                                                          {"vocab_multiple", s.vocab_multiple}};
+  for (auto [field, v] : bounded)
+    if (v > common::kMaxDim)
+      bad(field, fmt::format("must be at most {}, found {}", common::kMaxDim, v));
   if (s.hidden % s.heads != 0)
     bad("heads", fmt::format("hidden {} is not divisible by heads {}", s.hidden, s.heads));
   if (s.kv_heads < 0) bad("kv_heads", fmt::format("must not be negative, found {}", s.kv_heads));

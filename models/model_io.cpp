@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
 #include "common/presets.hpp"
 #include "models/model.hpp"
 
@@ -27,6 +28,11 @@ Enum parse_choice(const JsonReader& r, const std::string& key, Enum dflt,
   v->fail(fmt::format("unknown value \"{}\" (expected one of {})", s, names));
 }
 
+// A model dimension: 1 .. kMaxDim.
+std::int64_t dim(const JsonReader& r, const std::string& key) {
+  return r.get_int_in(key, 1, common::kMaxDim);
+}
+
 const char* mlp_name(Mlp m) {
   return m == Mlp::gelu ? "gelu" : "swiglu";
 }
@@ -45,14 +51,14 @@ ModelSpec parse_model(const Json& json, const std::string& source) {
   ModelSpec s;
   s.name = r.get_string("name");
   s.arch = parse_choice(r, "arch", Arch::gpt, {{"gpt", Arch::gpt}, {"bert", Arch::bert}});
-  s.layers = r.get_positive_int("layers");
-  s.hidden = r.get_positive_int("hidden");
-  s.heads = r.get_positive_int("heads");
-  s.ffn = r.has("ffn") ? r.get_positive_int("ffn") : 4 * s.hidden;
-  s.seq_len = r.get_positive_int("seq_len");
-  s.vocab = r.get_positive_int("vocab");
-  s.max_positions = r.has("max_positions") ? r.get_positive_int("max_positions") : s.seq_len;
-  s.type_vocab = r.has("type_vocab") ? r.get_nonnegative_int("type_vocab") : 0;
+  s.layers = r.get_count("layers");
+  s.hidden = dim(r, "hidden");
+  s.heads = dim(r, "heads");
+  s.ffn = r.has("ffn") ? dim(r, "ffn") : 4 * s.hidden;
+  s.seq_len = dim(r, "seq_len");
+  s.vocab = dim(r, "vocab");
+  s.max_positions = r.has("max_positions") ? dim(r, "max_positions") : s.seq_len;
+  s.type_vocab = r.has("type_vocab") ? r.get_int_in("type_vocab", 0, common::kMaxDim) : 0;
   s.tied_embeddings = r.has("tied_embeddings") ? r.get_bool("tied_embeddings") : true;
   s.bias = r.has("bias") ? r.get_bool("bias") : true;
   s.mlp = parse_choice(r, "mlp", Mlp::gelu, {{"gelu", Mlp::gelu}, {"swiglu", Mlp::swiglu}});
@@ -62,14 +68,14 @@ ModelSpec parse_model(const Json& json, const std::string& source) {
                              {{"learned", Positions::learned}, {"rope", Positions::rope}});
   s.dtype = parse_choice(r, "dtype", DType::fp16,
                          {{"fp32", DType::fp32}, {"fp16", DType::fp16}, {"bf16", DType::bf16}});
-  s.kv_heads = r.has("kv_heads") ? r.get_nonnegative_int("kv_heads") : 0;
+  s.kv_heads = r.has("kv_heads") ? r.get_int_in("kv_heads", 0, common::kMaxDim) : 0;
   if (s.kv_heads == 0) s.kv_heads = s.heads;  // 0 or missing: multi-head attention
   // FlashAttention is what 16-bit training runs; fp32 has no fused kernel in common use.
   s.attention =
       parse_choice(r, "attention", s.dtype == DType::fp32 ? Attention::unfused : Attention::fused,
                    {{"fused", Attention::fused}, {"unfused", Attention::unfused}});
   s.dropout = r.has("dropout") ? r.get_bool("dropout") : false;
-  s.vocab_multiple = r.has("vocab_multiple") ? r.get_positive_int("vocab_multiple") : 1;
+  s.vocab_multiple = r.has("vocab_multiple") ? dim(r, "vocab_multiple") : 1;
   if (r.has("description")) s.description = r.get_string("description");
   validate(s, source);
   return s;
@@ -117,11 +123,7 @@ namespace {
 
 std::int64_t hf_int(const JsonReader& r, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
-    if (auto v = r.find(k)) {
-      std::int64_t x = v->as_int();
-      if (x < 1) v->fail(fmt::format("must be at least 1, found {}", x));
-      return x;
-    }
+    if (auto v = r.find(k)) return v->as_int_in(1, common::kMaxDim);
   r.fail(fmt::format("missing field {}", *keys.begin()));
 }
 
@@ -145,15 +147,16 @@ ModelSpec import_hf_config(const Json& json, const std::string& source, const st
   s.vocab = hf_int(r, {"vocab_size"});
   s.kv_heads = r.has("num_key_value_heads") ? hf_int(r, {"num_key_value_heads"}) : s.heads;
   if (auto inner = r.find("n_inner"); inner)
-    s.ffn = inner->as_int();
+    s.ffn = inner->as_int_in(1, common::kMaxDim);
   else if (r.has("intermediate_size"))
-    s.ffn = r.get_positive_int("intermediate_size");
+    s.ffn = dim(r, "intermediate_size");
   else
     s.ffn = 4 * s.hidden;
   if (type == "bert") {
     s.arch = Arch::bert;
     s.max_positions = hf_int(r, {"max_position_embeddings"});
-    s.type_vocab = r.has("type_vocab_size") ? r.get_nonnegative_int("type_vocab_size") : 2;
+    s.type_vocab =
+        r.has("type_vocab_size") ? r.get_int_in("type_vocab_size", 0, common::kMaxDim) : 2;
   } else if (gpt2_names || type == "gpt2") {
     s.max_positions = hf_int(r, {"n_positions", "max_position_embeddings"});
   } else {

@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
+
 namespace pw::planner {
 
 using models::LayerKind;
@@ -37,13 +39,27 @@ double tp_time_s(const TpTraffic& tr, int t, const clusters::Link& link) {
   return steps * link.latency_s + moved / link.bandwidth_bytes_per_s;
 }
 
+namespace {
+
+// Memory figures in checked arithmetic: a device's bytes stay at most kMaxBytes (8 PiB); a model
+// or plan whose figures pass that is refused in one line, never wrapped to a negative size.
+constexpr const char* kMemoryWhat = "plan: bytes per device";
+std::int64_t bytes_mul(std::int64_t a, std::int64_t b) {
+  return common::checked_mul(a, b, kMemoryWhat, common::kMaxBytes);
+}
+std::int64_t bytes_add(std::int64_t a, std::int64_t b) {
+  return common::checked_add(a, b, kMemoryWhat, common::kMaxBytes);
+}
+
+}  // namespace
+
 MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
                               std::int64_t parameters) {
   const std::int64_t e = models::dtype_bytes(model.dtype);
   MemoryBreakdown m;
-  m.weights = parameters * e;
-  m.gradients = parameters * e;
-  const std::int64_t optimizer = parameters * optimizer_bytes_per_parameter(model.dtype);
+  m.weights = bytes_mul(parameters, e);
+  m.gradients = bytes_mul(parameters, e);
+  const std::int64_t optimizer = bytes_mul(parameters, optimizer_bytes_per_parameter(model.dtype));
   // The distributed optimizer shards master weights and Adam state over the w replicas (each
   // holds ceil(1/w) of them).
   m.optimizer = p.distributed_optimizer && p.w > 1 ? (optimizer + p.w - 1) / p.w : optimizer;
@@ -138,9 +154,10 @@ void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCos
   ch.recompute_s += count * t.recompute_s;
   ch.selective_recompute_s += count * t.selective_recompute_s;
   ch.optimizer_s += count * trace.statics[kind].optimizer_step_s;
-  ch.parameters += count * lc.parameters;
-  ch.stash_bytes += count * t.activation_bytes;
-  ch.selective_bytes += count * t.activation_selective_bytes;
+  ch.parameters = bytes_add(ch.parameters, bytes_mul(count, lc.parameters));
+  ch.stash_bytes = bytes_add(ch.stash_bytes, bytes_mul(count, t.activation_bytes));
+  ch.selective_bytes =
+      bytes_add(ch.selective_bytes, bytes_mul(count, t.activation_selective_bytes));
   ch.workspace_bytes = std::max(ch.workspace_bytes, t.workspace_bytes);
   add_traffic(ch.tp_forward, lc.tp_forward, count, b);
   add_traffic(ch.tp_backward, lc.tp_backward, count, b);
@@ -173,7 +190,7 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
     ch.has_head = true;
     add_layer(ch, trace, mc.head, e.layers[LayerKind::head], LayerKind::head, 1, p.b);
     // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
-    if (!first) ch.parameters += mc.tied_copy_parameters;
+    if (!first) ch.parameters = bytes_add(ch.parameters, mc.tied_copy_parameters);
   }
   // The distributed optimizer: each replica updates its 1/w of the chunk's parameters.
   if (p.distributed_optimizer && p.w > 1) ch.optimizer_s /= p.w;
@@ -207,17 +224,18 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
       st.backward_s += ch.selective_recompute_s;
     }
     st.optimizer_s += ch.optimizer_s;
-    st.parameters += ch.parameters;
-    st.stash_bytes += ch.stash_bytes;
-    st.selective_bytes += ch.selective_bytes;
-    st.input_bytes += ch.input_bytes;
+    st.parameters = bytes_add(st.parameters, ch.parameters);
+    st.stash_bytes = bytes_add(st.stash_bytes, ch.stash_bytes);
+    st.selective_bytes = bytes_add(st.selective_bytes, ch.selective_bytes);
+    st.input_bytes = bytes_add(st.input_bytes, ch.input_bytes);
     st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
   const std::int64_t workspace = st.memory.workspace;
   st.memory = static_memory(model, p, st.parameters);
   st.memory.workspace = workspace;
-  st.memory.weight_versions =
-      p.schedule == Schedule::two_bw ? st.parameters * models::dtype_bytes(model.dtype) : 0;
+  st.memory.weight_versions = p.schedule == Schedule::two_bw
+                                  ? bytes_mul(st.parameters, models::dtype_bytes(model.dtype))
+                                  : 0;
   st.in_flight = in_flight(p, s);
   // Interleaved stashes microbatch-chunks: each is on average 1/v of the device's stash.
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
@@ -225,13 +243,13 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
   switch (st.recompute) {
     case Recompute::full:
-      st.memory.activations = st.in_flight * input_unit + st.stash_bytes;
+      st.memory.activations = bytes_add(bytes_mul(st.in_flight, input_unit), st.stash_bytes);
       break;
     case Recompute::selective:
-      st.memory.activations = st.in_flight * selective_unit;
+      st.memory.activations = bytes_mul(st.in_flight, selective_unit);
       break;
     case Recompute::none:
-      st.memory.activations = st.in_flight * per_unit;
+      st.memory.activations = bytes_mul(st.in_flight, per_unit);
       break;
   }
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;

@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
+
 namespace pw::planner {
 
 using common::Json;
@@ -66,11 +68,18 @@ void check(const Plan& p) {
   const std::pair<const char*, int> positive[] = {{"t", p.t}, {"w", p.w}, {"d", p.d},
                                                   {"b", p.b}, {"m", p.m}, {"v", p.v}};
   for (auto [field, value] : positive)
-    if (value < 1) reject(field, fmt::format("must be at least 1, found {}", value));
+    if (value < 1 || value > common::kMaxCount)
+      reject(field, fmt::format("must be in 1 .. {}, found {}", common::kMaxCount, value));
   if (p.sp && p.t == 1)
     reject("sp", "sequence parallelism splits a tensor-parallel group's work and needs t > 1");
+  // Each factor is at most 10^6 here, so these products fit in int64.
   if (std::int64_t(p.t) * p.w * p.d > kMaxGpus)
     reject("t*w*d", fmt::format("t*w*d = {}*{}*{} GPUs is more than {}", p.t, p.w, p.d, kMaxGpus));
+  if (std::int64_t(p.w) * p.d > common::kMaxRanks)
+    reject("w*d",
+           fmt::format("w*d = {}*{} pipeline ranks is more than {}", p.w, p.d, common::kMaxRanks));
+  if (std::int64_t(p.d) * p.v > common::kMaxCount)
+    reject("v", fmt::format("d*v = {}*{} stages is more than {}", p.d, p.v, common::kMaxCount));
   if (p.schedule == Schedule::dp && p.d != 1)
     reject("d", fmt::format("schedule dp is data parallelism only and needs d = 1, found {}", p.d));
   if (p.schedule == Schedule::two_bw && p.m < p.d)
@@ -184,11 +193,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
   } catch (const InputError& e) {
     r.fail_member("schedule", e.what());
   }
-  auto small_int = [&](const char* key) {
-    std::int64_t v = r.get_positive_int(key);
-    if (v > 1'000'000) r.fail_member(key, fmt::format("{} is too large", v));
-    return int(v);
-  };
+  auto small_int = [&](const char* key) { return r.get_count(key); };
   p.t = r.has("t") ? small_int("t") : 1;
   if (r.has("sp")) p.sp = r.get_bool("sp");
   if (r.has("distributed_optimizer")) p.distributed_optimizer = r.get_bool("distributed_optimizer");
@@ -199,7 +204,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
   p.v = r.has("v") ? small_int("v") : 1;
   if (auto sb = r.find("stage_blocks"))
     for (std::size_t i = 0; i < sb->size(); ++i)
-      p.stage_blocks.push_back(sb->at(i).as_int());
+      p.stage_blocks.push_back(sb->at(i).as_int_in(1, common::kMaxCount));
   if (auto rc = r.find("recompute")) {
     // true / false (full / none), a mode name, or one of those per stage.
     auto mode = [&](const JsonReader& e) {
@@ -222,8 +227,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
       auto e = pl->at(i);
       if (e.has("rank") && e.get_int("rank") != std::int64_t(i))
         e.fail_member("rank", fmt::format("entries must be in rank order; expected {}", i));
-      p.placement.push_back(
-          {int(e.get_nonnegative_int("node")), int(e.get_nonnegative_int("gpu"))});
+      p.placement.push_back({e.get_index("node"), e.get_index("gpu")});
     }
   try {
     check(p);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/json_reader.hpp"
+#include "common/limits.hpp"
 
 namespace pw::planner {
 
@@ -67,11 +68,11 @@ struct Plan {
   bool recomputes(int stage) const { return recompute_of(stage) == Recompute::full; }
 };
 
-inline constexpr std::int64_t kMaxGpus = 1'000'000;  // t*w*d
+inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d
 
-// Structural checks that need no model or cluster: w, d, b, m, v >= 1; d == 1 for dp; m >= d for
-// 2bw; v > 1 only for interleaved and m % d == 0 there; list lengths. Throws PlanError naming the
-// field.
+// Structural checks that need no model or cluster: t, w, d, b, m, v in 1 .. kMaxCount; t*w*d at
+// most kMaxGpus, w*d at most kMaxRanks, d*v at most kMaxCount; d == 1 for dp; m >= d for 2bw; v > 1
+// only for interleaved and m % d == 0 there; list lengths. Throws PlanError naming the field.
 void check(const Plan& plan);
 
 // Balanced split of `layers` blocks into `parts` contiguous stages (the first layers % parts

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "common/format.hpp"
+#include "common/limits.hpp"
 
 namespace pw::planner {
 
@@ -13,12 +14,16 @@ using common::Json;
 using common::JsonReader;
 
 MemoryBreakdown& MemoryBreakdown::operator+=(const MemoryBreakdown& o) {
-  weights += o.weights;
-  weight_versions += o.weight_versions;
-  gradients += o.gradients;
-  optimizer += o.optimizer;
-  activations += o.activations;
-  workspace += o.workspace;
+  // Co-located ranks' memory adds up: checked, at most kMaxBytes per term (so total() fits too).
+  auto add = [](std::int64_t a, std::int64_t b) {
+    return common::checked_add(a, b, "plan: bytes per device", common::kMaxBytes);
+  };
+  weights = add(weights, o.weights);
+  weight_versions = add(weight_versions, o.weight_versions);
+  gradients = add(gradients, o.gradients);
+  optimizer = add(optimizer, o.optimizer);
+  activations = add(activations, o.activations);
+  workspace = add(workspace, o.workspace);
   return *this;
 }
 
@@ -34,14 +39,18 @@ Json memory_json(const MemoryBreakdown& m) {
           {"activations", m.activations}, {"workspace", m.workspace}};
 }
 
+std::int64_t bytes(const JsonReader& r, const std::string& key) {
+  return r.get_int_in(key, 0, common::kMaxBytes);
+}
+
 MemoryBreakdown parse_memory(const JsonReader& r) {
   MemoryBreakdown m;
-  m.weights = r.get_nonnegative_int("weights");
-  m.weight_versions = r.get_nonnegative_int("weight_versions");
-  m.gradients = r.get_nonnegative_int("gradients");
-  m.optimizer = r.get_nonnegative_int("optimizer");
-  m.activations = r.get_nonnegative_int("activations");
-  m.workspace = r.get_nonnegative_int("workspace");
+  m.weights = bytes(r, "weights");
+  m.weight_versions = bytes(r, "weight_versions");
+  m.gradients = bytes(r, "gradients");
+  m.optimizer = bytes(r, "optimizer");
+  m.activations = bytes(r, "activations");
+  m.workspace = bytes(r, "workspace");
   return m;
 }
 
@@ -99,13 +108,13 @@ RunReport parse_report(const Json& json, const std::string& source) {
   for (std::size_t i = 0; i < devs.size(); ++i) {
     auto d = devs.at(i);
     DeviceReport dr;
-    dr.rank = int(d.get_nonnegative_int("rank"));
-    dr.node = int(d.get_nonnegative_int("node"));
-    dr.gpu = d.has("gpu") ? int(d.get_nonnegative_int("gpu")) : 0;
-    dr.stage = int(d.get_nonnegative_int("stage"));
-    dr.replica = int(d.get_nonnegative_int("replica"));
-    dr.peak_memory_bytes = d.get_nonnegative_int("peak_memory_bytes");
-    if (d.has("capacity_bytes")) dr.capacity_bytes = d.get_nonnegative_int("capacity_bytes");
+    dr.rank = d.get_index("rank");
+    dr.node = d.get_index("node");
+    dr.gpu = d.has("gpu") ? d.get_index("gpu") : 0;
+    dr.stage = d.get_index("stage");
+    dr.replica = d.get_index("replica");
+    dr.peak_memory_bytes = bytes(d, "peak_memory_bytes");
+    if (d.has("capacity_bytes")) dr.capacity_bytes = bytes(d, "capacity_bytes");
     if (d.has("fits")) dr.fits = d.get_bool("fits");
     dr.memory = parse_memory(d.at("memory_breakdown_bytes"));
     dr.busy_s = d.get_nonnegative("busy_s");

@@ -3,7 +3,10 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "common/error.hpp"
+#include "common/limits.hpp"
 #include "planner/program.hpp"
 
 namespace pw::planner {
@@ -317,6 +320,17 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
     throw PlanError("generate_programs: gradient_buckets must be >= 1, got " +
                     std::to_string(gradient_buckets));
   }
+  // Refuse, before allocating, a run whose programs would pass kMaxProgramOps. Per rank and step:
+  // at most 8 ops per (microbatch, chunk) (forward, backward, recompute, sends, receives) and 2 per
+  // gradient bucket plus a few for the optimizer step and tied weights. In double: no overflow.
+  const double ops_bound = double(plan.ranks()) * double(steps) *
+                           (8.0 * double(plan.m) * double(plan.v) + 2.0 * gradient_buckets + 8.0);
+  if (ops_bound > double(common::kMaxProgramOps))
+    throw PlanError(fmt::format(
+        "plan: w*d = {} ranks x {} steps x m = {}{} would make about {:.3g} ops, more than the "
+        "limit of {} (docs/formats.md, Limits): use fewer microbatches, ranks or steps",
+        plan.ranks(), steps, plan.m, plan.v > 1 ? fmt::format(" x v = {}", plan.v) : "", ops_bound,
+        common::kMaxProgramOps));
   Programs programs{plan, steps, first_step, options.tied_embeddings, gradient_buckets, {}};
   programs.devices.resize(std::size_t(plan.ranks()));
   for (int rank = 0; rank < plan.ranks(); ++rank) {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "common/format.hpp"
+#include "common/limits.hpp"
 
 namespace pw::planner {
 
@@ -78,7 +79,9 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
     for (int v : vs) {
       if (s == Schedule::two_bw && m < d) continue;
       if (s == Schedule::dp && d != 1) continue;
-      if (s == Schedule::interleaved && (d < 2 || v < 2 || m % d != 0 || d * v > layers)) continue;
+      if (s == Schedule::interleaved &&
+          (d < 2 || v < 2 || m % d != 0 || std::int64_t(d) * v > layers))
+        continue;
       for (Recompute rc : o.recompute) {
         Plan p;
         p.schedule = s;
@@ -170,14 +173,20 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   }
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
+  std::int64_t too_many_ranks = 0;  // the smallest rank count skipped for passing kMaxRanks
   for (int t : tps)
     // SP splits a TP group's work: t = 1 runs without it whatever the list says.
     for (bool sp : t == 1 ? std::vector<bool>{false} : o.sequence_parallel) {
       const traces::Trace trace = trace_for({t, sp});
       const std::vector<std::int64_t> have = trace.microbatch_sizes();
       const std::set<std::int64_t> traced(have.begin(), have.end());
-      const int ranks = cluster.devices() * o.ranks_per_gpu / t;  // pipeline ranks (TP groups)
-      for (auto [w, d] : shapes(ranks, model.layers, o))
+      // Pipeline ranks (TP groups), in int64: devices and ranks per GPU are each up to 10^6.
+      const std::int64_t ranks = std::int64_t(cluster.devices()) * o.ranks_per_gpu / t;
+      if (ranks > common::kMaxRanks) {
+        too_many_ranks = too_many_ranks == 0 ? ranks : std::min(too_many_ranks, ranks);
+        continue;
+      }
+      for (auto [w, d] : shapes(int(ranks), model.layers, o))
         for (int b = 1; b <= o.max_microbatch; b *= 2) {
           if (!traced.count(b)) continue;
           for (const Plan& shape : plans_for(w, d, b, model.layers, o))
@@ -214,11 +223,16 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
             }
         }
     }
+  if (result.considered == 0 && too_many_ranks > 0)
+    throw InputError(fmt::format(
+        "plan search: {} GPUs x {} ranks per GPU make {} pipeline ranks or more, more than the "
+        "limit of {} (docs/formats.md, Limits)",
+        cluster.devices(), o.ranks_per_gpu, too_many_ranks, common::kMaxRanks));
   if (result.considered == 0)
     throw InputError(fmt::format(
         "plan search: no valid plan for global batch {} on {} GPUs (B must be a multiple of w*b "
         "for some w dividing the GPUs / t and b a power of two <= {} in the trace)",
-        o.global_batch, cluster.devices() * o.ranks_per_gpu, o.max_microbatch));
+        o.global_batch, std::int64_t(cluster.devices()) * o.ranks_per_gpu, o.max_microbatch));
   auto order = [](const Candidate& a, const Candidate& b) {
     return better(a.samples_per_s(), a.plan, b.samples_per_s(), b.plan);
   };

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include "common/limits.hpp"
 #include "sim/collectives.hpp"
 #include "sim/engine.hpp"
 #include "sim/observer.hpp"
@@ -29,6 +30,8 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
   const models::ModelCosts mc = models::derive_costs(model, {p.t, p.sp});
   const std::int64_t e = models::dtype_bytes(model.dtype);
   std::map<std::pair<int, int>, int> per_gpu;
+  std::map<std::pair<int, int>, std::int64_t> gpu_bound;
+  constexpr const char* kBytesWhat = "simulate: bytes per device";
   for (const auto& pl : p.placement)
     ++per_gpu[{pl.node, pl.gpu}];
   w.gpus.assign(std::size_t(platform.nodes * platform.gpus_per_node), {});
@@ -47,19 +50,33 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     rs.tp_latency_s = planner::tp_link(cluster, p, r).latency_s;
     rs.recompute = p.recompute_of(rs.stage);
     planner::MemoryBreakdown fixed;
-    std::int64_t parameters = 0;
+    std::int64_t parameters = 0, stash = 0;
     for (int c = 0; c < p.v; ++c) {
       rs.chunks.push_back(planner::chunk_cost(mc, trace, p, rs.stage, c));
-      parameters += rs.chunks.back().parameters;
+      parameters = common::checked_add(parameters, rs.chunks.back().parameters, kBytesWhat,
+                                       common::kMaxBytes);
+      stash =
+          common::checked_add(stash, rs.chunks.back().stash_bytes, kBytesWhat, common::kMaxBytes);
       fixed.workspace = std::max(fixed.workspace, rs.chunks.back().workspace_bytes);
       w.bucket_bytes[std::size_t(rs.stage * p.v + c)] =
-          double(rs.chunks.back().parameters * e) / w.programs->buckets;
+          double(rs.chunks.back().parameters) * double(e) / w.programs->buckets;
     }
-    rs.version_bytes = parameters * e;
-    rs.tied_bytes = mc.tied_copy_parameters * e;
+    rs.version_bytes = common::checked_mul(parameters, e, kBytesWhat, common::kMaxBytes);
+    rs.tied_bytes = common::checked_mul(mc.tied_copy_parameters, e, kBytesWhat, common::kMaxBytes);
     const std::int64_t workspace = fixed.workspace;
     fixed = planner::static_memory(model, p, parameters);
     fixed.workspace = workspace;
+    // What the replay can hold at once (every microbatch-chunk stashed, two weight versions, the
+    // static memory), checked here, before any actor runs, so its running sums cannot overflow.
+    // (Not a limit on the answer: only int64's range, with room to spare.)
+    constexpr std::int64_t kRoom = INT64_MAX / 4;
+    const std::int64_t held = common::checked_add(
+        common::checked_mul(std::int64_t(p.m) * p.v, stash, kBytesWhat, kRoom),
+        common::checked_add(common::checked_mul(rs.version_bytes, 2, kBytesWhat, kRoom),
+                            fixed.total(), kBytesWhat, kRoom),
+        kBytesWhat, kRoom);
+    gpu_bound[{rs.node, rs.gpu}] =
+        common::checked_add(gpu_bound[{rs.node, rs.gpu}], held, kBytesWhat, kRoom);
     rs.optimizer_end.assign(std::size_t(w.programs->steps), 0);
     w.ranks.push_back(std::move(rs));
     w.rank_static.push_back(fixed);
@@ -176,6 +193,22 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
                               const SimOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
+  // The simulator's share of the limits (docs/formats.md, Limits): its time grows faster than
+  // linearly with the ranks of a data-parallel all-reduce (2048 ranks: about 30 s on one core),
+  // so a run with more ranks is refused before anything is built.
+  constexpr std::int64_t kMaxSimulatedRanks = 4096;
+  // The platform has a host per GPU of the cluster: 16,384 (dgx-h100:2048) simulate in about 80 s.
+  constexpr std::int64_t kMaxSimulatedGpus = 16'384;
+  if (cluster.devices() > kMaxSimulatedGpus)
+    throw InputError(fmt::format(
+        "simulate: the cluster's {} x {} = {} GPUs are more than the {} a simulation takes "
+        "(docs/formats.md, Limits); use a smaller --nodes",
+        cluster.nodes, cluster.gpus_per_node, cluster.devices(), kMaxSimulatedGpus));
+  if (plan.ranks() > kMaxSimulatedRanks)
+    throw InputError(fmt::format(
+        "simulate: w*d = {}*{} = {} pipeline ranks is more than the {} a simulation takes "
+        "(docs/formats.md, Limits); estimate gives the closed form for up to {}",
+        plan.w, plan.d, plan.ranks(), kMaxSimulatedRanks, common::kMaxRanks));
   traces::check_sharding(trace, {plan.t, plan.sp});
   // Test hook: PIPEWRIGHT_TEST_NO_PREFLIGHT=1 lets SimGrid meet what it aborts on (to test how a
   // crashed child is reported).

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
+
 namespace pw::traces {
 
 namespace {
@@ -70,11 +72,18 @@ LayerTimes layer_times(const models::ModelSpec& spec, const models::LayerCosts& 
       costs.selective_recompute_flops > 0
           ? g.attention_s + costs.selective_recompute_elementwise_bytes * double(b) / bw
           : 0.0;
-  t.activation_bytes = costs.activation_bytes * b;
-  t.activation_recompute_bytes = costs.activation_recompute_bytes * b;
-  t.activation_selective_bytes = costs.activation_selective_bytes * b;
-  t.output_bytes = costs.output_bytes * b;
-  t.workspace_bytes = costs.workspace_bytes * b;
+  // Checked: a per-sample size (< 2^53) times b (<= 10^6) may pass int64.
+  auto times_b = [&](std::int64_t bytes, const char* what) {
+    return common::checked_mul(bytes, b,
+                               fmt::format("analytic trace: {} {} bytes per sample x b",
+                                           models::to_string(costs.kind), what),
+                               common::kMaxBytes);
+  };
+  t.activation_bytes = times_b(costs.activation_bytes, "activation");
+  t.activation_recompute_bytes = times_b(costs.activation_recompute_bytes, "activation");
+  t.activation_selective_bytes = times_b(costs.activation_selective_bytes, "activation");
+  t.output_bytes = times_b(costs.output_bytes, "output");
+  t.workspace_bytes = times_b(costs.workspace_bytes, "workspace");
   return t;
 }
 
@@ -82,9 +91,9 @@ std::vector<std::int64_t> checked_sizes(std::vector<std::int64_t> sizes) {
   if (sizes.empty()) throw InputError("analytic trace: no microbatch sizes given");
   std::sort(sizes.begin(), sizes.end());
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] < 1)
-      throw InputError(
-          fmt::format("analytic trace: microbatch size must be >= 1, found {}", sizes[i]));
+    if (sizes[i] < 1 || sizes[i] > common::kMaxCount)
+      throw InputError(fmt::format("analytic trace: microbatch size must be in 1 .. {}, found {}",
+                                   common::kMaxCount, sizes[i]));
     if (i > 0 && sizes[i] == sizes[i - 1])
       throw InputError(fmt::format("analytic trace: microbatch size {} given twice", sizes[i]));
   }

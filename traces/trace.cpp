@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.hpp"
+
 namespace pw::traces {
 
 namespace {
@@ -29,8 +31,8 @@ TraceSource parse_source(const JsonReader& r) {
 
 LayerStatic parse_static(const JsonReader& r) {
   LayerStatic s;
-  s.parameters = r.get_nonnegative_int("parameters");
-  s.parameter_bytes = r.get_nonnegative_int("parameter_bytes");
+  s.parameters = r.get_int_in("parameters", 0, common::kMaxBytes);
+  s.parameter_bytes = r.get_int_in("parameter_bytes", 0, common::kMaxBytes);
   s.optimizer_step_s = r.get_nonnegative("optimizer_step_s");
   return s;
 }
@@ -42,16 +44,17 @@ LayerTimes parse_times(const JsonReader& r) {
   t.backward_input_s = r.get_nonnegative("backward_input_s");
   t.backward_weight_s = r.get_nonnegative("backward_weight_s");
   t.recompute_s = r.get_nonnegative("recompute_s");
-  t.activation_bytes = r.get_nonnegative_int("activation_bytes");
-  t.activation_recompute_bytes = r.get_nonnegative_int("activation_recompute_bytes");
+  t.activation_bytes = r.get_int_in("activation_bytes", 0, common::kMaxBytes);
+  t.activation_recompute_bytes = r.get_int_in("activation_recompute_bytes", 0, common::kMaxBytes);
   // Optional (traces written before selective recompute): nothing dropped, nothing re-run.
-  t.activation_selective_bytes = r.has("activation_selective_bytes")
-                                     ? r.get_nonnegative_int("activation_selective_bytes")
-                                     : t.activation_bytes;
+  t.activation_selective_bytes =
+      r.has("activation_selective_bytes")
+          ? r.get_int_in("activation_selective_bytes", 0, common::kMaxBytes)
+          : t.activation_bytes;
   t.selective_recompute_s =
       r.has("selective_recompute_s") ? r.get_nonnegative("selective_recompute_s") : 0.0;
-  t.output_bytes = r.get_nonnegative_int("output_bytes");
-  t.workspace_bytes = r.get_nonnegative_int("workspace_bytes");
+  t.output_bytes = r.get_int_in("output_bytes", 0, common::kMaxBytes);
+  t.workspace_bytes = r.get_int_in("workspace_bytes", 0, common::kMaxBytes);
   return t;
 }
 
@@ -96,7 +99,7 @@ std::vector<Entry> parse_entries(const JsonReader& r) {
   for (std::size_t i = 0; i < r.size(); ++i) {
     JsonReader e = r.at(i);
     Entry entry;
-    entry.microbatch_size = e.get_positive_int("microbatch_size");
+    entry.microbatch_size = e.get_int_in("microbatch_size", 1, common::kMaxCount);
     for (const auto& prev : entries)
       if (prev.microbatch_size == entry.microbatch_size)
         e.fail_member("microbatch_size",
@@ -151,9 +154,7 @@ Trace parse_trace(const Json& json, const std::string& source) {
   }
   // Optional (traces written before tensor parallelism): one rank holding everything.
   if (auto tp = r.find("tensor_parallel")) {
-    const std::int64_t v = tp->as_int();
-    if (v < 1 || v > 1'000'000) tp->fail(fmt::format("must be between 1 and 1000000, found {}", v));
-    t.sharding.t = int(v);
+    t.sharding.t = int(tp->as_int_in(1, common::kMaxCount));
   }
   if (auto sp = r.find("sequence_parallel")) t.sharding.sp = sp->as_bool();
   t.source = parse_source(r.at("source"));

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Bad-input regression tests of the real binary (issue 13): every input that once crashed, hung,
+# wrapped around silently or ended in "internal error" now gives one line on stderr, the documented
+# exit code (1 bad input, 2 usage), no signal, no hang (each command runs under `timeout`) and no
+# output file. Usage: run_bad_input_tests.sh PATH/TO/pipewright SOURCE_DIR
+set -u
+PW=$1
+SRC=$2
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+pass=0
+fail=0
+O="$TMP/never.json"  # an output that bad input must never create
+LIMIT=${PW_TEST_TIMEOUT:-30}  # seconds per command: a hang fails the test instead of blocking
+
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+# expect_code NAME CODE PATTERN CMD...: exits with CODE (1 bad input, 2 usage) within LIMIT
+# seconds, exactly one stderr line matching PATTERN, never "internal error", and $O not created.
+expect_code() {
+  local name=$1 code=$2 pattern=$3; shift 3
+  timeout -k 5 "$LIMIT" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  local lines
+  lines=$(wc -l <"$TMP/err")
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then bad "$name: hung (killed after ${LIMIT}s)"; return; fi
+  if [ "$rc" -gt 128 ]; then bad "$name: killed by signal $((rc - 128))"; return; fi
+  if [ "$rc" -ne "$code" ]; then bad "$name: exit $rc, expected $code: $(head -c 300 "$TMP/err")"; return; fi
+  if [ "$lines" -ne 1 ]; then bad "$name: $lines stderr lines: $(head -c 600 "$TMP/err")"; return; fi
+  if grep -q "internal error" "$TMP/err"; then bad "$name: internal error: $(cat "$TMP/err")"; return; fi
+  if ! grep -q -- "$pattern" "$TMP/err"; then bad "$name: stderr lacks '$pattern': $(cat "$TMP/err")"; return; fi
+  if [ -e "$O" ]; then bad "$name: left $O behind"; rm -f "$O"; return; fi
+  if ls "$TMP"/.*.tmp.* >/dev/null 2>&1; then bad "$name: left a temporary file"; return; fi
+  ok
+}
+expect_ok() {
+  local name=$1; shift
+  timeout -k 5 "$LIMIT" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then ok; else bad "$name (exit $rc): $(head -c 300 "$TMP/err")"; fi
+}
+# py 'python code' edits JSON: j is the document, written back.
+edit_json() {
+  local in=$1 out=$2 code=$3
+  python3 -c "
+import json, sys
+j = json.load(open('$in'))
+$code
+json.dump(j, open('$out', 'w'))"
+}
+
+# --- Exit codes: 0 success, 1 bad input, 2 usage. ---
+expect_ok "exit 0: --help" $PW --help
+expect_ok "exit 0: --version" $PW --version
+expect_ok "exit 0: estimate" $PW estimate --model gpt-tiny --cluster h100-x1 -d 2 --ranks-per-gpu 2 -m 4 --out "$TMP/r.json"
+expect_code "exit 2: no subcommand" 2 "pipewright:" $PW
+expect_code "exit 2: unknown option" 2 "--frobnicate" $PW estimate --frobnicate
+expect_code "exit 2: unknown subcommand" 2 "pipewright:" $PW frobnicate
+expect_code "exit 2: missing value" 2 "microbatches" $PW estimate -m
+expect_code "exit 2: not a number" 2 "microbatches" $PW estimate -m lots
+expect_code "exit 2: missing required option" 2 "batch" $PW plan --model gpt-tiny
+expect_code "exit 1: unknown model" 1 "unknown model" $PW estimate --model no-such-model --out "$O"
+
+# --- Flags share the files' limits (usage errors: exit 2). ---
+expect_code "-m 1000001" 2 "microbatches" $PW simulate --model gpt-tiny -m 1000001 --out "$O"
+expect_code "--nodes 2147483647" 2 "nodes" $PW estimate --model gpt-tiny --nodes 2147483647 --out "$O"
+expect_code "--nodes 2^32" 2 "nodes" $PW estimate --model gpt-tiny --nodes 4294967296 --out "$O"
+expect_code "-w 2^31" 2 "width" $PW estimate --model gpt-tiny -w 2147483648 --out "$O"
+expect_code "--chunks 0" 2 "chunks" $PW plan --model gpt-tiny --cluster dgx-a100 -B 8 --chunks 0 --out "$O"
+expect_code "--columns 0" 2 "columns" $PW schedule -d 2 -m 2 --columns 0
+expect_code "--lr nan" 2 "lr" $PW train --model gpt-tiny --lr nan --steps 1 --out "$O"
+expect_code "--lr -1" 2 "lr" $PW train --model gpt-tiny --lr -1 --steps 1 --out "$O"
+expect_code "--lr inf" 2 "lr" $PW train --model gpt-tiny --lr inf --steps 1 --out "$O"
+expect_code "--lr 1e400" 2 "lr" $PW train --model gpt-tiny --lr 1e400 --steps 1 --out "$O"
+expect_code "--weight-decay nan" 2 "weight-decay" $PW train --model gpt-tiny --weight-decay nan --steps 1 --out "$O"
+expect_code "--memory-headroom nan" 2 "memory-headroom" $PW plan --model gpt-tiny --cluster dgx-a100 -B 8 --memory-headroom nan --out "$O"
+expect_code "--seq-len 2^24+1" 2 "seq-len" $PW estimate --model gpt-tiny --seq-len 16777217 --out "$O"
+expect_code "--steps 0" 2 "steps" $PW simulate --model gpt-tiny --cluster h100-x1 --steps 0 --out "$O"
+
+# --- Sizes that hung: refused in one line before anything is built (exit 1). ---
+expect_code "simulate -m 1000000" 1 "ops" $PW simulate --model gpt-tiny --cluster h100-x1 -m 1000000 --out "$O"
+# A sweep point that fails is a row with its error (the sweep itself succeeds).
+expect_ok "sweep -m 1000000" $PW sweep --model gpt-tiny --cluster h100-x1 -m 1000000 --vary network.latency_s=1e-6 --out "$TMP/sw.csv"
+python3 -c "
+import csv
+rows = list(csv.DictReader(open('$TMP/sw.csv')))
+assert len(rows) == 1 and 'ops' in rows[0]['error'], rows" && ok || bad "sweep -m 1000000: the row names the ops limit"
+expect_code "train -m 1000000" 1 "ops" $PW train --model gpt-tiny -m 1000000 --out "$O"
+expect_code "schedule -m 1000000 --steps 100" 1 "ops" $PW schedule -d 4 -m 1000000 --steps 100
+expect_code "--nodes 100000" 1 "ranks" $PW simulate --model gpt-tiny --nodes 100000 --out "$O"
+expect_code "--set nodes=100000" 1 "ranks" $PW simulate --model gpt-tiny --set nodes=100000 --out "$O"
+expect_code "simulate 8192 ranks" 1 "more than the 4096" $PW simulate --model gpt-tiny --cluster dgx-a100:1024 -d 1 --out "$O"
+expect_code "simulate on 125,000 x 8 GPUs" 1 "more than the 16384" $PW simulate --model gpt-tiny --cluster dgx-a100:125000 -w 1 -d 1 --out "$O"
+expect_code "--nodes 1000000 (8 GPUs each)" 1 "gpus_per_node" $PW estimate --model gpt-tiny --nodes 1000000 --out "$O"
+expect_code "estimate dgx-a100:1000000" 1 "GPUs is more than" $PW estimate --model gpt-tiny --cluster dgx-a100:1000000 --out "$O"
+expect_code "cluster NAME:10^7" 1 "node count" $PW estimate --model gpt-tiny --cluster dgx-a100:10000000 --out "$O"
+$PW clusters dgx-a100 --json >"$TMP/dgx.json"
+edit_json "$TMP/dgx.json" "$TMP/c-1m.json" "j['nodes'] = 1; j['gpus_per_node'] = 10**6"
+expect_code "plan on 10^6 GPUs per node" 1 "pipeline ranks" $PW plan --model gpt-tiny --cluster "$TMP/c-1m.json" -B 8 --out "$O"
+expect_code "simulate on 10^6 GPUs per node" 1 "more than the 16384" $PW simulate --model gpt-tiny --cluster "$TMP/c-1m.json" -w 1 -d 1 --out "$O"
+expect_code "estimate on 10^6 GPUs per node" 1 "w\*d" $PW estimate --model gpt-tiny --cluster "$TMP/c-1m.json" --out "$O"
+edit_json "$TMP/dgx.json" "$TMP/c-int.json" "j['gpus_per_node'] = 2**31 - 1"
+expect_code "plan, gpus_per_node 2^31-1" 1 "/gpus_per_node" $PW plan --model gpt-tiny --cluster "$TMP/c-int.json" -B 8 --out "$O"
+edit_json "$TMP/dgx.json" "$TMP/c-3x.json" "j['nodes'] = 3; j['gpus_per_node'] = 1431655766"
+expect_code "cluster 3 x 1431655766" 1 "gpus_per_node" $PW estimate --model gpt-tiny --cluster "$TMP/c-3x.json" --out "$O"
+edit_json "$TMP/dgx.json" "$TMP/c-prod.json" "j['nodes'] = 1001; j['gpus_per_node'] = 1000"
+expect_code "cluster 1001 x 1000" 1 "more than 1000000" $PW estimate --model gpt-tiny --cluster "$TMP/c-prod.json" --out "$O"
+
+# --- Files that are not regular files, or too large. ---
+mkdir -p "$TMP/dir"
+mkfifo "$TMP/fifo"
+truncate -s 300M "$TMP/huge.json"
+expect_code "--model /dev/zero" 1 "not a regular file" $PW estimate --model /dev/zero --out "$O"
+expect_code "--model a directory" 1 "not a regular file" $PW estimate --model "$TMP/dir/" --out "$O"
+expect_code "--model a FIFO" 1 "not a regular file" $PW estimate --model "$TMP/fifo" --out "$O"
+expect_code "--model 300 MB" 1 "limit" $PW estimate --model "$TMP/huge.json" --out "$O"
+edit_json "$TMP/dgx.json" "$TMP/c-zero.json" "j['device'] = '/dev/zero'"
+expect_code "device /dev/zero" 1 "not a regular file" $PW estimate --model gpt-tiny --cluster "$TMP/c-zero.json" --out "$O"
+expect_code "--plan a directory" 1 "not a regular file" $PW estimate --model gpt-tiny --plan "$TMP/dir" --out "$O"
+expect_code "--data a directory" 1 "not a regular file" $PW train --model gpt-tiny --data "$TMP/dir" --steps 1 --out "$O"
+expect_code "--data /dev/zero" 1 "not a regular file" $PW train --model gpt-tiny --data /dev/zero --steps 1 --out "$O"
+
+# --- JSON: any nlohmann error is one line naming the file and the path. ---
+$PW models gpt-tiny --json >"$TMP/tiny-full.json"
+python3 -c "
+import json
+j = json.load(open('$TMP/tiny-full.json'))
+j = {k: v for k, v in j.items() if k != 'derived_per_sample'}
+json.dump(j, open('$TMP/tiny.json', 'w'))"
+sed 's/"layers": *[0-9]*/"layers": 1e400/' "$TMP/tiny.json" >"$TMP/m-1e400.json"
+expect_code "1e400" 1 "m-1e400.json: /layers: invalid JSON: number overflow" $PW estimate --model "$TMP/m-1e400.json" --out "$O"
+sed 's/"layers": *[0-9]*/"layers": -1e400/' "$TMP/tiny.json" >"$TMP/m-neg.json"
+expect_code "-1e400" 1 "invalid JSON" $PW estimate --model "$TMP/m-neg.json" --out "$O"
+sed 's/"layers": *[0-9]*/"layers": 18446744073709551615/' "$TMP/tiny.json" >"$TMP/m-u64.json"
+expect_code "2^64-1 is not -1" 1 "/layers" $PW estimate --model "$TMP/m-u64.json" --out "$O"
+sed 's/"layers": *[0-9]*/"layers": 2, "layers": 2/' "$TMP/tiny.json" >"$TMP/m-dup.json"
+expect_code "duplicate key" 1 "/layers: invalid JSON: key given twice" $PW estimate --model "$TMP/m-dup.json" --out "$O"
+printf '{"format": "pipewright.model/1", "name": "\xff\xfe"}' >"$TMP/m-utf8.json"
+expect_code "invalid UTF-8 in a file" 1 "invalid JSON" $PW estimate --model "$TMP/m-utf8.json" --out "$O"
+python3 -c "
+import json
+j = json.load(open('$TMP/tiny.json'))
+j['x'] = 'DEEP'
+s = json.dumps(j).replace('\"DEEP\"', '[' * 100000 + ']' * 100000)
+open('$TMP/m-deep.json', 'w').write(s)"
+expect_code "nested 10^5 deep" 1 "nested deeper than" $PW estimate --model "$TMP/m-deep.json" --out "$O"
+edit_json "$TMP/tiny.json" "$TMP/m-seq.json" "j['seq_len'] = 10**9; j['max_positions'] = 10**9"
+expect_code "seq_len 1e9" 1 "/seq_len" $PW estimate --model "$TMP/m-seq.json" --out "$O"
+sed 's/"hidden": *[0-9]*/"hidden": "big"/' "$TMP/tiny.json" >"$TMP/m-type.json"
+expect_code "wrong type" 1 "/hidden: expected a number" $PW estimate --model "$TMP/m-type.json" --out "$O"
+
+# --- Reports for validate: an index read as 64-bit, never wrapped; deep unknown fields. ---
+$PW estimate --model gpt-tiny --cluster h100-x1 -d 2 --ranks-per-gpu 2 -m 4 --out "$TMP/pred.json" >/dev/null
+edit_json "$TMP/pred.json" "$TMP/meas.json" "j['source'] = 'measured'"
+expect_ok "validate two good reports" $PW validate --predicted "$TMP/pred.json" --measured "$TMP/meas.json"
+edit_json "$TMP/meas.json" "$TMP/meas-2-31.json" "j['devices'][0]['rank'] = 2**31"
+expect_code "report rank 2^31" 1 "/devices/0/rank: must be in 0 .. 999999" $PW validate --predicted "$TMP/pred.json" --measured "$TMP/meas-2-31.json" --out "$O"
+edit_json "$TMP/meas.json" "$TMP/meas-2-32.json" "j['devices'][1]['rank'] = 2**32 + 1"
+expect_code "report rank 2^32+1" 1 "/devices/1/rank" $PW validate --predicted "$TMP/pred.json" --measured "$TMP/meas-2-32.json" --out "$O"
+edit_json "$TMP/meas.json" "$TMP/meas-mem.json" "j['devices'][0]['memory_breakdown_bytes']['weights'] = 2**62"
+expect_code "report bytes 2^62" 1 "/weights" $PW validate --predicted "$TMP/pred.json" --measured "$TMP/meas-mem.json" --out "$O"
+python3 -c "
+import json
+j = json.load(open('$TMP/meas.json'))
+j['unknown'] = 'DEEP'
+s = json.dumps(j).replace('\"DEEP\"', '{\"a\":' * 100000 + '1' + '}' * 100000)
+open('$TMP/meas-deep.json', 'w').write(s)"
+expect_code "report unknown field 10^5 deep" 1 "nested deeper than" $PW validate --predicted "$TMP/pred.json" --measured "$TMP/meas-deep.json" --out "$O"
+
+# --- Plans: placement indices, stage_blocks, counts. ---
+PLAN="$SRC/tests/data/plan-tiny-2bw.json"
+$PW estimate --model gpt-tiny --cluster h100-x1 --plan "$PLAN" --ranks-per-gpu 2 --out "$TMP/plan-r.json" >/dev/null
+python3 -c "
+import json
+p = json.load(open('$TMP/plan-r.json'))['plan']
+for k in ('global_batch',): p.pop(k, None)
+json.dump(p, open('$TMP/plan.json', 'w'))"
+edit_json "$TMP/plan.json" "$TMP/p-gpu.json" "j['placement'][1]['gpu'] = 2**32 + 1"
+expect_code "placement gpu 2^32+1" 1 "/placement/1/gpu" $PW estimate --model gpt-tiny --cluster h100-x1 --plan "$TMP/p-gpu.json" --ranks-per-gpu 2 --out "$O"
+edit_json "$TMP/plan.json" "$TMP/p-sb.json" "j['stage_blocks'] = [2**62, 2**62]"
+expect_code "stage_blocks 2^62" 1 "/stage_blocks/0" $PW estimate --model gpt-tiny --cluster h100-x1 --plan "$TMP/p-sb.json" --ranks-per-gpu 2 --out "$O"
+edit_json "$TMP/plan.json" "$TMP/p-m.json" "j['m'] = 10**6 + 1"
+expect_code "plan m 10^6+1" 1 "/m: must be in 1 .. 1000000" $PW estimate --model gpt-tiny --cluster h100-x1 --plan "$TMP/p-m.json" --ranks-per-gpu 2 --out "$O"
+
+# --- Models: HF dtype, absurd sizes (one line, never bad_alloc). ---
+edit_json "$SRC/tests/data/hf-gpt2-config.json" "$TMP/hf-int8.json" "j['torch_dtype'] = 'int8'"
+expect_code "HF torch_dtype int8" 1 "torch_dtype: unsupported dtype" $PW estimate --model "$TMP/hf-int8.json" --out "$O"
+edit_json "$TMP/tiny.json" "$TMP/m-huge.json" "j.update(layers=10**6, hidden=2**14, heads=128, ffn=2**16, vocab=2**24, seq_len=2**16, max_positions=2**16)"
+expect_code "absurd model sizes" 1 "too large\|more than" $PW estimate --model "$TMP/m-huge.json" --out "$O"
+expect_code "estimate --seq-len 2^24" 1 "" $PW estimate --model gpt2-124m --seq-len 16777216 --cluster dgx-a100 -b 1000000 --out "$O"
+
+# --- Non-UTF-8 names and --set values. ---
+expect_code "non-UTF-8 --set value" 1 "not valid UTF-8" $PW estimate --model gpt-tiny --set $'name=\xff' --out "$O"
+expect_code "non-UTF-8 --model" 1 "not valid UTF-8" $PW estimate --model $'\xffmodel' --out "$O"
+expect_code "--set nan" 1 "network" $PW estimate --model gpt-tiny --set network.latency_s=nan --out "$O"
+expect_code "--set 1e400" 1 "latency_s" $PW estimate --model gpt-tiny --set network.latency_s=1e400 --out "$O"
+expect_code "--set nodes=2^32+1" 1 "nodes" $PW estimate --model gpt-tiny --set nodes=4294967297 --out "$O"
+
+echo "bad-input CLI tests: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
