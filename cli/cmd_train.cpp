@@ -77,7 +77,7 @@ void add_train_command(CLI::App& app) {
                   "seconds a rank waits for a peer (a message, the all-reduce) before the job ends "
                   "with an error naming the rank and op (mpirun jobs, --backend cuda; 0: forever)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_range(0, 1e6));
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
