@@ -224,7 +224,10 @@ common::Json read_header(const std::string& path, std::ifstream& in) {
   std::uint64_t n = 0;
   for (int i = 0; i < 8; ++i)
     n |= std::uint64_t(len[i]) << (8 * i);
-  if (n > (std::uint64_t(1) << 30))
+  // Checked against the file's size before allocating: a corrupt length costs nothing.
+  std::error_code ec;
+  const std::uintmax_t file_size = fs::file_size(path, ec);
+  if (n > (std::uint64_t(1) << 30) || (!ec && n > file_size - 16))
     throw InputError(fmt::format("{}: corrupt shard header length {}", path, n));
   std::string text(n, '\0');
   if (!in.read(text.data(), std::streamsize(n)))

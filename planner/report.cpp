@@ -95,15 +95,21 @@ RunReport parse_report(const Json& json, const std::string& source) {
   rep.tokens_per_s = r.get_nonnegative("tokens_per_s");
   rep.model_flops_per_s = r.get_nonnegative("model_flops_per_s");
   rep.mfu = r.get_nonnegative("mfu");
+  // Ranks, nodes, GPUs, stages and replicas: below the plan's cap on GPUs (never wrapped to int).
+  auto index = [](const JsonReader& d, const std::string& key) {
+    const std::int64_t v = d.get_nonnegative_int(key);
+    if (v >= kMaxGpus) d.fail_member(key, fmt::format("{} is not below {}", v, kMaxGpus));
+    return int(v);
+  };
   auto devs = r.at("devices");
   for (std::size_t i = 0; i < devs.size(); ++i) {
     auto d = devs.at(i);
     DeviceReport dr;
-    dr.rank = int(d.get_nonnegative_int("rank"));
-    dr.node = int(d.get_nonnegative_int("node"));
-    dr.gpu = d.has("gpu") ? int(d.get_nonnegative_int("gpu")) : 0;
-    dr.stage = int(d.get_nonnegative_int("stage"));
-    dr.replica = int(d.get_nonnegative_int("replica"));
+    dr.rank = index(d, "rank");
+    dr.node = index(d, "node");
+    dr.gpu = d.has("gpu") ? index(d, "gpu") : 0;
+    dr.stage = index(d, "stage");
+    dr.replica = index(d, "replica");
     dr.peak_memory_bytes = d.get_nonnegative_int("peak_memory_bytes");
     if (d.has("capacity_bytes")) dr.capacity_bytes = d.get_nonnegative_int("capacity_bytes");
     if (d.has("fits")) dr.fits = d.get_bool("fits");
