@@ -53,6 +53,25 @@ bool kill_requested(const common::Json& header) {
          std::to_string(header.value("step", -1)) == env;
 }
 
+// Members of a JSON object read with their types checked: a missing member, one of another type
+// or a value that is not an object gives `fallback` (the caller's mismatch error then names the
+// file), never nlohmann's type_error (an "internal error").
+std::string string_member(const common::Json& j, const char* key, const std::string& fallback) {
+  if (!j.is_object()) return fallback;
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : fallback;
+}
+
+std::int64_t int_member(const common::Json& j, const char* key, std::int64_t fallback) {
+  if (!j.is_object()) return fallback;
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
+}
+
+// Tensor sizes in a shard header: 0 to 2^40 floats (more than any device holds), so offsets in
+// bytes never overflow.
+constexpr std::int64_t kMaxTensorFloats = std::int64_t(1) << 40;
+
 std::optional<int> step_of(const fs::path& entry) {
   const std::string name = entry.filename().string();
   if (name.size() != 13 || name.rfind("step-", 0) != 0) return std::nullopt;
@@ -126,11 +145,11 @@ void write_manifest(const std::string& dir, int step, int ranks, const common::J
 void check_manifest(const std::string& dir, int step, int ranks, const common::Json& identity) {
   const std::string path = (fs::path(checkpoint_path(dir, step)) / kManifest).string();
   const common::Json m = common::read_json_file(path);
-  if (!m.is_object() || m.value("format", "") != "pipewright.checkpoint/1")
+  if (string_member(m, "format", "") != "pipewright.checkpoint/1")
     throw InputError(fmt::format("{}: not a pipewright.checkpoint/1 manifest", path));
-  if (m.value("ranks", -1) != ranks)
+  if (int_member(m, "ranks", -1) != ranks)
     throw InputError(fmt::format("{}: field ranks: the checkpoint has {} ranks, this run {}", path,
-                                 m.value("ranks", -1), ranks));
+                                 m.contains("ranks") ? m["ranks"].dump() : "none", ranks));
   const common::Json run = m.contains("run") ? m["run"] : common::Json::object();
   std::string field = "run";
   const common::Json* have = &run;
@@ -252,10 +271,10 @@ common::Json read_shard(const std::string& path, const std::vector<ShardTensor>&
                                  list.is_array() ? list.size() : 0, tensors.size()));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    if (list[i].value("name", "") != t.name || list[i].value("floats", std::int64_t(-1)) != t.size)
+    if (string_member(list[i], "name", "") != t.name || int_member(list[i], "floats", -1) != t.size)
       throw InputError(fmt::format("{}: tensor {} is {} ({} floats), this run expects {} ({})",
-                                   path, i, list[i].value("name", "?"),
-                                   list[i].value("floats", std::int64_t(-1)), t.name, t.size));
+                                   path, i, string_member(list[i], "name", "?"),
+                                   int_member(list[i], "floats", -1), t.name, t.size));
     if (!in.read(reinterpret_cast<char*>(t.data), std::streamsize(t.size * 4)))
       throw InputError(fmt::format("{}: truncated in tensor {}", path, t.name));
   }
@@ -271,8 +290,11 @@ void read_shard_slice(const std::string& path, const std::string& name, std::int
   const common::Json& list = header.contains("tensors") ? header["tensors"] : common::Json();
   std::int64_t before = 0;  // floats ahead of the tensor
   for (std::size_t i = 0; list.is_array() && i < list.size(); ++i) {
-    const std::int64_t floats = list[i].value("floats", std::int64_t(-1));
-    if (list[i].value("name", "") != name) {
+    const std::int64_t floats = int_member(list[i], "floats", -1);
+    if (floats < 0 || floats > kMaxTensorFloats || before > kMaxTensorFloats * 64)
+      throw InputError(
+          fmt::format("{}: corrupt shard header: tensor {} has no valid size", path, i));
+    if (string_member(list[i], "name", "") != name) {
       before += floats;
       continue;
     }
