@@ -2,8 +2,10 @@
 #include "fuzz/fuzz_util.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,7 +25,20 @@ std::string make_scratch_dir() {
     base = "/dev/shm";
   else if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0')
     base = t;
-  std::string templ = base + "/pw-fuzz-XXXXXX";
+  // Named by the process id: a run that crashed (no exit handler) leaves its directory, which the
+  // next run removes once that process is gone.
+  try {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(base, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("pw-fuzz-", 0) != 0) continue;
+      const long pid = std::strtol(name.c_str() + 8, nullptr, 10);
+      if (pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) fs::remove_all(e.path(), ec);
+    }
+  } catch (const fs::filesystem_error&) {
+    // Another process removed an entry meanwhile: nothing to clean up here.
+  }
+  std::string templ = base + "/pw-fuzz-" + std::to_string(::getpid()) + "-XXXXXX";
   if (::mkdtemp(templ.data()) == nullptr) {
     std::perror("pw-fuzz: mkdtemp");
     std::abort();
