@@ -107,7 +107,7 @@ Validation validate(const RunReport& predicted, const RunReport& measured,
     std::vector<const DeviceReport*> out(std::size_t(ranks), nullptr);
     for (std::size_t i = 0; i < r.devices.size(); ++i) {
       const DeviceReport& d = r.devices[i];
-      if (d.rank >= ranks)
+      if (d.rank < 0 || d.rank >= ranks)
         throw InputError(fmt::format("{}: /devices/{}/rank: {} is not a rank of a plan of {} ranks",
                                      name, i, d.rank, ranks));
       if (out[std::size_t(d.rank)])

@@ -22,6 +22,10 @@ PACKAGES=(
   # on load (exec/checkpoint.cpp; CMake's FindZLIB).
   zlib1g-dev
   jupyter-nbconvert python3-nbconvert python3-ipykernel python3-matplotlib python3-pandas
+  # Sanitizers and fuzzing (issue 13, scripts/sanitize.sh): clang 14 with its runtimes (ASan,
+  # UBSan, libFuzzer's -fsanitize=fuzzer are in libclang-rt-14-dev), llvm-symbolizer-14 (llvm-14)
+  # for readable sanitizer stacks, ccache so the second tree rebuilds only what changed.
+  clang-14 libclang-rt-14-dev llvm-14 ccache
 )
 
 missing=()
@@ -38,8 +42,14 @@ if ((${#missing[@]})); then
 fi
 
 JOBS=$(nproc 2>/dev/null || echo 2)
+# Through ccache when it is there (paths relative to CCACHE_BASEDIR, so copies of the tree share it).
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+fi
 mkdir -p build
-if ! cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >build/configure.log 2>&1; then
+if ! cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" "$@" >build/configure.log 2>&1; then
   cat build/configure.log
   exit 1
 fi

@@ -14,8 +14,18 @@ std::unique_ptr<sg4::Engine> make_engine() {
     throw Error("SimGrid allows one engine per process: make_engine() was already called");
   // SimGrid parses (and may rewrite) argv, so it gets writable copies.
   std::string prog = "pipewright-sim", log = "--log=root.thresh:warning";
+#ifdef PW_SANITIZED_BUILD
+  // ASan cannot follow SimGrid's default (ucontext/raw) stack switches, and reports false stack
+  // overflows or use-after-returns when an exception crosses one: a sanitized build runs each
+  // simulated actor on a system thread instead. Same results, slower; the factory is chosen while
+  // the engine starts, so it must come on the command line, not from set_config.
+  std::string contexts = "--cfg=contexts/factory:thread";
+  char* argv[] = {prog.data(), log.data(), contexts.data(), nullptr};
+  int argc = 3;
+#else
   char* argv[] = {prog.data(), log.data(), nullptr};
   int argc = 2;
+#endif
   auto engine = std::make_unique<sg4::Engine>(&argc, argv);
   // Must come before any zone is created (later is fatal).
   sg4::Engine::set_config("network/model:CM02");

@@ -501,5 +501,43 @@ TEST(Checkpoint, WrongTypesInManifestAndHeaderNameFileAndField) {
             std::string::npos);
 }
 
+// Wrong JSON types in a manifest or a shard header are named errors, not nlohmann's type_error
+// (an internal error): found by fuzz_ckpt_manifest and fuzz_ckpt_shard.
+TEST(Checkpoint, WrongTypesInManifestsAndShardHeadersAreNamedErrors) {
+  TempDir tmp("ckpt_types");
+  const std::string dir = tmp.file("c");
+  const common::Json identity = {{"model", "gpt-tiny"}};
+  fs::create_directories(checkpoint_path(dir, 3));
+  const std::string manifest = checkpoint_path(dir, 3) + "/manifest.json";
+  for (const char* text : {R"({"format": 1, "ranks": 2, "run": {"model": "gpt-tiny"}})",
+                           R"({"format": "pipewright.checkpoint/1", "ranks": "2"})", "[1, 2]"}) {
+    std::ofstream(manifest, std::ios::trunc) << text;
+    EXPECT_NE(error_of([&] { check_manifest(dir, 3, 2, identity); }).find(manifest),
+              std::string::npos)
+        << text;
+  }
+  // A shard whose tensor list holds a number for a name, or an entry that is not an object.
+  std::vector<float> a(4, 1.0f);
+  const std::string shard = shard_path(checkpoint_path(dir, 3), 0);
+  for (const char* list : {R"([{"name": 7, "floats": 4}])", R"([3])",
+                           R"([{"name": "x", "floats": 9223372036854775807},
+                               {"name": "a", "floats": 4}])"}) {
+    const std::string header = std::string(R"({"tensors": )") + list + "}";
+    std::string bytes = "PWCKPT01";
+    for (int i = 0; i < 8; ++i)
+      bytes.push_back(char(i == 0 ? header.size() : 0));
+    bytes += header + std::string(16, '\0');
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+    EXPECT_NE(error_of([&] {
+                read_shard(shard, {{"a", a.data(), 4}});
+              }).find(shard),
+              std::string::npos)
+        << list;
+    EXPECT_NE(error_of([&] { read_shard_slice(shard, "a", 0, a.data(), 4); }).find(shard),
+              std::string::npos)
+        << list;
+  }
+}
+
 }  // namespace
 }  // namespace pw::exec

@@ -243,5 +243,29 @@ TEST(Estimate, ReportIsDeterministicAndRoundTrips) {
   EXPECT_EQ(r.source, "analytic");
 }
 
+// A rank, node, GPU, stage or replica at or above the plan's cap on GPUs is refused, not wrapped
+// to int (2^32 + 1 was read as rank 1; 2^31 became a negative index in validate). Found by
+// fuzz_validation.
+TEST(Report, IndicesAreNeverWrapped) {
+  auto m = models::load_model("gpt2-124m");
+  auto c = clusters::load_cluster("dgx-a100");
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 1, 8, 1, m.layers, grid(c));
+  traces::Trace t = traces::analytic_trace(m, c.device, {1});
+  const common::Json good = to_json(estimate(m, t, c, p).report);
+  for (const char* key : {"rank", "node", "gpu", "stage", "replica"})
+    for (std::int64_t v : {std::int64_t(1) << 31, (std::int64_t(1) << 32) + 1, kMaxGpus}) {
+      common::Json j = good;
+      j["devices"][1][key] = v;
+      try {
+        parse_report(j, "r.json");
+        ADD_FAILURE() << key << " = " << v << " was accepted";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string("r.json: /devices/1/") + key),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+}
+
 }  // namespace
 }  // namespace pw::planner
