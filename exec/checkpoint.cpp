@@ -145,25 +145,6 @@ bool kill_requested(const common::Json& header) {
          std::to_string(header.value("step", -1)) == env;
 }
 
-// Members of a JSON object read with their types checked: a missing member, one of another type
-// or a value that is not an object gives `fallback` (the caller's mismatch error then names the
-// file), never nlohmann's type_error (an "internal error").
-std::string string_member(const common::Json& j, const char* key, const std::string& fallback) {
-  if (!j.is_object()) return fallback;
-  const auto it = j.find(key);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : fallback;
-}
-
-std::int64_t int_member(const common::Json& j, const char* key, std::int64_t fallback) {
-  if (!j.is_object()) return fallback;
-  const auto it = j.find(key);
-  return it != j.end() && it->is_number_integer() ? it->get<std::int64_t>() : fallback;
-}
-
-// Tensor sizes in a shard header: 0 to 2^40 floats (more than any device holds), so offsets in
-// bytes never overflow.
-constexpr std::int64_t kMaxTensorFloats = std::int64_t(1) << 40;
-
 std::optional<int> step_of(const fs::path& entry) {
   const std::string name = entry.filename().string();
   if (name.size() != 13 || name.rfind("step-", 0) != 0) return std::nullopt;

@@ -104,12 +104,6 @@ RunReport parse_report(const Json& json, const std::string& source) {
   rep.tokens_per_s = r.get_nonnegative("tokens_per_s");
   rep.model_flops_per_s = r.get_nonnegative("model_flops_per_s");
   rep.mfu = r.get_nonnegative("mfu");
-  // Ranks, nodes, GPUs, stages and replicas: below the plan's cap on GPUs (never wrapped to int).
-  auto index = [](const JsonReader& d, const std::string& key) {
-    const std::int64_t v = d.get_nonnegative_int(key);
-    if (v >= kMaxGpus) d.fail_member(key, fmt::format("{} is not below {}", v, kMaxGpus));
-    return int(v);
-  };
   auto devs = r.at("devices");
   for (std::size_t i = 0; i < devs.size(); ++i) {
     auto d = devs.at(i);
