@@ -4,42 +4,12 @@
 # exit code (1 bad input, 2 usage), no signal, no hang (each command runs under `timeout`) and no
 # output file. Usage: run_bad_input_tests.sh PATH/TO/pipewright SOURCE_DIR
 set -u
-PW=$1
-SRC=$2
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-pass=0
-fail=0
-O="$TMP/never.json"  # an output that bad input must never create
-LIMIT=${PW_TEST_TIMEOUT:-30}  # seconds per command: a hang fails the test instead of blocking
-
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+LIMIT=30  # seconds per command (PW_TEST_TIMEOUT overrides): a hang fails instead of blocking
+source "$(dirname "$0")/harness.sh"
 
 # expect_code NAME CODE PATTERN CMD...: exits with CODE (1 bad input, 2 usage) within LIMIT
-# seconds, exactly one stderr line matching PATTERN, never "internal error", and $O not created.
-expect_code() {
-  local name=$1 code=$2 pattern=$3; shift 3
-  timeout -k 5 "$LIMIT" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  local lines
-  lines=$(wc -l <"$TMP/err")
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then bad "$name: hung (killed after ${LIMIT}s)"; return; fi
-  if [ "$rc" -gt 128 ]; then bad "$name: killed by signal $((rc - 128))"; return; fi
-  if [ "$rc" -ne "$code" ]; then bad "$name: exit $rc, expected $code: $(head -c 300 "$TMP/err")"; return; fi
-  if [ "$lines" -ne 1 ]; then bad "$name: $lines stderr lines: $(head -c 600 "$TMP/err")"; return; fi
-  if grep -q "internal error" "$TMP/err"; then bad "$name: internal error: $(cat "$TMP/err")"; return; fi
-  if ! grep -q -- "$pattern" "$TMP/err"; then bad "$name: stderr lacks '$pattern': $(cat "$TMP/err")"; return; fi
-  if [ -e "$O" ]; then bad "$name: left $O behind"; rm -f "$O"; return; fi
-  if ls "$TMP"/.*.tmp.* >/dev/null 2>&1; then bad "$name: left a temporary file"; return; fi
-  ok
-}
-expect_ok() {
-  local name=$1; shift
-  timeout -k 5 "$LIMIT" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  if [ "$rc" -eq 0 ]; then ok; else bad "$name (exit $rc): $(head -c 300 "$TMP/err")"; fi
-}
+# seconds, one stderr line matching PATTERN, never "internal error", $O not created.
+expect_code() { local name=$1 code=$2 pattern=$3; shift 3; expect_fail "$name" "$code" "$pattern" "$O" "$@"; }
 # py 'python code' edits JSON: j is the document, written back.
 edit_json() {
   local in=$1 out=$2 code=$3
@@ -197,5 +167,4 @@ expect_code "--set nan" 1 "network" $PW estimate --model gpt-tiny --set network.
 expect_code "--set 1e400" 1 "latency_s" $PW estimate --model gpt-tiny --set network.latency_s=1e400 --out "$O"
 expect_code "--set nodes=2^32+1" 1 "nodes" $PW estimate --model gpt-tiny --set nodes=4294967297 --out "$O"
 
-echo "bad-input CLI tests: $pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish "bad-input CLI tests"

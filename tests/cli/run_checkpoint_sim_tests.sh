@@ -5,35 +5,11 @@
 # would make SimGrid abort refused before it starts, in one line.
 # Usage: run_checkpoint_sim_tests.sh PATH/TO/pipewright SOURCE_DIR
 set -u
-PW=$1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-pass=0
-fail=0
-O="$TMP/never.json"  # an output that bad input must never create
+source "$(dirname "$0")/harness.sh"
 
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
-
-expect_ok() {
-  local name=$1; shift
-  if "$@" >"$TMP/out" 2>"$TMP/err"; then ok; else bad "$name (exit $?): $(head -c 600 "$TMP/err")"; fi
-}
-
-# expect_error NAME PATTERN OUTFILE CMD...: exit 1, exactly one stderr line matching PATTERN,
-# OUTFILE (if not -) absent afterwards.
-expect_error() {
-  local name=$1 pattern=$2 outfile=$3; shift 3
-  "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  local lines
-  lines=$(wc -l <"$TMP/err")
-  if [ "$rc" -ne 1 ]; then bad "$name: exit $rc: $(head -c 600 "$TMP/err")"; return; fi
-  if [ "$lines" -ne 1 ]; then bad "$name: $lines stderr lines: $(head -c 2000 "$TMP/err")"; return; fi
-  if ! grep -q -- "$pattern" "$TMP/err"; then bad "$name: stderr lacks '$pattern': $(cat "$TMP/err")"; return; fi
-  if [ "$outfile" != - ] && [ -e "$outfile" ]; then bad "$name: left $outfile behind"; return; fi
-  ok
-}
+# expect_error NAME PATTERN OUTFILE CMD...: exit 1, one stderr line matching PATTERN, OUTFILE (if
+# not -) absent afterwards (harness.sh's expect_fail).
+expect_error() { local name=$1; shift; expect_fail "$name" 1 "$@"; }
 
 # flip FILE OFFSET (negative: from the end): flips bit 3 of that byte.
 flip() {
@@ -113,5 +89,4 @@ expect_error "device peak flops 1e-300" "outside 0 to 1e+09 s" "$O" $SIM --set d
 expect_error "bandwidth 1e-300" "network.bandwidth_bytes_per_s" "$O" $SIM --set network.bandwidth_bytes_per_s=1e-300 --out "$O"
 expect_error "plan: latency 1e308" "network.latency_s = 1e+308" "$O" $PW plan --model gpt-tiny --cluster dgx-a100:2 -B 32 --set network.latency_s=1e308 --out "$O"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish
