@@ -7,6 +7,20 @@
 
 namespace pw::exec {
 
+const char* channel_name(Channel c) {
+  switch (c) {
+    case Channel::activation:
+      return "activation";
+    case Channel::gradient:
+      return "gradient";
+    case Channel::tied:
+      return "tied gradient";
+    case Channel::tied_weights:
+      return "tied weights";
+  }
+  return "?";
+}
+
 void InProcessTransport::send(int src, int dst, Channel channel, std::vector<float> data) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -18,20 +18,6 @@ const char* dtype_name(DType t) {
   return t == DType::bf16 ? "bf16" : "fp32";
 }
 
-const char* channel_name(Channel c) {
-  switch (c) {
-    case Channel::activation:
-      return "activation";
-    case Channel::gradient:
-      return "gradient";
-    case Channel::tied:
-      return "tied";
-    case Channel::tied_weights:
-      return "tied weights";
-  }
-  return "?";
-}
-
 std::string p2p_op_name(const char* verb, Channel c, const char* dir, int peer) {
   return std::string(verb) + " " + channel_name(c) + " " + dir + " " + std::to_string(peer);
 }

@@ -20,7 +20,6 @@ namespace pw::exec::cuda {
 enum class DType { bf16, fp32 };
 std::int64_t dtype_bytes(DType t);
 const char* dtype_name(DType t);
-const char* channel_name(Channel c);  // "activation", "gradient", "tied", "tied weights"
 
 // A transport op that passed its deadline: what() is "rank R: OP timed out after Ns". Thrown after
 // the transport was aborted, so every other blocked call of the job fails too (with the "transport

@@ -21,20 +21,6 @@ int channel_tag(Channel c) {
 }
 constexpr int kPartTag = 16, kSumTag = 17;
 
-const char* channel_name(Channel c) {
-  switch (c) {
-    case Channel::activation:
-      return "activation";
-    case Channel::gradient:
-      return "gradient";
-    case Channel::tied:
-      return "tied gradient";
-    case Channel::tied_weights:
-      return "tied weights";
-  }
-  return "?";
-}
-
 }  // namespace
 
 MpiTransport::MpiTransport(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s) {}
