@@ -14,7 +14,7 @@ const char* channel_name(Channel c) {
     case Channel::gradient:
       return "gradient";
     case Channel::tied:
-      return "tied gradient";
+      return "tied";
     case Channel::tied_weights:
       return "tied weights";
   }

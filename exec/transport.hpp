@@ -14,7 +14,7 @@
 namespace pw::exec {
 
 enum class Channel { activation, gradient, tied, tied_weights };  // point-to-point message kinds
-// For messages: "activation", "gradient", "tied gradient", "tied weights".
+// For messages and names: "activation", "gradient", "tied" (the tied gradient), "tied weights".
 const char* channel_name(Channel c);
 
 class Transport {
