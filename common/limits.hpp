@@ -27,6 +27,11 @@ inline constexpr std::int64_t kMaxDevices = 1'000'000;
 inline constexpr std::int64_t kMaxBytes = std::int64_t(1) << 53;
 // Pipeline ranks (w*d, programs) a run builds and simulates.
 inline constexpr std::int64_t kMaxRanks = 65'536;
+// Pipeline ranks one simulation replays: its time grows faster than linearly with the ranks of a
+// data-parallel all-reduce (2,048 ranks: about 30 s on one core).
+inline constexpr std::int64_t kMaxSimulatedRanks = 4'096;
+// GPUs of a simulated cluster (a platform host each): 16,384 (dgx-h100:2048) take about 80 s.
+inline constexpr std::int64_t kMaxSimulatedGpus = 16'384;
 // Ops over all programs of a run (ranks x steps x ops per step), checked before any is built:
 // about 1 GB of programs and minutes of simulation.
 inline constexpr std::int64_t kMaxProgramOps = 20'000'000;

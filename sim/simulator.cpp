@@ -193,12 +193,8 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
                               const SimOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
-  // The simulator's share of the limits (docs/formats.md, Limits): its time grows faster than
-  // linearly with the ranks of a data-parallel all-reduce (2048 ranks: about 30 s on one core),
-  // so a run with more ranks is refused before anything is built.
-  constexpr std::int64_t kMaxSimulatedRanks = 4096;
-  // The platform has a host per GPU of the cluster: 16,384 (dgx-h100:2048) simulate in about 80 s.
-  constexpr std::int64_t kMaxSimulatedGpus = 16'384;
+  // The simulator's share of the limits (common/limits.hpp), refused before anything is built.
+  using common::kMaxSimulatedGpus, common::kMaxSimulatedRanks;
   if (cluster.devices() > kMaxSimulatedGpus)
     throw InputError(fmt::format(
         "simulate: the cluster's {} x {} = {} GPUs are more than the {} a simulation takes "
