@@ -2,6 +2,7 @@
 // gradients travel as SimGrid communications, all-reduce buckets overlap the last backward.
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -53,12 +54,14 @@ class Replayer {
     allocate_static();
     for (op_ = 0; op_ < int(program_.ops.size()); ++op_)
       step(program_.ops[std::size_t(op_)]);
-    for (auto& [comm, op] : sends_) {
-      comm->wait();
-      record(kSend, comm->get_start_time(), comm->get_finish_time(), op);
+    for (auto& [name, ch] : channels_) {
+      {
+        std::unique_lock<sg4::Mutex> lock(*ch.mutex);
+        ch.closing = true;
+        ch.wake->notify_all();
+      }
+      ch.sender->join();
     }
-    for (auto& comm : side_sends_)
-      comm->wait();
     claim_mailboxes(false);
   }
 
@@ -219,44 +222,67 @@ class Replayer {
     // (Megatron's scatter/gather; the tied tensor and SP activations are per-GPU shards already).
     // The message carries GPU 0's piece; the others travel beside it on their own paths, equal
     // flows that end together with it when they share a bottleneck.
-    const int t = int(me_.tp_hosts.size());
     const std::int64_t piece =
         planner::is_tied(op.kind) ? size : planner::message_piece_bytes(w_.plan(), size);
     const auto bytes = std::uint64_t(std::max<std::int64_t>(piece, 1));
-    sg4::Mailbox* box = sg4::Mailbox::by_name(mailbox_name(op.peer, op.kind, me_.rank));
-    reap_sends();
-    sends_.emplace_back(box->put_async(&kToken, bytes), op_);
-    const RankState& peer = w_.ranks[std::size_t(op.peer)];
-    observe_transfer(me_.host, peer.host, double(bytes));
-    for (int i = 1; i < t; ++i) {
-      side_sends_.push_back(
-          start_flow(me_.tp_hosts[std::size_t(i)], peer.tp_hosts[std::size_t(i)], bytes));
-      observe_transfer(me_.tp_hosts[std::size_t(i)], peer.tp_hosts[std::size_t(i)], double(bytes));
-    }
-    while (!side_sends_.empty() && reaped(*side_sends_.front()))
-      side_sends_.pop_front();
+    const std::string name = mailbox_name(op.peer, op.kind, me_.rank);
+    auto [it, fresh] = channels_.try_emplace(name);
+    SendChannel& ch = it->second;
+    if (fresh) open_channel(ch, name, op.peer);
+    std::unique_lock<sg4::Mutex> lock(*ch.mutex);
+    ch.queue.emplace_back(bytes, op_);
+    ch.wake->notify_all();
   }
 
-  // Finished sends leave the actor's activity list only when tested or waited; SimGrid scans that
-  // list on every completion, so keeping finished sends around made big runs quadratic. Testing
-  // never blocks, so timing is unchanged.
-  void reap_sends() {
-    while (!sends_.empty() && reaped(*sends_.front().first)) {
-      auto& [comm, op] = sends_.front();
+  // The messages of one channel (sender, receiver, kind) leave one after the other, as over MPI's
+  // one TCP connection per pair or on one CUDA stream with NCCL: a message starts when the one
+  // before it has arrived, not beside it sharing the link. Each channel has a sender actor (the
+  // rank's send stream), so the rank never waits for its sends.
+  struct SendChannel {
+    std::deque<std::pair<std::uint64_t, int>> queue;  // (bytes, op)
+    bool closing = false;
+    sg4::MutexPtr mutex;
+    sg4::ConditionVariablePtr wake;
+    sg4::ActorPtr sender;
+  };
+
+  void open_channel(SendChannel& ch, const std::string& name, int peer) {
+    ch.mutex = sg4::Mutex::create();
+    ch.wake = sg4::ConditionVariable::create();
+    sg4::Mailbox* box = sg4::Mailbox::by_name(name);
+    ch.sender = sg4::Actor::create("send:" + name, me_.host,
+                                   [this, &ch, box, peer] { drain(ch, box, peer); });
+  }
+
+  void drain(SendChannel& ch, sg4::Mailbox* box, int peer_rank) {
+    const RankState& peer = w_.ranks[std::size_t(peer_rank)];
+    const int t = int(me_.tp_hosts.size());
+    std::vector<sg4::CommPtr> pieces;
+    for (;;) {
+      std::pair<std::uint64_t, int> message;
+      {
+        std::unique_lock<sg4::Mutex> lock(*ch.mutex);
+        while (ch.queue.empty() && !ch.closing)
+          ch.wake->wait(lock);
+        if (ch.queue.empty()) return;
+        message = ch.queue.front();
+        ch.queue.pop_front();
+      }
+      const auto [bytes, op] = message;
+      sg4::CommPtr comm = box->put_async(&kToken, bytes);
+      observe_transfer(me_.host, peer.host, double(bytes));
+      pieces.clear();
+      for (int i = 1; i < t; ++i) {
+        pieces.push_back(
+            start_flow(me_.tp_hosts[std::size_t(i)], peer.tp_hosts[std::size_t(i)], bytes));
+        observe_transfer(me_.tp_hosts[std::size_t(i)], peer.tp_hosts[std::size_t(i)],
+                         double(bytes));
+      }
+      comm->wait();
+      for (auto& p : pieces)
+        p->wait();
       record(kSend, comm->get_start_time(), comm->get_finish_time(), op);
-      sends_.pop_front();
     }
-  }
-
-  // test() with what SimGrid 3.32 forgets: a comm that test() finds finished is never removed
-  // from the actor's activity list (ActivityImpl::test calls finish() with no simcall registered),
-  // which every later completion of the actor then scans. A finished comm (its network action
-  // gone: nothing remains) is waited instead, which removes it; either way one simcall, answered at
-  // once, so the actors interleave exactly as with test().
-  static bool reaped(sg4::Comm& comm) {
-    if (comm.get_remaining() > 0) return comm.test();
-    comm.wait();
-    return true;
   }
 
   void receive(const Op& op) {
@@ -363,8 +389,7 @@ class Replayer {
   const planner::Program& program_;
   int waited_through_ = -1;  // the last step whose all-reduces this rank has waited for
   std::vector<bool> bucketed_;
-  std::deque<std::pair<sg4::CommPtr, int>> sends_;
-  std::deque<sg4::CommPtr> side_sends_;  // the other TP GPUs' pieces of sent messages
+  std::map<std::string, SendChannel> channels_;  // by mailbox name (map: stable references)
   std::int64_t versions_ = 1;
   int op_ = 0;
 };

@@ -65,6 +65,31 @@ TEST_F(Uniform, GPipeIsMPlusDMinusOneStagesPlusTwoHopsPerBoundary) {
               (8 + 4 - 1) * stage(3) + 2 * 3 * c, 1e-12);
 }
 
+// Messages of one channel leave one after the other (FIFO), as over one TCP connection or one CUDA
+// stream, instead of sharing the link. GPipe, d = 2, m = 4, t_f = 6 ms, t_b = 12 ms per stage, and
+// a link that takes X = 60 ms per activation or gradient (latency 0, untied embeddings): stage 0
+// sends its activations 6 ms apart; activation k (0..3) arrives at t_f + (k+1) X, so stage 1's
+// forwards end at 2 t_f + 4X; its first gradient leaves after one backward, t_b later, and the
+// four arrive X apart, the last at 2 t_f + t_b + 8X; stage 0's last backward ends t_b after it.
+// Sharing the link (as the replay did before), the activations arrived together near t_f + 4X and
+// this step took 528 ms, not 516.
+TEST_F(Uniform, MessagesOfOneChannelLeaveOneAfterTheOther) {
+  const double t_f = 6e-3, t_b = 12e-3, x = 60e-3;
+  models::ModelSpec untied = model;  // no tied-gradient message on the link
+  untied.tied_embeddings = false;
+  Plan p0 = plan_of(Schedule::gpipe, 1, 2, 2, 4, 1, 12, grid(node_with_latency(0)), 1);
+  const std::int64_t bytes =
+      planner::chunk_cost(models::derive_costs(model), trace, p0, 0, 0).output_bytes;
+  ASSERT_GT(bytes, 0);
+  clusters::Cluster cl = clusters::load_cluster(
+      "dgx-a100", 1,
+      {"gpus_per_node=2", "intra_node.latency_s=0", "intra_node.efficiency=1",
+       "intra_node.bandwidth_bytes_per_s=" + fmt::format("{}", double(bytes) / x)});
+  Plan p = plan_of(Schedule::gpipe, 1, 2, 2, 4, 1, 12, grid(cl), 1);
+  EXPECT_NEAR(simulate(untied, trace, cl, p).report.iteration_time_s, 2 * t_f + 2 * t_b + 8 * x,
+              1e-9);
+}
+
 // Reference for any flush schedule with link latency c: the programs run with one stream per
 // device; a compute op takes its time; a send costs the device nothing and its message arrives c
 // after it was sent; a receive waits for its message (FIFO per sender, kind). One step's
