@@ -5,6 +5,7 @@
 // `pipewright validate --predicted sim.json --measured measured.json` compares two reports.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <sstream>
 
@@ -17,6 +18,7 @@
 #include "cli/options.hpp"
 #include "exec/gpt_layout.hpp"
 #include "exec/gpu_host.hpp"
+#include "exec/machine_load.hpp"
 #include "exec/mpi/launch.hpp"
 #include "exec/mpi/probe.hpp"
 #include "exec/probe.hpp"
@@ -191,14 +193,84 @@ Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& pr
 
 // validate under mpirun, ranks other than 0: wait while rank 0 profiles, take part in the
 // ping-pong, wait while it simulates, train (rank 0 compares and writes).
+// The load other processes put on the machine during one phase (profiling, training). Under
+// mpirun every rank sends rank 0 its host's counters and its own CPU time; per host, the job's CPU
+// time is its ranks' sum, and the busiest host is reported. Every rank calls it at the same point.
+struct PhaseLoad {
+  exec::OtherLoad load;
+  std::string host;
+};
+
+PhaseLoad phase_load(const exec::CpuCounters& before, const exec::MpiSession* job) {
+  const exec::CpuCounters after = exec::read_cpu_counters();
+  const double own = after.process_cpu_s - before.process_cpu_s;
+  if (!job) return {exec::other_load(before, after, own), after.host};
+  const common::Json mine = {
+      {"host", after.host},
+      {"cpus", after.cpus},
+      {"tick_s", after.tick_s},
+      {"own", own},
+      {"before", {before.wall_s, before.busy_s, before.steal_s, before.total_s}},
+      {"after", {after.wall_s, after.busy_s, after.steal_s, after.total_s}}};
+  const std::vector<std::string> all = job->gather(mine.dump(), 0);
+  PhaseLoad worst;
+  if (job->rank() != 0) return worst;
+  std::map<std::string, std::pair<common::Json, double>> hosts;  // first report, job CPU
+  for (const std::string& text : all) {
+    const common::Json j = common::Json::parse(text);
+    auto [it, fresh] = hosts.try_emplace(j.at("host").get<std::string>(), j, 0.0);
+    it->second.second += j.at("own").get<double>();
+  }
+  for (const auto& [host, entry] : hosts) {
+    const auto& [j, job_cpu] = entry;
+    auto counters = [&](const char* key) {
+      exec::CpuCounters c;
+      c.wall_s = j.at(key).at(0).get<double>();
+      c.busy_s = j.at(key).at(1).get<double>();
+      c.steal_s = j.at(key).at(2).get<double>();
+      c.total_s = j.at(key).at(3).get<double>();
+      c.cpus = j.at("cpus").get<int>();
+      c.tick_s = j.at("tick_s").get<double>();
+      return c;
+    };
+    const exec::OtherLoad l = exec::other_load(counters("before"), counters("after"), job_cpu);
+    if (worst.host.empty() || l.others > worst.load.others) worst = {l, host};
+  }
+  return worst;
+}
+
+std::string load_text(const exec::OtherLoad& l) {
+  if (!l.known) return "unknown";
+  // /proc/stat counts whole ticks of every CPU: a short phase is known only this closely.
+  return l.resolution > 0.02
+             ? fmt::format("{:.0f}% (+-{:.0f}%)", 100 * l.others, 100 * l.resolution)
+             : fmt::format("{:.0f}%", 100 * l.others);
+}
+
+common::Json load_json(const PhaseLoad& p) {
+  if (!p.load.known) return nullptr;
+  return {{"others", p.load.others},
+          {"steal", p.load.steal},
+          {"wall_s", p.load.wall_s},
+          {"resolution", p.load.resolution},
+          {"host", p.host}};
+}
+
+// Above this share of the machine taken by others, validate warns that its error includes them.
+constexpr double kBusyMachine = 0.05;
+
 void follow_validate(const ValidateArgs& a, const exec::MpiSession& job,
                      const models::ModelSpec& model, const planner::Plan& plan) {
+  const exec::CpuCounters profile_start = exec::read_cpu_counters();
   exec::wait_for_all(job, "wait for rank 0's profile");
+  phase_load(profile_start, &job);
   std::int64_t sizes[4] = {};
   job.broadcast(sizes, int(sizeof sizes), 0);
   exec::measure_mpi_transport(job, {sizes[0], sizes[1], sizes[2], sizes[3]}, a.round_trips);
   exec::wait_for_all(job, "wait for rank 0's simulation");
+  const exec::CpuCounters train_start = exec::read_cpu_counters();
   train_on(a.backend, model, plan, a.train, print_step);
+  phase_load(train_start, &job);
 }
 
 #ifdef PW_HAVE_CUDA
@@ -264,6 +336,7 @@ void run_and_compare(const ValidateArgs& a) {
                    : fmt::format("{} cores", exec::hardware_threads()));
 
   // 1. Profile the per-layer trace (or use the one given).
+  const exec::CpuCounters profile_start = exec::read_cpu_counters();
   if (a.trace.empty()) {
     fmt::print("profiling {} at b={} ({} of {} round-robin runs)...\n", model.name,
                fmt::join(sizes, ","), a.statistic, a.repeats);
@@ -278,6 +351,7 @@ void run_and_compare(const ValidateArgs& a) {
       trace = exec::profile_cpu(model, sizes, a.repeats, statistic);
   }
   if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
+  const PhaseLoad profile_load = phase_load(profile_start, job);
   const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
   fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
              human_seconds(block.backward_s), human_seconds(block.recompute_s));
@@ -326,7 +400,9 @@ void run_and_compare(const ValidateArgs& a) {
   // 4. Train for real.
   fmt::print("training {} steps on {} ranks...\n", a.train.steps, plan.ranks());
   std::fflush(stdout);
+  const exec::CpuCounters train_start = exec::read_cpu_counters();
   const exec::TrainResult r = train_on(a.backend, model, plan, a.train, print_step);
+  const PhaseLoad train_load = phase_load(train_start, job);
   const planner::RunReport measured = measured_report(model, plan, r, on);
 
   // 5. Subtract.
@@ -337,6 +413,20 @@ void run_and_compare(const ValidateArgs& a) {
         "  (ranks share cores: the simulator runs their compute at a fair share of the core, so "
         "its busy times stretch; the OS mostly runs one op at a time, so the measured ones do "
         "not: compare the step times)\n");
+  if (!gpu) {
+    const exec::OtherLoad& pl = profile_load.load;
+    const exec::OtherLoad& tl = train_load.load;
+    fmt::print(
+        "  machine: other processes used {} of {}'s CPU time while profiling, {} while training "
+        "(hypervisor steal {:.0f}%, {:.0f}%)\n",
+        load_text(pl), train_load.host, load_text(tl), 100 * pl.steal, 100 * tl.steal);
+    if (std::max(pl.others + pl.steal, tl.others + tl.steal) > kBusyMachine)
+      fmt::print(
+          "  warning: the machine was busy with other work (above {:.0f}%): the profile and the "
+          "run were slowed unequally, and the error above includes that; rerun on a quiet "
+          "machine\n",
+          100 * kBusyMachine);
+  }
 
   common::Json samples = common::Json::array();
   for (const auto& s : link.samples)
@@ -357,6 +447,7 @@ void run_and_compare(const ValidateArgs& a) {
                                                      {"statistic", a.statistic}})
                                      : common::Json({{"profiled", false}, {"file", a.trace}});
   machine["cluster"] = clusters::to_json(cluster);
+  machine["other_load"] = {{"profile", load_json(profile_load)}, {"train", load_json(train_load)}};
   const common::Json files = {{"trace", or_null(a.trace_out.empty() ? a.trace : a.trace_out)},
                               {"predicted", or_null(a.simulated_out)},
                               {"measured", or_null(a.measured_out)},

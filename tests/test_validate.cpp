@@ -1,10 +1,15 @@
 // validate's pieces: the comparison of two run reports, the transport fit and probe, and the
 // cluster description of this machine.
 #include <cmath>
+#include <csignal>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include "clusters/cluster.hpp"
+#include "exec/machine_load.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
 #include "models/model.hpp"
@@ -211,6 +216,64 @@ TEST(CpuHostCluster, IsAValidClusterWithTheMeasuredLink) {
   const clusters::Cluster one = exec::cpu_host_cluster(1, f, 5e10);
   EXPECT_EQ(one.intra_node.kind, clusters::IntraKind::none);
   EXPECT_EQ(clusters::parse_cluster(clusters::to_json(one), "one.json"), one);
+}
+
+// /proc/stat's first line, in ticks: busy = user + nice + system + irq + softirq; total adds idle,
+// iowait and steal.
+TEST(MachineLoad, ProcStatLineInSeconds) {
+  exec::CpuCounters c;
+  ASSERT_TRUE(exec::parse_proc_stat(
+      "cpu  100 20 30 400 5 1 2 7 0 0\ncpu0 50 10 15 200 2 0 1 3 0 0\nintr 1 2\n", 100, c));
+  EXPECT_DOUBLE_EQ(c.busy_s, (100 + 20 + 30 + 1 + 2) / 100.0);
+  EXPECT_DOUBLE_EQ(c.steal_s, 0.07);
+  EXPECT_DOUBLE_EQ(c.total_s, (100 + 20 + 30 + 400 + 5 + 1 + 2 + 7) / 100.0);
+  exec::CpuCounters none;
+  EXPECT_FALSE(exec::parse_proc_stat("intr 1 2\n", 100, none));
+  EXPECT_FALSE(exec::parse_proc_stat("cpu  1 2\n", 100, none));
+}
+
+// Others' share = (the machine's busy time - the job's CPU time) / (wall x CPUs), in [0, 1].
+TEST(MachineLoad, OthersAreTheBusyTimeTheJobDidNotUse) {
+  exec::CpuCounters a, b;
+  a.wall_s = 10;
+  b.wall_s = 12;  // 2 s on 4 CPUs: 8 CPU-seconds
+  a.cpus = b.cpus = 4;
+  a.busy_s = 100;
+  b.busy_s = 105;  // 5 busy CPU-seconds, 3 of them the job's
+  a.total_s = 1000;
+  b.total_s = 1008;
+  a.steal_s = 1;
+  b.steal_s = 1.4;
+  const exec::OtherLoad l = exec::other_load(a, b, 3.0);
+  ASSERT_TRUE(l.known);
+  EXPECT_DOUBLE_EQ(l.others, 2.0 / 8.0);
+  EXPECT_DOUBLE_EQ(l.steal, 0.4 / 8.0);
+  EXPECT_DOUBLE_EQ(l.wall_s, 2.0);
+  EXPECT_DOUBLE_EQ(l.resolution, 0.01 / 2.0);
+  // The job's CPU time can exceed the busy ticks counted (tick rounding): clamped at 0.
+  EXPECT_EQ(exec::other_load(a, b, 9.0).others, 0.0);
+  // Unreadable counters: unknown, not zero.
+  EXPECT_FALSE(exec::other_load(exec::CpuCounters{}, exec::CpuCounters{}, 0).known);
+}
+
+// Live: a busy process beside this one shows up as others' load (at least half a CPU of the
+// machine's, allowing for the counters' tick resolution).
+TEST(MachineLoad, ABusyNeighbourIsSeen) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    volatile unsigned long spin = 0;
+    for (;;)
+      spin = spin + 1;
+  }
+  const exec::CpuCounters a = exec::read_cpu_counters();
+  ::usleep(500000);
+  const exec::CpuCounters b = exec::read_cpu_counters();
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  const exec::OtherLoad l = exec::other_load(a, b, b.process_cpu_s - a.process_cpu_s);
+  if (!l.known) GTEST_SKIP() << "/proc/stat is not readable here";
+  EXPECT_GE(l.others * b.cpus, 0.5) << "others " << l.others << " of " << b.cpus << " CPUs";
 }
 
 }  // namespace

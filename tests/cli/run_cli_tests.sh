@@ -284,6 +284,7 @@ expect_ok "validate" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 
   --out "$TMP/val.json" --simulated-out "$TMP/val-sim.json" --measured-out "$TMP/val-meas.json" \
   --cluster-out "$TMP/cpu-host.json" --trace-out "$TMP/val-trace.json"
 grep -q "^  step time " "$TMP/out" && grep -q "busy pred" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] \
+  && grep -Eq "^  machine: other processes used ([0-9]+%|unknown)" "$TMP/out" \
   && ok || bad "validate prints the step lines and the error table"
 python3 -c "
 import json, math
@@ -302,6 +303,9 @@ assert m['transport']['latency_s'] >= 0 and m['transport']['bandwidth_bytes_per_
 assert len(m['transport']['samples']) == 4 and m['cluster']['name'] == 'cpu-host'
 assert m['cluster']['intra_node']['bandwidth_bytes_per_s'] == m['transport']['bandwidth_bytes_per_s']
 assert [d['rank'] for d in v['devices']] == [0, 1]
+for phase in ('profile', 'train'):
+  l = m['other_load'][phase]
+  assert l is None or (0 <= l['others'] <= 1 and 0 <= l['steal'] <= 1 and l['wall_s'] > 0), l
 for d in v['devices']:
   for k in ('busy_s', 'peak_memory_bytes', 'bubble_fraction'):
     assert set(d[k]) == {'predicted', 'measured', 'error'}

@@ -114,6 +114,10 @@ assert m['transport']['kind'] == 'MPI (ranks 0 and 1)' and m['processes'] == 2, 
 c = m['cluster']
 assert c['nodes'] == 2 and c['gpus_per_node'] == 1 and c['network']['bandwidth_bytes_per_s'] > 0, c
 assert len(v['devices']) == 2
+# Both ranks' CPU time is the job's: what is left of the host's busy time is others'.
+for phase in ('profile', 'train'):
+    l = m['other_load'][phase]
+    assert l is None or (0 <= l['others'] <= 1 and l['host'] and l['wall_s'] > 0), l
 print("ok: validate over 2 processes")
 EOF
     ;;
