@@ -13,6 +13,7 @@
 #include "cli/options.hpp"
 #include "exec/checkpoint.hpp"
 #include "exec/gpt_layout.hpp"
+#include "exec/machine_load.hpp"
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
 
@@ -28,6 +29,7 @@ struct TrainArgs {
   std::string out;
   std::string timeline;
   double comm_timeout_s = 300;
+  bool pin_cores = false;
 };
 
 }  // namespace
@@ -78,6 +80,10 @@ void add_train_command(CLI::App& app) {
                   "with an error naming the rank and op (mpirun jobs, --backend cuda; 0: forever)")
       ->capture_default_str()
       ->check(finite_range(0, 1e6));
+  cmd->add_flag("--pin-cores,!--no-pin-cores", a->pin_cores,
+                "CPU backend, one process: run rank r's thread on core r only (with more ranks "
+                "than cores, neighbouring ranks share one); under mpirun, mpirun binds")
+      ->capture_default_str();
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
@@ -108,6 +114,8 @@ void add_train_command(CLI::App& app) {
           fmt::print("no checkpoint in {}: starting from step 0\n", dir);
         std::fflush(stdout);
       };
+    if (a->pin_cores && a->backend == "cpu" && process_count() == 1)
+      a->options.cores = exec::cores_for_ranks(plan.ranks(), exec::allowed_cores());
     const exec::TrainResult r =
         train_on(a->backend, model, plan, a->options, print_step, a->comm_timeout_s);
     if (!lead) return;

@@ -47,6 +47,7 @@ struct ValidateArgs {
   std::string trace;  // a trace to use instead of profiling
   std::string out, trace_out, simulated_out, measured_out, cluster_out;
   std::string predicted, measured;  // file mode
+  bool pin_cores = true;            // threads: rank r's thread on the core it is simulated on
 };
 
 std::string percent(double error) {
@@ -121,11 +122,14 @@ void compare_files(const ValidateArgs& a) {
 }
 
 // Rank r on core r; with more ranks than cores, consecutive ranks (neighbouring stages) share a
-// core, as evenly as the counts allow.
+// core, as evenly as the counts allow (exec::cores_for_ranks: the threads are pinned the same way).
 std::vector<planner::Placement> place_on_cores(int ranks, int cores) {
+  std::vector<int> indices(std::size_t(std::max(cores, 1)));
+  for (std::size_t i = 0; i < indices.size(); ++i)
+    indices[i] = int(i);
   std::vector<planner::Placement> out;
-  for (int r = 0; r < ranks; ++r)
-    out.push_back({0, ranks <= cores ? r : int(std::int64_t(r) * cores / ranks)});
+  for (int c : exec::cores_for_ranks(ranks, indices))
+    out.push_back({0, c});
   return out;
 }
 
@@ -397,11 +401,20 @@ void run_and_compare(const ValidateArgs& a) {
   if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
   if (job) exec::wait_for_all(*job, "wait for rank 0's simulation");
 
-  // 4. Train for real.
-  fmt::print("training {} steps on {} ranks...\n", a.train.steps, plan.ranks());
+  // 4. Train for real (threads: each rank on the core the simulation put it on).
+  exec::TrainOptions train = a.train;
+  if (!gpu && !job && a.pin_cores) {
+    const std::vector<int> cores = exec::allowed_cores();
+    for (const planner::Placement& p : placed.placement)
+      train.cores.push_back(cores[std::size_t(p.gpu) % cores.size()]);
+  }
+  fmt::print("training {} steps on {} ranks{}...\n", a.train.steps, plan.ranks(),
+             train.cores.empty()
+                 ? ""
+                 : fmt::format(" (threads on cores {})", fmt::join(train.cores, ",")));
   std::fflush(stdout);
   const exec::CpuCounters train_start = exec::read_cpu_counters();
-  const exec::TrainResult r = train_on(a.backend, model, plan, a.train, print_step);
+  const exec::TrainResult r = train_on(a.backend, model, plan, train, print_step);
   const PhaseLoad train_load = phase_load(train_start, job);
   const planner::RunReport measured = measured_report(model, plan, r, on);
 
@@ -481,7 +494,7 @@ void run_and_compare(const ValidateArgs& a) {
 constexpr const char* kRunOnly =
     "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
     "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
-    "--buckets --trace-out --simulated-out --measured-out --cluster-out";
+    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores";
 
 void add_validate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -521,6 +534,10 @@ void add_validate_command(CLI::App& app) {
                   "all-reduce buckets per stage (simulated and trained)")
       ->capture_default_str()
       ->check(count_range());
+  cmd->add_flag("--pin-cores,!--no-pin-cores", a->pin_cores,
+                "CPU threads: run each rank's thread on the core the simulation puts it on "
+                "(under mpirun, mpirun binds)")
+      ->capture_default_str();
   cmd->add_option("--out,-o", a->out, "write the validation report (JSON) here");
   cmd->add_option("--trace-out", a->trace_out, "keep the profiled trace here");
   cmd->add_option("--simulated-out", a->simulated_out, "keep the simulated run report here");

@@ -1,6 +1,7 @@
 // exec/machine_load: the machine's CPU counters and the load other processes put on it.
 #include "exec/machine_load.hpp"
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -9,6 +10,10 @@
 #include <chrono>
 #include <fstream>
 #include <sstream>
+
+#include <fmt/format.h>
+
+#include "common/error.hpp"
 
 namespace pw::exec {
 
@@ -67,6 +72,40 @@ OtherLoad other_load(const CpuCounters& before, const CpuCounters& after, double
   r.resolution = after.tick_s / r.wall_s;
   r.steal = std::clamp((after.steal_s - before.steal_s) / total, 0.0, 1.0);
   return r;
+}
+
+void pin_current_thread(int core) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || core < 0 || core >= CPU_SETSIZE ||
+      !CPU_ISSET(core, &allowed))
+    throw InputError(
+        fmt::format("cannot pin a rank to CPU core {}: this process may not run there", core));
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(core, &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0)
+    throw InputError(
+        fmt::format("cannot pin a rank to CPU core {}: sched_setaffinity failed", core));
+}
+
+std::vector<int> allowed_cores() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) out.push_back(c);
+  if (out.empty()) out.push_back(0);
+  return out;
+}
+
+std::vector<int> cores_for_ranks(int ranks, const std::vector<int>& cores) {
+  const auto n = std::int64_t(cores.size());
+  std::vector<int> out;
+  for (std::int64_t r = 0; r < ranks && n > 0; ++r)
+    out.push_back(cores[std::size_t(ranks <= n ? r : r * n / ranks)]);
+  return out;
 }
 
 }  // namespace pw::exec

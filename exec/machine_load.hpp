@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace pw::exec {
 
@@ -39,5 +40,17 @@ struct OtherLoad {
   double resolution = 0;  // of `others`: a count of every CPU, tick_s / wall_s
 };
 OtherLoad other_load(const CpuCounters& before, const CpuCounters& after, double job_cpu_s);
+
+// Binds the calling thread to one CPU core (sched_setaffinity). Throws InputError naming the core
+// when it is not one this process may run on.
+void pin_current_thread(int core);
+
+// The CPU cores this process may run on (sched_getaffinity), ascending.
+std::vector<int> allowed_cores();
+
+// A core for each of `ranks` threads among `cores`: rank r on cores[r] while there are enough;
+// with more ranks than cores, consecutive ranks (neighbouring stages) share one, as evenly as
+// the counts allow (index r * cores / ranks), as validate's placement puts them.
+std::vector<int> cores_for_ranks(int ranks, const std::vector<int>& cores);
 
 }  // namespace pw::exec

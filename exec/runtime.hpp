@@ -36,6 +36,9 @@ struct TrainOptions {
   std::uint64_t seed = 1234;                       // weights and the synthetic corpus
   std::string data;                                // token file; empty: synthetic corpus
   int gradient_buckets = 1;                        // all-reduce buckets per chunk
+  // Threads (CPU backend, one process): rank r's thread runs on CPU core cores[r] only (Linux
+  // sched_setaffinity); empty: wherever the OS puts it.
+  std::vector<int> cores;
   // Checkpoints (exec/checkpoint.hpp): with a directory, every `checkpoint_every` steps and after
   // the last; `resume` continues from the newest complete one there (from step 0 if none).
   std::string checkpoint_dir;

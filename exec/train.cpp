@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "exec/checkpoint.hpp"
+#include "exec/machine_load.hpp"
 #include "exec/worker.hpp"
 
 namespace pw::exec {
@@ -33,8 +34,16 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   for (int r = 0; r < plan.ranks(); ++r)
     workers.push_back(std::make_unique<detail::Worker>(shared, r));
   shared.start = detail::Clock::now();
+  if (!options.cores.empty() && int(options.cores.size()) != plan.ranks())
+    throw InputError(
+        fmt::format("{} cores to pin {} ranks to", options.cores.size(), plan.ranks()));
   detail::run_threads(
-      plan.ranks(), [&](int r) { workers[std::size_t(r)]->run(); }, [&] { transport.abort(); });
+      plan.ranks(),
+      [&](int r) {
+        if (!options.cores.empty()) pin_current_thread(options.cores[std::size_t(r)]);
+        workers[std::size_t(r)]->run();
+      },
+      [&] { transport.abort(); });
   TrainResult result;
   result.first_step = run.first_step;
   result.programs = programs;

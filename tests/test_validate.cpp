@@ -2,6 +2,7 @@
 // cluster description of this machine.
 #include <cmath>
 #include <csignal>
+#include <thread>
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -274,6 +275,28 @@ TEST(MachineLoad, ABusyNeighbourIsSeen) {
   const exec::OtherLoad l = exec::other_load(a, b, b.process_cpu_s - a.process_cpu_s);
   if (!l.known) GTEST_SKIP() << "/proc/stat is not readable here";
   EXPECT_GE(l.others * b.cpus, 0.5) << "others " << l.others << " of " << b.cpus << " CPUs";
+}
+
+// Rank r on core r while there are enough; more ranks than cores: neighbours share, evenly.
+TEST(PinCores, RanksOnCoresAsValidatePlacesThem) {
+  EXPECT_EQ(exec::cores_for_ranks(2, {0, 1, 2, 3}), (std::vector<int>{0, 1}));
+  EXPECT_EQ(exec::cores_for_ranks(4, {0, 1}), (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(exec::cores_for_ranks(3, {4, 6}), (std::vector<int>{4, 4, 6}));
+  EXPECT_TRUE(exec::cores_for_ranks(2, {}).empty());
+}
+
+TEST(PinCores, AThreadRunsWhereItIsPinned) {
+  const std::vector<int> cores = exec::allowed_cores();
+  ASSERT_FALSE(cores.empty());
+  int where = -1;
+  std::thread t([&] {
+    exec::pin_current_thread(cores.back());
+    where = sched_getcpu();
+  });
+  t.join();
+  EXPECT_EQ(where, cores.back());
+  EXPECT_THROW(exec::pin_current_thread(-1), InputError);
+  EXPECT_THROW(exec::pin_current_thread(1 << 20), InputError);
 }
 
 }  // namespace

@@ -141,6 +141,10 @@ expect_error "plan bad headroom" "memory-headroom" "$O" $PW plan --model gpt-tin
 # train on the CPU backend: one line per step, a measured report with every step's loss.
 expect_ok "train" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 -b 2 --steps 3 --out "$TMP/measured.json" --timeline "$TMP/measured-tl.json"
 [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] && ok || bad "train prints one line per step"
+grep '^step ' "$TMP/out" | cut -d'|' -f1,2 > "$TMP/train-losses"
+expect_ok "train --pin-cores" $PW train --model gpt-tiny --schedule 2bw -d 2 -m 2 -b 2 --steps 3 --pin-cores
+grep '^step ' "$TMP/out" | cut -d'|' -f1,2 | cmp -s - "$TMP/train-losses" \
+  && ok || bad "train --pin-cores gives the same losses"
 python3 -c "
 import json
 d = json.load(open('$TMP/measured.json'))
@@ -285,6 +289,7 @@ expect_ok "validate" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 
   --cluster-out "$TMP/cpu-host.json" --trace-out "$TMP/val-trace.json"
 grep -q "^  step time " "$TMP/out" && grep -q "busy pred" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] \
   && grep -Eq "^  machine: other processes used ([0-9]+%|unknown)" "$TMP/out" \
+  && grep -q "^training 3 steps on 2 ranks (threads on cores [0-9]*,[0-9]*)" "$TMP/out" \
   && ok || bad "validate prints the step lines and the error table"
 python3 -c "
 import json, math
