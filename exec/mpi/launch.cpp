@@ -2,7 +2,13 @@
 #include "exec/mpi/launch.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+
+#include <unistd.h>
 
 #if PW_HAVE_MPI
 #define OMPI_SKIP_MPICXX 1  // the C API only: no deprecated C++ bindings
@@ -110,6 +116,66 @@ bool MpiSession::available() {
   return true;
 }
 
+namespace {
+
+// mpirun ends the job's other processes with SIGCONT, SIGTERM (then SIGKILL) when one of them dies
+// or aborts: each says so in one line, with what it was waiting for (a signal handler may only
+// write(2): the line's pieces are prepared beforehand).
+char rank_prefix[64];
+std::size_t rank_prefix_length = 0;
+// What the rank waits for now: two buffers, `waiting_now` names the complete one (-1: nothing).
+char waiting_text[2][160];
+std::size_t waiting_length[2] = {0, 0};
+std::atomic<int> waiting_now{-1};
+
+void put(const char* text, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(STDERR_FILENO, text, n);
+    if (w <= 0) return;
+    text += w;
+    n -= std::size_t(w);
+  }
+}
+
+extern "C" void on_sigterm(int) {
+  static const char kEnded[] = "ended by mpirun (SIGTERM)";
+  static const char kWhile[] = " while waiting to ";
+  static const char kWhy[] = ": another rank of the job died, failed or was interrupted first\n";
+  put(rank_prefix, rank_prefix_length);
+  put(kEnded, sizeof kEnded - 1);
+  const int now = waiting_now.load();
+  if (now >= 0) {
+    put(kWhile, sizeof kWhile - 1);
+    put(waiting_text[now], waiting_length[now]);
+  }
+  put(kWhy, sizeof kWhy - 1);
+  ::_exit(1);
+}
+
+void say_when_ended(int rank) {
+  const int n =
+      std::snprintf(rank_prefix, sizeof rank_prefix, "pipewright: error: rank %d: ", rank);
+  rank_prefix_length = n > 0 ? std::min(std::size_t(n), sizeof rank_prefix - 1) : 0;
+  struct sigaction action {};
+  action.sa_handler = on_sigterm;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+}  // namespace
+
+void note_waiting(const std::string& op) {
+  const int next = waiting_now.load() == 0 ? 1 : 0;
+  const std::size_t n = std::min(op.size(), sizeof waiting_text[0]);
+  std::memcpy(waiting_text[next], op.data(), n);
+  waiting_length[next] = n;
+  waiting_now.store(next);
+}
+
+void note_done_waiting() {
+  waiting_now.store(-1);
+}
+
 MpiSession::MpiSession(int* argc, char*** argv) {
   int initialised = 0;
   check_mpi(0, "MPI_Initialized", MPI_Initialized(&initialised));
@@ -122,6 +188,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
             MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   check_mpi(0, "MPI_Comm_rank", MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
   check_mpi(rank_, "MPI_Comm_size", MPI_Comm_size(MPI_COMM_WORLD, &size_));
+  if (size_ > 1) say_when_ended(rank_);
 }
 
 MpiSession::~MpiSession() {
@@ -193,6 +260,8 @@ std::vector<std::string> MpiSession::gather(const std::string&, int) const {
   return {};
 }
 void check_mpi(int, const std::string&, int) {}
+void note_waiting(const std::string&) {}
+void note_done_waiting() {}
 void MpiSession::abort(int code) const {
   std::_Exit(code);
 }

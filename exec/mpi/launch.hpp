@@ -37,6 +37,12 @@ int local_device(const MpiEnv& env, int device_count);
 // Throws pw::Error "rank R: OP failed: TEXT" (one line) unless `code` is MPI_SUCCESS (MPI builds).
 void check_mpi(int rank, const std::string& op, int code);
 
+// What this process waits for now ("receive gradient from rank 1"), for the one line it prints
+// when mpirun ends it (SIGTERM) because another rank died or failed: under mpirun (size > 1) the
+// MpiSession installs that handler. note_done_waiting: nothing.
+void note_waiting(const std::string& op);
+void note_done_waiting();
+
 class MpiSession {
  public:
   static bool available();  // built with MPI

@@ -59,6 +59,10 @@ void MpiTransport::wait(const std::string& op, int peer, const std::function<boo
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto nap = std::chrono::microseconds(0);
+  note_waiting(op);
+  struct Done {
+    ~Done() { note_done_waiting(); }
+  } done_waiting;
   for (int polls = 0;; ++polls) {
     if (aborted_) throw Error(fmt::format("transport aborted: rank {}: {}", rank_, op));
     progress();

@@ -6,7 +6,8 @@
 #       numbers of both reports compared as text), and rank 0's report and timeline hold every rank
 #   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR fault kill|hang
 #       rank 1 dies (SIGKILL) or stops answering mid-run: the job ends non-zero within the timeout;
-#       a killed rank is named by mpirun ("process rank 1 ... exited on signal 9"), a hung one by
+#       a killed rank is named by mpirun ("process rank 1 ... exited on signal 9") and the others
+#       say in one line that mpirun ended them and what they waited for; a hung one is named by
 #       pipewright's one-line error ("rank R: OP timed out after 5s (--comm-timeout): rank P is
 #       dead or hung") on each rank that gave up before rank 0's MPI_Abort ended the job
 #   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR validate
@@ -90,6 +91,9 @@ EOF
       # mpirun notices the death first (before any --comm-timeout) and says which rank it was.
       grep -q "process rank 1 .*exited on signal 9" "$TMP/err" ||
         { echo "FAIL: mpirun did not name the killed rank 1"; exit 1; }
+      # The ranks mpirun ends (SIGTERM) say so in one line each, with what they waited for.
+      grep -Eq "^pipewright: error: rank [023]: ended by mpirun \(SIGTERM\)( while waiting to .+)?: another rank of the job died, failed or was interrupted first$" "$TMP/err" ||
+        { echo "FAIL: no one-line 'ended by mpirun' error from a surviving rank"; exit 1; }
     fi
     if [ "$ACTION" = hang ]; then
       # The first rank to give up names the op and the peer it waited for (rank 1, or a rank
