@@ -198,8 +198,9 @@ Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& pr
 // validate under mpirun, ranks other than 0: wait while rank 0 profiles, take part in the
 // ping-pong, wait while it simulates, train (rank 0 compares and writes).
 // The load other processes put on the machine during one phase (profiling, training). Under
-// mpirun every rank sends rank 0 its host's counters and its own CPU time; per host, the job's CPU
-// time is its ranks' sum, and the busiest host is reported. Every rank calls it at the same point.
+// mpirun every rank sends rank 0 its machine's counters and its own CPU time; per machine (boot
+// id), the job's CPU time is its ranks' sum, and the busiest machine is reported by host name.
+// Every rank calls it at the same point.
 struct PhaseLoad {
   exec::OtherLoad load;
   std::string host;
@@ -211,6 +212,7 @@ PhaseLoad phase_load(const exec::CpuCounters& before, const exec::MpiSession* jo
   if (!job) return {exec::other_load(before, after, own), after.host};
   const common::Json mine = {
       {"host", after.host},
+      {"machine", after.machine},
       {"cpus", after.cpus},
       {"tick_s", after.tick_s},
       {"own", own},
@@ -219,13 +221,14 @@ PhaseLoad phase_load(const exec::CpuCounters& before, const exec::MpiSession* jo
   const std::vector<std::string> all = job->gather(mine.dump(), 0);
   PhaseLoad worst;
   if (job->rank() != 0) return worst;
-  std::map<std::string, std::pair<common::Json, double>> hosts;  // first report, job CPU
+  // By machine (ranks in network namespaces of one machine share it): first report, job CPU.
+  std::map<std::string, std::pair<common::Json, double>> hosts;
   for (const std::string& text : all) {
     const common::Json j = common::Json::parse(text);
-    auto [it, fresh] = hosts.try_emplace(j.at("host").get<std::string>(), j, 0.0);
+    auto [it, fresh] = hosts.try_emplace(j.at("machine").get<std::string>(), j, 0.0);
     it->second.second += j.at("own").get<double>();
   }
-  for (const auto& [host, entry] : hosts) {
+  for (const auto& [machine, entry] : hosts) {
     const auto& [j, job_cpu] = entry;
     auto counters = [&](const char* key) {
       exec::CpuCounters c;
@@ -238,7 +241,8 @@ PhaseLoad phase_load(const exec::CpuCounters& before, const exec::MpiSession* jo
       return c;
     };
     const exec::OtherLoad l = exec::other_load(counters("before"), counters("after"), job_cpu);
-    if (worst.host.empty() || l.others > worst.load.others) worst = {l, host};
+    if (worst.host.empty() || l.others > worst.load.others)
+      worst = {l, j.at("host").get<std::string>()};
   }
   return worst;
 }

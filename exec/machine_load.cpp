@@ -57,6 +57,8 @@ CpuCounters read_cpu_counters() {
   c.cpus = int(std::max<long>(cpus, 1));
   char name[256] = {};
   if (gethostname(name, sizeof name - 1) == 0) c.host = name;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  if (!std::getline(boot, c.machine) || c.machine.empty()) c.machine = c.host;
   return c;
 }
 

@@ -18,6 +18,7 @@ struct CpuCounters {
   double tick_s = 0.01;      // one count of /proc/stat (1 / USER_HZ)
   int cpus = 0;              // online CPUs
   std::string host;          // gethostname
+  std::string machine;  // which machine: its boot id (the same in every namespace of it), else host
 };
 
 // Reads the counters now. Where /proc/stat cannot be read, busy_s and total_s stay 0 (the load is
