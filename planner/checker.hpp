@@ -37,7 +37,7 @@ struct CheckReport {
   int max_live_versions = 0;
   std::int64_t ops = 0;
   std::int64_t messages = 0;     // matched send/receive pairs
-  std::int64_t collectives = 0;  // completed all_reduce groups
+  std::int64_t collectives = 0;  // completed collective groups (all_reduce, tied gathers)
 };
 
 // Most stashed microbatch-chunks a device may hold: d for 1f1b, 2bw and dp; m for gpipe;
