@@ -181,6 +181,8 @@ void Worker::step(const Op& op) {
     case OpKind::recv_tied_gradient:
     case OpKind::send_tied_weights:
     case OpKind::recv_tied_weights:
+    case OpKind::gather_tied_gradient:
+    case OpKind::gather_tied_weights:
       return tied(op);
   }
 }
@@ -272,38 +274,71 @@ void Worker::all_reduce(const Op& op) {
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter. Stage 0
 // owns its update: it adds the head's gradient to its own (embedding + head, the order of the
 // sum on one device) and sends the new weights back; the last stage's optimizer skips the copy.
+// With w > 1 the head's gradient is the same on every replica after the all-reduce, so replica r
+// sends only its shard (tied_shard) and the receiving stage's replicas gather the shards: a sum
+// over the group of buffers that hold zeros outside each member's shard. x + 0 = x for every
+// float x but -0, so the result is what the whole tensor's message carried (an element equal to
+// -0 arrives as +0, an equal value).
 void Worker::tied(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   if (c.tied_offset < 0)
     throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
                             planner::to_string(op.kind), op.chunk));
+  const planner::Plan& p = s_.plan();
   const std::int64_t n = c.tied_size;
+  const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   float* grad = c.grads.data() + c.tied_offset;
+  std::vector<int> group;
+  for (int r = 0; r < p.w; ++r)
+    group.push_back(p.rank_of(stage_, r));
   const auto t0 = Clock::now();
   switch (op.kind) {
     case OpKind::send_tied_gradient:
       record(planner::kSendStream, t0, t0);
-      s_.transport->send(rank_, op.peer, Channel::tied, std::vector<float>(grad, grad + n));
+      s_.transport->send(rank_, op.peer, Channel::tied,
+                         std::vector<float>(grad + sh.begin, grad + sh.end));
       std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
       return;
     case OpKind::recv_tied_gradient: {
       const std::vector<float> head = s_.transport->recv(op.peer, rank_, Channel::tied);
-      for (std::int64_t i = 0; i < n; ++i)
-        grad[i] = grad[i] + head[std::size_t(i)];
+      if (p.w > 1) {
+        tied_head_.assign(std::size_t(n), 0.0f);
+        std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
+      } else {
+        for (std::int64_t i = 0; i < n; ++i)
+          grad[i] = grad[i] + head[std::size_t(i)];
+      }
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
+    case OpKind::gather_tied_gradient:
+      s_.transport->all_reduce_sum(fmt::format("tg/{}/{}", stage_, op.step), group, rank_,
+                                   tied_head_.data(), n);
+      for (std::int64_t i = 0; i < n; ++i)
+        grad[i] = grad[i] + tied_head_[std::size_t(i)];
+      tied_head_ = {};
+      record(planner::kCollectiveStream, t0, Clock::now());
+      return;
     case OpKind::send_tied_weights: {
       const float* w = params(c, op.version) + c.tied_offset;
       record(planner::kSendStream, t0, t0);
-      s_.transport->send(rank_, op.peer, Channel::tied_weights, std::vector<float>(w, w + n));
+      s_.transport->send(rank_, op.peer, Channel::tied_weights,
+                         std::vector<float>(w + sh.begin, w + sh.end));
       return;
     }
-    default: {
+    case OpKind::recv_tied_weights: {
       const std::vector<float> w = s_.transport->recv(op.peer, rank_, Channel::tied_weights);
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
-      std::copy(w.begin(), w.end(), out);
+      if (p.w > 1) std::fill(out, out + n, 0.0f);
+      std::copy(w.begin(), w.end(), out + sh.begin);
       record(planner::kRecvStream, t0, Clock::now());
+      return;
+    }
+    default: {  // gather_tied_weights
+      float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
+      s_.transport->all_reduce_sum(fmt::format("tw/{}/{}", stage_, op.version), group, rank_, out,
+                                   n);
+      record(planner::kCollectiveStream, t0, Clock::now());
       return;
     }
   }

@@ -77,6 +77,7 @@ class Worker {
   MemoryCounter* memory_;
   std::vector<Chunk> chunks_;
   Buffer workspace_;
+  std::vector<float> tied_head_;  // stage 0, w > 1: the head's gradient shards until gathered
   VersionSlots slots_;
   int updates_ = 0;
   std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;

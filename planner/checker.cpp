@@ -139,29 +139,43 @@ class DeviceChecker {
     return version > p_.first_step && version <= p_.first_step + p_.steps;
   }
 
+  // Tied messages done per step (gradient) or version (weights) on this device: the send or the
+  // receive counts 1, the gather after a receive (w > 1) 1 more.
+  int tied_complete_at(bool receiver) const { return receiver && plan_.w > 1 ? 2 : 1; }
+
   void tied(const Op& op) {
     const std::string name = to_string(op.kind);
+    const bool gather =
+        op.kind == OpKind::gather_tied_gradient || op.kind == OpKind::gather_tied_weights;
     const bool to_first = op.kind == OpKind::send_tied_gradient ||
-                          op.kind == OpKind::recv_tied_weights;  // ops of the last stage
+                          op.kind == OpKind::recv_tied_weights ||
+                          op.kind == OpKind::gather_tied_weights;  // ops of the last stage
     if (!(to_first ? tied_last() : tied_first()))
       bad(name + " on stage " + std::to_string(prog_.stage) +
           (p_.tied_embeddings && plan_.d > 1 ? ", not its tied end" : " of an untied program"));
-    const int partner = plan_.rank_of(to_first ? 0 : plan_.d - 1, prog_.replica);
+    const int partner = gather ? -1 : plan_.rank_of(to_first ? 0 : plan_.d - 1, prog_.replica);
     const int chunk = to_first ? plan_.v - 1 : 0;
+    if (gather && plan_.w == 1) bad(name + " with one replica");
     if (op.peer != partner)
-      bad(name + " with rank " + std::to_string(op.peer) + ", the tied partner is rank " +
-          std::to_string(partner));
+      bad(name + " with rank " + std::to_string(op.peer) +
+          (gather ? ", a gather has no peer"
+                  : ", the tied partner is rank " + std::to_string(partner)));
     if (op.chunk != chunk)
       bad(name + " of chunk " + std::to_string(op.chunk) + ", the tied tensor is in chunk " +
           std::to_string(chunk));
     if (op.microbatch != -1) bad(name + " with a microbatch");
-    const bool weights =
-        op.kind == OpKind::send_tied_weights || op.kind == OpKind::recv_tied_weights;
+    const bool weights = op.kind == OpKind::send_tied_weights ||
+                         op.kind == OpKind::recv_tied_weights ||
+                         op.kind == OpKind::gather_tied_weights;
     if (!weights) {
       if (backwards_of(op.step, op.chunk) != plan_.m) bad(name + " before the step's backwards");
       const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
       if (all_reduces_[local(op.step)] != reduces) bad(name + " before the step's all_reduces");
-      if (tied_gradient_[local(op.step)]++) bad(name + " twice in a step");
+      int& done = tied_gradient_[local(op.step)];
+      if (gather && done != 1)
+        bad(name + (done ? " twice in a step" : " before recv_tied_gradient"));
+      if (!gather && done) bad(name + " twice in a step");
+      ++done;
       return;
     }
     if (!in_range(op.version, int(live_.size())) || !created_here(op.version))
@@ -171,16 +185,21 @@ class DeviceChecker {
           " before the optimizer step that creates it");
     if (!live_[std::size_t(op.version)])
       bad(name + " of version " + std::to_string(op.version) + ", which is not live");
-    if (tied_weights_[std::size_t(op.version)]++)
-      bad(name + " of version " + std::to_string(op.version) + " twice");
+    int& done = tied_weights_[std::size_t(op.version)];
+    if (gather && done != 1)
+      bad(name + " of version " + std::to_string(op.version) +
+          (done ? " twice" : " before recv_tied_weights"));
+    if (!gather && done) bad(name + " of version " + std::to_string(op.version) + " twice");
+    ++done;
   }
 
   void use_version(const Op& op) {
     if (!in_range(op.version, int(live_.size()))) bad("weight version out of range");
     if (tied_last() && op.chunk == plan_.v - 1 && created_here(op.version) &&
-        !tied_weights_[std::size_t(op.version)]) {
+        tied_weights_[std::size_t(op.version)] != tied_complete_at(true)) {
       bad("uses weight version " + std::to_string(op.version) +
-          " before its tied weights are received (recv_tied_weights)");
+          " before its tied weights are received (recv_tied_weights" +
+          (plan_.w > 1 ? ", gather_tied_weights)" : ")"));
     }
     const int want = expected_version(plan_, op.step, op.microbatch);
     if (op.version != want) {
@@ -250,9 +269,12 @@ class DeviceChecker {
       bad("optimizer step after " + std::to_string(all_reduces_[local(op.step)]) +
           " all_reduces, expected " + std::to_string(reduces));
     }
-    if ((tied_first() || tied_last()) && !tied_gradient_[local(op.step)]) {
+    if ((tied_first() || tied_last()) &&
+        tied_gradient_[local(op.step)] != tied_complete_at(tied_first())) {
       bad(std::string("optimizer step before the tied gradient is ") +
-          (tied_first() ? "received (recv_tied_gradient)" : "sent (send_tied_gradient)"));
+          (tied_first() ? (plan_.w > 1 ? "received and gathered (gather_tied_gradient)"
+                                       : "received (recv_tied_gradient)")
+                        : "sent (send_tied_gradient)"));
     }
     if (op.version != op.step + 1) bad("optimizer step must create version step+1");
     live_[std::size_t(op.version)] = 1;
@@ -285,11 +307,13 @@ class DeviceChecker {
     }
     // Every version the segment creates is sent and received, the last ones after the last step.
     for (int version = p_.first_step + 1; version <= p_.first_step + p_.steps; ++version) {
-      if ((tied_first() || tied_last()) && !tied_weights_[std::size_t(version)]) {
-        throw ScheduleError(
-            "rank " + std::to_string(prog_.rank) + ": tied weights of version " +
-            std::to_string(version) + " never " +
-            (tied_first() ? "sent (send_tied_weights)" : "received (recv_tied_weights)"));
+      if ((tied_first() || tied_last()) &&
+          tied_weights_[std::size_t(version)] != tied_complete_at(tied_last())) {
+        throw ScheduleError("rank " + std::to_string(prog_.rank) + ": tied weights of version " +
+                            std::to_string(version) + " never " +
+                            (tied_first()  ? "sent (send_tied_weights)"
+                             : plan_.w > 1 ? "received and gathered (gather_tied_weights)"
+                                           : "received (recv_tied_weights)"));
       }
     }
     for (int step = p_.first_step; step < p_.first_step + p_.steps; ++step) {
@@ -323,8 +347,8 @@ class DeviceChecker {
   std::vector<int> users_;          // stashed microbatches per weight version
   std::vector<int> backwards_;      // per (step, chunk)
   std::vector<int> all_reduces_;    // per step
-  std::vector<int> tied_gradient_;  // tied gradients sent or received, per step
-  std::vector<int> tied_weights_;   // tied weights sent or received, per version
+  std::vector<int> tied_gradient_;  // tied gradient sent, or received (+1 gathered), per step
+  std::vector<int> tied_weights_;   // tied weights sent, or received (+1 gathered), per version
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

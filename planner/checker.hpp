@@ -9,14 +9,14 @@
 namespace pw::planner {
 
 // One abstract run: every op once, in an order that respects program order, FIFO channels
-// (sends buffered, receives blocking) and all-reduce collectives. Ops are named by a flat id:
-// op i of rank r is offset[r] + i.
+// (sends buffered, receives blocking) and collectives (all-reduce, the tied gathers). Ops are
+// named by a flat id: op i of rank r is offset[r] + i.
 struct Execution {
   std::vector<std::int64_t> offset;  // ranks + 1 entries
   std::vector<std::int64_t> order;  // flat ids in completion order; a collective's members adjacent
-  std::vector<std::int64_t> match;  // per flat id: the send a receive got, the group of an
-                                    // all_reduce (index into groups), else -1
-  std::vector<std::vector<std::int64_t>> groups;  // all_reduce members (flat ids), by rank
+  std::vector<std::int64_t> match;  // per flat id: the send a receive got, the group of a
+                                    // collective (index into groups), else -1
+  std::vector<std::vector<std::int64_t>> groups;  // collective members (flat ids), by rank
 };
 
 // Throws ScheduleError for a send/receive mismatch (kind, peer, FIFO order), a malformed or
@@ -37,7 +37,7 @@ struct CheckReport {
   int max_live_versions = 0;
   std::int64_t ops = 0;
   std::int64_t messages = 0;     // matched send/receive pairs
-  std::int64_t collectives = 0;  // completed all_reduce groups
+  std::int64_t collectives = 0;  // completed collective groups (all_reduce, tied gathers)
 };
 
 // Most stashed microbatch-chunks a device may hold: d for 1f1b, 2bw and dp; m for gpipe;

@@ -3,6 +3,7 @@
 #include "planner/cost_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include <fmt/format.h>
@@ -308,10 +309,12 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
 }
 
 // Exposed part of the tied-embedding exchange (d > 1): the last stage sends its head's gradient
-// to stage 0 after its last backward and all-reduce; stage 0 needs it after its own last backward,
-// up to d-1 backward slots later. Flush schedules then wait for the new weights on the last
-// stage, whose first forward of the next step comes d-1 forwards and hops after stage 0's; 2BW
-// needs them one step later, where they hide.
+// (w > 1: each replica its 1/w shard of the all-reduced gradient) to stage 0 after its last
+// backward and all-reduce; stage 0 needs it after its own last backward, up to d-1 backward slots
+// later, then (w > 1) all-gathers the shards over its replicas. Flush schedules then wait for the
+// new weights on the last stage, whose first forward of the next step comes d-1 forwards and hops
+// after stage 0's; 2BW needs them one step later, where they hide. The last stage all-gathers the
+// weights' shards (w > 1) before that forward, on its critical path either way.
 double tied_exchange_time(const models::ModelSpec& model, const models::ModelCosts& mc,
                           const clusters::Cluster& cluster, const Plan& p,
                           const std::vector<StageCost>& st) {
@@ -319,18 +322,28 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
   const int last = p.d - 1;
   const clusters::Link link = rank_link(cluster, p, p.rank_of(last, 0), p.rank_of(0, 0));
   const double bytes = double(mc.tied_copy_parameters * models::dtype_bytes(model.dtype));
+  const double shard = std::ceil(bytes / p.w);
   const double transfer_s = link.latency_s + nic_sharers(cluster, p, last) *
-                                                 tp_nic_sharers(cluster, p, link) * bytes /
+                                                 tp_nic_sharers(cluster, p, link) * shard /
                                                  link.bandwidth_bytes_per_s;
+  // All-gather over the stage's replica ring: (w-1) steps of ceil(S/w), the t rings at once.
+  auto gather_s = [&](int s) {
+    if (p.w == 1) return 0.0;
+    clusters::Link ring = replica_ring_link(cluster, p, s);
+    ring.bandwidth_bytes_per_s /= tp_nic_sharers(cluster, p, ring);
+    return (p.w - 1) * (ring.latency_s + shard / ring.bandwidth_bytes_per_s);
+  };
   double backwards = 0, forwards = 0;
   for (int s = 1; s < p.d; ++s)
     backwards += st[std::size_t(s)].backward_s / p.v;
   for (int s = 0; s < last; ++s)
     forwards += (st[std::size_t(s)].forward_s + st[std::size_t(s)].send_s) / p.v;
-  const double gradient_s =
-      std::max(0.0, st[std::size_t(last)].allreduce_s + transfer_s - backwards - st[0].allreduce_s);
+  const double gradient_s = std::max(0.0, st[std::size_t(last)].allreduce_s + transfer_s -
+                                              backwards - st[0].allreduce_s) +
+                            gather_s(0);
   const double weights_s =
-      p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, transfer_s - forwards);
+      (p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, transfer_s - forwards)) +
+      gather_s(last);
   return gradient_s + weights_s;
 }
 

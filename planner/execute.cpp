@@ -1,7 +1,9 @@
 // The abstract run of schedule programs: FIFO matching, collectives and deadlock detection.
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "planner/checker.hpp"
@@ -87,7 +89,7 @@ class Runner {
       return true;
     }
     if (is_recv(op.kind)) return receive(r, op);
-    if (op.kind == OpKind::all_reduce) return arrive(r, op);
+    if (is_collective(op.kind)) return arrive(r, op);
     complete(r);
     return true;
   }
@@ -132,21 +134,27 @@ class Runner {
     }
   }
 
+  // Collectives are matched over the stage's w replicas by (kind, stage, step, chunk, bucket);
+  // the tied weights' gather by its version instead of the step.
+  using CollectiveKey = std::tuple<int, int, int, int, int>;
+  static CollectiveKey collective_key(const Plan& plan, int r, const Op& op) {
+    const int when = op.kind == OpKind::gather_tied_weights ? op.version : op.step;
+    return {int(op.kind), plan.stage_of(r), when, op.chunk, op.bucket};
+  }
+
   bool arrive(int r, const Op& op) {
     const Plan& plan = p_.plan;
     const std::size_t index = std::size_t(pc_[r]);
     const int step = op.step - p_.first_step;
     if (!in_range(step, p_.steps) || !in_range(op.chunk, plan.v) ||
-        !in_range(op.bucket, p_.buckets)) {
-      fail(p_, r, index, "all_reduce step, chunk or bucket out of range");
+        (op.kind == OpKind::all_reduce && !in_range(op.bucket, p_.buckets))) {
+      fail(p_, r, index, to_string(op.kind) + " step, chunk or bucket out of range");
     }
-    const std::int64_t key =
-        ((std::int64_t(plan.stage_of(r)) * p_.steps + step) * plan.v + op.chunk) * p_.buckets +
-        op.bucket;
+    const CollectiveKey key = collective_key(plan, r, op);
     auto& members = pending_[key];
     for (std::int64_t id : members) {
       if (plan.replica_of(rank_of_flat(id)) == plan.replica_of(r)) {
-        fail(p_, r, index, "joins the same all_reduce twice");
+        fail(p_, r, index, "joins the same " + to_string(op.kind) + " twice");
       }
     }
     members.push_back(flat(r));
@@ -176,7 +184,7 @@ class Runner {
   }
 
   // The rank a stuck rank waits for: the sender of its receive, or a replica missing from its
-  // all_reduce.
+  // collective.
   int waits_for(int r) const {
     const Op& op = op_at(r);
     if (is_recv(op.kind)) return op.peer;
@@ -186,8 +194,8 @@ class Runner {
       if (other == r) continue;
       if (pc_[std::size_t(other)] >= op_count(other)) return other;
       const Op& theirs = op_at(other);
-      if (!(theirs.kind == OpKind::all_reduce && theirs.step == op.step &&
-            theirs.chunk == op.chunk && theirs.bucket == op.bucket)) {
+      if (!is_collective(theirs.kind) ||
+          collective_key(p_.plan, other, theirs) != collective_key(p_.plan, r, op)) {
         return other;
       }
     }
@@ -220,7 +228,7 @@ class Runner {
       path.push_back(r);
       r = waits_for(r);
     }
-    if (r < 0) return "wait chain ends at an incomplete all_reduce";
+    if (r < 0) return "wait chain ends at an incomplete collective";
     if (pc_[std::size_t(r)] >= op_count(r)) {
       return "rank " + std::to_string(r) + " has finished its program";
     }
@@ -250,7 +258,7 @@ class Runner {
   std::vector<std::int64_t> waiting_;  // channel key a rank waits on, -2 an all_reduce, else -1
   std::vector<int> ready_;
   std::unordered_map<std::int64_t, std::deque<std::int64_t>> channels_;
-  std::unordered_map<std::int64_t, std::vector<std::int64_t>> pending_;
+  std::map<CollectiveKey, std::vector<std::int64_t>> pending_;
 };
 
 }  // namespace

@@ -21,11 +21,17 @@ enum class OpKind {
   optimizer_step,   // applies the step's gradients, creating weight `version`
   free_version,     // drops weight `version`
   // Tied embeddings (d > 1): stage 0 (chunk 0, "wte") owns the update of the parameter the last
-  // stage (chunk v-1, "lm_head") holds a copy of. Asynchronous and FIFO like the others.
-  send_tied_gradient,  // last stage -> stage 0: the step's lm_head gradient (then zeroed)
-  recv_tied_gradient,  // stage 0: adds it to the wte gradient before its optimizer step
-  send_tied_weights,   // stage 0 -> last stage: wte of the `version` its optimizer step created
+  // stage (chunk v-1, "lm_head") holds a copy of. Asynchronous and FIFO like the others. With w
+  // replicas each message carries the replica's shard (tied_shard) of the tensor, and a gather
+  // over the stage's w replicas completes it: the tensor crosses between the two stages once.
+  send_tied_gradient,  // last stage -> stage 0: the replica's shard of the step's (all-reduced)
+                       // lm_head gradient (then the whole gradient is zeroed)
+  recv_tied_gradient,  // stage 0: the shard; w == 1: the whole, added to the wte gradient
+  send_tied_weights,   // stage 0 -> last stage: the shard of wte of the `version` it created
   recv_tied_weights,   // last stage: into lm_head of `version`, before the first op that uses it
+  // w > 1 only: collectives over the stage's w replicas, matched by (stage, kind, step / version).
+  gather_tied_gradient,  // stage 0: all-gathers the shards received, adds them to the wte gradient
+  gather_tied_weights,   // last stage: all-gathers the shards of `version` into lm_head
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
@@ -33,7 +39,20 @@ std::string to_string(OpKind kind);
 bool is_compute(OpKind kind);  // forward, backward, recompute
 bool is_send(OpKind kind);     // the four point-to-point sends, tied ones included
 bool is_recv(OpKind kind);
-bool is_tied(OpKind kind);  // the four tied-embedding ops (per step: no microbatch)
+bool is_tied(OpKind kind);  // the six tied-embedding ops (per step: no microbatch)
+// Ops every replica of a stage joins: all_reduce and the two tied gathers.
+bool is_collective(OpKind kind);
+
+// Elements [begin, end) of a tied tensor of n elements that replica r of w sends and receives:
+// ceil(n / w) per replica, the last ones shorter (or empty).
+struct TiedShard {
+  std::int64_t begin = 0, end = 0;
+};
+inline TiedShard tied_shard(std::int64_t n, int w, int r) {
+  const std::int64_t per = (n + w - 1) / w;
+  const std::int64_t begin = per * r < n ? per * r : n;
+  return {begin, begin + per < n ? begin + per : n};
+}
 
 struct Op {
   OpKind kind = OpKind::forward;
@@ -92,12 +111,13 @@ struct ProgramOptions {
   int steps = 3;
   int gradient_buckets = 1;
   int first_step = 0;
-  // With tied embeddings and d > 1, per replica: the last stage sends its tied gradient to stage 0
-  // after the step's all-reduces (send_tied_gradient); stage 0 receives it before its optimizer
-  // step and sends the new weights back (send_tied_weights); the last stage receives version v
-  // right before its first forward that uses v, and the versions no op of the segment uses
-  // (2BW: the last two; flush: the last one) after its last optimizer step, so every send has its
-  // receive and the final weights of both copies agree.
+  // With tied embeddings and d > 1, per replica: the last stage sends its tied gradient (w > 1:
+  // its shard) to stage 0 after the step's all-reduces (send_tied_gradient); stage 0 receives it
+  // (w > 1: then gather_tied_gradient) before its optimizer step and sends the new weights (its
+  // shard) back (send_tied_weights); the last stage receives version v (w > 1: then
+  // gather_tied_weights) right before its first forward that uses v, and the versions no op of
+  // the segment uses (2BW: the last two; flush: the last one) after its last optimizer step, so
+  // every send has its receive and the final weights of both copies agree.
   bool tied_embeddings = false;
 };
 Programs generate_programs(const Plan& plan, const ProgramOptions& options);
@@ -107,7 +127,8 @@ std::vector<int> initial_versions(const Plan& plan, int first_step);
 
 // Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
 // "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)",
-// "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights).
+// "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights), "AGTG",
+// "AGTW(v2)" (their gathers over the replicas).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

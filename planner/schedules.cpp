@@ -41,6 +41,10 @@ std::string to_string(OpKind kind) {
       return "send_tied_weights";
     case OpKind::recv_tied_weights:
       return "recv_tied_weights";
+    case OpKind::gather_tied_gradient:
+      return "gather_tied_gradient";
+    case OpKind::gather_tied_weights:
+      return "gather_tied_weights";
   }
   return "unknown";
 }
@@ -58,7 +62,12 @@ bool is_recv(OpKind kind) {
 }
 bool is_tied(OpKind kind) {
   return kind == OpKind::send_tied_gradient || kind == OpKind::recv_tied_gradient ||
-         kind == OpKind::send_tied_weights || kind == OpKind::recv_tied_weights;
+         kind == OpKind::send_tied_weights || kind == OpKind::recv_tied_weights ||
+         kind == OpKind::gather_tied_gradient || kind == OpKind::gather_tied_weights;
+}
+bool is_collective(OpKind kind) {
+  return kind == OpKind::all_reduce || kind == OpKind::gather_tied_gradient ||
+         kind == OpKind::gather_tied_weights;
 }
 
 int expected_version(const Plan& plan, int step, int microbatch) {
@@ -105,6 +114,10 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "sendTW(v" + std::to_string(op.version) + ")->" + peer;
     case OpKind::recv_tied_weights:
       return "recvTW(v" + std::to_string(op.version) + ")<-" + peer;
+    case OpKind::gather_tied_gradient:
+      return "AGTG";
+    case OpKind::gather_tied_weights:
+      return "AGTW(v" + std::to_string(op.version) + ")";
   }
   return "?";
 }
@@ -222,12 +235,17 @@ class ProgramBuilder {
       }
     }
     // The tied embedding (stage 0, chunk 0) owns the update; the LM head's copy (stage d-1,
-    // chunk v-1) sends its gradient there and gets the new weights back.
+    // chunk v-1) sends its gradient there and gets the new weights back. With w > 1 the
+    // gradient is the same on every replica after the all-reduce: each replica sends only its
+    // shard, and stage 0's replicas gather the shards among themselves.
     const int v = plan_.v, d = plan_.d;
     if (tied_last())
       program_.ops.push_back(Op{OpKind::send_tied_gradient, step, -1, v - 1, peer(0), -1, -1});
-    if (tied_first())
+    if (tied_first()) {
       program_.ops.push_back(Op{OpKind::recv_tied_gradient, step, -1, 0, peer(d - 1), -1, -1});
+      if (plan_.w > 1)
+        program_.ops.push_back(Op{OpKind::gather_tied_gradient, step, -1, 0, -1, -1, -1});
+    }
     const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
     if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
     program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
@@ -244,11 +262,14 @@ class ProgramBuilder {
   bool tied_first() const { return tied_ && plan_.d > 1 && program_.stage == 0; }
   bool tied_last() const { return tied_ && plan_.d > 1 && program_.stage == plan_.d - 1; }
 
-  // Receives the tied weights of every version up to `version` (all when -1) not received yet.
+  // Receives the tied weights of every version up to `version` (all when -1) not received yet;
+  // with w > 1 each received shard is gathered over the replicas at once.
   void receive_tied_weights(int step, int version) {
     while (!unreceived_.empty() && (version < 0 || unreceived_.front() <= version)) {
-      program_.ops.push_back(
-          Op{OpKind::recv_tied_weights, step, -1, plan_.v - 1, peer(0), unreceived_.front(), -1});
+      const int v = unreceived_.front();
+      program_.ops.push_back(Op{OpKind::recv_tied_weights, step, -1, plan_.v - 1, peer(0), v, -1});
+      if (plan_.w > 1)
+        program_.ops.push_back(Op{OpKind::gather_tied_weights, step, -1, plan_.v - 1, -1, v, -1});
       unreceived_.erase(unreceived_.begin());
     }
   }

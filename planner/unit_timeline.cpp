@@ -59,7 +59,7 @@ Timeline run_timeline(const Programs& programs, const DurationFn& duration) {
         programs.devices[std::size_t(r)].ops[std::size_t(id - ex.offset[std::size_t(r)])];
     if (is_recv(op.kind)) {
       run_op(id, times[std::size_t(ex.match[std::size_t(id)])].end);
-    } else if (op.kind == OpKind::all_reduce) {
+    } else if (is_collective(op.kind)) {
       const std::size_t g = std::size_t(ex.match[std::size_t(id)]);
       if (group_timed[g]) continue;
       group_timed[g] = 1;

@@ -259,4 +259,34 @@ double allreduce_time_s(const clusters::Cluster& c, const std::vector<Member>& m
   return 2 * (k - 1) * intra + 2 * (N - 1) * inter;
 }
 
+void allgather(const Platform& platform, const std::vector<Member>& members, double bytes) {
+  const AllreducePlan plan = plan_allreduce(members);
+  if (plan.algorithm == AllreduceAlgorithm::ring) {
+    const int n = int(plan.groups[0].size());
+    ring_steps({hosts_of(platform, plan.groups[0])}, n - 1, chunk_bytes(bytes, n));
+  } else if (plan.algorithm == AllreduceAlgorithm::hierarchical) {
+    std::vector<std::vector<sg4::Host*>> by_node;
+    for (const auto& g : plan.groups)
+      by_node.push_back(hosts_of(platform, g));
+    const int N = int(by_node.size()), k = int(by_node[0].size());
+    ring_steps(transpose(by_node), N - 1, chunk_bytes(bytes, k * N));  // inter-node rings
+    ring_steps(by_node, k - 1, chunk_bytes(bytes, k));                 // intra-node rings
+  }
+}
+
+double allgather_time_s(const clusters::Cluster& c, const std::vector<Member>& members,
+                        double bytes, const PlatformOptions& options) {
+  const AllreducePlan plan = plan_allreduce(members);
+  if (plan.algorithm == AllreduceAlgorithm::none) return 0;
+  if (plan.algorithm == AllreduceAlgorithm::ring) {
+    const int n = int(plan.groups[0].size());
+    return (n - 1) * step_time_s(c, ring_flows(plan.groups), chunk_bytes(bytes, n), options);
+  }
+  const int N = int(plan.groups.size()), k = int(plan.groups[0].size());
+  const double intra = step_time_s(c, ring_flows(plan.groups), chunk_bytes(bytes, k), options);
+  const double inter =
+      step_time_s(c, ring_flows(transpose(plan.groups)), chunk_bytes(bytes, k * N), options);
+  return (k - 1) * intra + (N - 1) * inter;
+}
+
 }  // namespace pw::sim

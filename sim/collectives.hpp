@@ -63,6 +63,15 @@ AllreducePlan plan_allreduce(const std::vector<Member>& members);
 // co-located replicas exchange through its device memory). Blocks the calling actor.
 void allreduce(const Platform& platform, const std::vector<Member>& members, double bytes);
 
+// All-gather of `bytes` (the whole gathered tensor; each member holds ceil(bytes / n) of it) among
+// `members`, on the layout allreduce() picks: a ring of n - 1 steps of ceil(bytes / n), or, over N
+// nodes of k members, inter-node rings among members of the same local index (N - 1 steps of
+// ceil(bytes / (kN))) and then intra-node rings (k - 1 steps of ceil(bytes / k)): the all-gather
+// half of each all-reduce. Blocks the calling actor.
+void allgather(const Platform& platform, const std::vector<Member>& members, double bytes);
+double allgather_time_s(const clusters::Cluster& c, const std::vector<Member>& members,
+                        double bytes, const PlatformOptions& options = {});
+
 // The time allreduce() takes with no other traffic, in closed form: each step takes
 // max over its flows of (latency + chunk / share), a flow's share being min over its links of
 // bandwidth / (flows of this step on that link). Exact for the layouts plan_allreduce produces on

@@ -127,6 +127,13 @@ class Replayer {
       case OpKind::recv_tied_weights:
         receive(op);  // a tied message sent long ago is there already: no wait
         break;
+      case OpKind::gather_tied_gradient:
+        wait_collectives(op.step);  // as the executor: after the step's all-reduces
+        gather(op);
+        break;
+      case OpKind::gather_tied_weights:
+        gather(op);
+        break;
       case OpKind::all_reduce:
         trigger(op.step, op.chunk, op.bucket);
         break;
@@ -213,9 +220,9 @@ class Replayer {
 
   void send(const Op& op) {
     // An activation is the chunk's output; a gradient is that of its input (the last chunk has no
-    // output, but sends the gradient of its input like every other); tied messages are the tied
-    // tensor (its gradient or its new weights).
-    const std::int64_t size = planner::is_tied(op.kind)          ? me_.tied_bytes
+    // output, but sends the gradient of its input like every other); tied messages are this
+    // replica's shard of the tied tensor (its gradient or its new weights; w == 1: the whole).
+    const std::int64_t size = planner::is_tied(op.kind)          ? tied_shard_bytes()
                               : op.kind == OpKind::send_gradient ? chunk(op).input_bytes
                                                                  : chunk(op).output_bytes;
     // With t > 1 each GPU of the group sends its 1/t to its counterpart in the peer's group
@@ -293,6 +300,56 @@ class Replayer {
     record(kRecv, comm->get_start_time(), comm->get_finish_time(), op_);
   }
 
+  std::int64_t tied_shard_bytes() const {
+    const planner::TiedShard sh = planner::tied_shard(me_.tied_bytes, w_.plan().w, me_.replica);
+    return sh.end - sh.begin;
+  }
+
+  // The members of this stage's data-parallel collectives: GPU i of every replica's TP group, per
+  // i (t groups, all at once).
+  std::vector<std::vector<std::pair<int, int>>> replica_groups() const {
+    const int t = w_.plan().t;
+    std::vector<std::vector<std::pair<int, int>>> groups(static_cast<std::size_t>(t));
+    for (int r = 0; r < w_.plan().w; ++r) {
+      const RankState& m = w_.ranks[std::size_t(w_.plan().rank_of(me_.stage, r))];
+      for (int i = 0; i < t; ++i)
+        groups[std::size_t(i)].emplace_back(m.node, m.gpu + i);
+    }
+    return groups;
+  }
+
+  // A tied gather (w > 1): blocks until every replica of the stage has its shard and the last to
+  // arrive has all-gathered the tensor among them. Keyed apart from the all-reduce buckets: the
+  // gradient's by step (bucket -1), the weights' by version (bucket -2).
+  void gather(const Op& op) {
+    const bool weights = op.kind == OpKind::gather_tied_weights;
+    Collective& c = collective(weights ? op.version : op.step, op.chunk, weights ? -2 : -1);
+    if (++c.arrived == w_.plan().w) {
+      const auto groups = replica_groups();
+      const double bytes = double(me_.tied_bytes);
+      const Platform* platform = w_.platform;
+      sg4::Actor::create("allgather", me_.host, [&c, groups, bytes, platform] {
+        c.start = sg4::Engine::get_clock();
+        std::vector<sg4::ActorPtr> rings;
+        for (std::size_t i = 1; i < groups.size(); ++i)
+          rings.push_back(sg4::Actor::create(
+              "allgather", sg4::this_actor::get_host(),
+              [members = groups[i], bytes, platform] { allgather(*platform, members, bytes); }));
+        allgather(*platform, groups[0], bytes);
+        for (const auto& a : rings)
+          a->join();
+        c.end = sg4::Engine::get_clock();
+        std::unique_lock<sg4::Mutex> lock(*c.mutex);
+        c.done = true;
+        c.finished->notify_all();
+      });
+    }
+    std::unique_lock<sg4::Mutex> lock(*c.mutex);
+    while (!c.done)
+      c.finished->wait(lock);
+    record(kCollective, c.start, c.end, op_);
+  }
+
   Collective& collective(int step, int chunk, int bucket) {
     Collective& c = w_.collectives[{me_.stage, step, chunk, bucket}];
     if (!c.mutex) {
@@ -312,13 +369,7 @@ class Replayer {
     if (++c.arrived < w_.plan().w) return;
     // Each GPU of a TP group all-reduces its own shard with its counterparts in the other
     // replicas: t all-reduces at once.
-    const int t = w_.plan().t;
-    std::vector<std::vector<std::pair<int, int>>> groups(static_cast<std::size_t>(t));
-    for (int r = 0; r < w_.plan().w; ++r) {
-      const RankState& m = w_.ranks[std::size_t(w_.plan().rank_of(me_.stage, r))];
-      for (int i = 0; i < t; ++i)
-        groups[std::size_t(i)].emplace_back(m.node, m.gpu + i);
-    }
+    const auto groups = replica_groups();
     const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
     const Platform* platform = w_.platform;
     sg4::Actor::create("allreduce", me_.host, [&c, groups, bytes, platform] {

@@ -89,8 +89,10 @@ struct World {
   const Platform* platform = nullptr;
   SimOptions options;
   std::vector<RankState> ranks;
-  std::vector<GpuMemory> gpus;                                       // node * gpus_per_node + gpu
-  std::map<std::tuple<int, int, int, int>, Collective> collectives;  // (stage, step, chunk, bucket)
+  std::vector<GpuMemory> gpus;  // node * gpus_per_node + gpu
+  // (stage, step, chunk, bucket); the tied gathers: (stage, step, 0, -1) and (stage, version, v-1,
+  // -2)
+  std::map<std::tuple<int, int, int, int>, Collective> collectives;
   std::vector<double> bucket_bytes;  // per (stage * v + chunk): gradient bytes of one bucket
   std::vector<planner::MemoryBreakdown> rank_static;  // weights, gradients, optimizer, workspace
   std::int64_t timed_ops = 0;                         // sleeps the actors ran

@@ -271,6 +271,68 @@ TEST(Checker, RejectsTiedOpsOutOfPlace) {
   EXPECT_NE(check_error(p).find("untied program"), std::string::npos) << check_error(p);
 }
 
+TEST(Checker, AcceptsTheShardedTiedExchangeOfReplicas) {
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
+    for (int w : {2, 4}) {
+      const Programs p = tied(make_plan(s, 3, 3, w), 3);
+      EXPECT_EQ(check_error(p), "") << to_string(s) << " w=" << w;
+      // Messages as with w = 1 (a shard each); collectives: per step the all_reduce of every
+      // stage, stage 0's gradient gather and the last stage's weights gather.
+      const CheckReport r = check_programs(p);
+      EXPECT_EQ(r.messages, std::int64_t(w) * (2 * 2 * 3 * 3 + 2 * 3));
+      EXPECT_EQ(r.collectives, std::int64_t(3) * 3 + 3 + 3);
+    }
+}
+
+TEST(Checker, RejectsTiedGathersOutOfPlace) {
+  // Stage 0 without its gradient gather: its optimizer step would miss the other shards.
+  Programs p = tied(make_plan(Schedule::one_f_one_b, 2, 2, 2), 2);
+  erase(p.devices[0], find(p.devices[0], OpKind::gather_tied_gradient, -1, 1));
+  std::string msg = check_error(p);
+  EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tied gradient is received and gathered"), std::string::npos) << msg;
+  // The gather before the shard is received.
+  p = tied(make_plan(Schedule::one_f_one_b, 2, 2, 2), 2);
+  {
+    Program& first = p.devices[0];
+    const std::size_t recv = find(first, OpKind::recv_tied_gradient);
+    ASSERT_EQ(first.ops[recv + 1].kind, OpKind::gather_tied_gradient);
+    std::swap(first.ops[recv], first.ops[recv + 1]);
+  }
+  msg = check_error(p);
+  EXPECT_NE(msg.find("gather_tied_gradient before recv_tied_gradient"), std::string::npos) << msg;
+  // The last stage's forward on a version whose shards are not gathered yet.
+  p = tied(make_plan(Schedule::two_bw, 2, 2, 2), 3);
+  {
+    Program& last = p.devices[1];
+    const std::size_t gather = find(last, OpKind::gather_tied_weights, -1, 2);
+    ASSERT_EQ(last.ops[gather + 1].kind, OpKind::forward);
+    std::swap(last.ops[gather], last.ops[gather + 1]);
+  }
+  msg = check_error(p);
+  EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("gather_tied_weights)"), std::string::npos) << msg;
+  // One replica has nothing to gather.
+  p = tied(make_plan(Schedule::gpipe, 2, 2), 1);
+  p.devices[0].ops.push_back(Op{OpKind::gather_tied_gradient, 0, -1, 0, -1, -1, -1});
+  msg = check_error(p);
+  EXPECT_NE(msg.find("gather_tied_gradient with one replica"), std::string::npos) << msg;
+}
+
+TEST(Checker, ExecutionMatchesTiedGathersOverReplicas) {
+  // Replica 1's last stage gathers version 2 where replica 0 gathers version 1: neither
+  // collective completes.
+  Programs p = tied(make_plan(Schedule::two_bw, 2, 2, 2), 3);
+  Program& last = p.devices[3];
+  std::vector<std::size_t> gathers;
+  for (std::size_t i = 0; i < last.ops.size(); ++i)
+    if (last.ops[i].kind == OpKind::gather_tied_weights) gathers.push_back(i);
+  ASSERT_EQ(gathers.size(), 3u);
+  std::swap(last.ops[gathers[0]].version, last.ops[gathers[1]].version);
+  const std::string msg = error_of([&] { execute(p); });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+}
+
 TEST(Checker, ExecutionMatchesTiedWeightsByVersion) {
   // The last stage receives versions 1 and 2 in swapped order: FIFO delivers version 1 first.
   Programs p = tied(make_plan(Schedule::two_bw, 2, 2), 3);

@@ -172,6 +172,31 @@ TEST(TwoBw, EqualsTheDelayedUpdateReference) {
       }
 }
 
+// Three replicas: each sends a third of the tied tensor (its rows do not divide evenly, so the
+// shards differ in size) and the stages' replicas gather them; still the delayed-update reference,
+// and both copies equal bit for bit.
+TEST(TwoBw, ShardedTiedExchangeEqualsTheReference) {
+  for (const char* optimizer : {"sgd", "adamw"}) {
+    const Plan p = make_plan(Schedule::two_bw, 3, 2, 1, 2);
+    const TrainOptions o = options(4, optimizer);
+    SCOPED_TRACE(optimizer);
+    const TrainResult r = train_cpu(testing::gpt_tiny(4), p, o);
+    const std::vector<float> ref = two_bw_reference(p, o);
+    std::vector<float> got;
+    const auto by_name = weights_by_name(r, p);
+    StageSpec spec;
+    spec.model = testing::gpt_tiny(4);
+    spec.blocks = 4;
+    spec.has_embedding = spec.has_head = true;
+    const auto whole = make_cpu_stage(spec);
+    for (const auto& slot : whole->layout())
+      got.insert(got.end(), by_name.at(slot.name).begin(), by_name.at(slot.name).end());
+    EXPECT_LT(max_relative_error(got, ref), 1e-5);
+    EXPECT_EQ(by_name.at("lm_head"), by_name.at("wte"));
+    EXPECT_NE(by_name.at("wte").size() % 3, 0u);  // uneven shards
+  }
+}
+
 // Both tied ends on one device (interleaved, d = 1, v = 2: the embedding in chunk 0, the head's
 // copy in chunk 1): no messages, the same sum on both, and single-device training's weights.
 TEST(FlushSchedules, TiedEndsOnOneDeviceEqualSingleDeviceTraining) {

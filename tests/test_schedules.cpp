@@ -390,8 +390,9 @@ Programs tied_programs(const Plan& plan, int steps, int first_step = 0, int buck
   return generate_programs(plan, o);
 }
 
-// Tied embeddings add four ops per step on the two tied ends of each replica and none elsewhere;
-// every schedule of the grid, from the start and resumed, still passes the checker.
+// Tied embeddings add four ops per step on the two tied ends of each replica (six with w > 1: the
+// two gathers) and none elsewhere; every schedule of the grid, from the start and resumed, still
+// passes the checker.
 TEST(TiedEmbeddings, GridPassesCheckerWithTheExchange) {
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
                      Schedule::interleaved, Schedule::dp}) {
@@ -411,6 +412,8 @@ TEST(TiedEmbeddings, GridPassesCheckerWithTheExchange) {
           EXPECT_EQ(count(dev, OpKind::send_tied_weights), first_end ? 3 : 0);
           EXPECT_EQ(count(dev, OpKind::send_tied_gradient), last_end ? 3 : 0);
           EXPECT_EQ(count(dev, OpKind::recv_tied_weights), last_end ? 3 : 0);
+          EXPECT_EQ(count(dev, OpKind::gather_tied_gradient), first_end && plan.w > 1 ? 3 : 0);
+          EXPECT_EQ(count(dev, OpKind::gather_tied_weights), last_end && plan.w > 1 ? 3 : 0);
         }
       }
       ++plans;
@@ -469,6 +472,51 @@ TEST(TiedEmbeddings, FlushReceivesBeforeTheNextStepsFirstForward) {
             "recvA1<-0 F1 B1 sendG1->0 recvA2<-0 F2 B2 sendG2->0 sendTG->0 free(v0) opt(v1) "
             "recvA3<-0 recvTW(v1)<-0 F3 B3 sendG3->0 recvA4<-0 F4 B4 sendG4->0 sendTG->0 free(v1) "
             "opt(v2) recvTW(v2)<-0 ");
+}
+
+// With w replicas each tied message carries the replica's 1/w shard and a gather over the stage's
+// replicas follows the receive: stage 0 gathers the head's gradient before its optimizer step, the
+// last stage the new weights before the first forward that uses them.
+TEST(TiedEmbeddings, ReplicasSendShardsAndGatherThem) {
+  const Plan plan = make_plan(Schedule::two_bw, 2, 2, 1, 3);
+  const Programs p = tied_programs(plan, 3);
+  for (int replica = 0; replica < 3; ++replica) {
+    std::string first, last;
+    for (const Op& op : p.devices[std::size_t(plan.rank_of(0, replica))].ops)
+      first += format_op(op, plan) + " ";
+    for (const Op& op : p.devices[std::size_t(plan.rank_of(1, replica))].ops)
+      last += format_op(op, plan) + " ";
+    const std::string head = std::to_string(plan.rank_of(1, replica)),
+                      embedding = std::to_string(plan.rank_of(0, replica));
+    EXPECT_NE(first.find("AR0 recvTG<-" + head + " AGTG free(v0) opt(v2) sendTW(v2)->" + head),
+              std::string::npos)
+        << first;
+    EXPECT_NE(last.find("recvA5<-" + embedding + " recvTW(v1)<-" + embedding + " AGTW(v1) F5 "),
+              std::string::npos)
+        << last;
+    EXPECT_NE(last.find("opt(v3) recvTW(v2)<-" + embedding + " AGTW(v2) recvTW(v3)<-" + embedding +
+                        " AGTW(v3) "),
+              std::string::npos)
+        << last;
+  }
+  // Every shard's message is matched; the gathers are collectives over the three replicas.
+  const CheckReport report = check_programs(p);
+  EXPECT_EQ(report.messages, std::int64_t(3) * (2 * 2 * 3 + 2 * 3));
+  EXPECT_EQ(report.collectives, std::int64_t(2) * 3 + 3 + 3);  // all_reduce per stage and step
+}
+
+TEST(TiedEmbeddings, ShardsCoverTheTensorOnce) {
+  for (std::int64_t n : {0, 1, 7, 12, 38'597'376})
+    for (int w : {1, 2, 3, 8, 13}) {
+      std::int64_t next = 0;
+      for (int r = 0; r < w; ++r) {
+        const TiedShard sh = tied_shard(n, w, r);
+        EXPECT_EQ(sh.begin, next) << n << " " << w << " " << r;
+        EXPECT_LE(sh.end - sh.begin, (n + w - 1) / w);
+        next = sh.end;
+      }
+      EXPECT_EQ(next, n) << n << " " << w;
+    }
 }
 
 }  // namespace

@@ -78,6 +78,35 @@ TEST(SimCollectives, RingAcrossNodes) {
   EXPECT_NEAR(allreduce_time_s(c, members, S), want, 1e-12 * want);
 }
 
+// All-gather (the tied exchange's gathers): the all-reduce's second half. A ring over n GPUs of
+// one node: (n-1)(alpha + S/(n beta)).
+TEST(SimCollectives, AllgatherRing8) {
+  const Cluster c = load_cluster("dgx-a100", 1, kRoundA100);
+  const double S = 1e9, want = 7 * (1e-5 + S / (8 * 300e9));
+  auto engine = make_engine();
+  const Platform p = build_platform(c);
+  const double t = simulate(p, [&] { allgather(p, node_members(0, 8), S); });
+  EXPECT_NEAR(t, want, 1e-12 * want);
+  EXPECT_NEAR(allgather_time_s(c, node_members(0, 8), S), want, 1e-12 * want);
+  EXPECT_EQ(allgather_time_s(c, {{0, 3}}, S), 0.0);
+}
+
+// Over 2 nodes of 4 (p3.16xlarge:2, one NIC per node): inter-node rings first, the 4 sharing each
+// NIC, (N-1)(50 us + (S/(kN)) / (B/k)), then the intra-node rings, (k-1)(5 us + S/(k 30e9)).
+TEST(SimCollectives, AllgatherHierarchicalSharesTheNodeNic) {
+  const Cluster c = load_cluster("p3.16xlarge", 2);
+  std::vector<Member> members = node_members(0, 4);
+  for (const Member& m : node_members(1, 4))
+    members.push_back(m);
+  const double S = 4e8, k = 4, N = 2;
+  const double want = (N - 1) * (50e-6 + S / (N * 2.5e9)) + (k - 1) * (5e-6 + S / (k * 30e9));
+  auto engine = make_engine();
+  const Platform p = build_platform(c);
+  const double t = simulate(p, [&] { allgather(p, members, S); });
+  EXPECT_NEAR(t, want, 1e-12 * want);
+  EXPECT_NEAR(allgather_time_s(c, members, S), want, 1e-12 * want);
+}
+
 // Hierarchical on 2 x 8 (dgx-a100:2, round intra figures, NIC per GPU 25e9 * 0.9, 5 us):
 // reduce-scatter and all-gather: 2 (k-1) (alpha + S/(k beta)) = 14 (10 us + 1.6e9/8/300e9 s);
 // inter-node: the 8 rings of 2 each use their own NICs: 2 (N-1) (5 us + S/(kN) / 22.5e9).

@@ -274,6 +274,8 @@ void CudaWorker::step(const Op& op) {
     case OpKind::recv_tied_gradient:
     case OpKind::send_tied_weights:
     case OpKind::recv_tied_weights:
+    case OpKind::gather_tied_gradient:
+    case OpKind::gather_tied_weights:
       return tied(op);
   }
 }
@@ -430,29 +432,37 @@ void CudaWorker::all_reduce(const Op& op) {
 }
 
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter; stage 0
-// owns its update (see exec/worker.cpp, whose order of the sums this follows).
+// owns its update (see exec/worker.cpp, whose order of the sums and shards this follows: with
+// w > 1 each message carries the replica's shard, and an all-reduce of buffers that hold zeros
+// outside each member's shard gathers them on the reduce stream).
 void CudaWorker::tied(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   if (c.tied_offset < 0)
     throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
                             planner::to_string(op.kind), op.chunk));
+  const planner::Plan& p = s_.plan();
   const std::int64_t n = c.tied_size, bytes = 2 * n;
+  const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
+  const std::int64_t shard_bytes = 2 * (sh.end - sh.begin);
   bf16* grad = c.grads.as<bf16>() + c.tied_offset;
+  std::vector<int> group;
+  for (int r = 0; r < p.w; ++r)
+    group.push_back(p.rank_of(stage_, r));
   switch (op.kind) {
     case OpKind::send_tied_gradient: {
       const cudaStream_t stream = send_[int(Channel::tied)];
       // A copy goes out, so the slice is zeroed at once for the next step's sums: the compute
       // stream never waits for the receiver (NCCL's send waits for it).
       wait(compute_, reduced_);
-      Tensor copy = tensor(Category::workspace, bytes);
-      CUDA_CHECK(cudaMemcpyAsync(copy.as<void>(), grad, std::size_t(bytes),
+      Tensor copy = tensor(Category::workspace, shard_bytes);
+      CUDA_CHECK(cudaMemcpyAsync(copy.as<void>(), grad + sh.begin, std::size_t(shard_bytes),
                                  cudaMemcpyDeviceToDevice, compute_));
       CUDA_CHECK(cudaMemsetAsync(grad, 0, std::size_t(bytes), compute_));
       const cudaEvent_t produced = record(compute_);
       wait(stream, produced);
       pool_.push_back(produced);
       begin_timed(planner::kSendStream, stream);
-      transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), bytes, stream);
+      transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), shard_bytes, stream);
       end_timed(stream);
       retire(std::move(copy), stream);
       return;
@@ -460,15 +470,35 @@ void CudaWorker::tied(const Op& op) {
     case OpKind::recv_tied_gradient: {
       const cudaStream_t stream = recv_[int(Channel::tied)];
       Tensor head = tensor(Category::workspace, bytes);
+      if (p.w > 1) CUDA_CHECK(cudaMemsetAsync(head.as<void>(), 0, std::size_t(bytes), stream));
       begin_timed(planner::kRecvStream, stream);
-      transport_.recv(op.peer, rank_, Channel::tied, head.as<void>(), bytes, stream);
+      transport_.recv(op.peer, rank_, Channel::tied, head.as<bf16>() + sh.begin, shard_bytes,
+                      stream);
       end_timed(stream);
       const cudaEvent_t arrived = record(stream);
+      if (p.w > 1) {
+        tied_head_ = Held{std::move(head), arrived};
+        return;
+      }
       wait(compute_, arrived);
       wait(compute_, reduced_);
       pool_.push_back(arrived);
       residual_add(grad, grad, head.as<bf16>(), n, compute_);
       retire(std::move(head), compute_);
+      return;
+    }
+    case OpKind::gather_tied_gradient: {
+      wait(reduce_, tied_head_.ready);
+      pool_.push_back(tied_head_.ready);
+      begin_timed(planner::kCollectiveStream, reduce_);
+      transport_.all_reduce_sum_bf16(group, rank_, tied_head_.tensor.as<bf16>(), n, reduce_);
+      end_timed(reduce_);
+      if (reduced_) pool_.push_back(reduced_);
+      reduced_ = record(reduce_);
+      wait(compute_, reduced_);
+      residual_add(grad, grad, tied_head_.tensor.as<bf16>(), n, compute_);
+      retire(std::move(tied_head_.tensor), compute_);
+      tied_head_ = {};
       return;
     }
     case OpKind::send_tied_weights: {
@@ -477,8 +507,8 @@ void CudaWorker::tied(const Op& op) {
       wait(stream, produced);
       pool_.push_back(produced);
       begin_timed(planner::kSendStream, stream);
-      transport_.send(rank_, op.peer, Channel::tied_weights, params(c, op.version) + c.tied_offset,
-                      bytes, stream);
+      transport_.send(rank_, op.peer, Channel::tied_weights,
+                      params(c, op.version) + c.tied_offset + sh.begin, shard_bytes, stream);
       end_timed(stream);
       // The update that next rewrites this slot must not do so before the send has read it;
       // waiting there, not here, keeps the compute stream free until then (2BW rewrites it two
@@ -488,20 +518,38 @@ void CudaWorker::tied(const Op& op) {
       sent = record(stream);
       return;
     }
-    default: {
+    case OpKind::recv_tied_weights: {
       const cudaStream_t stream = recv_[int(Channel::tied_weights)];
       // Written straight into the version's slot, after the optimizer filled the rest of it (and
       // after every earlier reader of the slot's previous version).
       const cudaEvent_t before = record(compute_);
       wait(stream, before);
       pool_.push_back(before);
+      bf16* copy = params(c, op.version) + c.tied_offset;
+      if (p.w > 1) CUDA_CHECK(cudaMemsetAsync(copy, 0, std::size_t(bytes), stream));
       begin_timed(planner::kRecvStream, stream);
-      transport_.recv(op.peer, rank_, Channel::tied_weights, params(c, op.version) + c.tied_offset,
-                      bytes, stream);
+      transport_.recv(op.peer, rank_, Channel::tied_weights, copy + sh.begin, shard_bytes, stream);
       end_timed(stream);
       const cudaEvent_t arrived = record(stream);
+      if (p.w > 1) {
+        tied_arrived_ = arrived;
+        return;
+      }
       wait(compute_, arrived);
       pool_.push_back(arrived);
+      return;
+    }
+    default: {  // gather_tied_weights: the version's copy, in place
+      wait(reduce_, tied_arrived_);
+      pool_.push_back(tied_arrived_);
+      tied_arrived_ = nullptr;
+      begin_timed(planner::kCollectiveStream, reduce_);
+      transport_.all_reduce_sum_bf16(group, rank_, params(c, op.version) + c.tied_offset, n,
+                                     reduce_);
+      end_timed(reduce_);
+      const cudaEvent_t gathered = record(reduce_);
+      wait(compute_, gathered);
+      pool_.push_back(gathered);
       return;
     }
   }

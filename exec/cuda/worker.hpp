@@ -150,6 +150,10 @@ class CudaWorker {
   // After the last tied-weights send out of each weight slot (stage 0): an update that rewrites
   // the slot waits for it.
   cudaEvent_t slot_sent_[2] = {nullptr, nullptr};
+  // w > 1: stage 0's received shard of the head's gradient (zeros elsewhere) until gathered; the
+  // last stage's event after a received shard of tied weights, until gathered.
+  Held tied_head_;
+  cudaEvent_t tied_arrived_ = nullptr;
   std::map<Key, Held> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
   struct Retired {
     Tensor tensor;
