@@ -307,9 +307,9 @@ class Replayer {
 
   // The members of this stage's data-parallel collectives: GPU i of every replica's TP group, per
   // i (t groups, all at once).
-  std::vector<std::vector<std::pair<int, int>>> replica_groups() const {
+  std::vector<std::vector<Member>> replica_groups() const {
     const int t = w_.plan().t;
-    std::vector<std::vector<std::pair<int, int>>> groups(static_cast<std::size_t>(t));
+    std::vector<std::vector<Member>> groups(static_cast<std::size_t>(t));
     for (int r = 0; r < w_.plan().w; ++r) {
       const RankState& m = w_.ranks[std::size_t(w_.plan().rank_of(me_.stage, r))];
       for (int i = 0; i < t; ++i)
@@ -327,22 +327,7 @@ class Replayer {
     if (++c.arrived == w_.plan().w) {
       const auto groups = replica_groups();
       const double bytes = double(me_.tied_bytes);
-      const Platform* platform = w_.platform;
-      sg4::Actor::create("allgather", me_.host, [&c, groups, bytes, platform] {
-        c.start = sg4::Engine::get_clock();
-        std::vector<sg4::ActorPtr> rings;
-        for (std::size_t i = 1; i < groups.size(); ++i)
-          rings.push_back(sg4::Actor::create(
-              "allgather", sg4::this_actor::get_host(),
-              [members = groups[i], bytes, platform] { allgather(*platform, members, bytes); }));
-        allgather(*platform, groups[0], bytes);
-        for (const auto& a : rings)
-          a->join();
-        c.end = sg4::Engine::get_clock();
-        std::unique_lock<sg4::Mutex> lock(*c.mutex);
-        c.done = true;
-        c.finished->notify_all();
-      });
+      launch(c, "allgather", allgather, groups, bytes);
     }
     std::unique_lock<sg4::Mutex> lock(*c.mutex);
     while (!c.done)
@@ -371,20 +356,27 @@ class Replayer {
     // replicas: t all-reduces at once.
     const auto groups = replica_groups();
     const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
+    launch(c, "allreduce", allreduce, groups, bytes);
+  }
+
+  // Runs `collective` over each group at once (the first on the launching actor, the others on
+  // actors of their own) on an actor of this rank's host (the collective stream), then marks `c`
+  // done and wakes its waiters.
+  using GroupCollective = void (*)(const Platform&, const std::vector<Member>&, double);
+  void launch(Collective& c, const char* name, GroupCollective collective,
+              const std::vector<std::vector<Member>>& groups, double bytes) {
     const Platform* platform = w_.platform;
-    sg4::Actor::create("allreduce", me_.host, [&c, groups, bytes, platform] {
+    sg4::Actor::create(name, me_.host, [&c, name, collective, groups, bytes, platform] {
       c.start = sg4::Engine::get_clock();
-      if (groups.size() == 1) {
-        allreduce(*platform, groups[0], bytes);
-      } else {
-        std::vector<sg4::ActorPtr> rings;
-        for (const auto& members : groups)
-          rings.push_back(sg4::Actor::create(
-              "allreduce", sg4::this_actor::get_host(),
-              [members, bytes, platform] { allreduce(*platform, members, bytes); }));
-        for (const auto& a : rings)
-          a->join();
-      }
+      std::vector<sg4::ActorPtr> rings;
+      for (std::size_t i = 1; i < groups.size(); ++i)
+        rings.push_back(sg4::Actor::create(name, sg4::this_actor::get_host(),
+                                           [members = groups[i], collective, bytes, platform] {
+                                             collective(*platform, members, bytes);
+                                           }));
+      collective(*platform, groups[0], bytes);
+      for (const auto& a : rings)
+        a->join();
       c.end = sg4::Engine::get_clock();
       std::unique_lock<sg4::Mutex> lock(*c.mutex);
       c.done = true;
