@@ -71,6 +71,10 @@ void PlanOptions::add(CLI::App& app) {
   app.add_flag("--distributed-optimizer", distributed_optimizer,
                "shard optimizer state and fp32 master weights over the data-parallel replicas "
                "(Megatron's distributed optimizer, ZeRO-1)");
+  app.add_option("--offload", offload,
+                 "where the optimizer state lives: none, or optimizer (ZeRO-Offload: gradients "
+                 "to host memory, CPU Adam, fp16 parameters back; w = t = 1)")
+      ->capture_default_str();
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
       ->delimiter(',')
@@ -83,7 +87,7 @@ void PlanOptions::add(CLI::App& app) {
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
   for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
-                           "--recompute", "--distributed-optimizer", "--stage-blocks"})
+                           "--recompute", "--distributed-optimizer", "--stage-blocks", "--offload"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -101,6 +105,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.t = t;
     p.sp = sp;
     p.distributed_optimizer = distributed_optimizer;
+    p.offload = planner::parse_offload(offload);
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
@@ -165,10 +170,12 @@ common::Json ScenarioOptions::inputs(const Scenario& sc) const {
 }
 
 std::string plan_summary(const planner::Plan& p) {
-  return fmt::format("{}{} w={} d={} b={} m={}{}{}", to_string(p.schedule),
-                     p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b,
-                     p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
-                     p.distributed_optimizer ? " distributed-optimizer" : "");
+  return fmt::format(
+      "{}{} w={} d={} b={} m={}{}{}{}", to_string(p.schedule),
+      p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b, p.m,
+      p.v > 1 ? fmt::format(" v={}", p.v) : "",
+      p.distributed_optimizer ? " distributed-optimizer" : "",
+      p.offload != planner::Offload::none ? " offload=" + planner::to_string(p.offload) : "");
 }
 
 std::string oom_message(const planner::RunReport& r) {

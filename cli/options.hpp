@@ -34,7 +34,7 @@ struct ClusterOptions {
 };
 
 // A plan file (--plan) or the flags -w -d -m -b --schedule -v --tp --sp --recompute
-// --distributed-optimizer --stage-blocks.
+// --distributed-optimizer --stage-blocks --offload.
 struct PlanOptions {
   std::string plan_file;
   std::string schedule = "1f1b";
@@ -43,6 +43,7 @@ struct PlanOptions {
   int t = 1;
   bool sp = false;
   bool distributed_optimizer = false;
+  std::string offload = "none";          // planner::parse_offload
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;

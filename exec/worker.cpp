@@ -182,6 +182,10 @@ void Worker::step(const Op& op) {
     case OpKind::send_tied_weights:
     case OpKind::recv_tied_weights:
       return tied(op);
+    case OpKind::copy_gradient_to_host:  // prepare_run refuses offload plans before any runs
+    case OpKind::host_optimizer_step:
+    case OpKind::copy_parameters_to_device:
+      throw InputError("train does not support --offload yet");
   }
 }
 
