@@ -178,11 +178,30 @@ std::string plan_summary(const planner::Plan& p) {
       p.offload != planner::Offload::none ? " offload=" + planner::to_string(p.offload) : "");
 }
 
+std::string offload_summary(const planner::RunReport& r) {
+  if (r.hosts.empty() || !r.extra.contains("offload")) return "";
+  const common::Json& o = r.extra["offload"];
+  std::string out;
+  for (const auto& h : r.hosts)
+    out +=
+        fmt::format("  host (offload {}): node {} {} of {}, pinned {} of {}{}\n",
+                    o["mode"].get<std::string>(), h.node, human_bytes(double(h.peak_memory_bytes)),
+                    human_bytes(double(h.capacity_bytes)), human_bytes(double(h.pinned_bytes)),
+                    human_bytes(double(h.pinned_capacity_bytes)), h.fits() ? "" : "  DOES NOT FIT");
+  out += fmt::format("  moved per step: {} to the host, {} back to the devices\n",
+                     human_bytes(o["copy_out_bytes_per_step"].get<double>()),
+                     human_bytes(o["copy_in_bytes_per_step"].get<double>()));
+  return out;
+}
+
 std::string oom_message(const planner::RunReport& r) {
-  return fmt::format(
-      "the plan does not fit: {}; use --recompute, a deeper pipeline or a smaller -b, or "
-      "--allow-oom to write the report anyway",
-      planner::describe_oom(r));
+  const bool devices_fit = std::all_of(r.devices.begin(), r.devices.end(),
+                                       [](const planner::DeviceReport& d) { return d.fits; });
+  return fmt::format("the plan does not fit: {}; {}, or --allow-oom to write the report anyway",
+                     planner::describe_oom(r),
+                     devices_fit ? "use a host with more memory (--set host.memory_bytes=... or "
+                                   "host.pinned_memory_bytes=...) or a plan without --offload"
+                                 : "use --recompute, a deeper pipeline or a smaller -b");
 }
 
 std::function<void(int, int)> progress_bar(const std::string& what) {

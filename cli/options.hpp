@@ -84,6 +84,10 @@ struct ScenarioOptions {
 // "1f1b t=4 sp w=4 d=2 b=1 m=16 distributed-optimizer": the plan's shape in one phrase.
 std::string plan_summary(const planner::Plan& p);
 
+// With offload, per node "  host (offload optimizer): node 0 172.3 GiB of 223.5 GiB, pinned 19.1
+// GiB of 223.5 GiB; moved per step 153.2 GiB to the host, 19.1 GiB back" lines; "" without.
+std::string offload_summary(const planner::RunReport& r);
+
 // "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)" + what to try.
 std::string oom_message(const planner::RunReport& r);
 

@@ -105,8 +105,9 @@ Host parse_host(const JsonReader& r, int gpus_per_node) {
       r.fail_member("gpus_per_uplink", fmt::format("must divide gpus_per_node ({}), found {}",
                                                    gpus_per_node, h.gpus_per_uplink));
   }
+  // 0 (allowed, as for the per-GPU link) is a host side without a link: offload refuses it.
   h.uplink_bandwidth_bytes_per_s = r.has("uplink_bandwidth_bytes_per_s")
-                                       ? r.get_positive("uplink_bandwidth_bytes_per_s")
+                                       ? r.get_nonnegative("uplink_bandwidth_bytes_per_s")
                                        : h.gpus_per_uplink * h.pcie_bandwidth_bytes_per_s;
   if (r.has("cpu_cores")) h.cpu_cores = int(r.get_int_in("cpu_cores", 0, common::kMaxCount));
   if (r.has("cpu_adam_params_per_s_per_core")) {

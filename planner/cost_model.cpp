@@ -419,7 +419,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   st.recompute = p.recompute_of(s);
   const clusters::Link tp = tp_link(cluster, p, p.rank_of(s, 0));
   std::vector<ChunkCost> chunks;
-  std::vector<double> chunk_backward;  // per chunk, recompute and TP included
+  std::vector<double> chunk_backward;   // per chunk, recompute and TP included
+  std::vector<double> chunk_recompute;  // per chunk, the full recompute's part of it
   for (int c = 0; c < p.v; ++c) {
     const ChunkCost ch = chunk_cost(mc, trace, p, s, c);
     chunks.push_back(ch);
@@ -439,6 +440,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
       st.backward_s += ch.selective_recompute_s;
     }
     chunk_backward.push_back(st.backward_s - backward_before);
+    chunk_recompute.push_back(st.recompute == Recompute::full ? ch.recompute_s + tp_forward : 0.0);
     st.optimizer_s += ch.optimizer_s;
     st.parameters = bytes_add(st.parameters, ch.parameters);
     st.stash_bytes = bytes_add(st.stash_bytes, ch.stash_bytes);
@@ -453,14 +455,15 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
                                   ? bytes_mul(st.parameters, models::dtype_bytes(model.dtype))
                                   : 0;
   if (p.offload == Offload::optimizer) {
-    // Each backward streams its gradients out on the copy engine: a backward slot lasts as long
-    // as the slower of the two. Optimizer state lives on the host; the step is the host's.
+    // Each backward streams its gradients out on the copy engine: a backward lasts as long as
+    // the slower of the two (a full recompute before it produces no gradients: it stays in
+    // front). Optimizer state lives on the host; the step is the host's.
     st.offload = rank_offload(model, mc, cluster, p, p.rank_of(s, 0), chunks,
                               host_parameters_by_rank(mc, trace, p));
     st.backward_s = 0;
-    for (int c = 0; c < p.v; ++c)
-      st.backward_s +=
-          std::max(chunk_backward[std::size_t(c)], st.offload.copy_out_s[std::size_t(c)]);
+    for (std::size_t c = 0; c < std::size_t(p.v); ++c)
+      st.backward_s += chunk_recompute[c] +
+                       std::max(chunk_backward[c] - chunk_recompute[c], st.offload.copy_out_s[c]);
     st.memory.gradients = st.offload.device_gradient_bytes;
     st.memory.optimizer = 0;
     st.optimizer_s = st.offload.host_step_s;

@@ -143,6 +143,12 @@ TEST_F(Workstation, StepTimeByHand) {
     EXPECT_NEAR(o.cpu_adam_s, P / (20 * 9.5e7), 1e-9);
     EXPECT_NEAR(o.host_step_s, upload_done, 1e-12);
     EXPECT_NEAR(est.report.iteration_time_s, 4 * (t_f + std::max(t_b, copy)) + upload_done, 1e-12);
+    // With full recompute the recompute (1 ms per block) comes first; the copy overlaps only the
+    // backward.
+    Plan rc = p;
+    rc.recompute.assign(1, Recompute::full);
+    EXPECT_NEAR(estimate(model, trace, c, rc).stages[0].backward_s, 12e-3 + std::max(t_b, copy),
+                1e-12);
   }
   // Processor sharing (the node's CPU among its ranks): simultaneous starts, then staggered ones.
   EXPECT_EQ(processor_sharing_finish({1, 3}, {0, 0}, 1), (std::vector<double>{2, 4}));
@@ -325,6 +331,11 @@ TEST_F(Workstation, SimulateAgreesWithEstimate) {
     const RunReport est = estimate(model, trace, c, p).report;
     const RunReport sim = sim::simulate(model, trace, c, p, {.steps = 3}).report;
     EXPECT_NEAR(sim.iteration_time_s / est.iteration_time_s, 1.0, 0.01);
+    Plan rc = p;
+    rc.recompute.assign(1, Recompute::full);
+    EXPECT_NEAR(sim::simulate(model, trace, c, rc, {.steps = 3}).report.iteration_time_s /
+                    estimate(model, trace, c, rc).report.iteration_time_s,
+                1.0, 0.01);
     EXPECT_EQ(sim.devices[0].peak_memory_bytes, est.devices[0].peak_memory_bytes);
     EXPECT_EQ(sim.devices[0].memory.gradients, est.devices[0].memory.gradients);
     ASSERT_EQ(sim.hosts.size(), 1u);

@@ -178,7 +178,7 @@ expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported y
 expect_code "--offload activations: not yet" 1 "not supported yet" $PW simulate $WS --offload activations --out "$O"
 expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"
 expect_code "offload with w > 1" 1 "data parallelism (w = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 --offload optimizer --out "$O"
-expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .* short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
+expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .*(short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
 expect_code "offload: simulate, host memory too small" 1 "host memory of node 0" $PW simulate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
 expect_code "offload: no CPU Adam rate" 1 "needs the host's CPU Adam rate" $PW estimate --model gpt2-124m --cluster h100-x1 --offload optimizer --out "$O"
 expect_code "host memory negative" 1 "/host/memory_bytes" $PW estimate $WS --set host.memory_bytes=-1 --out "$O"
