@@ -23,10 +23,11 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
   fmt::print("{} on {} ({} x {} x {}): {}, global batch {}\n", model.name, cluster.name,
              cluster.nodes, cluster.gpus_per_node, cluster.device.name, plan_summary(p),
              p.global_batch());
-  fmt::print(
-      "  step time {} (pipeline {}, all-reduce {}, tied-embedding exchange {}, optimizer {})\n",
-      human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
-      human_seconds(est.allreduce_s), human_seconds(est.tied_s), human_seconds(est.optimizer_s));
+  fmt::print("  step time {} (pipeline {}, all-reduce {}, tied-embedding exchange {}, {} {})\n",
+             human_seconds(r.iteration_time_s), human_seconds(est.pipeline_s),
+             human_seconds(est.allreduce_s), human_seconds(est.tied_s),
+             p.offload == planner::Offload::none ? "optimizer" : "host step (CPU Adam, uploads)",
+             human_seconds(est.optimizer_s));
   fmt::print("  {:.2f} samples/s, {} , {}, MFU {:.1f}%\n", r.samples_per_s,
              human_rate(r.tokens_per_s, "tokens"), human_rate(r.model_flops_per_s, "FLOP"),
              100 * r.mfu);
@@ -44,6 +45,7 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
         human_bytes(d.peak_memory_bytes), human_bytes(d.capacity_bytes),
         d.fits ? "" : "  DOES NOT FIT");
   }
+  fmt::print("{}", offload_summary(r));
 }
 
 }  // namespace

@@ -60,6 +60,8 @@ planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const Trac
         for (const auto& d : o.result.report.devices)
           s.peak_memory_bytes = std::max(s.peak_memory_bytes, d.peak_memory_bytes);
         s.fits = double(s.peak_memory_bytes) <= usable;
+        for (const auto& h : o.result.report.hosts)
+          s.fits = s.fits && h.fits();
       }
       out.push_back(s);
     }
@@ -68,8 +70,9 @@ planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const Trac
 }
 
 std::string plan_label(const planner::Plan& p) {
-  return fmt::format("{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
-                     p.distributed_optimizer ? " dopt" : "");
+  return fmt::format("{}{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
+                     p.distributed_optimizer ? " dopt" : "",
+                     p.offload != planner::Offload::none ? " offload" : "");
 }
 
 std::string tp_label(const planner::Plan& p) {
@@ -131,15 +134,18 @@ common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::S
     row["fits"] = !r.simulated || (r.simulated->ok && r.simulated->fits);
     rows.push_back(row);
   }
-  return {{"format", "pipewright.ranked/1"},
-          {"model", sc.model.name},
-          {"cluster", fmt::format("{}:{}", sc.cluster.name, sc.cluster.nodes)},
-          {"global_batch", a.batch},
-          {"memory_headroom", a.search.memory_headroom},
-          {"candidates_considered", res.considered},
-          {"candidates_fitting", res.fitting.size()},
-          {"simulated_top", a.top},
-          {"rows", rows}};
+  common::Json j = {{"format", "pipewright.ranked/1"},
+                    {"model", sc.model.name},
+                    {"cluster", fmt::format("{}:{}", sc.cluster.name, sc.cluster.nodes)},
+                    {"global_batch", a.batch},
+                    {"memory_headroom", a.search.memory_headroom},
+                    {"candidates_considered", res.considered},
+                    {"candidates_fitting", res.fitting.size()},
+                    {"simulated_top", a.top},
+                    {"rows", rows}};
+  // Written only when the search went on to optimizer offload: why.
+  if (!res.offload_reason.empty()) j["offload_reason"] = res.offload_reason;
+  return j;
 }
 
 }  // namespace
@@ -241,7 +247,18 @@ void add_plan_command(CLI::App& app) {
     fmt::print("{} on {} ({} x {} x {}), global batch {}: {} candidate plans, {} fit in memory\n",
                sc.model.name, sc.cluster.name, sc.cluster.nodes, sc.cluster.gpus_per_node,
                sc.cluster.device.name, a->batch, res.considered, res.fitting.size());
-    if (res.fitting.empty()) throw PlanError("plan: " + planner::explain_no_fit(res));
+    if (!res.offload_reason.empty()) {
+      // Said before anything else: the plans below keep the optimizer in host memory.
+      fmt::print("without offload {}\n", res.offload_reason);
+      fmt::print(
+          "so the search tried --offload optimizer (ZeRO-Offload: fp16 parameters on the "
+          "GPU, optimizer state and CPU Adam in host memory; w = t = 1): {} fit\n",
+          res.fitting.size());
+    }
+    if (res.fitting.empty())
+      throw PlanError("plan: " + (res.offload_reason.empty() ? planner::explain_no_fit(res)
+                                                             : "with --offload optimizer too, " +
+                                                                   planner::explain_no_fit(res)));
     const auto ranked = planner::rank_by_simulation(
         res, a->top, simulate_fn(sc, traces, a->search.memory_headroom, a->steps, a->parallel));
     print_ranked(ranked, std::size_t(std::max(a->top, 10)));
@@ -253,8 +270,9 @@ void add_plan_command(CLI::App& app) {
       throw PlanError(fmt::format(
           "plan: none of the {} simulated candidates ran within memory: over capacity", a->top));
     const planner::Plan& p = best.candidate.plan;
-    fmt::print("best: {} t={} w={} d={} b={} m={}{}: {:.2f} samples/s {}\n", plan_label(p),
+    fmt::print("best: {} t={} w={} d={} b={} m={}{}{}: {:.2f} samples/s {}\n", plan_label(p),
                tp_label(p), p.w, p.d, p.b, p.m,
+               p.offload != planner::Offload::none ? " --offload optimizer" : "",
                p.recompute_of(0) == planner::Recompute::none
                    ? ""
                    : fmt::format(" with {} recompute", to_string(p.recompute_of(0))),

@@ -37,6 +37,7 @@ void print_simulation(const sim::SimResult& res, const Scenario& sc) {
                human_bytes(double(d->peak_memory_bytes)), human_bytes(double(d->capacity_bytes)),
                d->fits ? "" : "DOES NOT FIT");
   }
+  fmt::print("{}", offload_summary(r));
   std::vector<sim::LinkStat> busiest = res.links;
   std::sort(busiest.begin(), busiest.end(), [](const auto& a, const auto& b) {
     return a.utilization != b.utilization ? a.utilization > b.utilization : a.name < b.name;

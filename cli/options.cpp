@@ -71,6 +71,10 @@ void PlanOptions::add(CLI::App& app) {
   app.add_flag("--distributed-optimizer", distributed_optimizer,
                "shard optimizer state and fp32 master weights over the data-parallel replicas "
                "(Megatron's distributed optimizer, ZeRO-1)");
+  app.add_option("--offload", offload,
+                 "where the optimizer state lives: none, or optimizer (ZeRO-Offload: gradients "
+                 "to host memory, CPU Adam, fp16 parameters back; w = t = 1)")
+      ->capture_default_str();
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
       ->delimiter(',')
@@ -83,7 +87,7 @@ void PlanOptions::add(CLI::App& app) {
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
   for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
-                           "--recompute", "--distributed-optimizer", "--stage-blocks"})
+                           "--recompute", "--distributed-optimizer", "--stage-blocks", "--offload"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -101,6 +105,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.t = t;
     p.sp = sp;
     p.distributed_optimizer = distributed_optimizer;
+    p.offload = planner::parse_offload(offload);
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
@@ -165,17 +170,38 @@ common::Json ScenarioOptions::inputs(const Scenario& sc) const {
 }
 
 std::string plan_summary(const planner::Plan& p) {
-  return fmt::format("{}{} w={} d={} b={} m={}{}{}", to_string(p.schedule),
-                     p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b,
-                     p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
-                     p.distributed_optimizer ? " distributed-optimizer" : "");
+  return fmt::format(
+      "{}{} w={} d={} b={} m={}{}{}{}", to_string(p.schedule),
+      p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b, p.m,
+      p.v > 1 ? fmt::format(" v={}", p.v) : "",
+      p.distributed_optimizer ? " distributed-optimizer" : "",
+      p.offload != planner::Offload::none ? " offload=" + planner::to_string(p.offload) : "");
+}
+
+std::string offload_summary(const planner::RunReport& r) {
+  if (r.hosts.empty() || !r.extra.contains("offload")) return "";
+  const common::Json& o = r.extra["offload"];
+  std::string out;
+  for (const auto& h : r.hosts)
+    out +=
+        fmt::format("  host (offload {}): node {} {} of {}, pinned {} of {}{}\n",
+                    o["mode"].get<std::string>(), h.node, human_bytes(double(h.peak_memory_bytes)),
+                    human_bytes(double(h.capacity_bytes)), human_bytes(double(h.pinned_bytes)),
+                    human_bytes(double(h.pinned_capacity_bytes)), h.fits() ? "" : "  DOES NOT FIT");
+  out += fmt::format("  moved per step: {} to the host, {} back to the devices\n",
+                     human_bytes(o["copy_out_bytes_per_step"].get<double>()),
+                     human_bytes(o["copy_in_bytes_per_step"].get<double>()));
+  return out;
 }
 
 std::string oom_message(const planner::RunReport& r) {
-  return fmt::format(
-      "the plan does not fit: {}; use --recompute, a deeper pipeline or a smaller -b, or "
-      "--allow-oom to write the report anyway",
-      planner::describe_oom(r));
+  const bool devices_fit = std::all_of(r.devices.begin(), r.devices.end(),
+                                       [](const planner::DeviceReport& d) { return d.fits; });
+  return fmt::format("the plan does not fit: {}; {}, or --allow-oom to write the report anyway",
+                     planner::describe_oom(r),
+                     devices_fit ? "use a host with more memory (--set host.memory_bytes=... or "
+                                   "host.pinned_memory_bytes=...) or a plan without --offload"
+                                 : "use --recompute, a deeper pipeline or a smaller -b");
 }
 
 std::function<void(int, int)> progress_bar(const std::string& what) {

@@ -34,7 +34,7 @@ struct ClusterOptions {
 };
 
 // A plan file (--plan) or the flags -w -d -m -b --schedule -v --tp --sp --recompute
-// --distributed-optimizer --stage-blocks.
+// --distributed-optimizer --stage-blocks --offload.
 struct PlanOptions {
   std::string plan_file;
   std::string schedule = "1f1b";
@@ -43,6 +43,7 @@ struct PlanOptions {
   int t = 1;
   bool sp = false;
   bool distributed_optimizer = false;
+  std::string offload = "none";          // planner::parse_offload
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;
@@ -82,6 +83,10 @@ struct ScenarioOptions {
 
 // "1f1b t=4 sp w=4 d=2 b=1 m=16 distributed-optimizer": the plan's shape in one phrase.
 std::string plan_summary(const planner::Plan& p);
+
+// With offload, per node "  host (offload optimizer): node 0 172.3 GiB of 223.5 GiB, pinned 19.1
+// GiB of 223.5 GiB; moved per step 153.2 GiB to the host, 19.1 GiB back" lines; "" without.
+std::string offload_summary(const planner::RunReport& r);
 
 // "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)" + what to try.
 std::string oom_message(const planner::RunReport& r);

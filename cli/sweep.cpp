@@ -324,7 +324,9 @@ std::string no_fit_note(const planner::RunReport& r) {
       return fmt::format("does not fit: rank {} (stage {}) needs {} of {}", d.rank, d.stage,
                          human_bytes(double(d.peak_memory_bytes)),
                          human_bytes(double(d.capacity_bytes)));
-  return "";
+  // The devices fit: a host (offload) does not.
+  const std::string why = planner::describe_oom(r);
+  return why.empty() ? "" : "does not fit: " + why;
 }
 
 // Plans one point; returns the simulation job, or nullopt when the row is already final.

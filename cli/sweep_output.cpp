@@ -166,8 +166,9 @@ void print_table(const SweepSpec& spec, const std::vector<Row>& rows) {
   for (const auto& r : rows) {
     std::vector<std::string> line = r.point;
     const auto& p = r.plan;
-    line.push_back(r.planned ? fmt::format("{} w={} d={} b={} m={}", planner::to_string(p.schedule),
-                                           p.w, p.d, p.b, p.m)
+    line.push_back(r.planned ? fmt::format("{} w={} d={} b={} m={}{}",
+                                           planner::to_string(p.schedule), p.w, p.d, p.b, p.m,
+                                           p.offload != planner::Offload::none ? " offload" : "")
                              : "-");
     const auto& rep = r.report;
     std::int64_t peak = 0;

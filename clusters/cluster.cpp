@@ -70,11 +70,55 @@ Network parse_network(const JsonReader& r, int nodes) {
   return n;
 }
 
-Host parse_host(const JsonReader& r) {
+HostLinkKind parse_host_link(const JsonReader& r) {
+  std::string s = r.get_string("link");
+  for (auto k : {HostLinkKind::pcie, HostLinkKind::pcie3, HostLinkKind::pcie4, HostLinkKind::pcie5,
+                 HostLinkKind::nvlink_c2c})
+    if (s == to_string(k)) return k;
+  r.fail_member("link", fmt::format("unknown host link \"{}\"; expected pcie, pcie3, pcie4, pcie5 "
+                                    "or nvlink-c2c",
+                                    s));
+}
+
+// The host fields after the first three are optional (defaults in cluster.hpp). Each is checked
+// as hostile input: in range, finite, consistent with the node (common/limits.hpp).
+Host parse_host(const JsonReader& r, int gpus_per_node) {
   Host h;
   h.memory_bytes = r.get_int_in("memory_bytes", 0, common::kMaxBytes);
   h.pcie_bandwidth_bytes_per_s = r.get_nonnegative("pcie_bandwidth_bytes_per_s");
   h.pcie_latency_s = r.get_nonnegative("pcie_latency_s");
+  if (r.has("link")) h.link = parse_host_link(r);
+  const double peak = host_link_peak_bytes_per_s(h.link);
+  if (peak > 0 && h.pcie_bandwidth_bytes_per_s > peak)
+    r.fail_member("pcie_bandwidth_bytes_per_s",
+                  fmt::format("{:g} B/s is more than a {} link's {:g} B/s per direction",
+                              h.pcie_bandwidth_bytes_per_s, to_string(h.link), peak));
+  h.pinned_memory_bytes = r.has("pinned_memory_bytes")
+                              ? r.get_int_in("pinned_memory_bytes", 0, common::kMaxBytes)
+                              : h.memory_bytes;
+  if (h.pinned_memory_bytes > h.memory_bytes)
+    r.fail_member("pinned_memory_bytes", fmt::format("{} is more than memory_bytes ({})",
+                                                     h.pinned_memory_bytes, h.memory_bytes));
+  if (r.has("gpus_per_uplink")) {
+    h.gpus_per_uplink = r.get_count("gpus_per_uplink");
+    if (h.gpus_per_uplink > gpus_per_node || gpus_per_node % h.gpus_per_uplink != 0)
+      r.fail_member("gpus_per_uplink", fmt::format("must divide gpus_per_node ({}), found {}",
+                                                   gpus_per_node, h.gpus_per_uplink));
+  }
+  // 0 (allowed, as for the per-GPU link) is a host side without a link: offload refuses it.
+  h.uplink_bandwidth_bytes_per_s = r.has("uplink_bandwidth_bytes_per_s")
+                                       ? r.get_nonnegative("uplink_bandwidth_bytes_per_s")
+                                       : h.gpus_per_uplink * h.pcie_bandwidth_bytes_per_s;
+  if (r.has("cpu_cores")) h.cpu_cores = int(r.get_int_in("cpu_cores", 0, common::kMaxCount));
+  if (r.has("cpu_adam_params_per_s_per_core")) {
+    h.cpu_adam_params_per_s_per_core = r.get_nonnegative("cpu_adam_params_per_s_per_core");
+    // A core updating more than 10^12 parameters a second is a typo, not a CPU (one core does
+    // about 10^8, docs/formats.md).
+    if (h.cpu_adam_params_per_s_per_core > 1e12)
+      r.fail_member("cpu_adam_params_per_s_per_core",
+                    fmt::format("{:g} is more than 1e12 parameters/s per core",
+                                h.cpu_adam_params_per_s_per_core));
+  }
   return h;
 }
 
@@ -129,6 +173,40 @@ std::string to_string(IntraKind k) {
   return "?";
 }
 
+std::string to_string(HostLinkKind k) {
+  switch (k) {
+    case HostLinkKind::pcie:
+      return "pcie";
+    case HostLinkKind::pcie3:
+      return "pcie3";
+    case HostLinkKind::pcie4:
+      return "pcie4";
+    case HostLinkKind::pcie5:
+      return "pcie5";
+    case HostLinkKind::nvlink_c2c:
+      return "nvlink-c2c";
+  }
+  return "?";
+}
+
+// x16 per direction: 8, 16 and 32 GT/s per lane with 128b/130b encoding (PCIe 3.0, 4.0, 5.0
+// base specifications); NVLink-C2C 900 GB/s bidirectional (NVIDIA Grace Hopper whitepaper).
+double host_link_peak_bytes_per_s(HostLinkKind k) {
+  switch (k) {
+    case HostLinkKind::pcie:
+      return 0;
+    case HostLinkKind::pcie3:
+      return 15.75e9;
+    case HostLinkKind::pcie4:
+      return 31.5e9;
+    case HostLinkKind::pcie5:
+      return 63e9;
+    case HostLinkKind::nvlink_c2c:
+      return 450e9;
+  }
+  return 0;
+}
+
 std::string to_string(NicPer n) {
   return n == NicPer::gpu ? "gpu" : "node";
 }
@@ -146,7 +224,7 @@ Cluster parse_cluster(const Json& json, const std::string& source, const std::st
   c.device = parse_device_field(r, base_dir);
   c.intra_node = parse_intra(r.at("intra_node"), c.gpus_per_node);
   c.network = parse_network(r.at("network"), c.nodes);
-  c.host = parse_host(r.at("host"));
+  c.host = parse_host(r.at("host"), c.gpus_per_node);
   if (auto notes = r.find("notes")) c.notes = notes->as_string();
   return c;
 }
@@ -169,7 +247,13 @@ Json to_json(const Cluster& c) {
                   {"efficiency", c.network.efficiency}};
   j["host"] = {{"memory_bytes", c.host.memory_bytes},
                {"pcie_bandwidth_bytes_per_s", c.host.pcie_bandwidth_bytes_per_s},
-               {"pcie_latency_s", c.host.pcie_latency_s}};
+               {"pcie_latency_s", c.host.pcie_latency_s},
+               {"link", to_string(c.host.link)},
+               {"pinned_memory_bytes", c.host.pinned_memory_bytes},
+               {"gpus_per_uplink", c.host.gpus_per_uplink},
+               {"uplink_bandwidth_bytes_per_s", c.host.uplink_bandwidth_bytes_per_s},
+               {"cpu_cores", c.host.cpu_cores},
+               {"cpu_adam_params_per_s_per_core", c.host.cpu_adam_params_per_s_per_core}};
   if (!c.notes.empty()) j["notes"] = c.notes;
   return j;
 }

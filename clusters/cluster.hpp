@@ -37,10 +37,32 @@ struct Network {
   bool operator==(const Network&) const = default;
 };
 
+// How a GPU reaches host memory: a PCIe link of a generation (x16), a PCIe link of unstated
+// generation, or NVLink-C2C (Grace Hopper). Descriptive, and the ceiling of the bandwidth given.
+enum class HostLinkKind { pcie, pcie3, pcie4, pcie5, nvlink_c2c };
+std::string to_string(HostLinkKind k);  // "pcie", "pcie3", "pcie4", "pcie5", "nvlink-c2c"
+// Peak bandwidth of one direction of the link kind (x16 for PCIe); 0 for "pcie" (no ceiling).
+double host_link_peak_bytes_per_s(HostLinkKind k);
+
+// The host side of a node: memory (the offload target), its host-device links and CPU Adam.
+// Fields after pcie_latency_s are optional in files, with the defaults given here
+// (docs/formats.md).
 struct Host {
   std::int64_t memory_bytes = 0;          // host DRAM per node
-  double pcie_bandwidth_bytes_per_s = 0;  // per GPU, one direction (host <-> device)
+  double pcie_bandwidth_bytes_per_s = 0;  // host link per GPU, one direction (host <-> device)
   double pcie_latency_s = 0;
+  HostLinkKind link = HostLinkKind::pcie;  // what pcie_bandwidth_bytes_per_s is a link of
+  // Page-locked (pinned) memory the copy engines can use, at most memory_bytes; a file without
+  // it gets memory_bytes.
+  std::int64_t pinned_memory_bytes = 0;
+  // GPUs behind one uplink to the CPU (a PCIe switch), dividing gpus_per_node; default 1.
+  int gpus_per_uplink = 1;
+  // One direction of that shared uplink; default gpus_per_uplink x pcie_bandwidth (no contention).
+  double uplink_bandwidth_bytes_per_s = 0;
+  int cpu_cores = 0;  // host CPU cores per node; 0: unknown (offload is then refused)
+  // Adam updates per second per core (fp32 master, m, v; ZeRO-Offload's CPU-Adam); 0: unknown.
+  double cpu_adam_params_per_s_per_core = 0;
+  double cpu_adam_params_per_s() const { return cpu_cores * cpu_adam_params_per_s_per_core; }
   bool operator==(const Host&) const = default;
 };
 

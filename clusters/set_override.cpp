@@ -43,6 +43,14 @@ void expand_device(Json& device) {
   device = common::looks_like_path(name) ? common::read_json_file(name) : device_preset_json(name);
 }
 
+bool is_optional_host_field(const std::string& key) {
+  for (const char* k :
+       {"link", "pinned_memory_bytes", "gpus_per_uplink", "uplink_bandwidth_bytes_per_s",
+        "cpu_cores", "cpu_adam_params_per_s_per_core"})
+    if (key == k) return true;
+  return false;
+}
+
 }  // namespace
 
 void apply_set(Json& doc, const std::string& set) {
@@ -59,7 +67,10 @@ void apply_set(Json& doc, const std::string& set) {
   for (std::size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].empty()) fail(fmt::format("empty component in key \"{}\"", key));
     if (walked == "device") expand_device(*cur);
-    if (!cur->is_object() || !cur->contains(parts[i])) {
+    // The optional host fields (cluster.hpp) may be set on a file that leaves them out.
+    const bool optional_host_field = walked == "host" && i + 1 == parts.size() &&
+                                     cur->is_object() && is_optional_host_field(parts[i]);
+    if (!cur->is_object() || (!cur->contains(parts[i]) && !optional_host_field)) {
       std::string where = walked.empty() ? "the cluster" : walked;
       fail(fmt::format(
           "unknown key \"{}\"{}", key,

@@ -79,8 +79,16 @@ std::string describe(const Cluster& c) {
         c.nics_per_node(), c.nics_per_node() == 1 ? "" : "s",
         n.nic_per == NicPer::gpu ? "one per GPU" : "shared by the node",
         rate(n.bandwidth_bytes_per_s, "B/s"), n.efficiency, usec(n.latency_s), n.oversubscription);
-  out += fmt::format("  host: {} memory, PCIe {} per GPU, latency {}\n", gib(c.host.memory_bytes),
-                     rate(c.host.pcie_bandwidth_bytes_per_s, "B/s"), usec(c.host.pcie_latency_s));
+  const Host& h = c.host;
+  out += fmt::format("  host: {} memory ({} pinnable), {} {} per GPU, latency {}",
+                     gib(h.memory_bytes), gib(h.pinned_memory_bytes), to_string(h.link),
+                     rate(h.pcie_bandwidth_bytes_per_s, "B/s"), usec(h.pcie_latency_s));
+  if (h.gpus_per_uplink > 1)
+    out += fmt::format(", {} GPUs per {} uplink", h.gpus_per_uplink,
+                       rate(h.uplink_bandwidth_bytes_per_s, "B/s"));
+  out += h.cpu_adam_params_per_s() > 0 ? fmt::format(", {} cores x {:.3g} Adam params/s\n",
+                                                     h.cpu_cores, h.cpu_adam_params_per_s_per_core)
+                                       : std::string(", CPU Adam rate unknown\n");
   return out;
 }
 

@@ -1,5 +1,5 @@
 // How busy the machine was with other work while something ran: what validate prints so that a
-// noisy machine shows in its output rather than in its error (docs/formulas.md, section 9).
+// noisy machine shows in its output rather than in its error (docs/formulas.md, section 10).
 #pragma once
 
 #include <string>

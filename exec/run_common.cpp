@@ -54,6 +54,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
                     "optimizer yet; simulate or estimate it instead",
                     backend));
+  if (plan.offload != planner::Offload::none)
+    throw InputError(
+        fmt::format("plan: offload: train does not support --offload yet (the {} "
+                    "executor keeps everything on the device); estimate or simulate "
+                    "it instead",
+                    backend));
   if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
                   [](planner::Recompute r) { return r == planner::Recompute::selective; }))
     throw InputError(

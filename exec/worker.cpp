@@ -184,6 +184,10 @@ void Worker::step(const Op& op) {
     case OpKind::gather_tied_gradient:
     case OpKind::gather_tied_weights:
       return tied(op);
+    case OpKind::copy_gradient_to_host:  // prepare_run refuses offload plans before any runs
+    case OpKind::host_optimizer_step:
+    case OpKind::copy_parameters_to_device:
+      throw InputError("train does not support --offload yet");
   }
 }
 

@@ -32,6 +32,7 @@ enum Flag : std::uint8_t {
   kRecompute = 16,
   kBackward = 32,
   kSentG = 64,
+  kCopiedOut = 128,  // offload: the slot's gradients copied to the host
 };
 
 // Walks one device's program in order and checks the per-device invariants.
@@ -51,7 +52,13 @@ class DeviceChecker {
     all_reduces_.assign(std::size_t(p.steps), 0);
     tied_gradient_.assign(std::size_t(p.steps), 0);
     tied_weights_.assign(live_.size(), 0);
+    copied_out_.assign(std::size_t(p.steps), 0);
+    tied_copied_.assign(std::size_t(p.steps), 0);
     steps_done_ = 0;
+    if (offload()) {
+      for (int c = 0; c < plan_.v; ++c)
+        tiles_ += offload_tiles(plan_, prog_.stage, c);
+    }
   }
 
   DeviceCheck run() {
@@ -91,6 +98,7 @@ class DeviceChecker {
       bad("bucket out of range");
     }
     if (is_tied(op.kind)) return tied(op);
+    if (is_offload(op.kind)) return offload_op(op);
     if (op.microbatch >= 0 || is_compute(op.kind) || is_send(op.kind) || is_recv(op.kind)) {
       if (!in_range(op.microbatch, plan_.m)) bad("microbatch out of range");
     }
@@ -125,6 +133,53 @@ class DeviceChecker {
       default:
         return;  // tied ops: above
     }
+  }
+
+  bool offload() const { return plan_.offload == Offload::optimizer; }
+
+  // Optimizer offload: every backward's gradients go to the host (and stage 0's tied gradient
+  // after the exchange) before CPU Adam runs the step's tiles in order, each tile's upload right
+  // behind it; the device's optimizer_step then switches to the uploaded version.
+  void offload_op(const Op& op) {
+    const std::string name = to_string(op.kind);
+    if (!offload()) bad(name + " in a plan without offload");
+    const std::size_t step = local(op.step);
+    if (op.kind == OpKind::copy_gradient_to_host) {
+      if (op.microbatch == -1) {
+        if (!tied_first() || op.chunk != 0)
+          bad(name + " of a tied gradient off stage 0's tied embedding");
+        if (!tied_gradient_[step]) bad(name + " of the tied gradient before recv_tied_gradient");
+        if (tied_copied_[step]++) bad(name + " of the tied gradient twice in a step");
+        return;
+      }
+      if (!in_range(op.microbatch, plan_.m)) bad("microbatch out of range");
+      require(op, kBackward, name + " before its backward");
+      set_once(op, kCopiedOut, "gradient copied to the host");
+      ++copied_out_[step];
+      return;
+    }
+    if (op.microbatch != -1) bad(name + " with a microbatch");
+    if (op.step != p_.first_step + steps_done_) bad(name + " out of step order");
+    if (op.version != op.step + 1) bad(name + " must create version step+1");
+    // Tiles in order: (chunk, tile) flattened; host step k, then its upload.
+    int flat = op.bucket;
+    for (int c = 0; c < op.chunk; ++c)
+      flat += offload_tiles(plan_, prog_.stage, c);
+    if (op.bucket < 0 || op.bucket >= offload_tiles(plan_, prog_.stage, op.chunk))
+      bad(name + " of tile " + std::to_string(op.bucket) + ", out of range");
+    if (op.kind == OpKind::host_optimizer_step) {
+      if (copied_out_[step] != plan_.m * plan_.v)
+        bad(name + " after " + std::to_string(copied_out_[step]) + " gradient copies, expected " +
+            std::to_string(plan_.m * plan_.v));
+      if (tied_first() && !tied_copied_[step]) bad(name + " before the tied gradient is copied");
+      if (flat != host_steps_ || uploads_ != host_steps_)
+        bad(name + " of tile " + std::to_string(flat) + " out of order");
+      ++host_steps_;
+      return;
+    }
+    if (flat != uploads_ || host_steps_ != uploads_ + 1)
+      bad(name + " of tile " + std::to_string(flat) + " before its host_optimizer_step");
+    ++uploads_;
   }
 
   // Tied embeddings: stage 0 holds the embedding (chunk 0) and owns its update; the last stage
@@ -277,6 +332,12 @@ class DeviceChecker {
                         : "sent (send_tied_gradient)"));
     }
     if (op.version != op.step + 1) bad("optimizer step must create version step+1");
+    if (offload()) {
+      if (uploads_ != tiles_)
+        bad("optimizer step after " + std::to_string(uploads_) + " of " + std::to_string(tiles_) +
+            " tiles copied back from the host");
+      host_steps_ = uploads_ = 0;
+    }
     live_[std::size_t(op.version)] = 1;
     ++live_count_;
     ++steps_done_;
@@ -329,11 +390,13 @@ class DeviceChecker {
     if (!first(op)) need |= kRecvA | kSentG;
     if (!last(op)) need |= kSentA | kRecvG;
     if (plan_.recomputes(prog_.stage)) need |= kRecompute;
+    if (offload()) need |= kCopiedOut;
     if ((flags_[slot(op)] & need) != need) {
       throw ScheduleError("rank " + std::to_string(prog_.rank) + ": step " +
                           std::to_string(op.step) + " microbatch " + std::to_string(op.microbatch) +
                           " chunk " + std::to_string(op.chunk) +
-                          " misses a forward, backward, recompute, send or receive");
+                          " misses a forward, backward, recompute, send, receive or gradient "
+                          "copy to the host");
     }
   }
 
@@ -344,11 +407,15 @@ class DeviceChecker {
   std::vector<std::uint8_t> flags_;
   std::vector<int> version_of_;
   std::vector<char> live_;
-  std::vector<int> users_;          // stashed microbatches per weight version
-  std::vector<int> backwards_;      // per (step, chunk)
-  std::vector<int> all_reduces_;    // per step
-  std::vector<int> tied_gradient_;  // tied gradient sent, or received (+1 gathered), per step
-  std::vector<int> tied_weights_;   // tied weights sent, or received (+1 gathered), per version
+  std::vector<int> users_;            // stashed microbatches per weight version
+  std::vector<int> backwards_;        // per (step, chunk)
+  std::vector<int> all_reduces_;      // per step
+  std::vector<int> tied_gradient_;    // tied gradient sent, or received (+1 gathered), per step
+  std::vector<int> tied_weights_;     // tied weights sent, or received (+1 gathered), per version
+  std::vector<int> copied_out_;       // offload: gradient copies to the host, per step
+  std::vector<int> tied_copied_;      // offload: tied gradient copies, per step
+  int tiles_ = 0;                     // offload: CPU Adam tiles per step
+  int host_steps_ = 0, uploads_ = 0;  // offload: of the current step
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <map>
 
 #include <fmt/format.h>
@@ -198,6 +200,215 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   return ch;
 }
 
+std::int64_t offload_host_bytes_per_parameter(models::DType dtype) {
+  return optimizer_bytes_per_parameter(dtype) + 4 + models::dtype_bytes(dtype);
+}
+
+std::int64_t ChunkOffload::host_parameters() const {
+  std::int64_t n = 0;
+  for (std::int64_t t : tiles)
+    n = bytes_add(n, t);
+  return n;
+}
+
+std::int64_t ChunkOffload::largest_tile() const {
+  return tiles.empty() ? 0 : *std::max_element(tiles.begin(), tiles.end());
+}
+
+ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch) {
+  ChunkOffload o;
+  if (ch.has_embedding) o.tiles.push_back(mc.embedding.parameters);
+  o.tiles.insert(o.tiles.end(), std::size_t(ch.blocks), mc.block.parameters);
+  if (ch.has_head) o.tiles.push_back(mc.head.parameters);
+  // The tied tensor (d > 1): the embedding's on stage 0 (updated there), the head's copy on the
+  // last stage (not updated there: it receives stage 0's new weights).
+  const bool tied_end = p.d > 1 && mc.tied_copy_parameters > 0 && ch.has_embedding != ch.has_head;
+  o.resident_parameters = tied_end ? mc.tied_copy_parameters : 0;
+  o.streamed_parameters = ch.parameters - o.resident_parameters;
+  o.tied_copy_out_parameters = tied_end && ch.has_embedding ? mc.tied_copy_parameters : 0;
+  return o;
+}
+
+HostPath host_path(const clusters::Cluster& c, const Plan& p, int rank) {
+  const Placement& me = p.placement[std::size_t(rank)];
+  const int per_uplink = c.host.gpus_per_uplink;
+  int on_gpu = 0, on_uplink = 0;
+  for (const Placement& pl : p.placement) {
+    if (pl.node != me.node) continue;
+    on_gpu += pl.gpu == me.gpu ? 1 : 0;
+    on_uplink += pl.gpu / per_uplink == me.gpu / per_uplink ? 1 : 0;
+  }
+  HostPath h;
+  h.bandwidth_bytes_per_s = std::min(c.host.pcie_bandwidth_bytes_per_s / on_gpu,
+                                     c.host.uplink_bandwidth_bytes_per_s / on_uplink);
+  h.latency_s = c.host.pcie_latency_s;
+  return h;
+}
+
+std::vector<std::int64_t> host_parameters_by_rank(const models::ModelCosts& mc,
+                                                  const traces::Trace& trace, const Plan& p) {
+  std::vector<std::int64_t> out;
+  for (int r = 0; r < p.ranks(); ++r) {
+    std::int64_t n = 0;
+    for (int c = 0; c < p.v; ++c)
+      n = bytes_add(
+          n, chunk_offload(mc, p, chunk_cost(mc, trace, p, p.stage_of(r), c)).host_parameters());
+    out.push_back(n);
+  }
+  return out;
+}
+
+namespace {
+
+// W_i / sum_j min(W_j, W_i) over the ranks j with shares(j) (rank i among them).
+double ps_share(const Plan& p, int rank, const std::vector<std::int64_t>& work,
+                const std::function<bool(const Placement&)>& shares) {
+  const double mine = double(work[std::size_t(rank)]);
+  double sum = 0;
+  for (int j = 0; j < p.ranks(); ++j)
+    if (shares(p.placement[std::size_t(j)])) sum += std::min(double(work[std::size_t(j)]), mine);
+  return sum > 0 ? mine / sum : 1.0;
+}
+
+}  // namespace
+
+double cpu_adam_rate(const clusters::Cluster& c, const Plan& p, int rank,
+                     const std::vector<std::int64_t>& host_parameters) {
+  const int node = p.placement[std::size_t(rank)].node;
+  return c.host.cpu_adam_params_per_s() *
+         ps_share(p, rank, host_parameters,
+                  [node](const Placement& pl) { return pl.node == node; });
+}
+
+HostPath upload_path(const clusters::Cluster& c, const Plan& p, int rank,
+                     const std::vector<std::int64_t>& host_parameters) {
+  const Placement me = p.placement[std::size_t(rank)];
+  const int k = c.host.gpus_per_uplink;
+  const double gpu = ps_share(p, rank, host_parameters, [me](const Placement& pl) {
+    return pl.node == me.node && pl.gpu == me.gpu;
+  });
+  const double uplink = ps_share(p, rank, host_parameters, [me, k](const Placement& pl) {
+    return pl.node == me.node && pl.gpu / k == me.gpu / k;
+  });
+  HostPath h;
+  h.bandwidth_bytes_per_s = std::min(c.host.pcie_bandwidth_bytes_per_s * gpu,
+                                     c.host.uplink_bandwidth_bytes_per_s * uplink);
+  h.latency_s = c.host.pcie_latency_s;
+  return h;
+}
+
+double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<double>& u) {
+  double adam_end = 0, upload_end = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    adam_end += a[i];
+    upload_end = std::max(adam_end, upload_end) + u[i];
+  }
+  return upload_end;
+}
+
+void check_offload_cluster(const clusters::Cluster& c, const Plan& p) {
+  if (p.offload == Offload::none) return;
+  if (c.host.cpu_adam_params_per_s() <= 0)
+    throw InputError(fmt::format(
+        "cluster {}: optimizer offload needs the host's CPU Adam rate, and host.cpu_cores x "
+        "host.cpu_adam_params_per_s_per_core = {} x {:g} is 0 (set both, e.g. --set "
+        "host.cpu_cores=32 --set host.cpu_adam_params_per_s_per_core=9.5e7; docs/formats.md)",
+        c.name, c.host.cpu_cores, c.host.cpu_adam_params_per_s_per_core));
+  if (c.host.pcie_bandwidth_bytes_per_s <= 0 || c.host.uplink_bandwidth_bytes_per_s <= 0)
+    throw InputError(fmt::format(
+        "cluster {}: optimizer offload needs a host link, and host.pcie_bandwidth_bytes_per_s is "
+        "{:g} (uplink {:g})",
+        c.name, c.host.pcie_bandwidth_bytes_per_s, c.host.uplink_bandwidth_bytes_per_s));
+}
+
+void time_host_step(RankOffload& r, double rate) {
+  std::vector<double> adam;
+  r.cpu_adam_s = 0;
+  for (double t : r.tile_parameters) {
+    adam.push_back(t / rate);
+    r.cpu_adam_s += adam.back();
+  }
+  r.host_step_s = r.tied_copy_out_s + two_stage_pipeline_s(adam, r.tile_upload_s);
+}
+
+std::vector<double> processor_sharing_finish(const std::vector<double>& work,
+                                             const std::vector<double>& release, double capacity) {
+  const std::size_t n = work.size();
+  std::vector<double> left = work, finish(n, 0);
+  std::vector<bool> done(n, false);
+  double now = release.empty() ? 0 : *std::min_element(release.begin(), release.end());
+  for (std::size_t finished = 0; finished < n;) {
+    std::vector<std::size_t> active;
+    double next_release = std::numeric_limits<double>::infinity();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (done[i]) continue;
+      if (release[i] <= now)
+        active.push_back(i);
+      else
+        next_release = std::min(next_release, release[i]);
+    }
+    if (active.empty()) {
+      now = next_release;
+      continue;
+    }
+    const double rate = capacity / double(active.size());
+    double first_end = std::numeric_limits<double>::infinity();
+    for (std::size_t i : active)
+      first_end = std::min(first_end, now + left[i] / rate);
+    const double until = std::min(first_end, next_release);
+    for (std::size_t i : active) {
+      if (until == first_end && now + left[i] / rate <= first_end) {  // the first to end
+        done[i] = true;
+        finish[i] = until;
+        ++finished;
+      }
+      left[i] -= (until - now) * rate;
+    }
+    now = until;
+  }
+  return finish;
+}
+
+RankOffload rank_offload(const models::ModelSpec& model, const models::ModelCosts& mc,
+                         const clusters::Cluster& cluster, const Plan& p, int rank,
+                         const std::vector<ChunkCost>& chunks,
+                         const std::vector<std::int64_t>& host_parameters) {
+  const std::int64_t e = models::dtype_bytes(model.dtype);
+  const HostPath path = host_path(cluster, p, rank);
+  const HostPath up = upload_path(cluster, p, rank, host_parameters);
+  const double rate = cpu_adam_rate(cluster, p, rank, host_parameters);
+  RankOffload r;
+  std::int64_t updated = 0, largest = 0, resident = 0, streamed = 0;
+  for (const ChunkCost& ch : chunks) {
+    ChunkOffload o = chunk_offload(mc, p, ch);
+    r.copy_out_s.push_back(path.time_s(double(bytes_mul(o.streamed_parameters, e))));
+    if (o.tied_copy_out_parameters > 0)
+      r.tied_copy_out_s = path.time_s(double(bytes_mul(o.tied_copy_out_parameters, e)));
+    for (std::int64_t t : o.tiles) {
+      r.tile_parameters.push_back(double(t));
+      r.tile_upload_s.push_back(up.time_s(double(bytes_mul(t, e))));
+    }
+    updated = bytes_add(updated, o.host_parameters());
+    largest = std::max(largest, o.largest_tile());
+    resident = bytes_add(resident, o.resident_parameters);
+    streamed = bytes_add(streamed, o.streamed_parameters);
+    r.copy_out_bytes_per_step =
+        bytes_add(r.copy_out_bytes_per_step, bytes_mul(o.tied_copy_out_parameters, e));
+    r.chunks.push_back(std::move(o));
+  }
+  for (double u : r.tile_upload_s)
+    r.upload_s += u;
+  time_host_step(r, rate);
+  // Gradients leave in layer-sized pieces, double-buffered: one filling, one on the copy engine.
+  r.device_gradient_bytes = bytes_add(bytes_mul(bytes_mul(largest, 2), e), bytes_mul(resident, e));
+  r.host_bytes = bytes_mul(updated, offload_host_bytes_per_parameter(model.dtype));
+  r.pinned_bytes = bytes_mul(updated, e);
+  r.copy_out_bytes_per_step =
+      bytes_add(r.copy_out_bytes_per_step, bytes_mul(bytes_mul(streamed, e), p.m));
+  r.copy_in_bytes_per_step = bytes_mul(updated, e);
+  return r;
+}
+
 namespace {
 
 StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& mc,
@@ -208,8 +419,13 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   st.stage = s;
   st.recompute = p.recompute_of(s);
   const clusters::Link tp = tp_link(cluster, p, p.rank_of(s, 0));
+  std::vector<ChunkCost> chunks;
+  std::vector<double> chunk_backward;   // per chunk, recompute and TP included
+  std::vector<double> chunk_recompute;  // per chunk, the full recompute's part of it
   for (int c = 0; c < p.v; ++c) {
     const ChunkCost ch = chunk_cost(mc, trace, p, s, c);
+    chunks.push_back(ch);
+    const double backward_before = st.backward_s;
     const double tp_forward = tp_time_s(ch.tp_forward, p.t, tp);
     const double tp_backward = tp_time_s(ch.tp_backward, p.t, tp);
     st.blocks += ch.blocks;
@@ -224,6 +440,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     } else if (st.recompute == Recompute::selective) {
       st.backward_s += ch.selective_recompute_s;
     }
+    chunk_backward.push_back(st.backward_s - backward_before);
+    chunk_recompute.push_back(st.recompute == Recompute::full ? ch.recompute_s + tp_forward : 0.0);
     st.optimizer_s += ch.optimizer_s;
     st.parameters = bytes_add(st.parameters, ch.parameters);
     st.stash_bytes = bytes_add(st.stash_bytes, ch.stash_bytes);
@@ -237,6 +455,20 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   st.memory.weight_versions = p.schedule == Schedule::two_bw
                                   ? bytes_mul(st.parameters, models::dtype_bytes(model.dtype))
                                   : 0;
+  if (p.offload == Offload::optimizer) {
+    // Each backward streams its gradients out on the copy engine: a backward lasts as long as
+    // the slower of the two (a full recompute before it produces no gradients: it stays in
+    // front). Optimizer state lives on the host; the step is the host's.
+    st.offload = rank_offload(model, mc, cluster, p, p.rank_of(s, 0), chunks,
+                              host_parameters_by_rank(mc, trace, p));
+    st.backward_s = 0;
+    for (std::size_t c = 0; c < std::size_t(p.v); ++c)
+      st.backward_s += chunk_recompute[c] +
+                       std::max(chunk_backward[c] - chunk_recompute[c], st.offload.copy_out_s[c]);
+    st.memory.gradients = st.offload.device_gradient_bytes;
+    st.memory.optimizer = 0;
+    st.optimizer_s = st.offload.host_step_s;
+  }
   st.in_flight = in_flight(p, s);
   // Interleaved stashes microbatch-chunks: each is on average 1/v of the device's stash.
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
@@ -347,6 +579,74 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
   return gradient_s + weights_s;
 }
 
+// CPU Adam of a node's ranks as processor sharing with the moments they reach it (section 9):
+// stage s ends its step's last backward sum_{j<s} (backward slot_j + hop_j) before stage 0 (the
+// cool-down's backwards run from the last stage down), stage 0 also copies its tied gradient
+// first; each rank's rate is its work over the time processor sharing takes for it.
+void share_host_cpus(std::vector<StageCost>& stages, const clusters::Cluster& cluster,
+                     const Plan& p) {
+  std::vector<double> release(std::size_t(p.ranks()), 0);
+  for (int r = 0; r < p.ranks(); ++r) {
+    double offset = 0;
+    for (int j = 0; j < p.stage_of(r); ++j)
+      offset += (stages[std::size_t(j)].backward_s + stages[std::size_t(j)].send_s) / p.v;
+    release[std::size_t(r)] = -offset + stages[std::size_t(p.stage_of(r))].offload.tied_copy_out_s;
+  }
+  std::map<int, std::vector<int>> by_node;
+  for (int r = 0; r < p.ranks(); ++r)
+    by_node[p.placement[std::size_t(r)].node].push_back(r);
+  for (const auto& [node, ranks] : by_node) {
+    std::vector<double> work, rel;
+    for (int r : ranks) {
+      double w = 0;
+      for (double t : stages[std::size_t(p.stage_of(r))].offload.tile_parameters)
+        w += t;
+      work.push_back(w);
+      rel.push_back(release[std::size_t(r)]);
+    }
+    const std::vector<double> end =
+        processor_sharing_finish(work, rel, cluster.host.cpu_adam_params_per_s());
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      StageCost& st = stages[std::size_t(p.stage_of(ranks[i]))];
+      if (work[i] > 0 && end[i] > rel[i]) time_host_step(st.offload, work[i] / (end[i] - rel[i]));
+      st.optimizer_s = st.offload.host_step_s;
+    }
+  }
+}
+
+void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
+                        const clusters::Cluster& cluster, const Plan& p) {
+  std::map<int, HostReport> hosts;
+  common::Json ranks = common::Json::array();
+  std::int64_t out = 0, in = 0;
+  for (int r = 0; r < p.ranks(); ++r) {
+    const RankOffload& o = stages[std::size_t(p.stage_of(r))].offload;
+    HostReport& h = hosts[p.placement[std::size_t(r)].node];
+    h.node = p.placement[std::size_t(r)].node;
+    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, o.host_bytes);
+    h.pinned_bytes = bytes_add(h.pinned_bytes, o.pinned_bytes);
+    h.capacity_bytes = cluster.host.memory_bytes;
+    h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
+    out = bytes_add(out, o.copy_out_bytes_per_step);
+    in = bytes_add(in, o.copy_in_bytes_per_step);
+    ranks.push_back({{"rank", r},
+                     {"host_bytes", o.host_bytes},
+                     {"pinned_bytes", o.pinned_bytes},
+                     {"copy_out_bytes_per_step", o.copy_out_bytes_per_step},
+                     {"copy_in_bytes_per_step", o.copy_in_bytes_per_step},
+                     {"copy_out_s_per_microbatch", o.copy_out_s},
+                     {"cpu_adam_s", o.cpu_adam_s},
+                     {"upload_s", o.upload_s},
+                     {"host_step_s", o.host_step_s}});
+  }
+  for (const auto& [node, h] : hosts)
+    rep.hosts.push_back(h);
+  rep.extra["offload"] = {{"mode", to_string(p.offload)},
+                          {"copy_out_bytes_per_step", out},
+                          {"copy_in_bytes_per_step", in},
+                          {"ranks", ranks}};
+}
+
 }  // namespace
 
 Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
@@ -359,6 +659,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   const models::Sharding sharding{p.t, p.sp};
   traces::check_sharding(trace, sharding);
   const models::ModelCosts mc = models::derive_costs(model, sharding);  // checks t against it
+  check_offload_cluster(cluster, p);
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
@@ -375,6 +676,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   est.pipeline_s = pipeline_time(p, est.stages);
   for (const auto& [gpu, work] : gpu_work)
     est.pipeline_s = std::max(est.pipeline_s, work);
+  if (p.offload != Offload::none) share_host_cpus(est.stages, cluster, p);
   for (const auto& st : est.stages) {
     est.allreduce_s = std::max(est.allreduce_s, st.allreduce_s);
     est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
@@ -400,10 +702,13 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     d.peak_memory_bytes = gpu_memory[{d.node, d.gpu}].total();
     d.capacity_bytes = cluster.device.memory_bytes;
     d.fits = d.peak_memory_bytes <= d.capacity_bytes;
-    d.busy_s = p.m * (st.forward_s + st.backward_s) + st.optimizer_s;
+    // With offload the optimizer step runs on the host: the device is not busy then.
+    d.busy_s =
+        p.m * (st.forward_s + st.backward_s) + (p.offload == Offload::none ? st.optimizer_s : 0.0);
     d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
     rep.devices.push_back(d);
   }
+  if (p.offload != Offload::none) add_offload_report(rep, est.stages, cluster, p);
   common::Json stages = common::Json::array();
   for (const auto& st : est.stages)
     stages.push_back({{"stage", st.stage},

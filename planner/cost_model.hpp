@@ -59,6 +59,86 @@ struct ChunkCost {
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
                      int stage, int chunk);
 
+// --- Optimizer offload (ZeRO-Offload, plan.offload == optimizer): docs/formulas.md, section 9 ---
+
+// Host bytes per parameter whose optimizer lives on the host: the optimizer state
+// (optimizer_bytes_per_parameter: fp32 master + Adam m, v), an fp32 gradient accumulator (4) and
+// the transfer buffer in the compute dtype (the fp16 gradient arrives there; the new fp16
+// parameters leave from it). 18 for fp16/bf16, 16 for fp32.
+std::int64_t offload_host_bytes_per_parameter(models::DType dtype);
+
+// One chunk's offload: the gradients its backward streams to the host, the parameters CPU Adam
+// updates there, in tiles of one layer each (forward order) that pipeline with their upload.
+struct ChunkOffload {
+  std::int64_t streamed_parameters = 0;  // gradients sent to the host by each backward
+  // With tied embeddings and d > 1 the tied tensor's gradient stays on the device (the tied
+  // exchange sums it there); stage 0 copies it to the host once per step, after the exchange.
+  std::int64_t resident_parameters = 0;
+  std::int64_t tied_copy_out_parameters = 0;
+  std::vector<std::int64_t> tiles;  // parameters CPU Adam updates, one tile per layer
+  std::int64_t host_parameters() const;
+  std::int64_t largest_tile() const;
+};
+ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch);
+
+// A rank's path to host memory for its gradient copies, with every rank copying at once: its
+// GPU's link shared by the ranks on that GPU, the uplink shared by the ranks behind it (cluster
+// host.gpus_per_uplink).
+struct HostPath {
+  double bandwidth_bytes_per_s = 0;  // one direction
+  double latency_s = 0;
+  double time_s(double bytes) const { return latency_s + bytes / bandwidth_bytes_per_s; }
+};
+HostPath host_path(const clusters::Cluster& c, const Plan& p, int rank);
+
+// The host parameters P_h of every rank (by rank): what its CPU Adam updates and uploads.
+std::vector<std::int64_t> host_parameters_by_rank(const models::ModelCosts& mc,
+                                                  const traces::Trace& trace, const Plan& p);
+// Processor sharing with simultaneous starts (section 9): ranks sharing a resource each get an
+// equal share while they work, so rank i's work W_i ends after sum_j min(W_j, W_i) / capacity.
+// Its effective share of the capacity: W_i / sum_j min(W_j, W_i), over the ranks j sharing it.
+// CPU Adam parameters/s of a rank: the node's rate (cores x rate per core) so shared.
+double cpu_adam_rate(const clusters::Cluster& c, const Plan& p, int rank,
+                     const std::vector<std::int64_t>& host_parameters);
+// The upload path of a rank (host step: new parameters to the device), its GPU's link and uplink
+// so shared among the ranks whose uploads use them.
+HostPath upload_path(const clusters::Cluster& c, const Plan& p, int rank,
+                     const std::vector<std::int64_t>& host_parameters);
+
+// Everything offload costs one rank per step.
+struct RankOffload {
+  std::vector<ChunkOffload> chunks;
+  std::vector<double> copy_out_s;       // per chunk: one microbatch's gradients to the host
+  std::vector<double> tile_parameters;  // CPU Adam tiles in order (all chunks)
+  std::vector<double> tile_upload_s;    // their uploads
+  double tied_copy_out_s = 0;           // stage 0's tied gradient, once per step
+  double cpu_adam_s = 0;                // sum over the tiles
+  double upload_s = 0;                  // sum over the tiles (each with its latency)
+  double host_step_s = 0;               // tied copy + the tiles' two-stage pipeline (Adam, upload)
+  std::int64_t device_gradient_bytes = 0;  // staging (2 x largest tile) + resident tied gradient
+  std::int64_t host_bytes = 0;
+  std::int64_t pinned_bytes = 0;
+  std::int64_t copy_out_bytes_per_step = 0;  // device -> host
+  std::int64_t copy_in_bytes_per_step = 0;   // host -> device
+};
+RankOffload rank_offload(const models::ModelSpec& model, const models::ModelCosts& mc,
+                         const clusters::Cluster& cluster, const Plan& p, int rank,
+                         const std::vector<ChunkCost>& chunks,
+                         const std::vector<std::int64_t>& host_parameters);
+// The host step's makespan: tile i's Adam (a_i) starts when tile i-1's ends; its upload (u_i)
+// when both its Adam and upload i-1 are done (one copy engine per direction).
+double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<double>& u);
+// Sets a rank's CPU Adam rate (parameters/s) and times its host step with it: cpu_adam_s and
+// host_step_s.
+void time_host_step(RankOffload& r, double cpu_adam_params_per_s);
+// Processor sharing of one resource of `capacity` units/s among jobs of `work` units released at
+// `release` (s): while k jobs are active each runs at capacity / k. Returns each job's finish time.
+std::vector<double> processor_sharing_finish(const std::vector<double>& work,
+                                             const std::vector<double>& release, double capacity);
+// Throws InputError when optimizer offload cannot run on the cluster (no CPU Adam rate, no host
+// link).
+void check_offload_cluster(const clusters::Cluster& cluster, const Plan& p);
+
 // What one pipeline stage (all chunks a device holds) costs for one microbatch of size b.
 struct StageCost {
   int stage = 0;
@@ -71,7 +151,8 @@ struct StageCost {
   double backward_s = 0;             // t_b(s), including the recompute forward when recomputing
   double tp_s = 0;                   // TP collectives inside forward_s + backward_s
   double optimizer_s = 0;            // AdamW over the stage's parameters (its shard with the
-                                     // distributed optimizer)
+                                     // distributed optimizer); with offload the host step
+  RankOffload offload;               // offload figures of one rank (plan.offload != none)
   double send_s = 0;                 // activation to stage s+1 (and gradient back), one microbatch
   double allreduce_s = 0;            // ring all-reduce of the stage's gradients over w replicas
   std::int64_t in_flight = 0;        // microbatches stashed at once (n_s)

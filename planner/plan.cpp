@@ -48,6 +48,21 @@ Recompute parse_recompute(const std::string& s) {
       fmt::format("unknown recompute mode \"{}\" (expected none, selective or full)", s));
 }
 
+std::string to_string(Offload o) {
+  return o == Offload::optimizer ? "optimizer" : "none";
+}
+
+Offload parse_offload(const std::string& s) {
+  if (s == "none") return Offload::none;
+  if (s == "optimizer") return Offload::optimizer;
+  if (s == "chunks" || s == "activations")
+    throw InputError(
+        fmt::format("offload \"{}\" is not supported yet (issue 15); use none or "
+                    "optimizer",
+                    s));
+  throw InputError(fmt::format("unknown offload mode \"{}\" (expected none or optimizer)", s));
+}
+
 Schedule parse_schedule(const std::string& s) {
   for (Schedule x : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
                      Schedule::interleaved, Schedule::dp})
@@ -93,6 +108,18 @@ void check(const Plan& p) {
   } else if (p.v != 1) {
     reject("v", fmt::format("v = {} needs schedule interleaved (schedule is {})", p.v,
                             to_string(p.schedule)));
+  }
+  if (p.offload == Offload::optimizer) {
+    if (p.w > 1)
+      reject("offload", fmt::format("optimizer offload with data parallelism (w = {}) is not "
+                                    "supported yet; use w = 1",
+                                    p.w));
+    if (p.t > 1)
+      reject("offload", fmt::format("optimizer offload with tensor parallelism (t = {}) is not "
+                                    "supported yet; use t = 1",
+                                    p.t));
+    if (p.distributed_optimizer)
+      reject("offload", "optimizer offload with the distributed optimizer is not supported yet");
   }
   if (!p.stage_blocks.empty() && int(p.stage_blocks.size()) != p.virtual_stages())
     reject("stage_blocks", fmt::format("has {} entries but the plan has d*v = {} stages",
@@ -202,6 +229,13 @@ Plan parse_plan(const Json& json, const std::string& source) {
   p.b = small_int("b");
   p.m = small_int("m");
   p.v = r.has("v") ? small_int("v") : 1;
+  if (r.has("offload")) {
+    try {
+      p.offload = parse_offload(r.get_string("offload"));
+    } catch (const InputError& e) {
+      r.fail_member("offload", e.what());
+    }
+  }
   if (auto sb = r.find("stage_blocks"))
     for (std::size_t i = 0; i < sb->size(); ++i)
       p.stage_blocks.push_back(sb->at(i).as_int_in(1, common::kMaxCount));
@@ -250,6 +284,8 @@ Json to_json(const Plan& p) {
             {"v", p.v},
             {"global_batch", p.global_batch()},
             {"stage_blocks", p.stage_blocks}};
+  // Written only when on, so plans without offload read and print as before.
+  if (p.offload != Offload::none) j["offload"] = to_string(p.offload);
   Json rc = Json::array();
   for (int s = 0; s < p.d; ++s)
     rc.push_back(to_string(p.recompute_of(s)));

@@ -23,6 +23,16 @@ enum class Recompute { none, selective, full };
 std::string to_string(Recompute r);               // "none", "selective", "full"
 Recompute parse_recompute(const std::string& s);  // throws InputError listing the valid names
 
+// Where model data lives between uses. none: on the device. optimizer: ZeRO-Offload (Ren et al.
+// 2021) - fp16 parameters stay on the device, gradients stream to host memory during each
+// backward, the fp32 master weights and Adam state live on the host and CPU Adam updates them,
+// the new fp16 parameters are copied back. ("chunks" (PatrickStar) and "activations" (KARMA) are
+// named by issue 15 and refused as not yet supported.)
+enum class Offload { none, optimizer };
+std::string to_string(Offload o);             // "none", "optimizer"
+Offload parse_offload(const std::string& s);  // throws InputError; a one-line "not yet" for the
+                                              // modes still to come
+
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
 struct Placement {
   int node = 0;
@@ -42,11 +52,12 @@ struct Plan {
   // Optimizer state and fp32 master weights sharded over the w replicas of a stage (Megatron's
   // distributed optimizer, ZeRO-1): gradients reduce-scattered, parameters all-gathered.
   bool distributed_optimizer = false;
-  int w = 1;  // data-parallel width (replicas of each stage)
-  int d = 1;  // pipeline depth (stages)
-  int b = 1;  // microbatch size (samples)
-  int m = 1;  // microbatches per optimizer step per replica
-  int v = 1;  // model chunks per device (interleaved only)
+  int w = 1;                        // data-parallel width (replicas of each stage)
+  int d = 1;                        // pipeline depth (stages)
+  int b = 1;                        // microbatch size (samples)
+  int m = 1;                        // microbatches per optimizer step per replica
+  int v = 1;                        // model chunks per device (interleaved only)
+  Offload offload = Offload::none;  // optimizer: needs w == 1, t == 1, no distributed optimizer
   // Blocks per virtual stage, in pipeline order (d*v entries). Empty: balanced over the model.
   std::vector<std::int64_t> stage_blocks;
   // Recomputation of each stage (d entries). Empty: no recomputation anywhere.
@@ -72,7 +83,8 @@ inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d
 
 // Structural checks that need no model or cluster: t, w, d, b, m, v in 1 .. kMaxCount; t*w*d at
 // most kMaxGpus, w*d at most kMaxRanks, d*v at most kMaxCount; d == 1 for dp; m >= d for 2bw; v > 1
-// only for interleaved and m % d == 0 there; list lengths. Throws PlanError naming the field.
+// only for interleaved and m % d == 0 there; list lengths; offload optimizer only with w = t = 1
+// and no distributed optimizer (not yet). Throws PlanError naming the field.
 void check(const Plan& plan);
 
 // Balanced split of `layers` blocks into `parts` contiguous stages (the first layers % parts

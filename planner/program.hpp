@@ -32,6 +32,12 @@ enum class OpKind {
   // w > 1 only: collectives over the stage's w replicas, matched by (stage, kind, step / version).
   gather_tied_gradient,  // stage 0: all-gathers the shards received, adds them to the wte gradient
   gather_tied_weights,   // last stage: all-gathers the shards of `version` into lm_head
+  // Optimizer offload (plan.offload == optimizer; ZeRO-Offload). On the device's copy engines and
+  // the host's CPU, beside compute:
+  copy_gradient_to_host,  // the (microbatch, chunk)'s gradients, streamed out during its backward;
+                          // microbatch -1: stage 0's tied gradient after the tied exchange
+  host_optimizer_step,    // CPU Adam on tile `bucket` (a layer) of `chunk`, creating `version`
+  copy_parameters_to_device,  // that tile's new parameters back to the device (`version`)
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
@@ -53,6 +59,11 @@ inline TiedShard tied_shard(std::int64_t n, int w, int r) {
   const std::int64_t begin = per * r < n ? per * r : n;
   return {begin, begin + per < n ? begin + per : n};
 }
+bool is_offload(OpKind kind);  // the three optimizer-offload ops
+
+// CPU Adam tiles of a chunk under optimizer offload: one per layer (embedding on virtual stage 0,
+// each block, head on the last), in forward order. Needs resolved stage_blocks (PlanError).
+int offload_tiles(const Plan& plan, int stage, int chunk);
 
 struct Op {
   OpKind kind = OpKind::forward;
@@ -128,7 +139,9 @@ std::vector<int> initial_versions(const Plan& plan, int first_step);
 // Compact op text, with k the global microbatch: "F3", "F3.1" (chunk 1, when v > 1), "B3", "R3",
 // "sendA3->2", "recvA3<-1", "sendG3->0", "recvG3<-2", "AR0" (bucket), "opt(v2)", "free(v0)",
 // "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights), "AGTG",
-// "AGTW(v2)" (their gathers over the replicas).
+// "AGTW(v2)" (their gathers over the replicas), "D2H3", "D2H(tied)", "hostopt0(v2)", "H2D0(v2)"
+// (offload; the number after hostopt and H2D is the tile, with ".chunk" before the version when
+// v > 1).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

@@ -28,7 +28,9 @@ MemoryBreakdown& MemoryBreakdown::operator+=(const MemoryBreakdown& o) {
 }
 
 bool RunReport::fits() const {
-  return std::all_of(devices.begin(), devices.end(), [](const DeviceReport& d) { return d.fits; });
+  return std::all_of(devices.begin(), devices.end(),
+                     [](const DeviceReport& d) { return d.fits; }) &&
+         std::all_of(hosts.begin(), hosts.end(), [](const HostReport& h) { return h.fits(); });
 }
 
 namespace {
@@ -82,6 +84,17 @@ Json to_json(const RunReport& r) {
             {"mfu", r.mfu},
             {"fits", r.fits()},
             {"devices", devices}};
+  if (!r.hosts.empty()) {
+    Json hosts = Json::array();
+    for (const auto& h : r.hosts)
+      hosts.push_back({{"node", h.node},
+                       {"peak_memory_bytes", h.peak_memory_bytes},
+                       {"capacity_bytes", h.capacity_bytes},
+                       {"pinned_bytes", h.pinned_bytes},
+                       {"pinned_capacity_bytes", h.pinned_capacity_bytes},
+                       {"fits", h.fits()}});
+    j["hosts"] = hosts;
+  }
   if (!r.timeline.empty()) j["timeline"] = r.timeline;
   for (auto it = r.extra.begin(); it != r.extra.end(); ++it)
     j[it.key()] = it.value();
@@ -121,13 +134,24 @@ RunReport parse_report(const Json& json, const std::string& source) {
     dr.bubble_fraction = d.get_number("bubble_fraction");
     rep.devices.push_back(dr);
   }
+  if (auto hosts = r.find("hosts"))
+    for (std::size_t i = 0; i < hosts->size(); ++i) {
+      auto h = hosts->at(i);
+      HostReport hr;
+      hr.node = h.get_index("node");
+      hr.peak_memory_bytes = bytes(h, "peak_memory_bytes");
+      hr.capacity_bytes = bytes(h, "capacity_bytes");
+      hr.pinned_bytes = bytes(h, "pinned_bytes");
+      hr.pinned_capacity_bytes = bytes(h, "pinned_capacity_bytes");
+      rep.hosts.push_back(hr);
+    }
   if (r.has("timeline")) rep.timeline = r.get_string("timeline");
   // Source-specific sections ("estimate", "simulation", ...) are kept as they are.
   static const char* const known[] = {"format",        "source",       "model",
                                       "cluster",       "plan",         "iteration_time_s",
                                       "samples_per_s", "tokens_per_s", "model_flops_per_s",
                                       "mfu",           "fits",         "devices",
-                                      "timeline"};
+                                      "timeline",      "hosts"};
   for (auto it = json.begin(); it != json.end(); ++it)
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       rep.extra[it.key()] = it.value();
@@ -148,6 +172,16 @@ std::string describe_oom(const RunReport& r) {
         d.stage, common::human_bytes(double(d.peak_memory_bytes)), d.node, d.gpu,
         common::human_bytes(double(d.capacity_bytes)), biggest.first,
         common::human_bytes(double(biggest.second)));
+  }
+  for (const auto& h : r.hosts) {
+    if (h.fits()) continue;
+    const bool memory = h.peak_memory_bytes > h.capacity_bytes;
+    const std::int64_t need = memory ? h.peak_memory_bytes : h.pinned_bytes;
+    const std::int64_t have = memory ? h.capacity_bytes : h.pinned_capacity_bytes;
+    return fmt::format("the {} of node {}: offload needs {}, which has {} (short by {})",
+                       memory ? "host memory" : "pinned host memory", h.node,
+                       common::human_bytes(double(need)), common::human_bytes(double(have)),
+                       common::human_bytes(double(need - have)));
   }
   return "";
 }

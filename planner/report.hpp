@@ -38,6 +38,18 @@ struct DeviceReport {
   double bubble_fraction = 0;  // 1 - busy / iteration time
 };
 
+// Host memory of one node under offload (plan.offload != none): what the node's ranks keep there.
+struct HostReport {
+  int node = 0;
+  std::int64_t peak_memory_bytes = 0;      // fp32 master, Adam m and v, gradient buffers
+  std::int64_t capacity_bytes = 0;         // cluster host.memory_bytes
+  std::int64_t pinned_bytes = 0;           // the copy engines' transfer buffers (page-locked)
+  std::int64_t pinned_capacity_bytes = 0;  // cluster host.pinned_memory_bytes
+  bool fits() const {
+    return peak_memory_bytes <= capacity_bytes && pinned_bytes <= pinned_capacity_bytes;
+  }
+};
+
 struct RunReport {
   std::string source;  // "analytic", "simulated" or "measured"
   std::string model;
@@ -49,7 +61,8 @@ struct RunReport {
   double model_flops_per_s = 0;
   double mfu = 0;
   std::vector<DeviceReport> devices;
-  std::string timeline;  // path of the Chrome-trace timeline, empty when none
+  std::vector<HostReport> hosts;  // per node, with offload only (JSON "hosts", absent otherwise)
+  std::string timeline;           // path of the Chrome-trace timeline, empty when none
   common::Json extra = common::Json::object();  // source-specific sections (e.g. "estimate")
   bool fits() const;
 };
@@ -59,7 +72,8 @@ common::Json to_json(const RunReport& r);
 RunReport parse_report(const common::Json& json, const std::string& source);
 
 // "rank 3 (stage 3) needs 17.2 GiB on node 0 gpu 3, which has 16.0 GiB (largest term: activations
-// 9.1 GiB)" for the first device that does not fit, or "" when all fit.
+// 9.1 GiB)" for the first device that does not fit, then "the host memory of node 0: offload needs
+// 180 GiB, which has 128 GiB (short by 52 GiB)" for the first host, or "" when all fit.
 std::string describe_oom(const RunReport& r);
 
 }  // namespace pw::planner

@@ -45,6 +45,12 @@ std::string to_string(OpKind kind) {
       return "gather_tied_gradient";
     case OpKind::gather_tied_weights:
       return "gather_tied_weights";
+    case OpKind::copy_gradient_to_host:
+      return "copy_gradient_to_host";
+    case OpKind::host_optimizer_step:
+      return "host_optimizer_step";
+    case OpKind::copy_parameters_to_device:
+      return "copy_parameters_to_device";
   }
   return "unknown";
 }
@@ -68,6 +74,21 @@ bool is_tied(OpKind kind) {
 bool is_collective(OpKind kind) {
   return kind == OpKind::all_reduce || kind == OpKind::gather_tied_gradient ||
          kind == OpKind::gather_tied_weights;
+}
+
+bool is_offload(OpKind kind) {
+  return kind == OpKind::copy_gradient_to_host || kind == OpKind::host_optimizer_step ||
+         kind == OpKind::copy_parameters_to_device;
+}
+
+int offload_tiles(const Plan& plan, int stage, int chunk) {
+  if (int(plan.stage_blocks.size()) != plan.virtual_stages())
+    throw PlanError(
+        "plan: stage_blocks: offload programs need the stages resolved against a "
+        "model (one CPU Adam tile per layer)");
+  const int vs = virtual_stage(plan, stage, chunk);
+  return int(plan.stage_blocks[std::size_t(vs)]) + (vs == 0 ? 1 : 0) +
+         (vs == plan.virtual_stages() - 1 ? 1 : 0);
 }
 
 int expected_version(const Plan& plan, int step, int microbatch) {
@@ -118,6 +139,13 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "AGTG";
     case OpKind::gather_tied_weights:
       return "AGTW(v" + std::to_string(op.version) + ")";
+    case OpKind::copy_gradient_to_host:
+      return op.microbatch >= 0 ? "D2H" + mb + chunk : "D2H(tied)";
+    case OpKind::host_optimizer_step:
+      return "hostopt" + std::to_string(op.bucket) + chunk + "(v" + std::to_string(op.version) +
+             ")";
+    case OpKind::copy_parameters_to_device:
+      return "H2D" + std::to_string(op.bucket) + chunk + "(v" + std::to_string(op.version) + ")";
   }
   return "?";
 }
@@ -221,6 +249,7 @@ class ProgramBuilder {
     if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
+    if (offload()) add(OpKind::copy_gradient_to_host, slot, -1);
   }
 
   // Gradient all-reduce (w > 1), then the weight update creating version step+1. Flush schedules
@@ -246,6 +275,7 @@ class ProgramBuilder {
       if (plan_.w > 1)
         program_.ops.push_back(Op{OpKind::gather_tied_gradient, step, -1, 0, -1, -1, -1});
     }
+    if (offload()) host_step(step);
     const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
     if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
     program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
@@ -259,6 +289,21 @@ class ProgramBuilder {
 
  private:
   int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
+  bool offload() const { return plan_.offload == Offload::optimizer; }
+
+  // Optimizer offload: stage 0's tied gradient (summed on the device by the tied exchange) goes
+  // out too; then CPU Adam tile by tile, each tile's new parameters copied back behind it.
+  void host_step(int step) {
+    if (tied_first())
+      program_.ops.push_back(Op{OpKind::copy_gradient_to_host, step, -1, 0, -1, -1, -1});
+    for (int chunk = 0; chunk < plan_.v; ++chunk)
+      for (int tile = 0; tile < offload_tiles(plan_, program_.stage, chunk); ++tile) {
+        program_.ops.push_back(
+            Op{OpKind::host_optimizer_step, step, -1, chunk, -1, step + 1, tile});
+        program_.ops.push_back(
+            Op{OpKind::copy_parameters_to_device, step, -1, chunk, -1, step + 1, tile});
+      }
+  }
   bool tied_first() const { return tied_ && plan_.d > 1 && program_.stage == 0; }
   bool tied_last() const { return tied_ && plan_.d > 1 && program_.stage == plan_.d - 1; }
 
@@ -344,8 +389,19 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
   // Refuse, before allocating, a run whose programs would pass kMaxProgramOps. Per rank and step:
   // at most 8 ops per (microbatch, chunk) (forward, backward, recompute, sends, receives) and 2 per
   // gradient bucket plus a few for the optimizer step and tied weights. In double: no overflow.
-  const double ops_bound = double(plan.ranks()) * double(steps) *
-                           (8.0 * double(plan.m) * double(plan.v) + 2.0 * gradient_buckets + 8.0);
+  // Offload adds a copy per (microbatch, chunk) and two ops per CPU Adam tile (a layer).
+  double offload_ops = 0;
+  if (plan.offload == Offload::optimizer) {
+    for (int s = 0; s < plan.d; ++s) {
+      double tiles = 0;
+      for (int c = 0; c < plan.v; ++c)
+        tiles += offload_tiles(plan, s, c);
+      offload_ops = std::max(offload_ops, double(plan.m) * plan.v + 2.0 * tiles + 1.0);
+    }
+  }
+  const double ops_bound =
+      double(plan.ranks()) * double(steps) *
+      (8.0 * double(plan.m) * double(plan.v) + 2.0 * gradient_buckets + 8.0 + offload_ops);
   if (ops_bound > double(common::kMaxProgramOps))
     throw PlanError(fmt::format(
         "plan: w*d = {} ranks x {} steps x m = {}{} would make about {:.3g} ops, more than the "

@@ -140,6 +140,7 @@ bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (recompute_rank(a) != recompute_rank(b)) return recompute_rank(a) < recompute_rank(b);
   if (a.sp != b.sp) return !a.sp;
   if (a.distributed_optimizer != b.distributed_optimizer) return !a.distributed_optimizer;
+  if (a.offload != b.offload) return a.offload == Offload::none;
   if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
   return a.v < b.v;
 }
@@ -174,55 +175,78 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
   std::int64_t too_many_ranks = 0;  // the smallest rank count skipped for passing kMaxRanks
-  for (int t : tps)
-    // SP splits a TP group's work: t = 1 runs without it whatever the list says.
-    for (bool sp : t == 1 ? std::vector<bool>{false} : o.sequence_parallel) {
-      const traces::Trace trace = trace_for({t, sp});
-      const std::vector<std::int64_t> have = trace.microbatch_sizes();
-      const std::set<std::int64_t> traced(have.begin(), have.end());
-      // Pipeline ranks (TP groups), in int64: devices and ranks per GPU are each up to 10^6.
-      const std::int64_t ranks = std::int64_t(cluster.devices()) * o.ranks_per_gpu / t;
-      if (ranks > common::kMaxRanks) {
-        too_many_ranks = too_many_ranks == 0 ? ranks : std::min(too_many_ranks, ranks);
-        continue;
-      }
-      for (auto [w, d] : shapes(int(ranks), model.layers, o))
-        for (int b = 1; b <= o.max_microbatch; b *= 2) {
-          if (!traced.count(b)) continue;
-          for (const Plan& shape : plans_for(w, d, b, model.layers, o))
-            for (bool dopt : o.distributed_optimizer) {
-              if (dopt && w == 1) continue;
-              Plan p = shape;
-              p.t = t;
-              p.sp = sp;
-              p.distributed_optimizer = dopt;
-              try {
-                resolve_stages(p, model.layers);
-                place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
-              } catch (const PlanError&) {
-                continue;  // e.g. more virtual stages than blocks
-              }
-              // The evenly split plan, and the split balanced by time when it differs (the
-              // head-heavy last stage gets fewer blocks; it may need more memory elsewhere).
-              std::vector<Plan> splits = {p};
-              if (p.d > 1) {
-                Plan q = p;
-                q.stage_blocks = time_balanced_split(p, model.layers, trace);
-                if (q.stage_blocks != p.stage_blocks) splits.push_back(q);
-              }
-              for (const Plan& x : splits) {
-                Candidate c{x, estimate(model, trace, cluster, x), true, ""};
-                for (auto& dev : c.estimate.report.devices) {
-                  dev.fits = double(dev.peak_memory_bytes) <= usable;
-                  c.fits = c.fits && dev.fits;
-                }
-                if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
-                ++result.considered;
-                (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
-              }
-            }
+  // One pass over every shape with the given offload mode; offload plans are t = 1, w = 1.
+  auto enumerate = [&](Offload offload) {
+    for (int t : tps)
+      // SP splits a TP group's work: t = 1 runs without it whatever the list says.
+      for (bool sp : t == 1 ? std::vector<bool>{false} : o.sequence_parallel) {
+        const traces::Trace trace = trace_for({t, sp});
+        const std::vector<std::int64_t> have = trace.microbatch_sizes();
+        const std::set<std::int64_t> traced(have.begin(), have.end());
+        // Pipeline ranks (TP groups), in int64: devices and ranks per GPU are each up to 10^6.
+        const std::int64_t ranks = std::int64_t(cluster.devices()) * o.ranks_per_gpu / t;
+        if (ranks > common::kMaxRanks) {
+          too_many_ranks = too_many_ranks == 0 ? ranks : std::min(too_many_ranks, ranks);
+          continue;
         }
-    }
+        for (auto [w, d] : shapes(int(ranks), model.layers, o))
+          for (int b = 1; b <= o.max_microbatch; b *= 2) {
+            if (!traced.count(b)) continue;
+            if (offload != Offload::none && (t > 1 || w > 1)) continue;
+            for (const Plan& shape : plans_for(w, d, b, model.layers, o))
+              for (bool dopt : o.distributed_optimizer) {
+                if (dopt && (w == 1 || offload != Offload::none)) continue;
+                Plan p = shape;
+                p.t = t;
+                p.sp = sp;
+                p.distributed_optimizer = dopt;
+                p.offload = offload;
+                try {
+                  resolve_stages(p, model.layers);
+                  place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
+                } catch (const PlanError&) {
+                  continue;  // e.g. more virtual stages than blocks
+                }
+                // The evenly split plan, and the split balanced by time when it differs (the
+                // head-heavy last stage gets fewer blocks; it may need more memory elsewhere).
+                std::vector<Plan> splits = {p};
+                if (p.d > 1) {
+                  Plan q = p;
+                  q.stage_blocks = time_balanced_split(p, model.layers, trace);
+                  if (q.stage_blocks != p.stage_blocks) splits.push_back(q);
+                }
+                for (const Plan& x : splits) {
+                  Candidate c{x, estimate(model, trace, cluster, x), true, ""};
+                  for (auto& dev : c.estimate.report.devices) {
+                    dev.fits = double(dev.peak_memory_bytes) <= usable;
+                    c.fits = c.fits && dev.fits;
+                  }
+                  for (const auto& host : c.estimate.report.hosts)
+                    c.fits = c.fits && host.fits();
+                  if (!c.fits) c.memory_note = describe_oom(c.estimate.report);
+                  ++result.considered;
+                  (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+                }
+              }
+          }
+      }
+  };
+  enumerate(Offload::none);
+  // Nothing fits on the devices alone: ZeRO-Offload's fp16-parameters-only device memory may.
+  const bool can_offload = cluster.host.cpu_adam_params_per_s() > 0 &&
+                           cluster.host.pcie_bandwidth_bytes_per_s > 0 &&
+                           cluster.host.uplink_bandwidth_bytes_per_s > 0 &&
+                           std::find(tps.begin(), tps.end(), 1) != tps.end();
+  if (o.offload_when_nothing_fits && result.fitting.empty() && result.considered > 0 &&
+      can_offload) {
+    SearchResult without = std::move(result);
+    result = SearchResult{};
+    enumerate(Offload::optimizer);
+    result.offload_reason = explain_no_fit(without);
+    result.considered += without.considered;
+    if (result.fitting.empty() && result.rejected.empty())
+      result.rejected = std::move(without.rejected);
+  }
   if (result.considered == 0 && too_many_ranks > 0)
     throw InputError(fmt::format(
         "plan search: {} GPUs x {} ranks per GPU make {} pipeline ranks or more, more than the "

@@ -33,6 +33,9 @@ struct SearchOptions {
   std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1 (t = 1: off)
   std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
   std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
+  // When no candidate fits on the devices alone, search again with optimizer offload (t = 1,
+  // w = 1, no distributed optimizer; a cluster with a CPU Adam rate and a host link).
+  bool offload_when_nothing_fits = true;
 };
 
 // The trace of the model on the cluster's device for one GPU of a TP group (every microbatch
@@ -54,6 +57,10 @@ struct SearchResult {
       fitting;  // best closed-form throughput first (ties: fewer stages, smaller b)
   std::vector<Candidate> rejected;  // do not fit, best closed-form throughput first
   std::int64_t considered = 0;      // candidates enumerated (valid plans)
+  // Set when nothing fit without offload and the search went on with optimizer offload: why the
+  // devices alone were not enough (explain_no_fit of that first search). The candidates above are
+  // then the offload ones (those considered without offload are counted in `considered`).
+  std::string offload_reason;
 };
 
 // Enumerates candidates (w * d = devices * ranks_per_gpu, d <= layers, b a power of two <= cap
@@ -78,8 +85,8 @@ std::vector<std::int64_t> time_balanced_split(const Plan& plan, std::int64_t lay
 std::string explain_no_fit(const SearchResult& result);
 
 // Sort key shared by the closed-form and simulated rankings: higher throughput first, then
-// fewer stages, smaller t, smaller b, less recompute, no SP, no distributed optimizer, and the
-// schedule order gpipe, 1f1b, 2bw, interleaved.
+// fewer stages, smaller t, smaller b, less recompute, no SP, no distributed optimizer, no
+// offload, and the schedule order gpipe, 1f1b, 2bw, interleaved.
 bool better(double throughput_a, const Plan& a, double throughput_b, const Plan& b);
 
 }  // namespace pw::planner

@@ -19,10 +19,14 @@ enum Stream {
   kSendStream = 1,
   kRecvStream = 2,
   kCollectiveStream = 3,
-  kTensorParallelStream = 4
+  kTensorParallelStream = 4,
+  // Optimizer offload (only in timelines of offload plans): the two copy engines and the host.
+  kCopyOutStream = 5,  // device -> host
+  kCopyInStream = 6,   // host -> device
+  kHostStream = 7      // CPU Adam
 };
-inline constexpr const char* kStreamNames[] = {"compute", "send", "recv", "collective",
-                                               "tensor_parallel"};
+inline constexpr const char* kStreamNames[] = {
+    "compute", "send", "recv", "collective", "tensor_parallel", "copy_d2h", "copy_h2d", "host_cpu"};
 
 struct TimedOp {
   int stream = kComputeStream;

@@ -80,11 +80,24 @@ NodeModel node_model(const Cluster& c, int node, const PlatformOptions& options)
         if (a != b) route(m.gpus[a], m.gpus[b], {{port[a], Dir::up}, {port[b], Dir::down}});
   }
   if (c.host.pcie_bandwidth_bytes_per_s > 0) {
+    // GPUs behind one switch share its uplink to the CPU: "n<n>u<k>-uplink" after their links.
+    const int per_uplink = c.host.gpus_per_uplink;
+    std::vector<int> uplink;
+    if (per_uplink > 1 && c.host.uplink_bandwidth_bytes_per_s > 0)
+      for (int k = 0; k < G / per_uplink; ++k)
+        uplink.push_back(add({fmt::format("n{}u{}-uplink", node, k), "uplink",
+                              c.host.uplink_bandwidth_bytes_per_s, 0.0}));
     for (int g = 0; g < G; ++g) {
       int l = add(
           {m.gpus[g] + "-pcie", "pcie", c.host.pcie_bandwidth_bytes_per_s, c.host.pcie_latency_s});
-      route(m.gpus[g], m.cpu, {{l, Dir::up}});
-      route(m.cpu, m.gpus[g], {{l, Dir::down}});
+      if (uplink.empty()) {
+        route(m.gpus[g], m.cpu, {{l, Dir::up}});
+        route(m.cpu, m.gpus[g], {{l, Dir::down}});
+      } else {
+        const int u = uplink[std::size_t(g / per_uplink)];
+        route(m.gpus[g], m.cpu, {{l, Dir::up}, {u, Dir::up}});
+        route(m.cpu, m.gpus[g], {{u, Dir::down}, {l, Dir::down}});
+      }
     }
   }
   if (c.nodes > 1) {

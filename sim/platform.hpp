@@ -17,7 +17,12 @@
 //    crossed by every inter-node flow instead (slower to solve; a lone flow is then faster than
 //    p2p_link). The GPU-NIC PCIe hop is not modelled (as in p2p_link).
 //  - Host memory: a split-duplex "n<n>g<g>-pcie" per GPU (host.pcie_bandwidth, pcie_latency_s
-//    each way): GPU -> "n<n>cpu" = [pcie UP], back = [pcie DOWN].
+//    each way): GPU -> "n<n>cpu" = [pcie UP], back = [pcie DOWN]. With host.gpus_per_uplink k > 1
+//    the k GPUs g with g / k = u also cross their shared "n<n>u<u>-uplink" (split-duplex,
+//    host.uplink_bandwidth_bytes_per_s, latency 0): [pcie UP, uplink UP], back [uplink DOWN,
+//    pcie DOWN]. The CPU host "n<n>cpu" runs CPU Adam: speed kCpuSpeed, an update of P
+//    parameters is execute(P / host.cpu_adam_params_per_s() * kCpuSpeed), shared max-min fairly
+//    by the ranks of the node (as cores shared by their threads).
 //  - Zones: a full zone per node (its GPUs, CPU host and gateway router "n<n>-router") inside a
 //    star zone with empty node-to-centre routes: O(nodes) routes, so 512 x 8 GPUs build fast.
 #pragma once
@@ -49,7 +54,7 @@ struct Platform {
   struct LinkInfo {
     sg4::Link* link;
     std::string name;  // SimGrid's name: "n3g5-nvlink_UP", "n3-nic_DOWN", "n3g5-mem", "backbone"
-    std::string kind;  // "intra", "nic", "network", "pcie", "memory"
+    std::string kind;  // "intra", "nic", "network", "pcie", "uplink", "memory"
     double bandwidth_bytes_per_s;
   };
   std::vector<LinkInfo> links;  // every link created, one entry per direction

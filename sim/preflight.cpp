@@ -41,6 +41,7 @@ LinkFields fields_of(const clusters::Cluster& c, const std::string& kind) {
             c.intra_node.latency_s};
   if (kind == "pcie")
     return {"host.pcie_bandwidth_bytes_per_s", "host.pcie_latency_s", c.host.pcie_latency_s};
+  if (kind == "uplink") return {"host.uplink_bandwidth_bytes_per_s", "", 0};
   return {"network.bandwidth_bytes_per_s (x efficiency / oversubscription)", "network.latency_s",
           c.network.latency_s};
 }

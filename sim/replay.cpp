@@ -106,6 +106,7 @@ class Replayer {
         tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::backward:
+        if (offload_.on()) offload_.begin_backward(op);  // gradients stream out meanwhile
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
                  -(me_.recompute == planner::Recompute::full
@@ -143,6 +144,11 @@ class Replayer {
         break;
       case OpKind::optimizer_step:
         optimizer_step(op);
+        break;
+      case OpKind::copy_gradient_to_host:
+      case OpKind::host_optimizer_step:
+      case OpKind::copy_parameters_to_device:
+        offload_.run(op, op_);  // sim/offload.cpp
         break;
     }
   }
@@ -389,7 +395,10 @@ class Replayer {
     double opt = 0;
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
-    compute(opt);
+    if (offload_.on())
+      offload_.wait_uploads();  // the host ran the step: the device takes the new parameters
+    else
+      compute(opt);
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();
     me_.optimizer_end[std::size_t(op.step)] = sg4::Engine::get_clock();
@@ -435,6 +444,7 @@ class Replayer {
   std::map<std::string, SendChannel> channels_;  // by mailbox name (map: stable references)
   std::int64_t versions_ = 1;
   int op_ = 0;
+  OffloadReplay offload_{w_, me_};
 };
 
 }  // namespace

@@ -31,10 +31,12 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
   const std::int64_t e = models::dtype_bytes(model.dtype);
   std::map<std::pair<int, int>, int> per_gpu;
   std::map<std::pair<int, int>, std::int64_t> gpu_bound;
+  std::vector<std::int64_t> host_parameters;  // offload: by rank, made once
   constexpr const char* kBytesWhat = "simulate: bytes per device";
   for (const auto& pl : p.placement)
     ++per_gpu[{pl.node, pl.gpu}];
   w.gpus.assign(std::size_t(platform.nodes * platform.gpus_per_node), {});
+  w.dtype_bytes = e;
   w.bucket_bytes.assign(std::size_t(p.d * p.v), 0);
   for (int r = 0; r < p.ranks(); ++r) {
     RankState rs;
@@ -66,6 +68,14 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     const std::int64_t workspace = fixed.workspace;
     fixed = planner::static_memory(model, p, parameters);
     fixed.workspace = workspace;
+    if (p.offload != planner::Offload::none) {  // the same figures as the closed form
+      if (host_parameters.empty()) host_parameters = planner::host_parameters_by_rank(mc, trace, p);
+      rs.offload = planner::rank_offload(model, mc, cluster, p, r, rs.chunks, host_parameters);
+      fixed.gradients = rs.offload.device_gradient_bytes;
+      fixed.optimizer = 0;
+      rs.cpu = platform.host_cpus[std::size_t(rs.node)];
+      rs.cpu_adam_params_per_s = cluster.host.cpu_adam_params_per_s();
+    }
     // What the replay can hold at once (every microbatch-chunk stashed, two weight versions, the
     // static memory), checked here, before any actor runs, so its running sums cannot overflow.
     // (Not a limit on the answer: only int64's range, with room to spare.)
@@ -134,6 +144,36 @@ std::vector<LinkStat> detail::LinkCounter::stats(const Platform& platform,
 
 namespace {
 
+// Host memory per node (the ranks' static offload figures: nothing on the host changes size
+// during a step) and the bytes the replay moved, per step.
+void add_offload_report(planner::RunReport& rep, const World& w, const clusters::Cluster& cluster) {
+  std::map<int, planner::HostReport> hosts;
+  common::Json ranks = common::Json::array();
+  const std::int64_t steps = w.programs->steps;
+  std::int64_t out = 0, in = 0;
+  for (const RankState& r : w.ranks) {
+    planner::HostReport& h = hosts[r.node];
+    h.node = r.node;
+    h.peak_memory_bytes += r.offload.host_bytes;
+    h.pinned_bytes += r.offload.pinned_bytes;
+    h.capacity_bytes = cluster.host.memory_bytes;
+    h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
+    out += r.copied_out_bytes / steps;
+    in += r.copied_in_bytes / steps;
+    ranks.push_back({{"rank", r.rank},
+                     {"host_bytes", r.offload.host_bytes},
+                     {"pinned_bytes", r.offload.pinned_bytes},
+                     {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
+                     {"copy_in_bytes_per_step", r.copied_in_bytes / steps}});
+  }
+  for (const auto& [node, h] : hosts)
+    rep.hosts.push_back(h);
+  rep.extra["offload"] = {{"mode", planner::to_string(w.plan().offload)},
+                          {"copy_out_bytes_per_step", out},
+                          {"copy_in_bytes_per_step", in},
+                          {"ranks", ranks}};
+}
+
 planner::RunReport make_report(const World& w, const models::ModelSpec& model,
                                const clusters::Cluster& cluster, const SimResult& result) {
   const planner::Plan& p = w.plan();
@@ -163,6 +203,7 @@ planner::RunReport make_report(const World& w, const models::ModelSpec& model,
     d.bubble_fraction = rep.iteration_time_s > 0 ? 1.0 - d.busy_s / rep.iteration_time_s : 0;
     rep.devices.push_back(d);
   }
+  if (p.offload != planner::Offload::none) add_offload_report(rep, w, cluster);
   common::Json links = common::Json::array();
   for (const auto& l : result.links)
     links.push_back({{"name", l.name},
@@ -206,6 +247,7 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
         "(docs/formats.md, Limits); estimate gives the closed form for up to {}",
         plan.w, plan.d, plan.ranks(), kMaxSimulatedRanks, common::kMaxRanks));
   traces::check_sharding(trace, {plan.t, plan.sp});
+  planner::check_offload_cluster(cluster, plan);
   // Test hook: PIPEWRIGHT_TEST_NO_PREFLIGHT=1 lets SimGrid meet what it aborts on (to test how a
   // crashed child is reported).
   if (std::getenv("PIPEWRIGHT_TEST_NO_PREFLIGHT") == nullptr)

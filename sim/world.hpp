@@ -25,7 +25,10 @@ enum Stream {
   kSend = planner::kSendStream,
   kRecv = planner::kRecvStream,
   kCollective = planner::kCollectiveStream,
-  kTensorParallel = planner::kTensorParallelStream
+  kTensorParallel = planner::kTensorParallelStream,
+  kCopyOut = planner::kCopyOutStream,
+  kCopyIn = planner::kCopyInStream,
+  kHostCpu = planner::kHostStream
 };
 
 struct Event {
@@ -69,6 +72,12 @@ struct RankState {
   std::vector<sg4::Host*> tp_hosts;  // the TP group's GPUs (this rank's host first)
   double tp_latency_s = 0;           // latency of one step of the TP group's ring
   Ledger memory;
+  // Optimizer offload (plan.offload != none): the closed form's per-rank figures (tile sizes,
+  // host memory), the node's CPU host and Adam rate, and the bytes the replay moved.
+  planner::RankOffload offload;
+  sg4::Host* cpu = nullptr;
+  double cpu_adam_params_per_s = 0;  // the node's, shared by its ranks' concurrent tiles
+  std::int64_t copied_out_bytes = 0, copied_in_bytes = 0;
   std::vector<Event> events;                         // every op that took time
   std::vector<double> optimizer_end;                 // per step
   std::vector<std::tuple<int, int, int>> triggered;  // (step, chunk, bucket) started
@@ -96,9 +105,35 @@ struct World {
   std::vector<double> bucket_bytes;  // per (stage * v + chunk): gradient bytes of one bucket
   std::vector<planner::MemoryBreakdown> rank_static;  // weights, gradients, optimizer, workspace
   std::int64_t timed_ops = 0;                         // sleeps the actors ran
+  std::int64_t dtype_bytes = 2;                       // of the model's compute dtype
   LinkCounter links;
 
   const planner::Plan& plan() const { return programs->plan; }
+};
+
+// A rank's optimizer-offload ops (sim/offload.cpp): gradient copies to the host that stream
+// during each backward, CPU Adam tiles on the node's CPU host, and uploads, each copy direction a
+// FIFO copy engine.
+class OffloadReplay {
+ public:
+  OffloadReplay(World& w, RankState& me) : w_(w), me_(me) {}
+  bool on() const;
+  // Starts the (step, microbatch, chunk)'s gradient flow to the host as its backward starts.
+  void begin_backward(const planner::Op& op);
+  // copy_gradient_to_host, host_optimizer_step, copy_parameters_to_device (op index `index`).
+  void run(const planner::Op& op, int index);
+  // Before the device's optimizer_step: the last tile's upload has arrived.
+  void wait_uploads();
+
+ private:
+  sg4::CommPtr flow(sg4::Host* from, sg4::Host* to, std::int64_t bytes);
+  World& w_;
+  RankState& me_;
+  sg4::CommPtr out_;  // the gradient copy of the running backward
+  sg4::ExecPtr adam_;
+  int adam_op_ = -1;
+  sg4::CommPtr upload_;
+  int upload_op_ = -1;
 };
 
 // The body of rank `rank`'s actor: interprets its program (sim/replay.cpp).

@@ -24,11 +24,14 @@ TEST(Devices, PresetsCarryPublishedFigures) {
     double fp16, fp32, hbm;
     std::int64_t gib;
   };
-  const Row rows[] = {
-      {"V100-16GB", 125e12, 15.7e12, 900e9, 16},       {"V100-32GB", 125e12, 15.7e12, 900e9, 32},
-      {"A100-40GB", 312e12, 19.5e12, 1.555e12, 40},    {"A100-80GB", 312e12, 19.5e12, 2.039e12, 80},
-      {"H100-SXM", 989e12, 67e12, 3.35e12, 80},        {"H200", 989e12, 67e12, 4.8e12, 141},
-      {"A100-80GB-cal", 312e12, 19.5e12, 2.039e12, 80}};
+  const Row rows[] = {{"V100-16GB", 125e12, 15.7e12, 900e9, 16},
+                      {"V100-32GB", 125e12, 15.7e12, 900e9, 32},
+                      {"A100-40GB", 312e12, 19.5e12, 1.555e12, 40},
+                      {"A100-80GB", 312e12, 19.5e12, 2.039e12, 80},
+                      {"H100-SXM", 989e12, 67e12, 3.35e12, 80},
+                      {"H200", 989e12, 67e12, 4.8e12, 141},
+                      {"A100-80GB-cal", 312e12, 19.5e12, 2.039e12, 80},
+                      {"GH200-96GB", 989e12, 67e12, 4.0e12, 96}};
   EXPECT_EQ(device_preset_names().size(), std::size(rows));
   for (const auto& row : rows) {
     SCOPED_TRACE(row.name);
@@ -74,6 +77,69 @@ TEST(Clusters, PresetsCarryTheirFigures) {
     EXPECT_EQ(one.intra_node.kind, IntraKind::none) << name;
   }
   EXPECT_EQ(load_cluster("h200-x1").device.name, "H200");
+}
+
+TEST(Clusters, HostSidesOfThePresets) {
+  struct Row {
+    const char* name;
+    HostLinkKind link;
+    double per_gpu;
+    int per_uplink;
+    double uplink;
+    int cores;
+  };
+  const Row rows[] = {{"p3.16xlarge", HostLinkKind::pcie3, 15.75e9, 2, 15.75e9, 32},
+                      {"dgx-a100", HostLinkKind::pcie4, 31.5e9, 2, 31.5e9, 128},
+                      {"dgx-h100", HostLinkKind::pcie5, 63e9, 2, 63e9, 112},
+                      {"gh200", HostLinkKind::nvlink_c2c, 450e9, 1, 450e9, 72},
+                      {"v100-32gb-ws", HostLinkKind::pcie3, 15.75e9, 1, 15.75e9, 20}};
+  for (const auto& row : rows) {
+    SCOPED_TRACE(row.name);
+    const Host h = load_cluster(row.name).host;
+    EXPECT_EQ(h.link, row.link);
+    EXPECT_DOUBLE_EQ(h.pcie_bandwidth_bytes_per_s, row.per_gpu);
+    EXPECT_EQ(h.gpus_per_uplink, row.per_uplink);
+    EXPECT_DOUBLE_EQ(h.uplink_bandwidth_bytes_per_s, row.uplink);
+    EXPECT_EQ(h.cpu_cores, row.cores);
+    // ZeRO-Offload's CPU-Adam: 1e9 parameters in 0.22 s on 48 cores.
+    EXPECT_DOUBLE_EQ(h.cpu_adam_params_per_s_per_core, 9.5e7);
+    EXPECT_DOUBLE_EQ(h.cpu_adam_params_per_s(), row.cores * 9.5e7);
+    EXPECT_EQ(h.pinned_memory_bytes, h.memory_bytes);
+  }
+  const Cluster ws = load_cluster("v100-32gb-ws");
+  EXPECT_EQ(ws.devices(), 1);
+  EXPECT_EQ(ws.device.name, "V100-32GB");
+  EXPECT_EQ(ws.host.memory_bytes, 240'000'000'000);
+  const Cluster gh = load_cluster("gh200");
+  EXPECT_EQ(gh.device.name, "GH200-96GB");
+  EXPECT_EQ(gh.host.memory_bytes, 480'000'000'000);
+}
+
+// A file written before the host-link fields existed loads with the documented defaults.
+TEST(Clusters, OldFileWithoutHostLinkFieldsGetsDefaults) {
+  TempDir dir("clusters");
+  common::Json j = to_json(load_cluster("dgx-a100"));
+  for (const char* k :
+       {"link", "pinned_memory_bytes", "gpus_per_uplink", "uplink_bandwidth_bytes_per_s",
+        "cpu_cores", "cpu_adam_params_per_s_per_core"})
+    j["host"].erase(k);
+  const Cluster c = load_cluster(dir.write("old.json", j));
+  EXPECT_EQ(c.host.link, HostLinkKind::pcie);
+  EXPECT_EQ(c.host.pinned_memory_bytes, c.host.memory_bytes);
+  EXPECT_EQ(c.host.gpus_per_uplink, 1);
+  EXPECT_DOUBLE_EQ(c.host.uplink_bandwidth_bytes_per_s, 31.5e9);  // 1 x the per-GPU link
+  EXPECT_EQ(c.host.cpu_cores, 0);
+  EXPECT_EQ(c.host.cpu_adam_params_per_s(), 0);
+  // --set may add the optional host fields to such a file.
+  const Cluster set = load_cluster(dir.file("old.json"), {},
+                                   {"host.cpu_cores=8", "host.cpu_adam_params_per_s_per_core=1e8",
+                                    "host.gpus_per_uplink=4", "host.link=pcie4"});
+  EXPECT_EQ(set.host.cpu_cores, 8);
+  EXPECT_DOUBLE_EQ(set.host.cpu_adam_params_per_s(), 8e8);
+  EXPECT_EQ(set.host.gpus_per_uplink, 4);
+  EXPECT_DOUBLE_EQ(set.host.uplink_bandwidth_bytes_per_s, 4 * 31.5e9);
+  std::string msg = error_of([&] { load_cluster(dir.file("old.json"), {}, {"host.cores=8"}); });
+  EXPECT_NE(msg.find("unknown key \"host.cores\""), std::string::npos) << msg;
 }
 
 TEST(Clusters, EveryPresetRoundTripsThroughCanonicalJson) {
@@ -174,6 +240,27 @@ TEST(Reader, ErrorsNameTheFileAndJsonPath) {
        "unknown kind"},
       {"oversub", [](auto& j) { j["network"]["oversubscription"] = 0.5; },
        "/network/oversubscription", "must be >= 1"},
+      {"pinned", [](auto& j) { j["host"]["pinned_memory_bytes"] = 3e12; },
+       "/host/pinned_memory_bytes", "is more than memory_bytes"},
+      {"pinned negative", [](auto& j) { j["host"]["pinned_memory_bytes"] = -1; },
+       "/host/pinned_memory_bytes", "must not be negative"},
+      {"host huge", [](auto& j) { j["host"]["memory_bytes"] = 1e300; }, "/host/memory_bytes",
+       "expected an integer"},
+      {"link", [](auto& j) { j["host"]["link"] = "pcie6"; }, "/host/link", "unknown host link"},
+      {"link too fast", [](auto& j) { j["host"]["pcie_bandwidth_bytes_per_s"] = 64e9; },
+       "/host/pcie_bandwidth_bytes_per_s", "more than a pcie4 link's"},
+      {"uplink", [](auto& j) { j["host"]["gpus_per_uplink"] = 3; }, "/host/gpus_per_uplink",
+       "must divide gpus_per_node (8)"},
+      {"uplink zero", [](auto& j) { j["host"]["gpus_per_uplink"] = 0; }, "/host/gpus_per_uplink",
+       "1"},
+      {"uplink bw", [](auto& j) { j["host"]["uplink_bandwidth_bytes_per_s"] = -1; },
+       "/host/uplink_bandwidth_bytes_per_s", "must not be negative"},
+      {"cores", [](auto& j) { j["host"]["cpu_cores"] = -4; }, "/host/cpu_cores", "-4"},
+      {"cores huge", [](auto& j) { j["host"]["cpu_cores"] = 1e12; }, "/host/cpu_cores", "1000000"},
+      {"adam", [](auto& j) { j["host"]["cpu_adam_params_per_s_per_core"] = -1; },
+       "/host/cpu_adam_params_per_s_per_core", "must not be negative"},
+      {"adam huge", [](auto& j) { j["host"]["cpu_adam_params_per_s_per_core"] = 1e20; },
+       "/host/cpu_adam_params_per_s_per_core", "more than 1e12"},
       {"exponent",
        [](auto& j) {
          j["device"]["efficiency"] = {{"overhead_exponent", 0.5}};

@@ -104,6 +104,29 @@ TEST(SimPlatform, GpuToHostMemoryOverPcie) {
     EXPECT_NEAR(t, want, 1e-12 * want);
 }
 
+// GPUs behind one PCIe switch share its uplink to the host: on p3.16xlarge (2 GPUs per 15.75 GB/s
+// uplink) GPUs 0 and 1 copying to host memory at once take 10 us + 2 x 1e8 / 15.75e9 each; GPUs 0
+// and 2 (different switches) take 10 us + 1e8 / 15.75e9, as alone.
+TEST(SimPlatform, GpusBehindOneSwitchShareItsUplink) {
+  const Cluster c = load_cluster("p3.16xlarge");
+  auto engine = make_engine();
+  const Platform p = build_platform(c);
+  double same = 0, different = 0;
+  sg4::Actor::create("probe", p.gpus[0], [&] {
+    for (auto [other, out] : {std::pair{1, &same}, std::pair{2, &different}}) {
+      const double start = sg4::Engine::get_clock();
+      auto a = sg4::Comm::sendto_async(p.gpu(0, 0), p.host_cpus[0], std::uint64_t(kBytes));
+      auto b = sg4::Comm::sendto_async(p.gpu(0, other), p.host_cpus[0], std::uint64_t(kBytes));
+      a->wait();
+      b->wait();
+      *out = sg4::Engine::get_clock() - start;
+    }
+  });
+  engine->run();
+  EXPECT_NEAR(same, 10e-6 + 2 * kBytes / 15.75e9, 1e-12);
+  EXPECT_NEAR(different, 10e-6 + kBytes / 15.75e9, 1e-12);
+}
+
 // Two GPUs of a node with one shared NIC send to the other node at once: each gets half the NIC,
 // 50 us + 2 * 1e8 / 2.5e9 = 80.05 ms, against 40.05 ms alone (both measured in one simulation).
 TEST(SimPlatform, TwoFlowsShareANic) {
@@ -180,8 +203,13 @@ TEST(SimPlatform, NamesLinksAndCounts) {
   EXPECT_EQ(p.gpu(1, 5)->get_name(), "n1g5");
   EXPECT_EQ(p.host_cpus[1]->get_name(), "n1cpu");
   EXPECT_DOUBLE_EQ(p.gpus[0]->get_speed(), kGpuSpeed);
-  // Per GPU: memory (1) + nvlink, pcie, nic split-duplex (2 each) = 7 directed links.
-  EXPECT_EQ(p.links.size(), 16u * 7);
+  // Per GPU: memory (1) + nvlink, pcie, nic split-duplex (2 each) = 7 directed links; per node
+  // 4 PCIe-switch uplinks (2 GPUs each), split-duplex.
+  EXPECT_EQ(p.links.size(), 16u * 7 + 2 * 4 * 2);
+  int uplinks = 0;
+  for (const auto& l : p.links)
+    uplinks += l.kind == "uplink";
+  EXPECT_EQ(uplinks, 16);
   EXPECT_THROW(p.gpu(2, 0), InputError);
   int nics = 0;
   for (const auto& l : p.links)

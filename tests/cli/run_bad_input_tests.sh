@@ -167,4 +167,26 @@ expect_code "--set nan" 1 "network" $PW estimate --model gpt-tiny --set network.
 expect_code "--set 1e400" 1 "latency_s" $PW estimate --model gpt-tiny --set network.latency_s=1e400 --out "$O"
 expect_code "--set nodes=2^32+1" 1 "nodes" $PW estimate --model gpt-tiny --set nodes=4294967297 --out "$O"
 
+# --- Offload (issue 15): modes not there yet, host memory, hostile host fields, train. ---
+WS="--model gpt2-124m --cluster v100-32gb-ws -b 1 -m 2"
+expect_ok "offload optimizer estimate" $PW estimate $WS --offload optimizer --out "$TMP/off.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/off.json'))
+assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
+expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported yet" $PW estimate $WS --offload chunks --out "$O"
+expect_code "--offload activations: not yet" 1 "not supported yet" $PW simulate $WS --offload activations --out "$O"
+expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"
+expect_code "offload with w > 1" 1 "data parallelism (w = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 --offload optimizer --out "$O"
+expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .*(short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
+expect_code "offload: simulate, host memory too small" 1 "host memory of node 0" $PW simulate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
+expect_code "offload: no CPU Adam rate" 1 "needs the host's CPU Adam rate" $PW estimate --model gpt2-124m --cluster h100-x1 --offload optimizer --out "$O"
+expect_code "host memory negative" 1 "/host/memory_bytes" $PW estimate $WS --set host.memory_bytes=-1 --out "$O"
+expect_code "host memory 1e300" 1 "/host/memory_bytes" $PW estimate $WS --set host.memory_bytes=1e300 --out "$O"
+expect_code "pinned above host memory" 1 "/host/pinned_memory_bytes: .* is more than memory_bytes" $PW estimate $WS --set host.pinned_memory_bytes=1e12 --out "$O"
+expect_code "cpu cores -1" 1 "/host/cpu_cores" $PW estimate $WS --set host.cpu_cores=-1 --out "$O"
+expect_code "gpus_per_uplink 3 of 8" 1 "/host/gpus_per_uplink: must divide" $PW estimate --model gpt2-124m --cluster dgx-a100 --set host.gpus_per_uplink=3 --out "$O"
+expect_code "pcie3 at 64 GB/s" 1 "more than a pcie3 link" $PW estimate $WS --set host.pcie_bandwidth_bytes_per_s=64e9 --out "$O"
+expect_code "train --offload: not yet" 1 "train does not support --offload yet" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 2 -b 1 --offload optimizer --out "$O"
+
 finish "bad-input CLI tests"

@@ -394,4 +394,24 @@ else
 fi
 # ---- calibrate (end) -----------------------------------------------------------------------
 
+# ---- offload (issue 15) ---------------------------------------------------------------------
+expect_ok "simulate --offload optimizer" $PW simulate --model gpt2-124m --cluster p3.16xlarge -w 1 -d 2 -m 4 --offload optimizer --timeline "$TMP/off-tl.json" --out "$TMP/off-sim.json"
+grep -q "moved per step" "$TMP/out" && ok || bad "simulate --offload prints the bytes moved"
+python3 -c "
+import json
+t = json.load(open('$TMP/off-tl.json'))['traceEvents']
+names = {e['args']['name'] for e in t if e.get('name') == 'thread_name'}
+cats = {e.get('cat') for e in t if e.get('ph') == 'X'}
+assert {'copy_d2h', 'copy_h2d', 'host_cpu'} <= names and {'copy_d2h', 'copy_h2d', 'host_cpu'} <= cats, (names, cats)
+r = json.load(open('$TMP/off-sim.json'))
+assert r['hosts'][0]['fits'] and r['offload']['copy_out_bytes_per_step'] > 0
+assert any(l['kind'] == 'uplink' for l in r['simulation']['links']), r['simulation']['links']" && ok || bad "offload timeline tracks, hosts and uplink traffic"
+expect_ok "schedule --offload optimizer" $PW schedule -d 2 -m 2 --offload optimizer
+grep -q "D2H1" "$TMP/out" && grep -q "hostopt0(v1) H2D0(v1)" "$TMP/out" && ok || bad "schedule prints the offload ops"
+expect_ok "plan falls back to offload" $PW plan --model gpt-10b --cluster v100-32gb-ws -B 8 --top 2 --out "$TMP/off-plan.json"
+grep -q "without offload nothing fits" "$TMP/out" && grep -q "so the search tried --offload optimizer" "$TMP/out" && ok || bad "plan says why it offloads: $(head -c 400 "$TMP/out")"
+python3 -c "import json; assert json.load(open('$TMP/off-plan.json'))['offload'] == 'optimizer'" && ok || bad "plan writes the offload plan"
+expect_ok "sweep host memory with offload" $PW sweep --model gpt2-124m --cluster v100-32gb-ws -b 1 -m 2 --offload optimizer --vary host.memory_bytes=1e9,1e11 --out "$TMP/off-sweep.csv"
+grep -q "does not fit: the host memory of node 0" "$TMP/out" && grep -q "m=2 offload" "$TMP/out" && ok || bad "sweep names the host that runs out: $(head -c 600 "$TMP/out")"
+
 finish
