@@ -4,8 +4,10 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "common/error.hpp"
@@ -20,6 +22,72 @@ void check_id(std::int32_t id, int V, const char* what) {
   if (id < 0 || id >= V)
     throw InputError(std::string(what) + " id " + std::to_string(id) + " outside [0, " +
                      std::to_string(V) + ")");
+}
+
+// The elementwise loops below are written so that the compiler vectorizes them (this file is
+// built with -O3, see CMakeLists.txt) and give the same bits whatever the vector width: no FMA
+// contraction (ISO C++ mode), reductions in kLanes partial sums combined in a fixed order. With
+// GCC on x86-64 the hot kernels are also compiled for AVX2 and picked at load time.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define PW_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define PW_VECTOR_CLONES
+#endif
+
+constexpr int kLanes = 16;
+
+// sum of f(i) for i in [0, n): lane i % kLanes collects f(i), then the lanes add as a tree.
+template <class F>
+inline float lane_sum(int n, F f) {
+  float acc[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j)
+      acc[j] += f(i + j);
+  for (int j = 0; i + j < n; ++j)
+    acc[j] += f(i + j);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j)
+      acc[j] += acc[j + w];
+  return acc[0];
+}
+
+inline float row_max(const float* x, int n) {
+  float acc[kLanes];
+  for (int j = 0; j < kLanes; ++j)
+    acc[j] = x[0];
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j)
+      acc[j] = acc[j] < x[i + j] ? x[i + j] : acc[j];
+  for (int j = 0; i + j < n; ++j)
+    acc[j] = acc[j] < x[i + j] ? x[i + j] : acc[j];
+  float m = acc[0];
+  for (int j = 1; j < kLanes; ++j)
+    m = m < acc[j] ? acc[j] : m;
+  return m;
+}
+
+// e^x, branch-free (so loops of it vectorize), within 2 ulp of the true value for x in
+// [-87.3, 88]; exactly 0 below -87.3, e^88 above 88. x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+// two parts, Cody-Waite), e^r by its Taylor polynomial of degree 7 (truncation < 6e-9 relative),
+// 2^n built in the exponent bits.
+inline float exp_approx(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.0f);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + magic) - magic;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const std::int32_t bits = (std::int32_t(n) + 127) << 23;
+  const float e = p * std::bit_cast<float>(bits);
+  return x < -87.3f ? 0.0f : e;
 }
 
 }  // namespace
@@ -54,19 +122,14 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::
   }
 }
 
+PW_VECTOR_CLONES
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int N, int C) {
   const float eps = 1e-5f;
   for (int n = 0; n < N; ++n) {
     const float* x = inp + size_t(n) * C;
-    float m = 0.0f;
-    for (int i = 0; i < C; ++i)
-      m += x[i];
-    m /= float(C);
-    float v = 0.0f;
-    for (int i = 0; i < C; ++i)
-      v += (x[i] - m) * (x[i] - m);
-    v /= float(C);
+    const float m = lane_sum(C, [&](int i) { return x[i]; }) / float(C);
+    const float v = lane_sum(C, [&](int i) { return (x[i] - m) * (x[i] - m); }) / float(C);
     const float s = 1.0f / std::sqrt(v + eps);
     float* o = out + size_t(n) * C;
     for (int i = 0; i < C; ++i)
@@ -78,6 +141,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 
 // With xhat = (x - mean) rstd and dnorm = dout * weight:
 // dx = rstd (dnorm - mean(dnorm) - xhat mean(dnorm xhat)), dweight += dout xhat, dbias += dout.
+PW_VECTOR_CLONES
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C, bool accumulate) {
@@ -85,22 +149,21 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     const float* d = dout + size_t(n) * C;
     const float* x = inp + size_t(n) * C;
     const float m = mean[n], s = rstd[n];
-    float dnorm_mean = 0.0f, dnorm_xhat_mean = 0.0f;
+    const float dnorm_mean = lane_sum(C, [&](int i) { return d[i] * weight[i]; }) / float(C);
+    const float dnorm_xhat_mean =
+        lane_sum(C, [&](int i) { return d[i] * weight[i] * ((x[i] - m) * s); }) / float(C);
     for (int i = 0; i < C; ++i) {
-      const float xhat = (x[i] - m) * s;
-      const float dnorm = d[i] * weight[i];
-      dnorm_mean += dnorm;
-      dnorm_xhat_mean += dnorm * xhat;
-      dweight[i] += d[i] * xhat;
+      dweight[i] += d[i] * ((x[i] - m) * s);
       dbias[i] += d[i];
     }
-    dnorm_mean /= float(C);
-    dnorm_xhat_mean /= float(C);
+    // d is read before dx is written, element by element: dinp may alias dout.
     float* dx = dinp + size_t(n) * C;
-    for (int i = 0; i < C; ++i) {
-      const float xhat = (x[i] - m) * s;
-      const float v = (d[i] * weight[i] - dnorm_mean - xhat * dnorm_xhat_mean) * s;
-      dx[i] = accumulate ? dx[i] + v : v;
+    if (accumulate) {
+      for (int i = 0; i < C; ++i)
+        dx[i] += (d[i] * weight[i] - dnorm_mean - ((x[i] - m) * s) * dnorm_xhat_mean) * s;
+    } else {
+      for (int i = 0; i < C; ++i)
+        dx[i] = (d[i] * weight[i] - dnorm_mean - ((x[i] - m) * s) * dnorm_xhat_mean) * s;
     }
   }
 }
@@ -113,8 +176,14 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
     for (int n = 0; n < N; ++n) {
       float* o = out + size_t(n) * OC;
       const float* r = residual ? residual + size_t(n) * OC : nullptr;
-      for (int j = 0; j < OC; ++j)
-        o[j] = (r ? r[j] : 0.0f) + (bias ? bias[j] : 0.0f);
+      if (r && bias) {
+        for (int j = 0; j < OC; ++j)
+          o[j] = r[j] + bias[j];
+      } else if (r) {
+        if (o != r) std::memcpy(o, r, size_t(OC) * sizeof(float));
+      } else {
+        std::memcpy(o, bias, size_t(OC) * sizeof(float));
+      }
     }
   }
   // out (N, OC) = inp (N, C) · weight^T (C, OC) + beta out
@@ -143,29 +212,47 @@ namespace {
 const float kGeluScale = std::sqrt(2.0f / float(M_PI));
 }
 
+// 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^(-2u)), u = s (x + 0.044715 x^3).
+PW_VECTOR_CLONES
 void gelu_forward(float* out, const float* inp, std::int64_t n) {
+  const float k = kGeluScale;
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+    out[i] = x / (1.0f + exp_approx(-2.0f * k * (x + 0.044715f * x * x * x)));
   }
 }
 
-// d/dx 0.5 x (1 + tanh(u)) = 0.5 (1 + tanh(u)) + 0.5 x sech^2(u) du/dx,
-// u = s (x + 0.044715 x^3), du/dx = s (1 + 3 * 0.044715 x^2).
+// With sg = sigmoid(2u) = 0.5 (1 + tanh(u)) and sech^2(u) = 4 sg (1 - sg):
+// d/dx 0.5 x (1 + tanh(u)) = sg + 2 x sg (1 - sg) du/dx, du/dx = s (1 + 3 * 0.044715 x^2).
+PW_VECTOR_CLONES
 void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) {
+  const float k = kGeluScale;
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
-    const float u = kGeluScale * (x + 0.044715f * x * x * x);
-    const float th = std::tanh(u);
-    const float sech2 = 1.0f - th * th;
-    const float g =
-        0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    const float sg = 1.0f / (1.0f + exp_approx(-2.0f * k * (x + 0.044715f * x * x * x)));
+    const float g = sg + 2.0f * x * sg * (1.0f - sg) * k * (1.0f + 3.0f * 0.044715f * x * x);
     dinp[i] = g * dout[i];
   }
 }
 
+namespace {
+
+// row[0, n) = softmax(row[0, n)), row[n, T) = 0.
+inline void causal_softmax_row(float* row, int n, int T) {
+  const float mx = row_max(row, n);
+  for (int j = 0; j < n; ++j)
+    row[j] = exp_approx(row[j] - mx);
+  const float inv = 1.0f / lane_sum(n, [&](int j) { return row[j]; });
+  for (int j = 0; j < n; ++j)
+    row[j] *= inv;
+  std::fill(row + n, row + T, 0.0f);
+}
+
+}  // namespace
+
 // Per sample and head: S = q k^T / sqrt(hd) (T, T), P = causal softmax(S), y = P v (T, hd).
 // The full T x T product is computed (as docs/formulas.md counts it); the mask zeroes j > t.
+PW_VECTOR_CLONES
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
   const int hd = C / NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(float(hd));
@@ -177,22 +264,8 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
       float* p = att + (size_t(b) * NH + h) * T * T;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hd, scale, q, C3, k, C3, 0.0f, p,
                   T);
-      for (int t = 0; t < T; ++t) {
-        float* row = p + size_t(t) * T;
-        float mx = row[0];
-        for (int j = 1; j <= t; ++j)
-          mx = std::max(mx, row[j]);
-        float sum = 0.0f;
-        for (int j = 0; j <= t; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int j = 0; j <= t; ++j)
-          row[j] *= inv;
-        for (int j = t + 1; j < T; ++j)
-          row[j] = 0.0f;
-      }
+      for (int t = 0; t < T; ++t)
+        causal_softmax_row(p + size_t(t) * T, t + 1, T);
       float* y = out + size_t(b) * T * C + size_t(h) * hd;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hd, T, 1.0f, p, T, v, C3, 0.0f, y,
                   C);
@@ -202,6 +275,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 
 // dv = P^T dy; dP = dy v^T; dS = P * (dP - rowsum(P * dP)); dq = dS k / sqrt(hd);
 // dk = dS^T q / sqrt(hd). dP/dS are built in row blocks that fit the scratch.
+PW_VECTOR_CLONES
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
                         float* scratch, std::int64_t scratch_floats, int B, int T, int C, int NH) {
   const int hd = C / NH, C3 = 3 * C;
@@ -230,9 +304,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         for (int i = 0; i < n; ++i) {
           float* row = ds + size_t(i) * T;
           const float* prow = p + size_t(r0 + i) * T;
-          float dot = 0.0f;
-          for (int j = 0; j < T; ++j)
-            dot += prow[j] * row[j];
+          const float dot = lane_sum(T, [&](int j) { return prow[j] * row[j]; });
           for (int j = 0; j < T; ++j)
             row[j] = prow[j] * (row[j] - dot);
         }
@@ -247,6 +319,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   }
 }
 
+PW_VECTOR_CLONES
 double softmax_crossentropy_forward(float* probs, float* losses, const std::int32_t* targets, int N,
                                     int V) {
   double total = 0.0;
@@ -254,15 +327,11 @@ double softmax_crossentropy_forward(float* probs, float* losses, const std::int3
     const std::int32_t y = targets[n];
     check_id(y, V, "target");
     float* row = probs + size_t(n) * V;
-    float mx = row[0];
-    for (int j = 1; j < V; ++j)
-      mx = std::max(mx, row[j]);
+    const float mx = row_max(row, V);
     const double shifted_y = double(row[y]) - double(mx);
-    double sum = 0.0;
-    for (int j = 0; j < V; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
+    for (int j = 0; j < V; ++j)
+      row[j] = exp_approx(row[j] - mx);
+    const double sum = lane_sum(V, [&](int j) { return row[j]; });
     losses[n] = float(std::log(sum) - shifted_y);  // -log p_y = log(sum) - (logit_y - max)
     const float inv = float(1.0 / sum);
     for (int j = 0; j < V; ++j)
@@ -272,6 +341,7 @@ double softmax_crossentropy_forward(float* probs, float* losses, const std::int3
   return total;
 }
 
+PW_VECTOR_CLONES
 void softmax_crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets,
                                    float scale, int N, int V) {
   for (int n = 0; n < N; ++n) {
