@@ -268,3 +268,17 @@ TEST(CpuKernels, SoftmaxCrossEntropyGradients) {
   EXPECT_THROW(cpu::softmax_crossentropy_forward(probs.data(), losses.data(), bad.data(), N, V),
                pw::InputError);
 }
+
+// The kernels' exp: far below the maximum a probability is exactly 0, not a denormal or garbage;
+// a NaN logit makes its row's loss NaN (as std::exp would), not a number.
+TEST(CpuKernels, SoftmaxExtremesAndNan) {
+  const int N = 2, V = 4;
+  const std::vector<std::int32_t> targets = {0, 1};
+  Vec probs = {0.0f, -100.0f, -1000.0f, 50.0f, 1.0f, std::nanf(""), 2.0f, 3.0f}, losses(N);
+  cpu::softmax_crossentropy_forward(probs.data(), losses.data(), targets.data(), N, V);
+  EXPECT_EQ(probs[1], 0.0f);
+  EXPECT_EQ(probs[2], 0.0f);
+  EXPECT_NEAR(probs[3], 1.0f, 1e-6f);
+  EXPECT_NEAR(losses[0], 50.0f, 1e-5f);
+  EXPECT_TRUE(std::isnan(losses[1]));
+}
