@@ -18,12 +18,13 @@ of a GPT-2-style model on ONE CPU thread, two ways, alternating:
   approximation, as exec/cpu) -> Linear(F, C) -> residual; final LayerNorm; LM head without bias,
   tied to the token embedding when the model says so; torch.optim.AdamW(lr 1e-3, betas (0.9,
   0.95), eps 1e-8, weight_decay 0, foreach=False) as pipewright train's defaults; gradients set
-  to None after each step. Random tokens, one fixed batch. Its step time is the mean of --steps
-  timed steps after --warmup untimed ones (the same count as pipewright's: steps - 1 after 1).
+  to None after each step. Random tokens, one fixed batch. Its step time is the mean of the
+  steps after the first, of --steps steps, as pipewright's.
 
 The two runs take turns (--runs pairs, which side goes first alternating), so slow phases of a
 shared machine fall on both. Printed: every run, then the medians of ms/step and tokens/s per side
-and the ratio pipewright / torch of the median tokens/s, with the load average before and after.
+and the ratio pipewright / torch of the median tokens/s, the median of the pairs' own ratios
+(each pair ran back to back), and the load average before and after.
 
 Shapes (--shape): gpt-4x256 (4 layers, hidden 256, 4 heads, ffn 1024, T 256, vocab 4096, tied;
 b 8 by default) and gpt2-block (one block of GPT-2 124M's shape: hidden 768, 12 heads, ffn 3072,
@@ -269,8 +270,12 @@ def main():
                 f"{tokens / pm:.0f} tokens/s")
         if th:
             tm = statistics.median(th)
+            # The two runs of a pair ran back to back: their ratio is less exposed to a load
+            # that changes between pairs than the ratio of the medians.
+            paired = statistics.median(t / p for p, t in zip(pw, th))
             line += (f"; torch {1e3 * tm:.1f} ms/step {tokens / tm:.0f} tokens/s; "
-                     f"pipewright/torch tokens/s = {tm / pm:.2f}")
+                     f"pipewright/torch tokens/s = {tm / pm:.2f} (median of the pairs' ratios "
+                     f"{paired:.2f})")
         print(f"{line}; load average {loadavg()}", flush=True)
     return 0
 
