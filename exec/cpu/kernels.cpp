@@ -26,8 +26,8 @@ void check_id(std::int32_t id, int V, const char* what) {
 
 // The elementwise loops below are written so that the compiler vectorizes them (this file is
 // built with -O3, see CMakeLists.txt) and give the same bits whatever the vector width: no FMA
-// contraction (ISO C++ mode), reductions in kLanes partial sums combined in a fixed order. With
-// GCC on x86-64 the hot kernels are also compiled for AVX2 and picked at load time.
+// contraction (-ffp-contract=off), reductions in kLanes partial sums combined in a fixed order.
+// With GCC on x86-64 the hot kernels are also compiled for AVX2 and picked at load time.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define PW_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
