@@ -54,14 +54,44 @@ std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> Memo
   return samples_;
 }
 
+std::vector<float> BufferPool::take(std::int64_t floats) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = free_.find(floats);
+    if (it != free_.end() && !it->second.empty()) {
+      std::vector<float> data = std::move(it->second.back());
+      it->second.pop_back();
+      return data;
+    }
+  }
+  return std::vector<float>(std::size_t(floats), 0.0f);
+}
+
+void BufferPool::give(std::vector<float>&& data) {
+  if (data.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_[std::int64_t(data.size())].push_back(std::move(data));
+}
+
 Buffer::Buffer(MemoryCounter* counter, Category category, std::int64_t floats)
     : counter_(counter), category_(category), data_(std::size_t(floats), 0.0f) {
   if (counter_) counter_->add(category_, floats * std::int64_t(sizeof(float)));
 }
 
+Buffer::Buffer(MemoryCounter* counter, Category category, std::int64_t floats, BufferPool* pool)
+    : counter_(counter), pool_(pool), category_(category), data_(pool->take(floats)) {
+  if (counter_) counter_->add(category_, floats * std::int64_t(sizeof(float)));
+}
+
+Buffer::Buffer(MemoryCounter* counter, Category category, std::vector<float>&& data)
+    : counter_(counter), category_(category), data_(std::move(data)) {
+  if (counter_) counter_->add(category_, std::int64_t(data_.size() * sizeof(float)));
+}
+
 Buffer::Buffer(Buffer&& o) noexcept
-    : counter_(o.counter_), category_(o.category_), data_(std::move(o.data_)) {
+    : counter_(o.counter_), pool_(o.pool_), category_(o.category_), data_(std::move(o.data_)) {
   o.counter_ = nullptr;
+  o.pool_ = nullptr;
   o.data_.clear();
 }
 
@@ -69,9 +99,11 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
     release();
     counter_ = o.counter_;
+    pool_ = o.pool_;
     category_ = o.category_;
     data_ = std::move(o.data_);
     o.counter_ = nullptr;
+    o.pool_ = nullptr;
     o.data_.clear();
   }
   return *this;
@@ -85,6 +117,10 @@ void Buffer::release() {
   if (counter_ && !data_.empty())
     counter_->add(category_, -std::int64_t(data_.size() * sizeof(float)));
   counter_ = nullptr;
+  if (pool_) {
+    pool_->give(std::move(data_));
+    pool_ = nullptr;
+  }
   data_.clear();
   data_.shrink_to_fit();
 }

@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -31,11 +32,33 @@ class MemoryCounter {
   std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> samples_;
 };
 
+// Storage that dying buffers give back for the next buffer of the same size. A worker allocates
+// the same few sizes every microbatch (stash, stage output, input gradient); reusing them spares
+// the page faults and zero-filling of fresh memory (a tenth of a CPU step, docs/performance.md).
+// The counters are unaffected: a buffer counts its bytes while it lives, wherever they came from.
+// Thread-safe.
+class BufferPool {
+ public:
+  // `floats` floats: a given-back vector of that size with its old contents, else a new zeroed one.
+  std::vector<float> take(std::int64_t floats);
+  void give(std::vector<float>&& data);
+
+ private:
+  std::mutex mutex_;
+  std::map<std::int64_t, std::vector<std::vector<float>>> free_;
+};
+
 // A float buffer whose bytes are counted while it lives.
 class Buffer {
  public:
   Buffer() = default;
+  // Zero-filled.
   Buffer(MemoryCounter* counter, Category category, std::int64_t floats);
+  // From the pool, and back to it when released: its contents are undefined (a kernel's output
+  // that it overwrites completely).
+  Buffer(MemoryCounter* counter, Category category, std::int64_t floats, BufferPool* pool);
+  // Takes `data` over (no copy).
+  Buffer(MemoryCounter* counter, Category category, std::vector<float>&& data);
   Buffer(Buffer&& o) noexcept;
   Buffer& operator=(Buffer&& o) noexcept;
   Buffer(const Buffer&) = delete;
@@ -50,6 +73,7 @@ class Buffer {
  private:
   void release();
   MemoryCounter* counter_ = nullptr;
+  BufferPool* pool_ = nullptr;
   Category category_ = Category::activations;
   std::vector<float> data_;
 };

@@ -192,9 +192,7 @@ void Worker::step(const Op& op) {
 }
 
 Buffer Worker::to_buffer(std::vector<float> data) {
-  Buffer b(memory_, Category::activations, std::int64_t(data.size()));
-  std::memcpy(b.data(), data.data(), data.size() * sizeof(float));
-  return b;
+  return Buffer(memory_, Category::activations, std::move(data));
 }
 
 const float* Worker::params(const Chunk& c, int version) const {
@@ -207,10 +205,12 @@ void Worker::forward(const Op& op) {
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
-  Buffer stash(memory_, Category::activations, rc ? c.sizes.stash_recompute : c.sizes.stash);
-  Buffer out(memory_, Category::activations, c.sizes.output);
+  // The stage overwrites all of these (pooled storage holds a previous microbatch's values).
+  Buffer stash(memory_, Category::activations, rc ? c.sizes.stash_recompute : c.sizes.stash,
+               &pool_);
+  Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
   // With recompute the layers run through a scratch as large as one layer's stash, freed at once.
-  Buffer scratch(memory_, Category::activations, rc ? c.sizes.scratch : 0);
+  Buffer scratch(memory_, Category::activations, rc ? c.sizes.scratch : 0, &pool_);
   const auto t0 = Clock::now();
   const float loss = c.stage->forward(
       params(c, op.version), c.first ? tokens.data() : nullptr,
@@ -230,7 +230,7 @@ void Worker::recompute(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
-  Buffer full(memory_, Category::activations, c.sizes.stash);
+  Buffer full(memory_, Category::activations, c.sizes.stash, &pool_);
   const auto t0 = Clock::now();
   c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
                      c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
@@ -247,7 +247,7 @@ void Worker::backward(const Op& op) {
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
   const float* full = rc ? full_.at(key).data() : stash_.at(key).data();
-  Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input);
+  Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   const auto t0 = Clock::now();

@@ -75,6 +75,7 @@ class Worker {
   Shared& s_;
   int rank_, stage_, replica_;
   MemoryCounter* memory_;
+  BufferPool pool_;  // the activations' storage, reused (outlives every buffer below)
   std::vector<Chunk> chunks_;
   Buffer workspace_;
   std::vector<float> tied_head_;  // stage 0, w > 1: the head's gradient shards until gathered

@@ -176,6 +176,52 @@ TEST(CpuKernels, CausalAttentionGradients) {
     EXPECT_NEAR(dqkv_rows[i], dqkv[i], 1e-6f);
 }
 
+// T = 150 spans three 64-row blocks, the last one partial: the blocks skip the keys past their
+// last row, which must give the full causal product (naive reference in double) and its gradient.
+TEST(CpuKernels, CausalAttentionRowBlocks) {
+  const int B = 1, T = 150, C = 8, NH = 2, hd = C / NH;
+  Vec qkv = randn(B * T * 3 * C, 21);
+  const Vec g = randn(B * T * C, 22);
+  Vec out(B * T * C), att(B * NH * T * T);
+  auto loss = [&] {
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    return dot(out, g);
+  };
+  loss();
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < T; t += 7) {
+      std::vector<double> s(t + 1);
+      double mx = -1e300, z = 0.0;
+      for (int j = 0; j <= t; ++j) {
+        s[j] = 0.0;
+        for (int i = 0; i < hd; ++i)
+          s[j] += double(qkv[t * 3 * C + h * hd + i]) * qkv[j * 3 * C + C + h * hd + i];
+        s[j] /= std::sqrt(double(hd));
+        mx = std::max(mx, s[j]);
+      }
+      for (int j = 0; j <= t; ++j)
+        z += std::exp(s[j] - mx);
+      for (int i = 0; i < hd; ++i) {
+        double y = 0.0;
+        for (int j = 0; j <= t; ++j)
+          y += std::exp(s[j] - mx) / z * qkv[j * 3 * C + 2 * C + h * hd + i];
+        EXPECT_NEAR(out[t * C + h * hd + i], y, 1e-5) << "h " << h << " t " << t << " i " << i;
+      }
+      for (int j = t + 1; j < T; ++j)
+        EXPECT_EQ(att[(h * T + t) * T + j], 0.0f);
+    }
+  Vec dqkv(qkv.size()), scratch(T * T);
+  cpu::attention_backward(dqkv.data(), g.data(), qkv.data(), att.data(), scratch.data(), T * T, B,
+                          T, C, NH);
+  expect_gradient(qkv, dqkv, loss, "dqkv");
+  // 3-row blocks: the same gradient, up to the rounding of dk and dv summed over 50 blocks.
+  Vec dqkv_rows(qkv.size()), rows(3 * T);
+  cpu::attention_backward(dqkv_rows.data(), g.data(), qkv.data(), att.data(), rows.data(), 3 * T, B,
+                          T, C, NH);
+  for (std::size_t i = 0; i < dqkv.size(); ++i)
+    EXPECT_NEAR(dqkv_rows[i], dqkv[i], 1e-5f);
+}
+
 TEST(CpuKernels, EmbeddingGradientsAndRange) {
   const int B = 2, T = 3, C = 4, V = 5;
   const std::vector<std::int32_t> tokens = {0, 4, 4, 2, 0, 1};
@@ -221,4 +267,18 @@ TEST(CpuKernels, SoftmaxCrossEntropyGradients) {
   probs = logits;
   EXPECT_THROW(cpu::softmax_crossentropy_forward(probs.data(), losses.data(), bad.data(), N, V),
                pw::InputError);
+}
+
+// The kernels' exp: far below the maximum a probability is exactly 0, not a denormal or garbage;
+// a NaN logit makes its row's loss NaN (as std::exp would), not a number.
+TEST(CpuKernels, SoftmaxExtremesAndNan) {
+  const int N = 2, V = 4;
+  const std::vector<std::int32_t> targets = {0, 1};
+  Vec probs = {0.0f, -100.0f, -1000.0f, 50.0f, 1.0f, std::nanf(""), 2.0f, 3.0f}, losses(N);
+  cpu::softmax_crossentropy_forward(probs.data(), losses.data(), targets.data(), N, V);
+  EXPECT_EQ(probs[1], 0.0f);
+  EXPECT_EQ(probs[2], 0.0f);
+  EXPECT_NEAR(probs[3], 1.0f, 1e-6f);
+  EXPECT_NEAR(losses[0], 50.0f, 1e-5f);
+  EXPECT_TRUE(std::isnan(losses[1]));
 }

@@ -53,13 +53,15 @@ void gelu_forward(float* out, const float* inp, std::int64_t n);
 void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n);
 
 // Causal multi-head attention. qkv holds [q | k | v] per token, heads side by side in each.
-// att = softmax(q k^T / sqrt(hd)) with zeros above the diagonal; out = att · v.
+// att = softmax(q k^T / sqrt(hd)) with zeros above the diagonal; out = att · v. Both directions
+// work in blocks of 64 query rows and skip the key columns past each block's last row, so they
+// do a bit more than half of the full T x T products at large T.
 void attention_forward(float* out,        // (B, T, C)
                        float* att,        // (B, NH, T, T)
                        const float* qkv,  // (B, T, 3C)
                        int B, int T, int C, int NH);
 // dqkv = d(qkv) (overwritten). scratch holds rows of dS (T floats each); scratch_floats >= T.
-// More scratch means fewer, larger GEMMs (T * T floats is one GEMM per head).
+// Up to 64 rows are used; less scratch means smaller blocks (one row at T floats).
 void attention_backward(float* dqkv,        // (B, T, 3C)
                         const float* dout,  // (B, T, C)
                         const float* qkv,   // (B, T, 3C)
