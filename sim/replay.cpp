@@ -323,10 +323,15 @@ class Replayer {
   // gradient's by step (bucket -1), the weights' by version (bucket -2).
   void gather(const Op& op) {
     const bool weights = op.kind == OpKind::gather_tied_weights;
-    Collective& c = collective(weights ? op.version : op.step, op.chunk, weights ? -2 : -1);
+    all_gather(collective(weights ? op.version : op.step, op.chunk, weights ? -2 : -1),
+               double(me_.tied_bytes));
+  }
+
+  // Blocks until every replica of the stage arrived at `c` and the last to arrive has
+  // all-gathered `bytes` (the whole tensor) among them.
+  void all_gather(Collective& c, double bytes) {
     if (++c.arrived == w_.plan().w) {
       const auto groups = replica_groups();
-      const double bytes = double(me_.tied_bytes);
       const Platform* platform = w_.platform;
       sg4::Actor::create("allgather", me_.host, [&c, groups, bytes, platform] {
         c.start = sg4::Engine::get_clock();
@@ -372,16 +377,25 @@ class Replayer {
     const auto groups = replica_groups();
     const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
     const Platform* platform = w_.platform;
-    sg4::Actor::create("allreduce", me_.host, [&c, groups, bytes, platform] {
+    // With the distributed optimizer the executor reduce-scatters the bucket instead: a ring
+    // reduce-scatter takes an all-gather's steps and bytes (the parameters' all-gather follows
+    // the optimizer step).
+    const bool scatter = w_.plan().distributed_optimizer;
+    const auto sum = [bytes, platform, scatter](const std::vector<std::pair<int, int>>& members) {
+      if (scatter)
+        allgather(*platform, members, bytes);
+      else
+        allreduce(*platform, members, bytes);
+    };
+    sg4::Actor::create("allreduce", me_.host, [&c, groups, sum] {
       c.start = sg4::Engine::get_clock();
       if (groups.size() == 1) {
-        allreduce(*platform, groups[0], bytes);
+        sum(groups[0]);
       } else {
         std::vector<sg4::ActorPtr> rings;
         for (const auto& members : groups)
-          rings.push_back(sg4::Actor::create(
-              "allreduce", sg4::this_actor::get_host(),
-              [members, bytes, platform] { allreduce(*platform, members, bytes); }));
+          rings.push_back(sg4::Actor::create("allreduce", sg4::this_actor::get_host(),
+                                             [members, sum] { sum(members); }));
         for (const auto& a : rings)
           a->join();
       }
@@ -398,6 +412,10 @@ class Replayer {
     for (const auto& ch : me_.chunks)
       opt += ch.optimizer_s;
     compute(opt);
+    // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
+    // the new version (one weight version of the rank) before anything uses it, as the executor.
+    if (w_.plan().distributed_optimizer && w_.plan().w > 1)
+      all_gather(collective(op.step, 0, -3), double(me_.version_bytes));
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();
     me_.optimizer_end[std::size_t(op.step)] = sg4::Engine::get_clock();
