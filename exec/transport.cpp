@@ -64,20 +64,22 @@ void InProcessTransport::exchange(
     const std::string& key, const std::vector<int>& group, int rank, const float* data,
     const std::function<void(const std::map<int, const float*>&)>& take) {
   std::unique_lock<std::mutex> lock(mutex_);
+  check_aborted();  // after an abort nobody deposits: a member who left may have freed its buffer
   Exchange& x = exchanges_[key];
+  const std::size_t members = group.size();
   x.parts[rank] = data;
-  if (x.parts.size() == group.size()) changed_.notify_all();
-  changed_.wait(lock, [&] { return x.parts.size() == group.size() || aborted_; });
-  check_aborted();
-  // The members' buffers are only read here, and none is written until every member took.
+  if (x.parts.size() == members) changed_.notify_all();
+  changed_.wait(lock, [&] { return x.parts.size() == members || aborted_; });
+  // Once every member's buffer is here, every member takes and waits for the others, abort or
+  // not (taking is a bounded copy): none may leave, and free its buffer, while another reads it.
+  if (x.parts.size() != members) check_aborted();
   lock.unlock();
   take(x.parts);
   lock.lock();
-  if (++x.taken == int(group.size())) changed_.notify_all();
-  changed_.wait(lock, [&] { return x.taken >= int(group.size()) || aborted_; });
-  check_aborted();
-  // The last one out erases the entry: count the leavers in the same counter, past group size.
-  if (++x.taken == 2 * int(group.size())) exchanges_.erase(key);
+  if (++x.taken == int(members)) changed_.notify_all();
+  changed_.wait(lock, [&] { return x.taken >= int(members); });
+  // The last one out erases the entry: the leavers counted in the same counter, past members.
+  if (++x.taken == 2 * int(members)) exchanges_.erase(key);
 }
 
 void InProcessTransport::reduce_scatter_sum(const std::string& key, const std::vector<int>& group,

@@ -66,7 +66,8 @@ class InProcessTransport : public Transport {
     int taken = 0;
   };
   // Deposits `data` under `key`, waits for every member's, runs `take` on them, then waits until
-  // every member took (the members' buffers stay valid until then).
+  // every member took (the members' buffers stay valid until then). An abort before every member
+  // arrived throws; after, the exchange completes (the caller's next call throws).
   void exchange(const std::string& key, const std::vector<int>& group, int rank, const float* data,
                 const std::function<void(const std::map<int, const float*>&)>& take);
   std::map<std::string, Exchange> exchanges_;

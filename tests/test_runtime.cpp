@@ -1,8 +1,11 @@
 // exec/ runtime on the CPU backend: the schedules' numerics. Flush schedules (GPipe, 1F1B) train
 // exactly like single-device mini-batch training on the same global batch; 2BW follows
 // W(t+1) = W(t) - lr * step(grad f(W(t-1))) and never holds more than two versions.
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -10,6 +13,7 @@
 #include "exec/optimizer.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
+#include "exec/transport.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
 #include "test_util.hpp"
@@ -285,6 +289,55 @@ TEST(DistributedOptimizer, SameWeightsAndLossesAsThePlainOne) {
         EXPECT_NEAR(got.steps[i].loss, want.steps[i].loss, 1e-6 * std::fabs(want.steps[i].loss))
             << "step " << i;
     }
+}
+
+// The in-process transport's reduce-scatter and all-gather over three threads with uneven parts
+// and an empty one: each member's part of the reduce-scatter is all_reduce_sum's result bit for
+// bit and the rest of its buffer is untouched; the all-gather hands every member every part; an
+// abort wakes a member left waiting.
+TEST(Transport, ReduceScatterAndAllGatherInProcess) {
+  const std::vector<int> group = {4, 1, 7};  // ranks, in group order
+  const std::vector<std::int64_t> bounds = {0, 5, 5, 11};
+  const auto value = [](int member, std::int64_t i) {
+    return std::sin(float(member * 31 + i)) * std::pow(10.0f, float(i % 7) - 3);
+  };
+  std::vector<std::vector<float>> data(3), summed(3), gathered(3);
+  for (int k = 0; k < 3; ++k)
+    for (std::int64_t i = 0; i < 11; ++i)
+      data[std::size_t(k)].push_back(value(k, i));
+  InProcessTransport t;
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 3; ++k)
+    threads.emplace_back([&, k] {
+      std::vector<float>& rs = summed[std::size_t(k)];
+      std::vector<float> ar = data[std::size_t(k)];
+      rs = ar;
+      t.reduce_scatter_sum("rs", group, group[std::size_t(k)], rs.data(), bounds);
+      t.all_reduce_sum("ar", group, group[std::size_t(k)], ar.data(), 11);
+      for (std::int64_t i = 0; i < 11; ++i) {
+        const bool mine = i >= bounds[std::size_t(k)] && i < bounds[std::size_t(k) + 1];
+        const float want = mine ? ar[std::size_t(i)] : data[std::size_t(k)][std::size_t(i)];
+        EXPECT_EQ(std::memcmp(&rs[std::size_t(i)], &want, sizeof(float)), 0)
+            << "member " << k << " element " << i;
+      }
+      // All-gather: member k's part holds k + 1, the rest garbage until gathered.
+      std::vector<float>& ag = gathered[std::size_t(k)];
+      ag.assign(11, -1.0f);
+      std::fill(ag.begin() + bounds[std::size_t(k)], ag.begin() + bounds[std::size_t(k) + 1],
+                float(k + 1));
+      t.all_gather("ag", group, group[std::size_t(k)], ag.data(), bounds);
+    });
+  for (auto& th : threads)
+    th.join();
+  for (int k = 0; k < 3; ++k)
+    EXPECT_EQ(gathered[std::size_t(k)], std::vector<float>({1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3}));
+  // One member alone in a collective of three waits until the transport is aborted.
+  std::vector<float> lone(11, 0.0f);
+  std::thread waiter(
+      [&] { EXPECT_THROW(t.reduce_scatter_sum("lone", group, 4, lone.data(), bounds), Error); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  t.abort();
+  waiter.join();
 }
 
 TEST(Training, LossFallsOnTheSyntheticCorpus) {
