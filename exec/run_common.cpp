@@ -49,10 +49,10 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
                     "(t = {}); simulate or estimate it instead",
                     backend, plan.t));
-  if (plan.distributed_optimizer && plan.w > 1)
+  if (plan.distributed_optimizer && plan.w > 1 && backend != "cpu")
     throw InputError(
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
-                    "optimizer yet; simulate or estimate it instead",
+                    "optimizer yet (the cpu backend does); simulate or estimate it instead",
                     backend));
   if (plan.offload != planner::Offload::none)
     throw InputError(

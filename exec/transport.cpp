@@ -60,6 +60,63 @@ void InProcessTransport::all_reduce_sum(const std::string& key, const std::vecto
   if (++r.taken == int(group.size())) reductions_.erase(key);
 }
 
+void InProcessTransport::exchange(
+    const std::string& key, const std::vector<int>& group, int rank, const float* data,
+    const std::function<void(const std::map<int, const float*>&)>& take) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_aborted();  // after an abort nobody deposits: a member who left may have freed its buffer
+  Exchange& x = exchanges_[key];
+  const std::size_t members = group.size();
+  x.parts[rank] = data;
+  if (x.parts.size() == members) changed_.notify_all();
+  changed_.wait(lock, [&] { return x.parts.size() == members || aborted_; });
+  // Once every member's buffer is here, every member takes and waits for the others, abort or
+  // not (taking is a bounded copy): none may leave, and free its buffer, while another reads it.
+  if (x.parts.size() != members) check_aborted();
+  lock.unlock();
+  take(x.parts);
+  lock.lock();
+  if (++x.taken == int(members)) changed_.notify_all();
+  changed_.wait(lock, [&] { return x.taken >= int(members); });
+  // The last one out erases the entry: the leavers counted in the same counter, past members.
+  if (++x.taken == 2 * int(members)) exchanges_.erase(key);
+}
+
+void InProcessTransport::reduce_scatter_sum(const std::string& key, const std::vector<int>& group,
+                                            int rank, float* data,
+                                            const std::vector<std::int64_t>& bounds) {
+  const std::size_t me = std::size_t(std::find(group.begin(), group.end(), rank) - group.begin());
+  if (me == group.size() || bounds.size() != group.size() + 1)
+    throw Error("reduce-scatter " + key + ": rank not in the group or bounds not one per member");
+  const std::int64_t begin = bounds[me], n = bounds[me + 1] - begin;
+  std::vector<float> sum;
+  exchange(key, group, rank, data, [&](const std::map<int, const float*>& parts) {
+    sum.assign(std::size_t(n), 0.0f);
+    for (int member : group) {  // group order, from zero: all_reduce_sum's arithmetic
+      const float* part = parts.at(member) + begin;
+      for (std::int64_t i = 0; i < n; ++i)
+        sum[std::size_t(i)] += part[i];
+    }
+  });
+  // Written after every member read this part of ours (exchange returns then).
+  std::copy(sum.begin(), sum.end(), data + begin);
+}
+
+void InProcessTransport::all_gather(const std::string& key, const std::vector<int>& group, int rank,
+                                    float* data, const std::vector<std::int64_t>& bounds) {
+  const std::size_t me = std::size_t(std::find(group.begin(), group.end(), rank) - group.begin());
+  if (me == group.size() || bounds.size() != group.size() + 1)
+    throw Error("all-gather " + key + ": rank not in the group or bounds not one per member");
+  // Each member writes only the others' parts of its own data and reads only their parts of
+  // theirs, which nobody writes: no copy needed.
+  exchange(key, group, rank, data, [&](const std::map<int, const float*>& parts) {
+    for (std::size_t i = 0; i < group.size(); ++i)
+      if (i != me)
+        std::copy(parts.at(group[i]) + bounds[i], parts.at(group[i]) + bounds[i + 1],
+                  data + bounds[i]);
+  });
+}
+
 void InProcessTransport::abort() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -3,6 +3,7 @@
 
 #include "exec/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -22,6 +23,8 @@ Worker::Worker(Shared& s, int rank)
   const planner::Plan& p = s.plan();
   std::int64_t workspace = 0;
   slots_.set_rank(rank);
+  sharded_ = p.distributed_optimizer && p.w > 1;
+  std::int64_t flat = 0;  // the rank's parameters so far
   for (int c = 0; c < p.v; ++c) {
     const StageSpec spec = chunk_spec(*s.model, p, stage_, c);
     Chunk ch;
@@ -33,8 +36,10 @@ Worker::Worker(Shared& s, int rank)
     ch.slots[0] = Buffer(memory_, Category::weights, n);
     ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
     ch.grads = Buffer(memory_, Category::gradients, n);
-    ch.m = Buffer(memory_, Category::optimizer, n);
-    if (s.options->optimizer == "adamw") ch.v = Buffer(memory_, Category::optimizer, n);
+    if (!sharded_) {
+      ch.m = Buffer(memory_, Category::optimizer, n);
+      if (s.options->optimizer == "adamw") ch.v = Buffer(memory_, Category::optimizer, n);
+    }
     if (s.model->tied_embeddings && ch.first != ch.last)
       for (const auto& slot : ch.stage->layout())
         if (slot.name == (ch.first ? "wte" : "lm_head")) {
@@ -42,14 +47,40 @@ Worker::Worker(Shared& s, int rank)
           ch.tied_size = slot.size;
         }
     workspace = std::max(workspace, ch.sizes.workspace);
+    ch.base = flat;
+    flat += n;
     chunks_.push_back(std::move(ch));
+  }
+  // The distributed optimizer's shard rule: the rank's parameters, its chunks' in order, split
+  // into w contiguous ranges of ceil(P / w) (planner::tied_shard's rule); replica r updates range
+  // r. Its state buffers hold ceil(P / w) floats on every replica (the last one's padded, as
+  // Megatron pads its buffer to a multiple of w), the planner's figure.
+  const planner::TiedShard own = planner::tied_shard(flat, p.w, sharded_ ? replica_ : 0);
+  const std::int64_t per = sharded_ ? (flat + p.w - 1) / p.w : 0;
+  if (sharded_) {
+    shard_m_ = Buffer(memory_, Category::optimizer, per);
+    if (s.options->optimizer == "adamw") shard_v_ = Buffer(memory_, Category::optimizer, per);
+  }
+  for (Chunk& ch : chunks_) {
+    const std::int64_t n = ch.sizes.parameters;
+    ch.own_begin = sharded_ ? std::clamp(own.begin - ch.base, std::int64_t(0), n) : 0;
+    ch.own_end = sharded_ ? std::clamp(own.end - ch.base, std::int64_t(0), n) : n;
+    if (ch.own_end < ch.own_begin) ch.own_end = ch.own_begin;
+    Buffer& m = sharded_ ? shard_m_ : ch.m;
+    Buffer& v = sharded_ ? shard_v_ : ch.v;
+    // A chunk wholly before or after the shard owns nothing: its (empty) state at either end.
+    const std::int64_t at =
+        sharded_ ? std::clamp(ch.base + ch.own_begin - own.begin, std::int64_t(0), per) : 0;
+    ch.m_at = m.data() + at;
+    ch.v_at = v.empty() ? nullptr : v.data() + at;
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
   if (s.first_step > 0) load_checkpoint(s.first_step);
 }
 
 // The tensors of a shard: per chunk, every weight version held (ascending), then the optimizer's
-// state (momentum; AdamW's second moment).
+// state (momentum; AdamW's second moment) of the rank's parameters of the chunk (with the
+// distributed optimizer its shard of them).
 std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions) {
   std::vector<ShardTensor> tensors;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
@@ -57,8 +88,11 @@ std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions)
     for (int version : versions)
       tensors.push_back({fmt::format("c{}.w{}", i, version),
                          c.slots[slots_.slot_of(version)].data(), c.sizes.parameters});
-    tensors.push_back({fmt::format("c{}.m", i), c.m.data(), c.m.size()});
-    if (!c.v.empty()) tensors.push_back({fmt::format("c{}.v", i), c.v.data(), c.v.size()});
+    // The optimizer state of the parameters the rank updates: with the distributed optimizer its
+    // shard of the chunk, [own_begin, own_end).
+    const std::int64_t owned = c.own_end - c.own_begin;
+    tensors.push_back({fmt::format("c{}.m", i), c.m_at, owned});
+    if (c.v_at) tensors.push_back({fmt::format("c{}.v", i), c.v_at, owned});
   }
   return tensors;
 }
@@ -263,26 +297,110 @@ void Worker::backward(const Op& op) {
 }
 
 void Worker::all_reduce(const Op& op) {
-  const planner::Plan& p = s_.plan();
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const int buckets = s_.programs->buckets;
   const std::int64_t n = c.grads.size(), per = (n + buckets - 1) / buckets;
   const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
-  std::vector<int> group;
-  for (int r = 0; r < p.w; ++r)
-    group.push_back(p.rank_of(stage_, r));
+  if (sharded_) return reduce_scatter(op, begin, end);
   s_.transport->all_reduce_sum(fmt::format("ar/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket),
-                               group, rank_, c.grads.data() + begin, end - begin);
+                               replica_group(), rank_, c.grads.data() + begin, end - begin);
+}
+
+std::vector<int> Worker::replica_group() const {
+  std::vector<int> group;
+  for (int r = 0; r < s_.plan().w; ++r)
+    group.push_back(s_.plan().rank_of(stage_, r));
+  return group;
+}
+
+std::vector<std::int64_t> Worker::shard_starts(const Chunk& c) const {
+  const planner::Plan& p = s_.plan();
+  const std::int64_t flat = chunks_.back().base + chunks_.back().sizes.parameters;
+  std::vector<std::int64_t> starts;
+  for (int r = 0; r < p.w; ++r)
+    starts.push_back(planner::tied_shard(flat, p.w, r).begin - c.base);
+  starts.push_back(flat - c.base);
+  return starts;
+}
+
+namespace {
+
+// The all-gather bounds of the w tied shards of an n-element tensor.
+std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
+  std::vector<std::int64_t> bounds;
+  for (int r = 0; r < w; ++r)
+    bounds.push_back(planner::tied_shard(n, w, r).begin);
+  bounds.push_back(n);
+  return bounds;
+}
+
+// `starts` (w + 1 ascending offsets) clipped to [a, b) and made relative to a: a collective's
+// bounds over that range.
+std::vector<std::int64_t> clip(const std::vector<std::int64_t>& starts, std::int64_t a,
+                               std::int64_t b) {
+  std::vector<std::int64_t> bounds;
+  for (std::int64_t x : starts)
+    bounds.push_back(std::clamp(x, a, b) - a);
+  bounds.front() = 0;
+  bounds.back() = b - a;
+  return bounds;
+}
+
+}  // namespace
+
+// The distributed optimizer's gradient sum of one bucket [begin, end) of a chunk: a reduce-scatter
+// by the shard rule (each replica gets the sum over its shard, the only part its optimizer reads),
+// except for the tied tensor where the chunk holds one:
+// - the last stage's lm_head copy (d > 1), which its optimizer skips: by tied_shard over the
+//   tensor, so that replica r holds the shard it sends stage 0 (send_tied_gradient);
+// - both ends on one device (d == 1): all-reduced whole, as without sharding, since each end's
+//   update adds the other's gradient (sum_local_tied) wherever its shard lies.
+void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end) {
+  const planner::Plan& p = s_.plan();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::vector<int> group = replica_group();
+  const auto t0 = Clock::now();
+  const bool apart = c.tied_offset >= 0 && (p.d == 1 || !c.first);
+  const std::int64_t to = apart ? c.tied_offset : end, te = apart ? to + c.tied_size : end;
+  std::vector<std::int64_t> tied_starts;
+  for (int r = 0; r < p.w; ++r)
+    tied_starts.push_back(to + planner::tied_shard(te - to, p.w, r).begin);
+  tied_starts.push_back(te);
+  const std::vector<std::int64_t> shards = shard_starts(c);
+  // The bucket's pieces before, inside and after the tied tensor.
+  const std::int64_t cuts[4] = {begin, std::clamp(to, begin, end), std::clamp(te, begin, end), end};
+  for (int piece = 0; piece < 3; ++piece) {
+    const std::int64_t a = cuts[piece], b = cuts[piece + 1];
+    if (a >= b) continue;
+    const std::string key =
+        fmt::format("rs/{}/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket, piece);
+    if (piece == 1 && p.d == 1)
+      s_.transport->all_reduce_sum(key, group, rank_, c.grads.data() + a, b - a);
+    else
+      s_.transport->reduce_scatter_sum(key, group, rank_, c.grads.data() + a,
+                                       clip(piece == 1 ? tied_starts : shards, a, b));
+  }
+  record(planner::kCollectiveStream, t0, Clock::now());
+}
+
+// After the sharded update: every replica's shard of the new version `target` to the others.
+void Worker::all_gather(int step, int target) {
+  const std::vector<int> group = replica_group();
+  const auto t0 = Clock::now();
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    s_.transport->all_gather(fmt::format("ag/{}/{}/{}", stage_, step, i), group, rank_,
+                             c.slots[target].data(), clip(shard_starts(c), 0, c.sizes.parameters));
+  }
+  record(planner::kCollectiveStream, t0, Clock::now());
 }
 
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter. Stage 0
 // owns its update: it adds the head's gradient to its own (embedding + head, the order of the
 // sum on one device) and sends the new weights back; the last stage's optimizer skips the copy.
-// With w > 1 the head's gradient is the same on every replica after the all-reduce, so replica r
-// sends only its shard (tied_shard) and the receiving stage's replicas gather the shards: a sum
-// over the group of buffers that hold zeros outside each member's shard. x + 0 = x for every
-// float x but -0, so the result is what the whole tensor's message carried (an element equal to
-// -0 arrives as +0, an equal value).
+// With w > 1 the head's gradient is the same on every replica after the all-reduce (with the
+// distributed optimizer, replica r's shard of it after the reduce-scatter), so replica r sends
+// only its shard (tied_shard) and the receiving stage's replicas all-gather the shards.
 void Worker::tied(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   if (c.tied_offset < 0)
@@ -292,9 +410,7 @@ void Worker::tied(const Op& op) {
   const std::int64_t n = c.tied_size;
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   float* grad = c.grads.data() + c.tied_offset;
-  std::vector<int> group;
-  for (int r = 0; r < p.w; ++r)
-    group.push_back(p.rank_of(stage_, r));
+  const std::vector<int> group = replica_group();
   const auto t0 = Clock::now();
   switch (op.kind) {
     case OpKind::send_tied_gradient:
@@ -316,8 +432,8 @@ void Worker::tied(const Op& op) {
       return;
     }
     case OpKind::gather_tied_gradient:
-      s_.transport->all_reduce_sum(fmt::format("tg/{}/{}", stage_, op.step), group, rank_,
-                                   tied_head_.data(), n);
+      s_.transport->all_gather(fmt::format("tg/{}/{}", stage_, op.step), group, rank_,
+                               tied_head_.data(), tied_bounds(n, p.w));
       for (std::int64_t i = 0; i < n; ++i)
         grad[i] = grad[i] + tied_head_[std::size_t(i)];
       tied_head_ = {};
@@ -340,8 +456,8 @@ void Worker::tied(const Op& op) {
     }
     default: {  // gather_tied_weights
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
-      s_.transport->all_reduce_sum(fmt::format("tw/{}/{}", stage_, op.version), group, rank_, out,
-                                   n);
+      s_.transport->all_gather(fmt::format("tw/{}/{}", stage_, op.version), group, rank_, out,
+                               tied_bounds(n, p.w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     }
@@ -377,6 +493,7 @@ void Worker::optimizer_step(const Op& op) {
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
+  if (sharded_) all_gather(op.step, target);
   slots_.place(op.version, target);
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
@@ -384,14 +501,20 @@ void Worker::optimizer_step(const Op& op) {
 
 // The last stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it
 // (recv_tied_weights). Its optimizer state stays allocated, unused; its gradient is zero already.
+// With the distributed optimizer only the rank's shard [own_begin, own_end) of those ranges, and
+// the rest of the gradient (other replicas' shards: this replica's unreduced sums) is zeroed too.
 void Worker::update(Chunk& c, int source, int target) {
-  for (const auto& [begin, end] :
+  for (auto [begin, end] :
        updated_ranges(c.first, c.last, c.tied_offset, c.tied_size, s_.plan().d, c.grads.size())) {
-    float* v = c.v.empty() ? nullptr : c.v.data() + begin;
+    begin = std::max(begin, c.own_begin);
+    end = std::min(end, c.own_end);
+    if (begin >= end) continue;
+    const std::int64_t at = begin - c.own_begin;
     optimizer_update(*s_.options, updates_, c.slots[source].data() + begin,
-                     c.slots[target].data() + begin, c.grads.data() + begin, c.m.data() + begin, v,
-                     end - begin);
+                     c.slots[target].data() + begin, c.grads.data() + begin, c.m_at + at,
+                     c.v_at ? c.v_at + at : nullptr, end - begin);
   }
+  if (sharded_) std::fill_n(c.grads.data(), c.grads.size(), 0.0f);
 }
 
 RankResult Worker::result() const {

@@ -46,8 +46,14 @@ class Worker {
   struct Chunk {
     std::unique_ptr<StageCompute> stage;
     StageSizes sizes;
-    Buffer slots[2];  // weight versions: slot 0 counted as weights, slot 1 as weight_versions
-    Buffer grads, m, v;
+    Buffer slots[2];     // weight versions: slot 0 counted as weights, slot 1 as weight_versions
+    Buffer grads, m, v;  // m, v: the plain optimizer's (the distributed one's are the rank's)
+    // Where the optimizer state of the chunk's parameters [own_begin, own_end) (the rank's shard
+    // of them; all with the plain optimizer) begins: element own_begin's moments.
+    float* m_at = nullptr;
+    float* v_at = nullptr;
+    std::int64_t base = 0;  // the chunk's offset in the rank's flat parameters (chunks in order)
+    std::int64_t own_begin = 0, own_end = 0;
     std::int64_t tied_offset = -1, tied_size = 0;  // "wte" or "lm_head" when shared across stages
     bool first = false, last = false;              // first / last virtual stage
   };
@@ -57,6 +63,12 @@ class Worker {
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
+  void reduce_scatter(const planner::Op& op, std::int64_t begin, std::int64_t end);
+  void all_gather(int step, int target);
+  std::vector<int> replica_group() const;
+  // The rank's flat parameters [0, P) split into w contiguous shards: where shard i begins
+  // (w + 1 entries, the last P), as offsets into `c`.
+  std::vector<std::int64_t> shard_starts(const Chunk& c) const;
   void optimizer_step(const planner::Op& op);
   void tied(const planner::Op& op);
   void sum_local_tied();
@@ -78,6 +90,8 @@ class Worker {
   BufferPool pool_;  // the activations' storage, reused (outlives every buffer below)
   std::vector<Chunk> chunks_;
   Buffer workspace_;
+  bool sharded_ = false;      // the distributed optimizer (w > 1): this rank updates its shard only
+  Buffer shard_m_, shard_v_;  // its optimizer state: ceil(P / w) floats each
   std::vector<float> tied_head_;  // stage 0, w > 1: the head's gradient shards until gathered
   VersionSlots slots_;
   int updates_ = 0;

@@ -62,10 +62,13 @@ MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
   MemoryBreakdown m;
   m.weights = bytes_mul(parameters, e);
   m.gradients = bytes_mul(parameters, e);
-  const std::int64_t optimizer = bytes_mul(parameters, optimizer_bytes_per_parameter(model.dtype));
-  // The distributed optimizer shards master weights and Adam state over the w replicas (each
-  // holds ceil(1/w) of them).
-  m.optimizer = p.distributed_optimizer && p.w > 1 ? (optimizer + p.w - 1) / p.w : optimizer;
+  // The distributed optimizer shards master weights and Adam state over the w replicas: each
+  // holds the state of ceil(P / w) parameters (the GPU's flat parameters split into w contiguous
+  // shards, the last one padded, as Megatron pads its buffer to a multiple of w, and as the
+  // executor allocates it).
+  const std::int64_t sharded =
+      p.distributed_optimizer && p.w > 1 ? (parameters + p.w - 1) / p.w : parameters;
+  m.optimizer = bytes_mul(sharded, optimizer_bytes_per_parameter(model.dtype));
   return m;
 }
 

@@ -329,10 +329,15 @@ class Replayer {
   // gradient's by step (bucket -1), the weights' by version (bucket -2).
   void gather(const Op& op) {
     const bool weights = op.kind == OpKind::gather_tied_weights;
-    Collective& c = collective(weights ? op.version : op.step, op.chunk, weights ? -2 : -1);
+    all_gather(collective(weights ? op.version : op.step, op.chunk, weights ? -2 : -1),
+               double(me_.tied_bytes));
+  }
+
+  // Blocks until every replica of the stage arrived at `c` and the last to arrive has
+  // all-gathered `bytes` (the whole tensor) among them.
+  void all_gather(Collective& c, double bytes) {
     if (++c.arrived == w_.plan().w) {
       const auto groups = replica_groups();
-      const double bytes = double(me_.tied_bytes);
       launch(c, "allgather", allgather, groups, bytes);
     }
     std::unique_lock<sg4::Mutex> lock(*c.mutex);
@@ -362,7 +367,10 @@ class Replayer {
     // replicas: t all-reduces at once.
     const auto groups = replica_groups();
     const double bytes = w_.bucket_bytes[std::size_t(me_.stage * w_.plan().v + chunk)];
-    launch(c, "allreduce", allreduce, groups, bytes);
+    // With the distributed optimizer the executor reduce-scatters the bucket instead: a ring
+    // reduce-scatter takes an all-gather's steps and bytes (the parameters' all-gather follows
+    // the optimizer step).
+    launch(c, "allreduce", w_.plan().distributed_optimizer ? allgather : allreduce, groups, bytes);
   }
 
   // Runs `collective` over each group at once (the first on the launching actor, the others on
@@ -399,6 +407,10 @@ class Replayer {
       offload_.wait_uploads();  // the host ran the step: the device takes the new parameters
     else
       compute(opt);
+    // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
+    // the new version (one weight version of the rank) before anything uses it, as the executor.
+    if (w_.plan().distributed_optimizer && w_.plan().w > 1)
+      all_gather(collective(op.step, 0, -3), double(me_.version_bytes));
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();
     me_.optimizer_end[std::size_t(op.step)] = sg4::Engine::get_clock();

@@ -83,6 +83,7 @@ struct Case {
   Schedule schedule;
   int w, d, m, v;
   std::string optimizer;
+  bool distributed_optimizer = false;  // each replica's shard holds its 1/w of m and v
 };
 
 TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
@@ -90,11 +91,17 @@ TEST(Checkpoint, ResumeIsBitIdenticalForEverySchedule) {
                                    {Schedule::one_f_one_b, 1, 4, 4, 1, "adamw"},
                                    {Schedule::two_bw, 2, 2, 4, 1, "adamw"},
                                    {Schedule::two_bw, 1, 4, 4, 1, "sgd"},
-                                   {Schedule::interleaved, 1, 2, 2, 2, "adamw"}};
+                                   {Schedule::interleaved, 1, 2, 2, 2, "adamw"},
+                                   {Schedule::gpipe, 2, 2, 2, 1, "adamw", true},
+                                   {Schedule::two_bw, 3, 2, 2, 1, "sgd", true},
+                                   {Schedule::two_bw, 2, 2, 4, 1, "adamw", true},
+                                   {Schedule::interleaved, 2, 2, 2, 2, "adamw", true}};
   for (const Case& c : cases) {
-    const Plan p = make_plan(c.schedule, c.w, c.d, c.m, c.v);
+    Plan p = make_plan(c.schedule, c.w, c.d, c.m, c.v);
+    p.distributed_optimizer = c.distributed_optimizer;
     SCOPED_TRACE(planner::to_string(c.schedule) + " w=" + std::to_string(c.w) +
-                 " d=" + std::to_string(c.d) + " " + c.optimizer);
+                 " d=" + std::to_string(c.d) + " " + c.optimizer +
+                 (c.distributed_optimizer ? " distributed optimizer" : ""));
     TempDir tmp("ckpt_resume");
     const std::string a = tmp.file("a"), b = tmp.file("b");
     const TrainResult unbroken =

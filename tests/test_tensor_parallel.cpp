@@ -147,8 +147,9 @@ TEST(TpEstimate, ModelMustDivideByT) {
       std::string::npos);
 }
 
-// Distributed optimizer: the optimizer state is split over the w replicas, ceil(12 P / w) bytes,
-// and each replica's optimizer step takes 1/w of the whole; weights and gradients are unchanged.
+// Distributed optimizer: the optimizer state is split over the w replicas, the state of ceil(P / w)
+// parameters (12 ceil(P / w) bytes), and each replica's optimizer step takes 1/w of the whole;
+// weights and gradients are unchanged.
 TEST(TpEstimate, DistributedOptimizerShardsTheState) {
   const models::ModelSpec m = models::load_model("gpt3-1.3b");
   const clusters::Cluster c = clusters::load_cluster("dgx-a100");
@@ -160,7 +161,7 @@ TEST(TpEstimate, DistributedOptimizerShardsTheState) {
   for (int s = 0; s < 2; ++s) {
     const StageCost &a = plain.stages[std::size_t(s)], &b = sharded.stages[std::size_t(s)];
     EXPECT_EQ(a.memory.optimizer, 12 * a.parameters);
-    EXPECT_EQ(b.memory.optimizer, (12 * a.parameters + 1) / 2);
+    EXPECT_EQ(b.memory.optimizer, 12 * ((a.parameters + 1) / 2));
     EXPECT_EQ(b.memory.weights, a.memory.weights);
     EXPECT_EQ(b.memory.gradients, a.memory.gradients);
     EXPECT_DOUBLE_EQ(b.optimizer_s, a.optimizer_s / 2);

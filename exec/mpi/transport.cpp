@@ -19,7 +19,7 @@ namespace {
 int channel_tag(Channel c) {
   return 1 + int(c);
 }
-constexpr int kPartTag = 16, kSumTag = 17;
+constexpr int kPartTag = 16, kSumTag = 17, kScatterTag = 18, kGatherTag = 19;
 
 }  // namespace
 
@@ -159,6 +159,69 @@ void MpiTransport::all_reduce_sum(const std::string& key, const std::vector<int>
   std::copy(sum->begin(), sum->end(), data);
   for (std::size_t i = 1; i < group.size(); ++i)
     isend(sum, group[i], kSumTag, fmt::format("all-reduce {}: send the sum", key));
+}
+
+std::size_t MpiTransport::member(const std::string& op, const std::vector<int>& group, int rank,
+                                 const std::vector<std::int64_t>& bounds) const {
+  const std::size_t me = std::size_t(std::find(group.begin(), group.end(), rank) - group.begin());
+  if (rank != rank_ || me == group.size() || bounds.size() != group.size() + 1)
+    throw Error(fmt::format("rank {}: {} for rank {}: not a member, or bounds not one per member",
+                            rank_, op, rank));
+  return me;
+}
+
+void MpiTransport::reduce_scatter_sum(const std::string& key, const std::vector<int>& group,
+                                      int rank, float* data,
+                                      const std::vector<std::int64_t>& bounds) {
+  const std::string op = fmt::format("reduce-scatter {}", key);
+  const std::size_t me = member(op, group, rank, bounds);
+  const std::int64_t begin = bounds[me], n = bounds[me + 1] - begin;
+  // The others' parts of ours go out first, then ours of theirs come in, all posted at once.
+  for (std::size_t i = 0; i < group.size(); ++i)
+    if (i != me)
+      isend(std::make_shared<const std::vector<float>>(data + bounds[i], data + bounds[i + 1]),
+            group[i], kScatterTag, op + ": send part");
+  std::vector<std::vector<float>> parts(group.size());
+  std::vector<MPI_Request> requests(group.size(), MPI_REQUEST_NULL);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    if (i == me) continue;
+    parts[i].resize(std::size_t(n));
+    check_mpi(rank_, op + ": MPI_Irecv",
+              MPI_Irecv(parts[i].data(), int(n), MPI_FLOAT, group[i], kScatterTag, MPI_COMM_WORLD,
+                        &requests[i]));
+  }
+  for (std::size_t i = 0; i < group.size(); ++i)
+    if (i != me)
+      wait_request(requests[i], fmt::format("{}: receive the part of rank {}", op, group[i]),
+                   group[i]);
+  // InProcessTransport's sum: from zero, member after member in group order.
+  std::vector<float> sum(std::size_t(n), 0.0f);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    const float* part = i == me ? data + begin : parts[i].data();
+    for (std::int64_t j = 0; j < n; ++j)
+      sum[std::size_t(j)] += part[j];
+  }
+  std::copy(sum.begin(), sum.end(), data + begin);
+}
+
+void MpiTransport::all_gather(const std::string& key, const std::vector<int>& group, int rank,
+                              float* data, const std::vector<std::int64_t>& bounds) {
+  const std::string op = fmt::format("all-gather {}", key);
+  const std::size_t me = member(op, group, rank, bounds);
+  auto mine = std::make_shared<const std::vector<float>>(data + bounds[me], data + bounds[me + 1]);
+  for (std::size_t i = 0; i < group.size(); ++i)
+    if (i != me) isend(mine, group[i], kGatherTag, op + ": send part");
+  std::vector<MPI_Request> requests(group.size(), MPI_REQUEST_NULL);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    if (i == me) continue;
+    check_mpi(rank_, op + ": MPI_Irecv",
+              MPI_Irecv(data + bounds[i], int(bounds[i + 1] - bounds[i]), MPI_FLOAT, group[i],
+                        kGatherTag, MPI_COMM_WORLD, &requests[i]));
+  }
+  for (std::size_t i = 0; i < group.size(); ++i)
+    if (i != me)
+      wait_request(requests[i], fmt::format("{}: receive the part of rank {}", op, group[i]),
+                   group[i]);
 }
 
 void MpiTransport::abort() {

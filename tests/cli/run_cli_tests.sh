@@ -261,7 +261,12 @@ assert [(r['t'], r['w']) for r in rows] == [('1', '8'), ('4', '2')] and all(r['e
 " && ok || bad "sweep --vary t sets t and the default w"
 expect_error "trace --sp without --tp" "needs --tp > 1" "$O" $PW trace --model llama2-7b --device A100-80GB --sp --out "$O"
 expect_error "train refuses selective recompute" "not selective" "$O" $PW train --model gpt-tiny -d 2 -w 1 --recompute selective --steps 1 --out "$O"
-expect_error "train refuses the distributed optimizer" "does not shard the optimizer" "$O" $PW train --model gpt-tiny -d 1 -w 2 --distributed-optimizer --steps 1 --out "$O"
+expect_ok "train --distributed-optimizer (cpu)" $PW train --model gpt-tiny -d 2 -w 2 -m 2 --distributed-optimizer --steps 2 --out "$TMP/dopt.json"
+python3 -c "
+import json; r = json.load(open('$TMP/dopt.json')); assert r['plan']['distributed_optimizer'], r['plan']
+o = [d['memory_breakdown_bytes']['optimizer'] for d in r['devices']]; w = [d['memory_breakdown_bytes']['weights'] for d in r['devices']]
+assert all(x == 2 * ((y // 4 + 1) // 2) * 4 for x, y in zip(o, w)), (o, w)
+" && ok || bad "train --distributed-optimizer: each replica holds half the optimizer state"
 expect_ok "plan over --tp and -d lists" $PW plan --model gpt3-1.3b --cluster dgx-a100 --batch 64 --tp 1,2,4 -d 1,2 --top 2 --out "$TMP/plan3d.json"
 python3 -c "import json; p = json.load(open('$TMP/plan3d.json')); assert p['t'] in (1, 2, 4) and p['d'] in (1, 2), p" && ok || bad "plan honours --tp and -d lists"
 expect_error "more stages than blocks" "blocks" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -w 1 -d 8 --out "$O"

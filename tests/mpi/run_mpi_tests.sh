@@ -3,7 +3,8 @@
 # Usage:
 #   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR identity NP PLAN-ARGS...
 #       the mpirun job's losses equal the threaded run's of the same plan, bit for bit (the JSON
-#       numbers of both reports compared as text), and rank 0's report and timeline hold every rank
+#       numbers of both reports compared as text), so do the final checkpoint's shards (byte for
+#       byte), and rank 0's report and timeline hold every rank
 #   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR fault kill|hang
 #       rank 1 dies (SIGKILL) or stops answering mid-run: the job ends non-zero within the timeout;
 #       a killed rank is named by mpirun ("process rank 1 ... exited on signal 9") and the others
@@ -44,12 +45,21 @@ case "$MODE" in
   identity)
     NP=$1
     shift
-    "$PW" train --model "$MODEL" "$@" --out "$TMP/threads.json" >"$TMP/threads.out" 2>&1 ||
+    "$PW" train --model "$MODEL" "$@" --out "$TMP/threads.json" \
+      --checkpoint-dir "$TMP/ckpt-threads" >"$TMP/threads.out" 2>&1 ||
       { echo "FAIL: threaded run: $(tail -3 "$TMP/threads.out")"; exit 1; }
     "${MPIRUN[@]}" -np "$NP" "$PW" train --model "$MODEL" "$@" --out "$TMP/mpi.json" \
-      --timeline "$TMP/mpi-tl.json" >"$TMP/mpi.out" 2>"$TMP/mpi.err" ||
-      { echo "FAIL: mpirun -np $NP: $(tail -5 "$TMP/mpi.err")"; exit 1; }
+      --timeline "$TMP/mpi-tl.json" --checkpoint-dir "$TMP/ckpt-mpi" >"$TMP/mpi.out" \
+      2>"$TMP/mpi.err" || { echo "FAIL: mpirun -np $NP: $(tail -5 "$TMP/mpi.err")"; exit 1; }
     cat "$TMP/mpi.out"
+    # The final checkpoint's shards (every rank's weights and optimizer state, the distributed
+    # optimizer's shards included) equal the threaded run's byte for byte.
+    final=$(cd "$TMP/ckpt-threads" && ls -d step-* | sort | tail -1)
+    for shard in "$TMP/ckpt-threads/$final"/rank-*.bin; do
+      cmp -s "$shard" "$TMP/ckpt-mpi/$final/$(basename "$shard")" ||
+        { echo "FAIL: $final/$(basename "$shard") differs between the threaded and mpirun runs"; exit 1; }
+    done
+    echo "ok: the shards of $final are byte-identical to the threaded run's"
     python3 - "$TMP/threads.json" "$TMP/mpi.json" "$TMP/mpi-tl.json" "$NP" <<'EOF' || exit 1
 import json, re, sys
 threads, mpi, timeline, np = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
