@@ -21,6 +21,8 @@ struct PlanArgs {
   std::int64_t batch = 0;
   std::vector<std::string> schedules = {"2bw", "1f1b", "gpipe"};
   int top = 8;
+  double within = 10;  // percent
+  int max_simulated = 16;
   int steps = 3;
   int parallel = 0;
   std::string trace;
@@ -110,7 +112,7 @@ void print_ranked(const std::vector<planner::Ranked>& ranked, std::size_t rows) 
 }
 
 common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::SearchResult& res,
-                         const std::vector<planner::Ranked>& ranked) {
+                         const std::vector<planner::Ranked>& ranked, int simulated) {
   common::Json rows = common::Json::array();
   for (std::size_t i = 0; i < ranked.size(); ++i) {
     const auto& r = ranked[i];
@@ -142,6 +144,8 @@ common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::S
                     {"candidates_considered", res.considered},
                     {"candidates_fitting", res.fitting.size()},
                     {"simulated_top", a.top},
+                    {"simulated_within_percent", a.within},
+                    {"simulated", simulated},
                     {"rows", rows}};
   // Written only when the search went on to optimizer offload: why.
   if (!res.offload_reason.empty()) j["offload_reason"] = res.offload_reason;
@@ -162,7 +166,17 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--schedules", a->schedules, "schedules to consider, comma-separated")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--top", a->top, "simulate this many of the best closed-form candidates")
+  cmd->add_option("--top", a->top,
+                  "simulate at least this many of the best closed-form candidates (0: none)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, common::kMaxCount));
+  cmd->add_option("--within", a->within,
+                  "also simulate every candidate whose closed form is within this many percent "
+                  "of the best's")
+      ->capture_default_str()
+      ->check(finite_range(0, 100));
+  cmd->add_option("--max-simulated", a->max_simulated,
+                  "simulate at most this many candidates (or --top, if larger)")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{0}, common::kMaxCount));
   cmd->add_option("--max-microbatch", a->search.max_microbatch, "largest microbatch size b")
@@ -259,16 +273,23 @@ void add_plan_command(CLI::App& app) {
       throw PlanError("plan: " + (res.offload_reason.empty() ? planner::explain_no_fit(res)
                                                              : "with --offload optimizer too, " +
                                                                    planner::explain_no_fit(res)));
+    const int simulated =
+        planner::simulated_count(res, a->top, a->within / 100.0, a->max_simulated);
+    if (simulated > 0)
+      fmt::print(
+          "simulating {} candidates (the best {}, and those within {}% of the best's closed "
+          "form, at most {})\n",
+          simulated, a->top, a->within, std::max(a->top, a->max_simulated));
     const auto ranked = planner::rank_by_simulation(
-        res, a->top, simulate_fn(sc, traces, a->search.memory_headroom, a->steps, a->parallel));
-    print_ranked(ranked, std::size_t(std::max(a->top, 10)));
+        res, simulated, simulate_fn(sc, traces, a->search.memory_headroom, a->steps, a->parallel));
+    print_ranked(ranked, std::size_t(std::max(simulated, 10)));
     const planner::Ranked& best = ranked.front();
     if (best.simulated && !best.simulated->ok)
-      throw PlanError(fmt::format("plan: none of the {} simulated candidates ran: {}", a->top,
+      throw PlanError(fmt::format("plan: none of the {} simulated candidates ran: {}", simulated,
                                   best.simulated->error));
     if (best.simulated && !best.simulated->fits)
       throw PlanError(fmt::format(
-          "plan: none of the {} simulated candidates ran within memory: over capacity", a->top));
+          "plan: none of the {} simulated candidates ran within memory: over capacity", simulated));
     const planner::Plan& p = best.candidate.plan;
     fmt::print("best: {} t={} w={} d={} b={} m={}{}{}: {:.2f} samples/s {}\n", plan_label(p),
                tp_label(p), p.w, p.d, p.b, p.m,
@@ -283,7 +304,7 @@ void add_plan_command(CLI::App& app) {
       fmt::print("wrote {}\n", a->out);
     }
     if (!a->ranked.empty()) {
-      common::write_json_file(a->ranked, ranked_json(*a, sc, res, ranked));
+      common::write_json_file(a->ranked, ranked_json(*a, sc, res, ranked, simulated));
       fmt::print("wrote {}\n", a->ranked);
     }
   });

@@ -510,6 +510,31 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   return st;
 }
 
+// Steady-state period of one microbatch in 1F1B's and 2BW's one-forward-one-backward stream
+// (v = 1). Stage i runs F(j + d - i - 1), B(j) in turn, so after B_i(j) comes F_i(j + d - i): for
+// any span of stages s..e the events F_s(j) -> hop -> ... -> F_e(j) -> B_e(j - (d - e - 1)) ->
+// hop -> ... -> B_s(j - (d - e - 1)) -> F_s(j + e - s + 1) form a cycle of e - s + 1 microbatches
+// whose length is the span's compute plus a round trip over each of its boundaries. The stream
+// can run no faster than its slowest cycle (max-plus algebra: the period is the largest cycle
+// mean):
+//   P = max over s <= e of (sum_{i=s..e} T_i + 2 sum_{i=s..e-1} c_i) / (e - s + 1)
+// Spans of one stage give T_max; uniform stages and hops give T + 2c(d - 1)/d (the whole
+// pipeline). With hops that differ (only some boundaries cross a node) the critical span is the
+// one around the slow boundaries, not the whole pipeline charged the slowest hop everywhere.
+double steady_period(const Plan& p, const std::vector<StageCost>& st) {
+  double period = 0;
+  for (int s = 0; s < p.d; ++s) {
+    double span = 0;
+    for (int e = s; e < p.d; ++e) {
+      const StageCost& x = st[std::size_t(e)];
+      span += x.forward_s + x.backward_s;
+      if (e > s) span += 2 * st[std::size_t(e - 1)].send_s / p.v;
+      period = std::max(period, span / (e - s + 1));
+    }
+  }
+  return period;
+}
+
 // Forward/backward part of one steady-state step. Uniform stages and hop time c:
 //   gpipe        (m + d - 1)(t_f + t_b) + 2(d - 1)c
 //   1f1b         the same + (2(d-1)m/d - 2)c: in steady state a stage waits for a round trip to
@@ -517,6 +542,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
 //                reference in tests/test_simulator.cpp for d <= 8, m >= d)
 //   2bw          m (t_f + t_b + 2c(d-1)/d)
 //   interleaved  (m + (d-1)/v)(t_f + t_b) + 2(d - 1)c
+// With stages or hops that differ, 2BW's period is the largest cycle mean P (steady_period) and
+// 1F1B's exposed round trip per microbatch P - T_max; both reduce to the figures above.
 double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
   double slowest = 0, sum = 0, comm = 0, hop = 0, link_bound = 0;
   for (const auto& s : st) {
@@ -526,7 +553,9 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
     if (s.stage < p.d - 1) comm += 2 * s.send_s / p.v;
     hop = std::max(hop, s.send_s / p.v);
   }
-  const double round_trip = p.d > 1 ? 2.0 * hop * (p.d - 1) / p.d : 0.0;
+  const double round_trip = p.schedule == Schedule::two_bw || p.schedule == Schedule::one_f_one_b
+                                ? steady_period(p, st) - slowest
+                                : 0.0;
   switch (p.schedule) {
     case Schedule::dp:
       return p.m * slowest;

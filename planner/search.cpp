@@ -283,6 +283,17 @@ std::string explain_no_fit(const SearchResult& r) {
 
 namespace pw::planner {
 
+int simulated_count(const SearchResult& result, int top, double within, int cap) {
+  const int n = int(result.fitting.size());
+  if (top <= 0 || n == 0) return 0;
+  const int most = std::min(n, std::max(top, cap));
+  const double floor = result.fitting.front().samples_per_s() * (1.0 - within);
+  int k = std::min(top, n);
+  while (k < most && result.fitting[std::size_t(k)].samples_per_s() >= floor)
+    ++k;
+  return k;
+}
+
 std::vector<Ranked> rank_by_simulation(const SearchResult& result, int top_k,
                                        const SimulateFn& simulate) {
   const std::size_t k =

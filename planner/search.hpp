@@ -110,6 +110,13 @@ struct Ranked {
   std::optional<Simulated> simulated;  // for the top-K only
 };
 
+// How many of the fitting candidates (best first) `plan` simulates: the best `top`, and beyond them
+// every candidate whose closed-form throughput is within `within` (a fraction, e.g. 0.1) of the
+// best's, at most max(top, cap) in all; none when top is 0. The closed form's error on
+// cross-node plans (docs/formulas.md 5, docs/performance.md "Plan search") can reorder plans
+// that close, so they all get simulated.
+int simulated_count(const SearchResult& result, int top, double within, int cap);
+
 // Simulates the best `top_k` fitting candidates and ranks them by simulated throughput (those the
 // simulation finds over capacity or failing go last, in closed-form order); the remaining fitting
 // candidates follow in closed-form order, unsimulated. Empty when nothing fits.

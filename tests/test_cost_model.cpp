@@ -74,6 +74,35 @@ TEST_F(PipelineTime, CommunicationAddsTwoHopsPerStageBoundary) {
   EXPECT_NEAR(estimate(model, trace, c, q).pipeline_s, 8 * (t(3) + 2 * hop * 3 / 4), 1e-12);
 }
 
+// Hops that differ: 4 stages on 2 nodes of 2 GPUs (stages 0, 1 on node 0; 2, 3 on node 1), free
+// links inside a node, a network of latency c and unlimited bandwidth, so only boundary 1 -> 2
+// costs c. The largest cycle mean (docs/formulas.md 5) is the span of stages 1..2: two stages and
+// one round trip, (2T + 2c)/2 = T + c; the whole pipeline gives (4T + 2c)/4 = T + c/2, any single
+// stage T. 2BW's step is m(T + c) (the former term charged the slowest hop on every boundary:
+// m(T + 2c(d - 1)/d) = m(T + 1.5c)); 1F1B's exposed round trip per microbatch is P - T = c.
+TEST_F(PipelineTime, SteadyStateIsTheSlowestCycleOfStages) {
+  const double c = 2e-3;
+  clusters::Cluster two = clusters::load_cluster(
+      "dgx-a100", 2,
+      {"gpus_per_node=2", "intra_node.latency_s=0", "intra_node.bandwidth_bytes_per_s=1e30",
+       "network.latency_s=" + std::to_string(c), "network.bandwidth_bytes_per_s=1e30"});
+  Plan q = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, grid(two));
+  for (int s = 0; s < 4; ++s)
+    ASSERT_EQ(q.placement[std::size_t(q.rank_of(s, 0))].node, s / 2);
+  const Estimate e = estimate(model, trace, two, q);
+  EXPECT_NEAR(e.stages[0].send_s, 0, 1e-15);
+  EXPECT_NEAR(e.stages[1].send_s, c, 1e-15);
+  EXPECT_NEAR(e.stages[2].send_s, 0, 1e-15);
+  EXPECT_NEAR(e.pipeline_s, 8 * (t(3) + c), 1e-12);
+  // 1F1B: (m - 1)T + 4T + 2c (fill and drain) + m(P - T) - 2c.
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(two));
+  EXPECT_NEAR(estimate(model, trace, two, p).pipeline_s,
+              7 * t(3) + 4 * t(3) + 2 * c + 8 * c - 2 * c, 1e-12);
+  // A heavier stage in the span raises it: stage 1 with 4 blocks, stage 3 with 2 (12 in all).
+  q.stage_blocks = {3, 4, 3, 2};
+  EXPECT_NEAR(estimate(model, trace, two, q).pipeline_s, 8 * (t(4) + t(3) + 2 * c) / 2, 1e-12);
+}
+
 // Replicas of a stage that leave their node through one shared NIC divide its bandwidth: on
 // p3.16xlarge (one 25 Gb/s NIC per node) the 8 replicas of each stage of a w=8 d=8 plan all
 // send to the next node at once.

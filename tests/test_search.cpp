@@ -139,6 +139,24 @@ TEST(Search, ImpossibleBatchIsAnInputError) {
   EXPECT_THROW(search_plans(m, t, c, o), InputError);
 }
 
+// The simulated count: at least `top`, then every candidate within `within` of the best closed
+// form, at most max(top, cap); none with top = 0.
+TEST(Search, SimulatesEveryCandidateCloseToTheBest) {
+  SearchResult r;
+  for (double x : {100.0, 97.0, 95.0, 91.0, 89.9, 80.0}) {
+    Candidate c;
+    c.estimate.report.samples_per_s = x;
+    r.fitting.push_back(c);
+  }
+  EXPECT_EQ(simulated_count(r, 2, 0.10, 16), 4);  // 100, 97, 95, 91 are within 10%; 89.9 is not
+  EXPECT_EQ(simulated_count(r, 5, 0.10, 16), 5);  // the top 5 whatever their figures
+  EXPECT_EQ(simulated_count(r, 1, 0.04, 16), 2);
+  EXPECT_EQ(simulated_count(r, 1, 0.10, 3), 3);   // capped
+  EXPECT_EQ(simulated_count(r, 8, 0.50, 16), 6);  // no more than there are
+  EXPECT_EQ(simulated_count(r, 0, 0.10, 16), 0);
+  EXPECT_EQ(simulated_count(SearchResult{}, 8, 0.10, 16), 0);
+}
+
 TEST(Spearman, KnownValues) {
   EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0);
   EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4}, {40, 30, 20, 10}), -1.0);

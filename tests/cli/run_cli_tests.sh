@@ -125,8 +125,12 @@ python3 -c "
 import json
 r = json.load(open('$TMP/ranked.json'))
 assert r['format'] == 'pipewright.ranked/1' and r['candidates_fitting'] == len(r['rows']) > 4
-assert [x['simulated'] for x in r['rows'][:4]] == [True] * 4 and not r['rows'][4]['simulated']
-s = [x['simulated_samples_per_s'] for x in r['rows'][:4]]
+k = r['simulated']  # --top 4, and those within --within (10%) of the best closed form
+assert 4 <= k <= 16 and r['simulated_top'] == 4 and r['simulated_within_percent'] == 10
+assert [x['simulated'] for x in r['rows'][:k]] == [True] * k and not r['rows'][k]['simulated']
+best = max(x['estimated_samples_per_s'] for x in r['rows'])
+assert all(x['estimated_samples_per_s'] < 0.9 * best for x in r['rows'][k:]) or k == 16
+s = [x['simulated_samples_per_s'] for x in r['rows'][:k]]
 assert s == sorted(s, reverse=True)
 assert json.load(open('$TMP/best.json')) == r['rows'][0]['plan']
 " && ok || bad "plan ranked list"
