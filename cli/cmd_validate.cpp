@@ -229,7 +229,8 @@ PhaseLoad phase_load(const exec::CpuCounters& before, const exec::MpiSession* jo
     it->second.second += j.at("own").get<double>();
   }
   for (const auto& [machine, entry] : hosts) {
-    const auto& [j, job_cpu] = entry;
+    const common::Json& j = entry.first;  // (a structured binding: clang 14 cannot capture it)
+    const double job_cpu = entry.second;
     auto counters = [&](const char* key) {
       exec::CpuCounters c;
       c.wall_s = j.at(key).at(0).get<double>();
