@@ -110,7 +110,7 @@ TEST_F(Workstation, BytesPerParameterOnDeviceAndHost) {
   // Without offload the same plan keeps 2 + 2 + 12 B per parameter on the device.
   Plan plain = p;
   plain.offload = Offload::none;
-  const MemoryBreakdown& n = estimate(model, trace, c, plain).report.devices[0].memory;
+  const MemoryBreakdown n = estimate(model, trace, c, plain).report.devices[0].memory;
   EXPECT_EQ(n.weights + n.gradients + n.optimizer, 16 * P);
   EXPECT_TRUE(estimate(model, trace, c, plain).report.hosts.empty());
 }
