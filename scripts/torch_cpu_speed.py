@@ -79,63 +79,11 @@ def single_thread_env():
 
 
 def build_model(spec, torch):
-    import math
-    nn, F = torch.nn, torch.nn.functional
-    L, C, NH, FF, V, T = (spec["layers"], spec["hidden"], spec["heads"], spec["ffn"],
-                          spec["vocab"], spec["seq_len"])
-    hd = C // NH
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(C, eps=1e-5)
-            self.c_attn = nn.Linear(C, 3 * C)
-            self.attn_proj = nn.Linear(C, C)
-            self.ln_2 = nn.LayerNorm(C, eps=1e-5)
-            self.c_fc = nn.Linear(C, FF)
-            self.mlp_proj = nn.Linear(FF, C)
-            self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1),
-                                 persistent=False)
-
-        def forward(self, x):
-            B = x.shape[0]
-            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-            q = q.view(B, T, NH, hd).transpose(1, 2)
-            k = k.view(B, T, NH, hd).transpose(1, 2)
-            v = v.view(B, T, NH, hd).transpose(1, 2)
-            s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, NH, T, T), full
-            p = F.softmax(s.masked_fill(self.future, float("-inf")), dim=-1)
-            y = (p @ v).transpose(1, 2).contiguous().view(B, T, C)
-            x = x + self.attn_proj(y)
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(V, C)
-            self.wpe = nn.Embedding(spec["max_positions"], C)
-            self.blocks = nn.ModuleList(Block() for _ in range(L))
-            self.ln_f = nn.LayerNorm(C, eps=1e-5)
-            self.lm_head = nn.Linear(C, V, bias=False)
-            if spec["tied_embeddings"]:
-                self.lm_head.weight = self.wte.weight
-            self.register_buffer("pos", torch.arange(T), persistent=False)
-            for name, p in self.named_parameters():
-                if (name.startswith("ln") or ".ln_" in name) and name.endswith("weight"):
-                    nn.init.ones_(p)
-                elif name.endswith("bias"):
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.normal_(p, mean=0.0, std=0.02)
-
-        def forward(self, tokens, targets):
-            x = self.wte(tokens) + self.wpe(self.pos)
-            for block in self.blocks:
-                x = block(x)
-            logits = self.lm_head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, V), targets.view(-1))
-
-    return GPT()
+    # The same GPT as scripts/torch_reference.py's (full T x T attention, as in eager code), at the
+    # model's sequence length.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch_reference import build_model as reference_model
+    return reference_model(spec, spec["seq_len"], "full", torch)
 
 
 def torch_only(args):
