@@ -54,7 +54,8 @@ Batch synthetic_batch(const models::ModelSpec& model, int b);
 // took on the backend's clock. Returns the block's, embedding + block's and block + head's times.
 template <class Stage, class SecondsOf>
 std::array<StageTimes, 3> time_round_robin(Stage& block, Stage& embedding, Stage& head, int repeats,
-                                           ProfileStatistic statistic, SecondsOf&& seconds_of) {
+                                           ProfileStatistic statistic, SecondsOf&& seconds_of,
+                                           double warm_up_s = 0) {
   embedding.forward();
   block.feed(embedding.output());
   head.feed(embedding.output());
@@ -64,12 +65,15 @@ std::array<StageTimes, 3> time_round_robin(Stage& block, Stage& embedding, Stage
   embedding.feed_gradient(head.d_input());
   const std::array<Stage*, 3> stages = {&block, &embedding, &head};
   std::array<std::array<std::vector<double>, 3>, 3> t;  // [stage][forward, backward, recompute]
-  for (Stage* s : stages) {
+  for (Stage* s : stages)
     s->keep();
-    s->forward();  // warm-up
-    s->backward();
-    s->recompute();
-  }
+  double warmed = 0;
+  for (int round = 0; round < 200 && (round == 0 || warmed < warm_up_s); ++round)
+    for (Stage* s : stages) {
+      warmed += seconds_of([&] { s->forward(); });
+      warmed += seconds_of([&] { s->backward(); });
+      warmed += seconds_of([&] { s->recompute(); });
+    }
   for (int i = 0; i < repeats; ++i)
     for (std::size_t k = 0; k < stages.size(); ++k) {
       Stage& s = *stages[k];

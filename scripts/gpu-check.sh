@@ -11,7 +11,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd) || exit 2
 usage() {
   cat <<'EOF'
 Usage: bash scripts/gpu-check.sh [--quick] [--out DIR] [--no-build] [--build-dir DIR]
-                                 [--python PY] [--timeout S] [--help]
+                                 [--python PY] [--timeout S] [--only LIST] [--help]
 
 Runs on a machine with an NVIDIA GPU, from the repository root, each step logged:
   1. build       cmake with CUDA (nvcc from PATH or /usr/local/cuda/bin), targets pipewright and
@@ -43,6 +43,9 @@ Options:
   --python PY      interpreter with PyTorch for scripts/torch_reference.py and the summary
                    (default: python3)
   --timeout S      limit for each step in seconds (default 1800; the build: 3600)
+  --only LIST      run only these of tests,profile,train,validate (comma-separated; the
+                   machine, build and summary steps always run), e.g. to split the full check
+                   over two sessions of a time-limited machine
   --help           this text
 
 Paths given on the command line or in $OUT are taken from the current directory; the
@@ -57,11 +60,12 @@ BUILD=$ROOT/build
 PY=python3
 STEP_TIMEOUT=1800
 OUT_DIR=${OUT:-$ROOT/traces/data}
+ONLY=tests,profile,train,validate
 while (($#)); do
   case $1 in
     --quick) QUICK=1 ;;
     --no-build) NO_BUILD=1 ;;
-    --out | --build-dir | --python | --timeout)
+    --out | --build-dir | --python | --timeout | --only)
       if (($# < 2)); then
         echo "gpu-check: $1 needs a value" >&2
         exit 2
@@ -71,6 +75,7 @@ while (($#)); do
         --build-dir) BUILD=$2 ;;
         --python) PY=$2 ;;
         --timeout) STEP_TIMEOUT=$2 ;;
+        --only) ONLY=$2 ;;
       esac
       shift
       ;;
@@ -89,6 +94,17 @@ if ! [[ $STEP_TIMEOUT =~ ^[0-9]+$ ]] || ((STEP_TIMEOUT < 1)); then
   echo "gpu-check: --timeout: a positive number of seconds is needed, found '$STEP_TIMEOUT'" >&2
   exit 2
 fi
+for part in ${ONLY//,/ }; do
+  case $part in
+    tests | profile | train | validate) ;;
+    *)
+      echo "gpu-check: --only: unknown step '$part' (tests, profile, train or validate)" >&2
+      exit 2
+      ;;
+  esac
+done
+# wants PART: whether --only lets the step PART run.
+wants() { [[ ",$ONLY," == *",$1,"* ]]; }
 [[ $OUT_DIR == /* ]] || OUT_DIR=$CALLER_DIR/$OUT_DIR
 [[ $BUILD == /* ]] || BUILD=$CALLER_DIR/$BUILD
 [[ $PY == */* && $PY != /* ]] && PY=$CALLER_DIR/$PY
@@ -116,6 +132,8 @@ else
   TORCH_ATTENTION=(--both)
   VAL_B=4 VAL_M=8 VAL_STEPS=10
 fi
+MODELS_PROFILED=("${MODELS[@]}")
+MODELS_TRAINED=("${MODELS[@]}")
 VAL_MODEL=gpt2-124m
 VAL_SCHEDULES=(gpipe 1f1b 2bw)
 VAL_DEPTHS=(1 2 4)
@@ -257,7 +275,9 @@ PW_VERSION=$( ((HAVE_PW)) && "$PW" --version 2>/dev/null || echo "pipewright ?")
 GIT_REV=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
 
 # --- 2. GPU tests ---
-if ((${#CUDA_TEST_SOURCES[@]} == 0)); then
+if ! wants tests; then
+  skip gpu-tests "--only $ONLY"
+elif ((${#CUDA_TEST_SOURCES[@]} == 0)); then
   record gpu-tests FAIL 0 "" "no tests/test_cuda_*.cpp in this tree"
 elif ((!NO_BUILD)) && [ -n "$TESTS_NOT_BUILT" ]; then
   record gpu-tests FAIL 0 "" "$TESTS_NOT_BUILT"
@@ -298,7 +318,8 @@ pw_step() {
 }
 
 # --- 3. Profile ---
-for model in "${MODELS[@]}"; do
+wants profile || MODELS_PROFILED=()
+for model in "${MODELS_PROFILED[@]}"; do
   tmp=$RUN_DIR/profile-$model.json
   rm -f "$tmp"
   if pw_step "profile $model" "$PW" profile --backend cuda --model "$model" \
@@ -322,7 +343,8 @@ EOF
 done
 
 # --- 4. Single-GPU training: pipewright, then PyTorch of the same shape and batch ---
-for model in "${MODELS[@]}"; do
+wants train || MODELS_TRAINED=()
+for model in "${MODELS_TRAINED[@]}"; do
   b=${BATCH[$model]}
   report=$RUN_DIR/train-$model-b$b.json
   torch_json=$RUN_DIR/torch-$model-b$b.json
@@ -343,6 +365,7 @@ print(r["model_flops_per_s"] / r["mfu"] if r.get("mfu") else "")' "$report" 2>/d
 done
 
 # --- 5. validate: 1-, 2- and 4-stage plans on the one GPU ---
+wants validate || VAL_SCHEDULES=()
 for s in "${VAL_SCHEDULES[@]}"; do
   for d in "${VAL_DEPTHS[@]}"; do
     v=$RUN_DIR/validate-$VAL_MODEL-$s-d$d-b$VAL_B-m$VAL_M.json

@@ -2,6 +2,8 @@
 // cluster (exec/gpu_host.hpp): host-only, so they run on every build, with or without CUDA.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <string>
 #include <vector>
@@ -60,21 +62,41 @@ TEST(ProfileDriver, RoundRobinFeedsWarmsUpAndTimesEveryStage) {
   EXPECT_EQ(block.fed_gradient, "head.din");
   EXPECT_EQ(emb.fed_gradient, "head.din");
   const std::vector<std::string> want = {
-      "emb forward",   "head forward",   "head backward",                       // wiring
-      "block keep",    "block forward",  "block backward",  "block recompute",  // warm-up
-      "emb keep",      "emb forward",    "emb backward",    "emb recompute",    //
-      "head keep",     "head forward",   "head backward",   "head recompute",   //
-      "block forward", "block backward", "block recompute",                     // repeat 1
-      "emb forward",   "emb backward",   "emb recompute",                       //
-      "head forward",  "head backward",  "head recompute",                      //
-      "block forward", "block backward", "block recompute",                     // repeat 2
-      "emb forward",   "emb backward",   "emb recompute",                       //
+      "emb forward",   "head forward",   "head backward",    // wiring
+      "block keep",    "emb keep",       "head keep",        //
+      "block forward", "block backward", "block recompute",  // warm-up
+      "emb forward",   "emb backward",   "emb recompute",    //
+      "head forward",  "head backward",  "head recompute",   //
+      "block forward", "block backward", "block recompute",  // repeat 1
+      "emb forward",   "emb backward",   "emb recompute",    //
+      "head forward",  "head backward",  "head recompute",   //
+      "block forward", "block backward", "block recompute",  // repeat 2
+      "emb forward",   "emb backward",   "emb recompute",    //
       "head forward",  "head backward",  "head recompute"};
   EXPECT_EQ(log, want);
-  // Timed ops 1..18: the block's forwards are the 1st and 10th, the head's recomputes 9th, 18th.
-  EXPECT_DOUBLE_EQ(t[0].forward_s, (1 + 10) / 2.0);
-  EXPECT_DOUBLE_EQ(t[1].backward_s, (5 + 14) / 2.0);
-  EXPECT_DOUBLE_EQ(t[2].recompute_s, (9 + 18) / 2.0);
+  // Timed ops 1..9 are the warm-up (timed, not kept), 10..27 the repeats: the block's forwards are
+  // the 10th and 19th, the embedding's backwards the 14th and 23rd, the head's recomputes 18th,
+  // 27th.
+  EXPECT_DOUBLE_EQ(t[0].forward_s, (10 + 19) / 2.0);
+  EXPECT_DOUBLE_EQ(t[1].backward_s, (14 + 23) / 2.0);
+  EXPECT_DOUBLE_EQ(t[2].recompute_s, (18 + 27) / 2.0);
+}
+
+// With warm_up_s, warm-up rounds go on until that much time was timed (here 1 s per op, 9 per
+// round: 10 s takes two rounds), then the repeats.
+TEST(ProfileDriver, WarmUpRoundsLastWarmUpSeconds) {
+  std::vector<std::string> log;
+  FakeStage block{"block", &log, "", ""}, emb{"emb", &log, "", ""}, head{"head", &log, "", ""};
+  const auto one_second = [&](const auto& op) {
+    op();
+    return 1.0;
+  };
+  (void)profiling::time_round_robin(block, emb, head, 3, ProfileStatistic::mean, one_second, 10.0);
+  EXPECT_EQ(std::count(log.begin(), log.end(), "block forward"), 2 + 3);
+  EXPECT_EQ(std::count(log.begin(), log.end(), "head recompute"), 2 + 3);
+  log.clear();
+  (void)profiling::time_round_robin(block, emb, head, 3, ProfileStatistic::mean, one_second, 0.0);
+  EXPECT_EQ(std::count(log.begin(), log.end(), "block forward"), 1 + 3);
 }
 
 // Embedding and head are what their stage takes beyond the lone block, never below 0; memory fields

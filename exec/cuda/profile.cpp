@@ -123,8 +123,13 @@ std::array<profiling::StageTimes, 3> time_stages(const models::ModelSpec& model,
   ProfiledStage block(model, false, false, b, arena, stream),
       embedding(model, true, false, b, arena, stream), head(model, false, true, b, arena, stream);
   EventTimer timer(stream);
-  const auto times = profiling::time_round_robin(block, embedding, head, repeats, statistic,
-                                                 [&](const auto& op) { return timer.seconds(op); });
+  // Two seconds of warm-up before the first timed run. On an H100 (2026-11-24, docs/performance.md,
+  // "On a GPU") one round of warm-up left a block's forward at b = 4 anywhere from 440 to 780 us
+  // between processes; runs that had first kept the GPU busy for 2 s all gave 432 to 441 us. Why
+  // (GPU clocks leaving idle, the host's launch speed) is not established.
+  const auto times = profiling::time_round_robin(
+      block, embedding, head, repeats, statistic, [&](const auto& op) { return timer.seconds(op); },
+      2.0);
   embedding.check_ids();
   head.check_ids();
   return times;
