@@ -30,7 +30,12 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  (matmul attention, then SDPA for reference); B = 16, 8, 8 for 124M, 355M, 774M.
   5. validate    pipewright validate --backend cuda on gpt2-124m, b=4 m=8, for gpipe, 1f1b and
                  2bw at d = 1, 2 and 4 (all ranks on the one GPU).
-  6. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
+  6. executor    CUDA paths beyond one rank, gpt2-124m: 2bw w=2 d=2 (tied-embedding gathers) run
+                 6 steps straight and 3 + --resume to 6 (the losses must be equal, bit for bit),
+                 the same global batch on one rank (losses within 1e-3 relative: bf16 sums in
+                 another order), interleaved d=2 v=2, 1f1b w=2 d=2 with 3 buckets; and the
+                 profiler's spread: the same shape (b=4) profiled 5 times
+  7. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
 
 Options:
   --quick          gpt2-124m only, fewer steps and repeats, b=8 training, validate at b=4 m=4,
@@ -43,7 +48,7 @@ Options:
   --python PY      interpreter with PyTorch for scripts/torch_reference.py and the summary
                    (default: python3)
   --timeout S      limit for each step in seconds (default 1800; the build: 3600)
-  --only LIST      run only these of tests,profile,train,validate (comma-separated; the
+  --only LIST      run only these of tests,profile,train,validate,executor (comma-separated; the
                    machine, build and summary steps always run), e.g. to split the full check
                    over two sessions of a time-limited machine
   --help           this text
@@ -60,7 +65,7 @@ BUILD=$ROOT/build
 PY=python3
 STEP_TIMEOUT=1800
 OUT_DIR=${OUT:-$ROOT/traces/data}
-ONLY=tests,profile,train,validate
+ONLY=tests,profile,train,validate,executor
 while (($#)); do
   case $1 in
     --quick) QUICK=1 ;;
@@ -96,9 +101,9 @@ if ! [[ $STEP_TIMEOUT =~ ^[0-9]+$ ]] || ((STEP_TIMEOUT < 1)); then
 fi
 for part in ${ONLY//,/ }; do
   case $part in
-    tests | profile | train | validate) ;;
+    tests | profile | train | validate | executor) ;;
     *)
-      echo "gpu-check: --only: unknown step '$part' (tests, profile, train or validate)" >&2
+      echo "gpu-check: --only: unknown step '$part' (tests, profile, train, validate or executor)" >&2
       exit 2
       ;;
   esac
@@ -376,7 +381,65 @@ for s in "${VAL_SCHEDULES[@]}"; do
   done
 done
 
-# --- 6. Summary ---
+# --- 6. Executor paths beyond one rank, and the profiler's spread ---
+EXE_DIR=$RUN_DIR/executor
+if wants executor; then
+  mkdir -p "$EXE_DIR"
+  c=(--backend cuda --model gpt2-124m -s 2bw -d 2 -w 2 -b 2 -m 4)
+  rm -rf "$EXE_DIR/ckpt" "$EXE_DIR"/*.json
+  pw_step "executor 2bw w=2 d=2, 6 steps" "$PW" train "${c[@]}" --steps 6 -o "$EXE_DIR/straight.json"
+  pw_step "executor 2bw w=2 d=2, 3 steps + checkpoint" "$PW" train "${c[@]}" --steps 3 \
+    --checkpoint-dir "$EXE_DIR/ckpt" -o "$EXE_DIR/part1.json"
+  pw_step "executor 2bw w=2 d=2, --resume to 6" "$PW" train "${c[@]}" --steps 6 \
+    --checkpoint-dir "$EXE_DIR/ckpt" --resume -o "$EXE_DIR/part2.json"
+  pw_step "executor 2bw one rank, same batch" "$PW" train --backend cuda --model gpt2-124m -s 2bw \
+    -d 1 -w 1 -b 2 -m 8 --steps 6 -o "$EXE_DIR/single.json"
+  pw_step "executor interleaved d=2 v=2" "$PW" train --backend cuda --model gpt2-124m \
+    -s interleaved -d 2 -v 2 -b 2 -m 8 --steps 6 -o "$EXE_DIR/interleaved.json"
+  pw_step "executor 1f1b w=2 d=2, 3 buckets" "$PW" train --backend cuda --model gpt2-124m -s 1f1b \
+    -d 2 -w 2 -b 2 -m 4 --buckets 3 --steps 6 -o "$EXE_DIR/buckets.json"
+  if [ -s "$EXE_DIR/straight.json" ] && [ -s "$EXE_DIR/part2.json" ]; then
+    run_step "executor: resume bit-identical, one rank close" 60 "$PY" - "$EXE_DIR" <<'EOF'
+import json, sys
+d = sys.argv[1]
+load = lambda n: json.load(open(f"{d}/{n}.json"))["losses"]
+straight, part1, part2 = load("straight"), load("part1"), load("part2")
+resumed = part1 + part2[len(part2) - (len(straight) - len(part1)):]
+print("straight:", straight)
+print("3 + resumed:", resumed)
+ok = resumed == straight
+print("resume bit-identical:", ok)
+try:
+    single = load("single")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(single, straight))
+    print(f"one rank, same global batch: max relative loss difference {rel:.2e} (limit 1e-3)")
+    ok = ok and rel <= 1e-3
+except (OSError, KeyError, ValueError) as e:
+    print("one rank: no report:", e)
+    ok = False
+sys.exit(0 if ok else 1)
+EOF
+  fi
+  for i in 1 2 3 4 5; do
+    pw_step "executor profile spread $i/5" "$PW" profile --backend cuda --model gpt2-124m \
+      --microbatch 4 --repeats 10 -o "$EXE_DIR/spread-$i.json"
+  done
+  run_step "executor: profile spread" 60 "$PY" - "$EXE_DIR" <<'EOF'
+import glob, json, sys
+f = []
+for p in sorted(glob.glob(sys.argv[1] + "/spread-*.json")):
+    e = json.load(open(p))["entries"][0]
+    f.append(e["layers"]["block"]["forward_s"] * 1e6)
+if not f:
+    sys.exit("no profile to compare")
+print("block forward at b=4, 5 profiles (us):", ", ".join(f"{x:.1f}" for x in f))
+print(f"spread (max - min) / min: {100 * (max(f) - min(f)) / min(f):.1f}%")
+EOF
+else
+  skip executor "--only $ONLY"
+fi
+
+# --- 7. Summary ---
 SUMMARY=$RUN_DIR/summary.txt
 summary_py() {
   "$PY" - "$MANIFEST" "$STEPS_TSV" "$GPU_NAME" "$PW_VERSION" "$GIT_REV" "$VAL_MODEL" <<'EOF'
