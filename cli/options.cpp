@@ -71,6 +71,10 @@ void PlanOptions::add(CLI::App& app) {
   app.add_flag("--distributed-optimizer", distributed_optimizer,
                "shard optimizer state and fp32 master weights over the data-parallel replicas "
                "(Megatron's distributed optimizer, ZeRO-1)");
+  app.add_flag("--overlap-param-gather", overlap_param_gather,
+               "with --distributed-optimizer: all-gather the new parameters behind the next "
+               "step's forward, in pieces (Megatron's --overlap-param-gather; simulate, estimate "
+               "and plan only)");
   app.add_option("--offload", offload,
                  "where the optimizer state lives: none, or optimizer (ZeRO-Offload: gradients "
                  "to host memory, CPU Adam, fp16 parameters back; w = t = 1)")
@@ -86,8 +90,9 @@ void PlanOptions::add(CLI::App& app) {
 }
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
-  for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
-                           "--recompute", "--distributed-optimizer", "--stage-blocks", "--offload"})
+  for (const char* name :
+       {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp", "--recompute",
+        "--distributed-optimizer", "--overlap-param-gather", "--stage-blocks", "--offload"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -105,6 +110,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.t = t;
     p.sp = sp;
     p.distributed_optimizer = distributed_optimizer;
+    p.overlap_param_gather = overlap_param_gather;
     p.offload = planner::parse_offload(offload);
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
@@ -171,10 +177,11 @@ common::Json ScenarioOptions::inputs(const Scenario& sc) const {
 
 std::string plan_summary(const planner::Plan& p) {
   return fmt::format(
-      "{}{} w={} d={} b={} m={}{}{}{}", to_string(p.schedule),
+      "{}{} w={} d={} b={} m={}{}{}{}{}", to_string(p.schedule),
       p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b, p.m,
       p.v > 1 ? fmt::format(" v={}", p.v) : "",
       p.distributed_optimizer ? " distributed-optimizer" : "",
+      p.overlap_param_gather ? " overlap-param-gather" : "",
       p.offload != planner::Offload::none ? " offload=" + planner::to_string(p.offload) : "");
 }
 

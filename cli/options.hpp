@@ -43,6 +43,7 @@ struct PlanOptions {
   int t = 1;
   bool sp = false;
   bool distributed_optimizer = false;
+  bool overlap_param_gather = false;
   std::string offload = "none";          // planner::parse_offload
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;

@@ -49,6 +49,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
                     "(t = {}); simulate or estimate it instead",
                     backend, plan.t));
+  if (plan.overlap_param_gather)
+    throw InputError(
+        fmt::format("plan: overlap_param_gather: the {} executor all-gathers the parameters "
+                    "before the next step (no overlap yet); simulate or estimate it instead",
+                    backend));
   if (plan.distributed_optimizer && plan.w > 1 && backend != "cpu")
     throw InputError(
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "

@@ -681,6 +681,43 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
 
 }  // namespace
 
+// Exposed part of a collective of `total` seconds run in P = kOverlapPieces equal pieces one
+// after the other, piece k starting when the k-th of P equal slices of `work` seconds of compute
+// is done (gradient buckets behind a backward) or piece k's slice waiting for it (parameters
+// ahead of a forward): max(total - work (P - 1) / P, total / P), less `slack` (time the step
+// waits for other reasons meanwhile), at least 0 (docs/formulas.md §4).
+static double overlapped_s(double total, double work, double slack) {
+  if (total <= 0) return 0;
+  constexpr double P = kOverlapPieces;
+  return std::max(0.0, std::max(total - work * (P - 1) / P, total / P) - slack);
+}
+
+// The exposed data-parallel time of the step (docs/formulas.md §4): each stage's gradient
+// all-reduce (with the distributed optimizer its reduce-scatter, half of it) runs in buckets behind
+// its last backward; stage s's last backward ends sum_{j<s} (backward_j + hop_j) / v before the
+// step's end (the cool-down runs from the last stage down to stage 0). The distributed
+// optimizer's parameter all-gather (the other half) follows the optimizer step: whole, or with
+// overlap_param_gather in pieces ahead of the next step's first forward, which stage s starts
+// sum_{j<s} (forward_j + hop_j) / v after stage 0 anyway. The slowest stage's sum.
+static double exposed_data_parallel_s(const std::vector<StageCost>& stages, const Plan& p) {
+  if (p.w == 1) return 0;
+  double worst = 0, cool_down = 0, warm_up = 0;
+  for (const StageCost& st : stages) {
+    const bool sharded = p.distributed_optimizer;
+    const double reduce = sharded ? st.allreduce_s / 2 : st.allreduce_s;
+    const double gather = sharded ? st.allreduce_s / 2 : 0;
+    double exposed = overlapped_s(reduce, st.backward_s / p.v, cool_down);
+    if (p.overlap_param_gather)
+      exposed += overlapped_s(gather, st.forward_s / p.v, warm_up);
+    else
+      exposed += gather;
+    worst = std::max(worst, exposed);
+    cool_down += (st.backward_s + st.send_s) / p.v;
+    warm_up += (st.forward_s + st.send_s) / p.v;
+  }
+  return worst;
+}
+
 Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
                   const clusters::Cluster& cluster, const Plan& p) {
   check(p);
@@ -709,8 +746,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   for (const auto& [gpu, work] : gpu_work)
     est.pipeline_s = std::max(est.pipeline_s, work);
   if (p.offload != Offload::none) share_host_cpus(est.stages, cluster, p);
+  est.allreduce_s = exposed_data_parallel_s(est.stages, p);
   for (const auto& st : est.stages) {
-    est.allreduce_s = std::max(est.allreduce_s, st.allreduce_s);
     est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
   }
   est.tied_s = tied_exchange_time(model, mc, cluster, p, est.stages);

@@ -165,11 +165,16 @@ struct StageCost {
 struct Estimate {
   std::vector<StageCost> stages;
   double pipeline_s = 0;   // forward/backward part of a step, communication included
-  double allreduce_s = 0;  // exposed data-parallel all-reduce (slowest stage)
+  double allreduce_s = 0;  // exposed data-parallel collectives (slowest stage; §4's overlap)
   double tied_s = 0;       // exposed tied-embedding exchange (gradient, then new weights)
   double optimizer_s = 0;  // slowest stage's optimizer step
   RunReport report;        // source "analytic", with "estimate" details in report.extra
 };
+
+// Pieces of the data-parallel collectives that overlap compute in the closed form (gradient
+// buckets behind the last backward, parameter pieces ahead of the first forward): the simulator's
+// default number of gradient buckets.
+inline constexpr int kOverlapPieces = 4;
 
 // `plan` must be placed (place()) and resolved (resolve_stages()); `trace` must hold plan.b.
 // Throws InputError when the trace lacks the microbatch size, PlanError when the plan does not

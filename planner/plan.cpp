@@ -109,6 +109,8 @@ void check(const Plan& p) {
     reject("v", fmt::format("v = {} needs schedule interleaved (schedule is {})", p.v,
                             to_string(p.schedule)));
   }
+  if (p.overlap_param_gather && !p.distributed_optimizer)
+    reject("overlap_param_gather", "needs the distributed optimizer (distributed_optimizer: true)");
   if (p.offload == Offload::optimizer) {
     if (p.w > 1)
       reject("offload", fmt::format("optimizer offload with data parallelism (w = {}) is not "
@@ -224,6 +226,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
   p.t = r.has("t") ? small_int("t") : 1;
   if (r.has("sp")) p.sp = r.get_bool("sp");
   if (r.has("distributed_optimizer")) p.distributed_optimizer = r.get_bool("distributed_optimizer");
+  if (r.has("overlap_param_gather")) p.overlap_param_gather = r.get_bool("overlap_param_gather");
   p.w = small_int("w");
   p.d = small_int("d");
   p.b = small_int("b");
@@ -286,6 +289,7 @@ Json to_json(const Plan& p) {
             {"stage_blocks", p.stage_blocks}};
   // Written only when on, so plans without offload read and print as before.
   if (p.offload != Offload::none) j["offload"] = to_string(p.offload);
+  if (p.overlap_param_gather) j["overlap_param_gather"] = true;
   Json rc = Json::array();
   for (int s = 0; s < p.d; ++s)
     rc.push_back(to_string(p.recompute_of(s)));

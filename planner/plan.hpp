@@ -52,6 +52,10 @@ struct Plan {
   // Optimizer state and fp32 master weights sharded over the w replicas of a stage (Megatron's
   // distributed optimizer, ZeRO-1): gradients reduce-scattered, parameters all-gathered.
   bool distributed_optimizer = false;
+  // With the distributed optimizer: the new parameters' all-gather runs in pieces behind the next
+  // step's forward instead of before it (Megatron's --overlap-param-gather; simulator and closed
+  // form only: the executors refuse it).
+  bool overlap_param_gather = false;
   int w = 1;                        // data-parallel width (replicas of each stage)
   int d = 1;                        // pipeline depth (stages)
   int b = 1;                        // microbatch size (samples)

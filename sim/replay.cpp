@@ -97,7 +97,10 @@ class Replayer {
     switch (op.kind) {
       case OpKind::forward:
         allocate(&planner::MemoryBreakdown::activations, kept_bytes(chunk(op)));
-        compute(chunk(op).forward_s);
+        if (gather_step_ >= 0)
+          forward_behind_gather(chunk(op).forward_s);
+        else
+          compute(chunk(op).forward_s);
         tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::recompute:
@@ -408,12 +411,69 @@ class Replayer {
     else
       compute(opt);
     // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
-    // the new version (one weight version of the rank) before anything uses it, as the executor.
-    if (w_.plan().distributed_optimizer && w_.plan().w > 1)
-      all_gather(collective(op.step, 0, -3), double(me_.version_bytes));
+    // the new version (one weight version of the rank) before anything uses it, as the executor;
+    // with overlap_param_gather in pieces behind the next forward, as Megatron.
+    if (w_.plan().distributed_optimizer && w_.plan().w > 1) {
+      if (w_.plan().overlap_param_gather)
+        start_param_gather(op.step);
+      else
+        all_gather(collective(op.step, 0, -3), double(me_.version_bytes));
+    }
     versions_ += 1;  // the step's update becomes a new weight version
     set_versions();
     me_.optimizer_end[std::size_t(op.step)] = sg4::Engine::get_clock();
+  }
+
+  // Megatron's --overlap-param-gather: the new parameters are all-gathered in as many pieces as
+  // there are gradient buckets, one after the other on the collective stream; the last replica to
+  // finish its optimizer step starts them. Keyed (stage, step, 0, -10 - piece).
+  int gather_pieces() const { return std::max(1, w_.programs->buckets); }
+  Collective& gather_piece(int step, int piece) { return collective(step, 0, -10 - piece); }
+
+  void start_param_gather(int step) {
+    gather_step_ = step;
+    const int pieces = gather_pieces();
+    std::vector<Collective*> cs;
+    for (int k = 0; k < pieces; ++k)
+      cs.push_back(&gather_piece(step, k));
+    if (++cs.front()->arrived < w_.plan().w) return;
+    const auto groups = replica_groups();
+    const double bytes = double(me_.version_bytes) / pieces;
+    const Platform* platform = w_.platform;
+    sg4::Actor::create("paramgather", me_.host, [cs, groups, bytes, platform] {
+      for (Collective* c : cs) {
+        c->start = sg4::Engine::get_clock();
+        std::vector<sg4::ActorPtr> rings;
+        for (std::size_t i = 1; i < groups.size(); ++i)
+          rings.push_back(sg4::Actor::create(
+              "paramgather", sg4::this_actor::get_host(),
+              [members = groups[i], bytes, platform] { allgather(*platform, members, bytes); }));
+        allgather(*platform, groups[0], bytes);
+        for (const auto& a : rings)
+          a->join();
+        c->end = sg4::Engine::get_clock();
+        std::unique_lock<sg4::Mutex> lock(*c->mutex);
+        c->done = true;
+        c->finished->notify_all();
+      }
+    });
+  }
+
+  // The first forward after an overlapped parameter gather: piece k of its compute waits for
+  // piece k of the parameters (the layers in order, each piece an equal share).
+  void forward_behind_gather(double seconds) {
+    const int pieces = gather_pieces();
+    for (int k = 0; k < pieces; ++k) {
+      Collective& c = gather_piece(gather_step_, k);
+      {
+        std::unique_lock<sg4::Mutex> lock(*c.mutex);
+        while (!c.done)
+          c.finished->wait(lock);
+      }
+      record(kCollective, c.start, c.end, op_);
+      compute(seconds / pieces);
+    }
+    gather_step_ = -1;
   }
 
   void set_versions() {
@@ -452,6 +512,7 @@ class Replayer {
   RankState& me_;
   const planner::Program& program_;
   int waited_through_ = -1;  // the last step whose all-reduces this rank has waited for
+  int gather_step_ = -1;     // the step whose overlapped parameter gather a forward must wait for
   std::vector<bool> bucketed_;
   std::map<std::string, SendChannel> channels_;  // by mailbox name (map: stable references)
   std::int64_t versions_ = 1;

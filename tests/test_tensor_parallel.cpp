@@ -217,8 +217,9 @@ TEST(TpSimulate, MatchesTheClosedFormOnOneGroup) {
 }
 
 // A 3D plan: TP groups exchange pipeline messages and all-reduce over replicas; the simulator
-// overlaps the all-reduce with the backward, the closed form does not, so they agree within a few
-// percent; memory agrees exactly; the report is the same byte for byte on a second run.
+// overlaps the all-reduce with the backward bucket by bucket, the closed form with P = 4 equal
+// pieces (docs/formulas.md §4), so they agree within a few percent; memory agrees exactly; the
+// report is the same byte for byte on a second run.
 TEST(TpSimulate, ThreeDPlanAgreesAndIsDeterministic) {
   const models::ModelSpec m = models::load_model("gpt3-1.3b");
   const clusters::Cluster c = clusters::load_cluster("dgx-a100:2");
@@ -233,6 +234,60 @@ TEST(TpSimulate, ThreeDPlanAgreesAndIsDeterministic) {
     EXPECT_EQ(a.report.devices[std::size_t(r)].peak_memory_bytes,
               est.devices[std::size_t(r)].peak_memory_bytes);
   EXPECT_EQ(to_json(a.report).dump(), to_json(b.report).dump());
+}
+
+// Data-parallel collectives against compute (docs/formulas.md §4), from the estimate's own stage
+// costs: one stage (d = 1), so no cool-down or warm-up slack. The all-reduce runs in P = 4 pieces
+// behind the last backward B: max(AR - 3B/4, AR/4) exposed; with the distributed optimizer its
+// reduce-scatter half that way plus the parameter all-gather half whole, or with
+// overlap_param_gather ahead of the first forward F: max(AR/2 - 3F/4, AR/8).
+TEST(DataParallelOverlap, ClosedFormByHand) {
+  const models::ModelSpec m = models::load_model("gpt3-2.7b");
+  const clusters::Cluster c = clusters::load_cluster("dgx-a100:4");
+  const traces::Trace t = traces::analytic_trace(m, c.device, {2});
+  Plan p = tp_plan(Schedule::one_f_one_b, 1, 32, 1, 2, 4, m.layers, c);
+  const auto exposed = [](double total, double work) {
+    return std::max(total - 0.75 * work, total / 4);
+  };
+  const Estimate plain = estimate(m, t, c, p);
+  const StageCost& s = plain.stages[0];
+  ASSERT_GT(s.allreduce_s, 0);
+  EXPECT_NEAR(plain.allreduce_s, exposed(s.allreduce_s, s.backward_s), 1e-12);
+  p.distributed_optimizer = true;
+  const Estimate dopt = estimate(m, t, c, p);
+  const StageCost& sd = dopt.stages[0];
+  EXPECT_NEAR(dopt.allreduce_s, exposed(sd.allreduce_s / 2, sd.backward_s) + sd.allreduce_s / 2,
+              1e-12);
+  p.overlap_param_gather = true;
+  const Estimate ovl = estimate(m, t, c, p);
+  EXPECT_NEAR(
+      ovl.allreduce_s,
+      exposed(sd.allreduce_s / 2, sd.backward_s) + exposed(sd.allreduce_s / 2, sd.forward_s),
+      1e-12);
+  EXPECT_LT(ovl.report.iteration_time_s, dopt.report.iteration_time_s);
+}
+
+// The simulator's overlapped parameter gather (pieces behind the next forward) shortens the step
+// as the closed form says, on a pipeline where the two agree; plan files carry the field, and it
+// needs the distributed optimizer.
+TEST(DataParallelOverlap, SimulatorAgreesAndPlanChecks) {
+  const models::ModelSpec m = models::load_model("gpt3-2.7b");
+  const clusters::Cluster c = clusters::load_cluster("dgx-a100:4");
+  const traces::Trace t = traces::analytic_trace(m, c.device, {2});
+  Plan p = tp_plan(Schedule::one_f_one_b, 1, 8, 4, 2, 8, m.layers, c);
+  p.distributed_optimizer = true;
+  const double blocking = sim::simulate(m, t, c, p).report.iteration_time_s;
+  p.overlap_param_gather = true;
+  const double sim = sim::simulate(m, t, c, p).report.iteration_time_s;
+  const double est = estimate(m, t, c, p).report.iteration_time_s;
+  EXPECT_LT(sim, blocking);
+  EXPECT_NEAR(sim / est, 1.0, 0.01);
+  const Plan q = parse_plan(to_json(p), "test");
+  EXPECT_TRUE(q.overlap_param_gather);
+  common::Json j = to_json(p);
+  j["distributed_optimizer"] = false;
+  EXPECT_NE(error_of<PlanError>([&] { parse_plan(j, "x.json"); }).find("overlap_param_gather"),
+            std::string::npos);
 }
 
 // The search's SP list applies where t > 1: asking for SP on still searches t = 1 (without it).

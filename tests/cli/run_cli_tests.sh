@@ -265,6 +265,10 @@ assert [(r['t'], r['w']) for r in rows] == [('1', '8'), ('4', '2')] and all(r['e
 " && ok || bad "sweep --vary t sets t and the default w"
 expect_error "trace --sp without --tp" "needs --tp > 1" "$O" $PW trace --model llama2-7b --device A100-80GB --sp --out "$O"
 expect_error "train refuses selective recompute" "not selective" "$O" $PW train --model gpt-tiny -d 2 -w 1 --recompute selective --steps 1 --out "$O"
+expect_error "train refuses --overlap-param-gather" "overlap_param_gather: the cpu executor" "$O" $PW train --model gpt-tiny -d 2 -w 2 -m 2 --distributed-optimizer --overlap-param-gather --steps 2 --out "$O"
+expect_error "--overlap-param-gather needs the distributed optimizer" "overlap_param_gather" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 --overlap-param-gather --out "$O"
+expect_ok "simulate --overlap-param-gather" $PW simulate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 -m 4 --distributed-optimizer --overlap-param-gather --out "$TMP/opg.json"
+grep -q '"overlap_param_gather": true' "$TMP/opg.json" && ok || bad "simulate --overlap-param-gather: the plan in the report says so"
 expect_ok "train --distributed-optimizer (cpu)" $PW train --model gpt-tiny -d 2 -w 2 -m 2 --distributed-optimizer --steps 2 --out "$TMP/dopt.json"
 python3 -c "
 import json; r = json.load(open('$TMP/dopt.json')); assert r['plan']['distributed_optimizer'], r['plan']
