@@ -152,6 +152,37 @@ int tp_nic_sharers(const clusters::Cluster& c, const Plan& p, const clusters::Li
   return link.via == "network" && c.network.nic_per == clusters::NicPer::node ? p.t : 1;
 }
 
+// The all-reduce of `bytes` over stage s's w replicas on the layout the simulator runs
+// (sim/collectives.hpp, as NCCL picks it): replicas grouped by node; over N > 1 nodes of k > 1
+// replicas each, hierarchical: intra-node reduce-scatter and all-gather (k - 1 steps of S/k each)
+// around k inter-node rings at once (2(N - 1) steps of S/(kN)), the k rings (times the t TP rings)
+// sharing a node's one NIC; otherwise a ring over the slowest neighbour link (docs/formulas.md
+// §4). Each GPU of a TP group runs its own such all-reduce over its shard, the t at once.
+double replica_allreduce_s(const clusters::Cluster& c, const Plan& p, int s, double bytes) {
+  std::map<int, std::vector<int>> by_node;  // node -> replicas of stage s on it
+  for (int r = 0; r < p.w; ++r)
+    by_node[p.placement[std::size_t(p.rank_of(s, r))].node].push_back(r);
+  const int N = int(by_node.size());
+  const int k = int(by_node.begin()->second.size());
+  const bool rectangular = std::all_of(by_node.begin(), by_node.end(),
+                                       [k](const auto& g) { return int(g.second.size()) == k; });
+  if (N > 1 && k > 1 && rectangular) {
+    const std::vector<int>& first = by_node.begin()->second;
+    const std::vector<int>& second = std::next(by_node.begin())->second;
+    const clusters::Link intra = rank_link(c, p, p.rank_of(s, first[0]), p.rank_of(s, first[1]));
+    const clusters::Link inter = rank_link(c, p, p.rank_of(s, first[0]), p.rank_of(s, second[0]));
+    const double sharers =
+        (c.network.nic_per == clusters::NicPer::node && inter.via == "network" ? k : 1) *
+        tp_nic_sharers(c, p, inter);
+    return 2.0 * (k - 1) * (intra.latency_s + bytes / (k * intra.bandwidth_bytes_per_s)) +
+           2.0 * (N - 1) *
+               (inter.latency_s + sharers * bytes / (double(k) * N * inter.bandwidth_bytes_per_s));
+  }
+  clusters::Link ring = replica_ring_link(c, p, s);
+  ring.bandwidth_bytes_per_s /= tp_nic_sharers(c, p, ring);
+  return ring_allreduce_s(bytes, p.w, ring);
+}
+
 // Adds `count` layers' per-microbatch costs (trace entry at b) to a chunk.
 void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCosts& lc,
                const traces::LayerTimes& t, LayerKind kind, std::int64_t count, std::int64_t b) {
@@ -502,11 +533,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   // Each GPU of a TP group all-reduces its own shard over the stage's w replicas, the t rings at
   // once (sharing a node's NIC). The distributed optimizer's reduce-scatter of the gradients and
   // all-gather of the new parameters move what one all-reduce moves.
-  if (p.w > 1) {
-    clusters::Link ring = replica_ring_link(cluster, p, s);
-    ring.bandwidth_bytes_per_s /= tp_nic_sharers(cluster, p, ring);
-    st.allreduce_s = ring_allreduce_s(double(st.memory.gradients), p.w, ring);
-  }
+  if (p.w > 1) st.allreduce_s = replica_allreduce_s(cluster, p, s, double(st.memory.gradients));
   return st;
 }
 
