@@ -7,6 +7,7 @@
 
 #include "planner/cost_model.hpp"
 #include "planner/search.hpp"
+#include "sim/collectives.hpp"
 #include "sim/simulator.hpp"
 #include "traces/analytic.hpp"
 
@@ -265,6 +266,25 @@ TEST(DataParallelOverlap, ClosedFormByHand) {
       exposed(sd.allreduce_s / 2, sd.backward_s) + exposed(sd.allreduce_s / 2, sd.forward_s),
       1e-12);
   EXPECT_LT(ovl.report.iteration_time_s, dopt.report.iteration_time_s);
+}
+
+// The closed form's replica all-reduce is the simulator's layout's closed form (hierarchical over
+// nodes of k replicas with a NIC per GPU or one per node; a ring within one node), to rounding.
+TEST(DataParallelOverlap, ReplicaAllReduceIsTheSimulatorsLayout) {
+  const models::ModelSpec m = models::load_model("gpt3-2.7b");
+  for (const char* cluster : {"dgx-a100:4", "p3.16xlarge:4", "dgx-a100"}) {
+    SCOPED_TRACE(cluster);
+    const clusters::Cluster c = clusters::load_cluster(cluster);
+    const traces::Trace t = traces::analytic_trace(m, c.device, {2});
+    const int w = c.nodes * c.gpus_per_node;
+    Plan p = tp_plan(Schedule::one_f_one_b, 1, w, 1, 2, 4, m.layers, c);
+    const Estimate e = estimate(m, t, c, p);
+    std::vector<sim::Member> members;
+    for (int r = 0; r < w; ++r)
+      members.emplace_back(p.placement[std::size_t(r)].node, p.placement[std::size_t(r)].gpu);
+    const double want = sim::allreduce_time_s(c, members, double(e.stages[0].memory.gradients));
+    EXPECT_NEAR(e.stages[0].allreduce_s, want, 1e-6 * want);
+  }
 }
 
 // The simulator's overlapped parameter gather (pieces behind the next forward) shortens the step
