@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,7 +20,15 @@ struct StageSpec {
   std::int64_t first_block = 0;
   std::int64_t blocks = 0;
   bool has_head = false;
+  // Megatron tensor parallelism: this stage is TP rank `tp_rank` of `t` (heads, FFN and the padded
+  // vocabulary split; LayerNorms and the row-parallel biases replicated). t = 1: the whole layer.
+  int t = 1;
+  int tp_rank = 0;
 };
+
+// Sums `n` floats in place over the stage's TP group (every member calls it in the same order with
+// the same n; bit-identical results on every member). Only called when StageSpec::t > 1.
+using TpAllReduce = std::function<void(float* data, std::int64_t n)>;
 
 // A named tensor inside a stage's parameter blob (and, at the same offset, its gradient blob).
 struct TensorSlot {
@@ -48,10 +57,14 @@ class StageCompute {
   virtual const StageSpec& spec() const = 0;
   virtual const std::vector<TensorSlot>& layout() const = 0;
   virtual StageSizes sizes(int b) const = 0;
+  // The TP group's all-reduce (needed before forward when spec().t > 1). Backends without tensor
+  // parallelism refuse t > 1 when they are built and ignore this.
+  virtual void set_tp_all_reduce(TpAllReduce) {}
 
   // GPT-2 initialisation (normal(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at
-  // 1/0), deterministic in (seed, tensor name): the same tensor gets the same values on every
-  // stage split, so a d-stage run starts from the single-device weights. The last stage's tied
+  // 1/0), deterministic in (seed, tensor name, element of the whole tensor): the same tensor gets
+  // the same values on every stage split, and a TP shard is the slice of the t = 1 tensor it
+  // holds, so a d-stage, t-way run starts from the single-device weights. The last stage's tied
   // LM head copy gets the token embedding's values.
   virtual void init_parameters(float* params, std::uint64_t seed) const = 0;
 

@@ -103,6 +103,10 @@ LayerCosts block_costs(const ModelSpec& s, const Sharding& sh) {
   // the row-parallel outputs; the T x T scores only when attention is unfused).
   c.workspace_bytes =
       2 * d.e * d.T * std::max({d.C, d.Q_t, d.F_t, d.unfused ? d.NH_t * d.T : std::int64_t(0)});
+  // With t > 1 a full-width T x C more: the column-parallel inputs' gradients are summed over the
+  // TP group whole (C wide, not C / t) while the first stage also keeps its residual-stream
+  // gradient there (the executors' backward; at t = 1 the two buffers leave room for it).
+  if (d.t > 1) c.workspace_bytes += d.e * d.T * d.C;
   // Forward read + write traffic of the non-GEMM ops. Outside: two norms (2 x 2C), two residual
   // adds (2 x 3C), two dropouts (read, write, mask: 2e + 1 bytes each). Inside: the activation
   // (GELU 2F, SwiGLU 3F), unfused softmax (2 NH T) and its dropout.

@@ -120,6 +120,11 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
                           const std::function<void(const StepLog&)>& on_step, const MpiSession& mpi,
                           const MpiRunOptions& run) {
   detail::check_cpu_model(model);
+  if (plan.t > 1)
+    throw InputError(fmt::format(
+        "plan: t: the cpu executor under mpirun does not run tensor parallelism yet (t = {}); run "
+        "it without mpirun (one thread per rank) or simulate it",
+        plan.t));
   check_world_size(mpi.size(), plan.ranks(),
                    fmt::format("{} w={} d={}", planner::to_string(plan.schedule), plan.w, plan.d));
   const detail::PreparedRun prepared = detail::prepare_run(model, plan, options, "cpu");
