@@ -39,7 +39,7 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (s.t < 1 || s.tp_rank < 0 || s.tp_rank >= s.t)
     throw InputError("stage of model '" + m.name + "': TP rank " + std::to_string(s.tp_rank) +
                      " of t = " + std::to_string(s.t));
-  const models::Sharding sharding{s.t, false};
+  const models::Sharding sharding{s.t, s.sp && s.t > 1};
   models::check_sharding(m, sharding, "model " + m.name);
   if (m.arch != models::Arch::gpt) unsupported(m, backend, "arch", "bert");
   if (m.mlp != models::Mlp::gelu) unsupported(m, backend, "mlp", "swiglu");
@@ -57,6 +57,7 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (backend != "cpu" && models::padded_vocab(m, s.t) != m.vocab)
     unsupported(m, backend, "vocab_multiple", std::to_string(m.vocab_multiple));
   if (backend != "cpu" && s.t != 1) unsupported(m, backend, "t", std::to_string(s.t));
+  if (backend != "cpu" && s.sp) unsupported(m, backend, "sp", "true");
   // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
   if (m.seq_len % word_elements != 0)
@@ -73,6 +74,12 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   costs = models::derive_costs(md, sharding);
   C = m.hidden, F = m.ffn, T = m.seq_len, NH = m.heads, V = m.vocab;
   t = s.t, tp = s.tp_rank, C_t = C / t, F_t = F / t, NH_t = NH / t;
+  sp = sharding.sp, R = sp ? T / t : T;
+  // The embedding's backward gathers its output's gradient into the workspace of the stage's
+  // blocks or head; an embedding-only stage has none.
+  if (sp && s.has_embedding && s.blocks == 0 && !s.has_head)
+    throw InputError("stage of model '" + m.name +
+                     "': sequence parallelism needs blocks on the embedding's stage");
   V_pad = models::padded_vocab(m, s.t), V_t = V_pad / t, v_begin = tp * V_t;
   // The backends' stash carving must be what models/ counts.
   if (element_bytes * embedding_elements(T) != costs.embedding.activation_bytes ||
@@ -128,8 +135,8 @@ StageSizes GptLayout::sizes(int b) const {
       b *
       (spec.has_embedding ? costs.embedding.activation_recompute_bytes : costs.block.input_bytes) /
       element_bytes;
-  z.output = spec.has_head ? 0 : b * T * C;
-  z.input = spec.has_embedding ? 0 : b * T * C;
+  z.output = spec.has_head ? 0 : b * R * C;
+  z.input = spec.has_embedding ? 0 : b * R * C;
   z.workspace = b * workspace / element_bytes;
   z.scratch = b * largest / element_bytes;
   return z;

@@ -49,7 +49,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
                     "(t = {}; the cpu backend does); simulate or estimate it instead",
                     backend, plan.t));
-  if (plan.sp)
+  if (plan.sp && plan.t > 1 && backend != "cpu")
     throw InputError(
         fmt::format("plan: sp: the {} executor does not run sequence parallelism yet; "
                     "simulate or estimate it instead",

@@ -24,11 +24,25 @@ struct StageSpec {
   // vocabulary split; LayerNorms and the row-parallel biases replicated). t = 1: the whole layer.
   int t = 1;
   int tp_rank = 0;
+  // Megatron's sequence parallelism (t > 1): outside the TP region (norms, residuals, the stage's
+  // input and output) each TP rank holds 1/t of the microbatch's b*T tokens, rows
+  // [tp_rank * bT/t, (tp_rank + 1) * bT/t); all-gathers before the column-parallel GEMMs and
+  // reduce-scatters after the row-parallel ones replace the all-reduces.
+  bool sp = false;
 };
 
-// Sums `n` floats in place over the stage's TP group (every member calls it in the same order with
-// the same n; bit-identical results on every member). Only called when StageSpec::t > 1.
-using TpAllReduce = std::function<void(float* data, std::int64_t n)>;
+// The TP group's collectives over n floats in place (every member calls them in the same order
+// with the same n; bit-identical results on every member). Only used when StageSpec::t > 1.
+struct TpComm {
+  std::function<void(float* data, std::int64_t n)> all_reduce;  // sum
+  // data: t equal parts in group order. all_gather: every member's part to every member;
+  // reduce_scatter: the caller's part becomes the sum of every member's part (the rest unchanged).
+  std::function<void(float*data, std::int64_t n)> all_gather, reduce_scatter;
+  // Sequence parallelism: where forward and recompute gather full-width activations
+  // (sizes().workspace floats: the rank's backward workspace, free while they run).
+  float* scratch = nullptr;
+  std::int64_t scratch_floats = 0;
+};
 
 // A named tensor inside a stage's parameter blob (and, at the same offset, its gradient blob).
 struct TensorSlot {
@@ -57,9 +71,9 @@ class StageCompute {
   virtual const StageSpec& spec() const = 0;
   virtual const std::vector<TensorSlot>& layout() const = 0;
   virtual StageSizes sizes(int b) const = 0;
-  // The TP group's all-reduce (needed before forward when spec().t > 1). Backends without tensor
+  // The TP group's collectives (needed before forward when spec().t > 1). Backends without tensor
   // parallelism refuse t > 1 when they are built and ignore this.
-  virtual void set_tp_all_reduce(TpAllReduce) {}
+  virtual void set_tp(TpComm) {}
 
   // GPT-2 initialisation (normal(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at
   // 1/0), deterministic in (seed, tensor name, element of the whole tensor): the same tensor gets

@@ -37,15 +37,41 @@ Worker::Worker(Shared& s, int device)
     StageSpec spec = chunk_spec(*s.model, p, stage_, c);
     spec.t = t_;
     spec.tp_rank = tp_;
+    spec.sp = p.sp;
     Chunk ch;
     ch.stage = make_cpu_stage(spec);
-    if (t_ > 1)
-      ch.stage->set_tp_all_reduce([this, tp_group](float* data, std::int64_t n) {
+    if (t_ > 1) {
+      TpComm comm;
+      // Keys count the group's collectives: its members run the same program, so the same
+      // sequence. The waits inside compute ops are not busy time.
+      const auto timed = [this](auto&& call) {
         const auto t0 = Clock::now();
-        s_.transport->all_reduce_sum(fmt::format("tp/{}/{}", rank_, tp_calls_++), tp_group, device_,
-                                     data, n);
+        call(fmt::format("tp/{}/{}", rank_, tp_calls_++));
         tp_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
-      });
+      };
+      const auto parts = [this](std::int64_t n) {
+        std::vector<std::int64_t> bounds;
+        for (int i = 0; i <= t_; ++i)
+          bounds.push_back(n / t_ * i);
+        return bounds;
+      };
+      comm.all_reduce = [this, tp_group, timed](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->all_reduce_sum(key, tp_group, device_, data, n);
+        });
+      };
+      comm.all_gather = [this, tp_group, timed, parts](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->all_gather(key, tp_group, device_, data, parts(n));
+        });
+      };
+      comm.reduce_scatter = [this, tp_group, timed, parts](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->reduce_scatter_sum(key, tp_group, device_, data, parts(n));
+        });
+      };
+      tp_comms_.push_back(comm);
+    }
     ch.sizes = ch.stage->sizes(p.b);
     ch.first = spec.has_embedding;
     ch.last = spec.has_head;
@@ -92,6 +118,12 @@ Worker::Worker(Shared& s, int device)
     ch.v_at = v.empty() ? nullptr : v.data() + at;
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
+  // Forward and recompute gather (SP) into the workspace: free while they run.
+  for (std::size_t c = 0; c < tp_comms_.size(); ++c) {
+    tp_comms_[c].scratch = workspace_.data();
+    tp_comms_[c].scratch_floats = workspace_.size();
+    chunks_[c].stage->set_tp(tp_comms_[c]);
+  }
   if (s.first_step > 0) load_checkpoint(s.first_step);
 }
 
@@ -166,6 +198,7 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
   StageSpec first_spec = chunk_spec(*s_.model, p, 0, 0);
   first_spec.t = t_;
   first_spec.tp_rank = tp_;
+  first_spec.sp = p.sp;
   const std::unique_ptr<StageCompute> first = make_cpu_stage(first_spec);
   std::int64_t offset = -1;
   for (const auto& slot : first->layout())

@@ -92,7 +92,9 @@ class Worker {
   int device_;  // this worker's device: its transport rank, memory, checkpoint shard and result
   int rank_, tp_, stage_, replica_;  // its pipeline rank (program), TP index, stage, replica
   int t_;
-  int tp_calls_ = 0;  // TP collectives so far (the same sequence on every member of the group)
+  int tp_calls_ = 0;
+  std::vector<TpComm> tp_comms_;  // per chunk (t > 1)  // TP collectives so far (the same sequence
+                                  // on every member of the group)
   int device_of(int rank) const { return rank * t_ + tp_; }  // pipeline rank -> device, my TP index
   MemoryCounter* memory_;
   BufferPool pool_;  // the activations' storage, reused (outlives every buffer below)

@@ -58,9 +58,12 @@ models::ModelSpec untied_padded(std::int64_t layers) {
 // Per-step losses of t > 1 against t = 1 on the same plan otherwise.
 double worst_loss_difference(const models::ModelSpec& model, Plan p, int t, int steps,
                              const std::string& optimizer = "sgd") {
+  const bool sp = p.sp;
   p.t = 1;
+  p.sp = false;  // the reference: one device, nothing split
   const TrainResult one = train_cpu(model, p, options(steps, optimizer));
   p.t = t;
+  p.sp = sp;
   const TrainResult many = train_cpu(model, p, options(steps, optimizer));
   EXPECT_EQ(many.ranks.size(), std::size_t(p.ranks() * t));
   double worst = 0;
@@ -78,14 +81,16 @@ double worst_loss_difference(const models::ModelSpec& model, Plan p, int t, int 
 struct Case {
   Schedule schedule;
   int t, w, d, m;
+  bool sp = false;
 };
 
 void run_cases(const models::ModelSpec& model, const std::vector<Case>& cases, int steps = 20) {
   for (const Case& c : cases) {
-    const Plan p = make_plan(c.schedule, c.t, c.w, c.d, c.m, int(model.layers));
+    Plan p = make_plan(c.schedule, c.t, c.w, c.d, c.m, int(model.layers));
+    p.sp = c.sp;
     const std::string what = model.name + " " + planner::to_string(c.schedule) +
-                             " t=" + std::to_string(c.t) + " w=" + std::to_string(c.w) +
-                             " d=" + std::to_string(c.d);
+                             " t=" + std::to_string(c.t) + (c.sp ? " sp" : "") +
+                             " w=" + std::to_string(c.w) + " d=" + std::to_string(c.d);
     SCOPED_TRACE(what);
     const double worst = worst_loss_difference(model, p, c.t, steps);
     std::printf("[ tp ] %s: worst per-step relative loss difference to t = 1: %.3g\n", what.c_str(),
@@ -123,25 +128,43 @@ TEST(TensorParallel, GptTinyWithVocabularyPaddingLossesEqualTOne) {
   run_cases(m, {{Schedule::gpipe, 4, 1, 2, 2}, {Schedule::two_bw, 2, 1, 2, 2}});
 }
 
+// Sequence parallelism: the norms, residuals and pipeline messages on 1/t of the tokens,
+// all-gathers and reduce-scatters instead of the all-reduces.
+TEST(TensorParallel, SequenceParallelLossesEqualTOne) {
+  run_cases(models::load_model("gpt-tiny"), {{Schedule::gpipe, 2, 1, 1, 2, true},
+                                             {Schedule::one_f_one_b, 2, 2, 2, 4, true},
+                                             {Schedule::two_bw, 4, 2, 2, 2, true}});
+  run_cases(untied_padded(4), {{Schedule::gpipe, 4, 2, 2, 2, true},
+                               {Schedule::two_bw, 2, 1, 2, 2, true},
+                               {Schedule::interleaved, 4, 2, 2, 2, true},
+                               {Schedule::interleaved, 2, 1, 2, 2, true}});
+}
+
 TEST(TensorParallel, DistributedOptimizerComposes) {
   Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 2, 2, 4);
   p.distributed_optimizer = true;
   worst_loss_difference(testing::gpt_tiny(4), p, 2, 10, "adamw");
   worst_loss_difference(untied_padded(4), p, 2, 10, "adamw");
+  p.sp = true;
+  worst_loss_difference(untied_padded(4), p, 2, 10, "adamw");
 }
 
 TEST(TensorParallel, BucketsAndRecomputeCompose) {
-  Plan p = make_plan(Schedule::gpipe, 2, 2, 2, 2, 4);
-  p.recompute.assign(2, planner::Recompute::full);
-  TrainOptions o = options(10);
-  o.gradient_buckets = 3;
-  p.t = 1;
-  const TrainResult one = train_cpu(testing::gpt_tiny(4), p, o);
-  p.t = 2;
-  const TrainResult two = train_cpu(testing::gpt_tiny(4), p, o);
-  ASSERT_EQ(one.steps.size(), two.steps.size());
-  for (std::size_t i = 0; i < one.steps.size(); ++i)
-    EXPECT_NEAR(two.steps[i].loss, one.steps[i].loss, 1e-5 * std::fabs(one.steps[i].loss));
+  for (const bool sp : {false, true}) {
+    Plan p = make_plan(Schedule::gpipe, 2, 2, 2, 2, 4);
+    p.recompute.assign(2, planner::Recompute::full);
+    TrainOptions o = options(10);
+    o.gradient_buckets = 3;
+    p.t = 1;
+    const TrainResult one = train_cpu(testing::gpt_tiny(4), p, o);
+    p.t = 2;
+    p.sp = sp;
+    const TrainResult two = train_cpu(testing::gpt_tiny(4), p, o);
+    ASSERT_EQ(one.steps.size(), two.steps.size());
+    for (std::size_t i = 0; i < one.steps.size(); ++i)
+      EXPECT_NEAR(two.steps[i].loss, one.steps[i].loss, 1e-5 * std::fabs(one.steps[i].loss))
+          << (sp ? "sp " : "") << "step " << i;
+  }
 }
 
 // Runs are deterministic: the TP sums are in group order.
@@ -158,7 +181,8 @@ TEST(TensorParallel, BitIdenticalAcrossRuns) {
 TEST(TensorParallel, CheckpointResumeIsBitIdenticalAndRefusesAnotherT) {
   testing::TempDir tmp("tp_ckpt");
   const std::string a = tmp.file("a"), b = tmp.file("b");
-  const Plan p = make_plan(Schedule::two_bw, 2, 2, 2, 2, 4);
+  Plan p = make_plan(Schedule::two_bw, 2, 2, 2, 2, 4);
+  p.sp = true;
   const auto with_dir = [](int steps, const std::string& dir, bool resume) {
     TrainOptions o = options(steps, "adamw");
     o.checkpoint_dir = dir;
@@ -180,6 +204,7 @@ TEST(TensorParallel, CheckpointResumeIsBitIdenticalAndRefusesAnotherT) {
   train_cpu(testing::gpt_tiny(4), p, with_dir(2, c, false));
   Plan other = p;
   other.t = 1;
+  other.sp = false;
   try {
     train_cpu(testing::gpt_tiny(4), other, with_dir(4, c, true));
     ADD_FAILURE() << "resumed t = 2 shards with t = 1";
@@ -196,18 +221,22 @@ TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
   const clusters::Cluster node = clusters::load_cluster("dgx-h100");
   for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
     for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-      for (int t : {2, 4}) {
-        const Plan p = make_plan(s, t, 1, 2, 4, 4);
-        SCOPED_TRACE(model.name + " " + planner::to_string(s) + " t=" + std::to_string(t));
+      for (int t : {2, 4, -2, -4}) {  // negative: with SP
+        const bool sp = t < 0;
+        t = std::abs(t);
+        Plan p = make_plan(s, t, 1, 2, 4, 4);
+        p.sp = sp;
+        SCOPED_TRACE(model.name + " " + planner::to_string(s) + " t=" + std::to_string(t) +
+                     (sp ? " sp" : ""));
         const TrainResult r = train_cpu(model, p, options(2, "adamw"));
         Plan placed = p;
         planner::place(placed, {1, 8});
         const traces::Trace tr =
-            traces::analytic_trace(model, node.device, {p.b}, models::Sharding{t, false});
+            traces::analytic_trace(model, node.device, {p.b}, models::Sharding{t, sp});
         const planner::Estimate e = planner::estimate(model, tr, node, placed);
         ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * t));
         const std::int64_t message =
-            std::int64_t(sizeof(float)) * p.b * model.seq_len * model.hidden;
+            std::int64_t(sizeof(float)) * p.b * model.seq_len * model.hidden / (sp ? t : 1);
         for (int device = 0; device < p.ranks() * t; ++device) {
           const planner::MemoryBreakdown& want = e.report.devices[std::size_t(device / t)].memory;
           const planner::MemoryBreakdown& got = r.ranks[std::size_t(device)].memory;
@@ -245,15 +274,6 @@ TEST(TensorParallel, BadTIsOneLineNamingTheField) {
   m = models::load_model("gpt-tiny");
   m.ffn = 250;
   expect_refused(m, 4, "/ffn");
-  // Sequence parallelism is not run yet.
-  Plan sp = make_plan(Schedule::gpipe, 2, 1, 1, 2, 2);
-  sp.sp = true;
-  try {
-    train_cpu(models::load_model("gpt-tiny"), sp, options(1));
-    ADD_FAILURE() << "sp accepted";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("plan: sp:"), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace
