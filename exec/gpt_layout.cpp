@@ -105,7 +105,7 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (s.has_head) {
     lnf_w = add_slot("lnf_w", C);
     lnf_b = add_slot("lnf_b", C);
-    // A single stage with both ends uses wte itself; otherwise the head holds its own V x C.
+    // A single stage with both ends uses wte itself; otherwise the head holds its own V_t x C.
     head_w = (s.has_embedding && m.tied_embeddings) ? wte : add_slot("lm_head", V_t * C);
   }
 }
