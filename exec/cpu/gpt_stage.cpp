@@ -462,7 +462,11 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
   }
   if (!s.has_embedding) return;
   const float* demb = has_layers ? dres : d_output;
-  if (layout_.sp) demb = gather(demb, ws, BT);  // every token's gradient (ws: past dres)
+  if (layout_.sp) {  // every token's gradient (ws: past dres)
+    if (ws_floats < BT * layout_.C)
+      throw Error("cpu stage backward: workspace too small for the embedding");
+    demb = gather(demb, ws, BT);
+  }
   const auto* tokens = reinterpret_cast<const std::int32_t*>(full_stash);
   if (!vocab_parallel())
     return cpu::embedding_backward(grads + layout_.wte, grads + layout_.wpe, demb, tokens, b,
