@@ -70,7 +70,7 @@ MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& mode
                        const planner::Plan& plan) {
   MeasuredOn on;
   on.backend = backend;
-  on.cluster = fmt::format("cpu:{}", plan.ranks());
+  on.cluster = fmt::format("cpu:{}", plan.gpus());  // a thread per device (t per rank)
 #ifdef PW_HAVE_CUDA
   if (backend == "cuda") {
     const int gpus = mpi() ? mpi()->size() : 1;

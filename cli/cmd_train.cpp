@@ -95,9 +95,10 @@ void add_train_command(CLI::App& app) {
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
     if (lead)
-      fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
-                 model.name, to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m,
-                 plan.global_batch(), a->options.steps, plan.ranks(), on.cluster,
+      fmt::print("{}: {} {}w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
+                 model.name, to_string(plan.schedule),
+                 plan.t > 1 ? fmt::format("t={} ", plan.t) : "", plan.w, plan.d, plan.b, plan.m,
+                 plan.global_batch(), a->options.steps, plan.gpus(), on.cluster,
                  process_count() > 1 ? fmt::format(" ({} processes)", process_count()) : "");
     if (lead)
       a->options.on_resume = [dir = a->options.checkpoint_dir](const exec::ResumeInfo& info) {
@@ -115,7 +116,7 @@ void add_train_command(CLI::App& app) {
         std::fflush(stdout);
       };
     if (a->pin_cores && a->backend == "cpu" && process_count() == 1)
-      a->options.cores = exec::cores_for_ranks(plan.ranks(), exec::allowed_cores());
+      a->options.cores = exec::cores_for_ranks(plan.gpus(), exec::allowed_cores());
     const exec::TrainResult r =
         train_on(a->backend, model, plan, a->options, print_step, a->comm_timeout_s);
     if (!lead) return;
@@ -133,8 +134,14 @@ void add_train_command(CLI::App& app) {
       std::vector<planner::RankTimeline> ranks;
       for (const auto& rank : r.ranks)
         ranks.push_back(rank.timeline);
-      common::write_file_atomic(a->timeline,
-                                planner::chrome_trace(r.programs, ranks).dump() + "\n");
+      // With t > 1 each device ran its pipeline rank's program (device = rank * t + TP index).
+      planner::Programs programs = r.programs;
+      if (plan.t > 1) {
+        programs.devices.clear();
+        for (int device = 0; device < plan.gpus(); ++device)
+          programs.devices.push_back(r.programs.devices[std::size_t(device / plan.t)]);
+      }
+      common::write_file_atomic(a->timeline, planner::chrome_trace(programs, ranks).dump() + "\n");
       report.timeline = a->timeline;
       fmt::print("wrote {}\n", a->timeline);
     }

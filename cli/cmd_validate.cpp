@@ -316,6 +316,11 @@ void run_and_compare(const ValidateArgs& a) {
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
   const planner::Plan plan = a.plan.build(model.layers, 1);
+  if (plan.t > 1)
+    throw InputError(fmt::format(
+        "plan: t: validate does not compare tensor-parallel runs yet (t = {}); train runs them "
+        "(--backend cpu), simulate and estimate predict them",
+        plan.t));
   // Under mpirun: one rank per process; rank 0 profiles, simulates, compares and prints.
   const exec::MpiSession* job = process_count() > 1 ? mpi_session() : nullptr;
   if (job) {

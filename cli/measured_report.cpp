@@ -12,7 +12,7 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   planner::RunReport rep;
   rep.source = "measured";
   rep.model = model.name;
-  rep.cluster = on.cluster.empty() ? fmt::format("cpu:{}", plan.ranks()) : on.cluster;
+  rep.cluster = on.cluster.empty() ? fmt::format("cpu:{}", plan.gpus()) : on.cluster;
   rep.plan = plan;
   // Steady state: the mean step after the first (which includes the pipeline's warm-up).
   const std::size_t skip = r.steps.size() > 1 ? 1 : 0;
@@ -27,8 +27,9 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   for (const auto& rank : r.ranks) {
     planner::DeviceReport d;
     d.rank = rank.rank;
-    d.stage = plan.stage_of(rank.rank);
-    d.replica = plan.replica_of(rank.rank);
+    // One device per TP rank: device = pipeline rank * t + TP index.
+    d.stage = plan.stage_of(rank.rank / plan.t);
+    d.replica = plan.replica_of(rank.rank / plan.t);
     d.peak_memory_bytes = rank.peak_memory_bytes;
     d.memory = rank.memory;
     d.busy_s = rank.busy_s / double(r.steps.size());

@@ -35,6 +35,12 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
     : spec(s), element_bytes(models::dtype_bytes(dtype)), word_elements(4 / element_bytes) {
   const models::ModelSpec& m = s.model;
   models::validate(m, backend + " stage");
+  // t dividing heads, kv_heads, ffn and the padded vocabulary first: those errors name the field.
+  if (s.t < 1 || s.tp_rank < 0 || s.tp_rank >= s.t)
+    throw InputError("stage of model '" + m.name + "': TP rank " + std::to_string(s.tp_rank) +
+                     " of t = " + std::to_string(s.t));
+  const models::Sharding sharding{s.t, s.sp && s.t > 1};
+  models::check_sharding(m, sharding, "model " + m.name);
   if (m.arch != models::Arch::gpt) unsupported(m, backend, "arch", "bert");
   if (m.mlp != models::Mlp::gelu) unsupported(m, backend, "mlp", "swiglu");
   if (m.norm != models::Norm::layernorm) unsupported(m, backend, "norm", "rmsnorm");
@@ -46,8 +52,12 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.dropout) unsupported(m, backend, "dropout", "true");
   if (models::key_value_heads(m) != m.heads)
     unsupported(m, backend, "kv_heads", std::to_string(models::key_value_heads(m)));
-  if (models::padded_vocab(m) != m.vocab)
+  // The CPU stage runs Megatron's tensor parallelism and vocabulary padding (padded logits masked
+  // out of the softmax); the CUDA stage neither yet.
+  if (backend != "cpu" && models::padded_vocab(m, s.t) != m.vocab)
     unsupported(m, backend, "vocab_multiple", std::to_string(m.vocab_multiple));
+  if (backend != "cpu" && s.t != 1) unsupported(m, backend, "t", std::to_string(s.t));
+  if (backend != "cpu" && s.sp) unsupported(m, backend, "sp", "true");
   // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
   if (m.seq_len % word_elements != 0)
@@ -61,8 +71,16 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
                      std::to_string(m.layers) + " layers");
   models::ModelSpec md = m;
   md.dtype = dtype;
-  costs = models::derive_costs(md);
+  costs = models::derive_costs(md, sharding);
   C = m.hidden, F = m.ffn, T = m.seq_len, NH = m.heads, V = m.vocab;
+  t = s.t, tp = s.tp_rank, C_t = C / t, F_t = F / t, NH_t = NH / t;
+  sp = sharding.sp, R = sp ? T / t : T;
+  // The embedding's backward gathers its output's gradient into the workspace of the stage's
+  // blocks or head; an embedding-only stage has none.
+  if (sp && s.has_embedding && s.blocks == 0 && !s.has_head)
+    throw InputError("stage of model '" + m.name +
+                     "': sequence parallelism needs blocks on the embedding's stage");
+  V_pad = models::padded_vocab(m, s.t), V_t = V_pad / t, v_begin = tp * V_t;
   // The backends' stash carving must be what models/ counts.
   if (element_bytes * embedding_elements(T) != costs.embedding.activation_bytes ||
       element_bytes * block_elements(T) != costs.block.activation_bytes ||
@@ -70,11 +88,13 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
     throw Error(backend + " stage: the stash layout disagrees with models::derive_costs (" +
                 models::to_string(dtype) + ")");
   if (s.has_embedding) {
-    wte = add_slot("wte", V * C);
+    wte = add_slot("wte", V_t * C);
     wpe = add_slot("wpe", m.max_positions * C);
   }
-  const std::int64_t sizes[kBlockTensors] = {C, C, 3 * C * C, 3 * C, C * C, C,
-                                             C, C, F * C,     F,     C * F, C};
+  // Column-parallel qkv (this rank's heads of q, k and v) and fc, row-parallel projections (their
+  // biases whole), norms replicated.
+  const std::int64_t sizes[kBlockTensors] = {C, C, 3 * C_t * C, 3 * C_t, C * C_t, C,
+                                             C, C, F_t * C,     F_t,     C * F_t, C};
   for (std::int64_t l = s.first_block; l < s.first_block + s.blocks; ++l) {
     block_base.push_back(parameters);
     for (int k = 0; k < kBlockTensors; ++k) {
@@ -85,8 +105,8 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (s.has_head) {
     lnf_w = add_slot("lnf_w", C);
     lnf_b = add_slot("lnf_b", C);
-    // A single stage with both ends uses wte itself; otherwise the head holds its own V x C.
-    head_w = (s.has_embedding && m.tied_embeddings) ? wte : add_slot("lm_head", V * C);
+    // A single stage with both ends uses wte itself; otherwise the head holds its own V_t x C.
+    head_w = (s.has_embedding && m.tied_embeddings) ? wte : add_slot("lm_head", V_t * C);
   }
 }
 
@@ -115,8 +135,8 @@ StageSizes GptLayout::sizes(int b) const {
       b *
       (spec.has_embedding ? costs.embedding.activation_recompute_bytes : costs.block.input_bytes) /
       element_bytes;
-  z.output = spec.has_head ? 0 : b * T * C;
-  z.input = spec.has_embedding ? 0 : b * T * C;
+  z.output = spec.has_head ? 0 : b * R * C;
+  z.input = spec.has_embedding ? 0 : b * R * C;
   z.workspace = b * workspace / element_bytes;
   z.scratch = b * largest / element_bytes;
   return z;

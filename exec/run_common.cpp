@@ -44,15 +44,20 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   if (options.resume && options.checkpoint_dir.empty())
     throw InputError("--resume needs --checkpoint-dir");
   // What the executor does not run yet (issue 14): say so instead of running something else.
-  if (plan.t > 1 || plan.sp)
+  if (plan.t > 1 && backend != "cpu")
     throw InputError(
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
-                    "(t = {}); simulate or estimate it instead",
+                    "(t = {}; the cpu backend does); simulate or estimate it instead",
                     backend, plan.t));
   if (plan.overlap_param_gather)
     throw InputError(
         fmt::format("plan: overlap_param_gather: the {} executor all-gathers the parameters "
                     "before the next step (no overlap yet); simulate or estimate it instead",
+                    backend));
+  if (plan.sp && plan.t > 1 && backend != "cpu")
+    throw InputError(
+        fmt::format("plan: sp: the {} executor does not run sequence parallelism yet; "
+                    "simulate or estimate it instead",
                     backend));
   if (plan.distributed_optimizer && plan.w > 1 && backend != "cpu")
     throw InputError(
@@ -88,14 +93,26 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
     if (found.step) {
       const int step = *found.step;
       const Manifest m = read_manifest(options.checkpoint_dir, step);
-      check_manifest(m, plan.ranks(), run.identity);
+      // One shard per device (t per pipeline rank): another t cannot read them.
+      const common::Json* written =
+          m.run.is_object() && m.run.contains("plan") ? &m.run["plan"] : nullptr;
+      const int written_t =
+          written && written->is_object() && written->contains("t") && (*written)["t"].is_number()
+              ? int((*written)["t"].get<std::int64_t>())
+              : 1;
+      if (written_t != plan.t)
+        throw InputError(fmt::format(
+            "--resume: {} holds one shard per tensor-parallel rank of t = {}; this plan has t = {} "
+            "(resume with the same --tp)",
+            m.path, written_t, plan.t));
+      check_manifest(m, plan.ranks() * plan.t, run.identity);
       info.step = step;
       info.checkpoint = checkpoint_path(options.checkpoint_dir, step);
       if (step == options.steps && !m.result.is_null()) {
         run.finished = result_from_record(m.result, m.path);
-        if (int(run.finished->ranks.size()) != plan.ranks())
+        if (int(run.finished->ranks.size()) != plan.ranks() * plan.t)
           throw InputError(fmt::format("{}: /result/ranks: {} ranks, the checkpoint has {}", m.path,
-                                       run.finished->ranks.size(), plan.ranks()));
+                                       run.finished->ranks.size(), plan.ranks() * plan.t));
         info.finished = true;
       } else if (step >= options.steps) {
         throw InputError(fmt::format(
@@ -157,8 +174,7 @@ void StepBook::finish_step(int step) {
   // Every rank has written its shard of this step: the manifest makes the checkpoint complete.
   if (checkpoint_after(step) && step + 1 < options->steps) {
     if (before_manifest) before_manifest();
-    if (write_manifests)
-      write_manifest(options->checkpoint_dir, step + 1, plan().ranks(), identity);
+    if (write_manifests) write_manifest(options->checkpoint_dir, step + 1, devices(), identity);
   }
   const double now = std::chrono::duration<double>(Clock::now() - start).count();
   logs.push_back(make_log(step, loss_sum[std::size_t(step - first_step)], now));
@@ -167,7 +183,7 @@ void StepBook::finish_step(int step) {
 
 void StepBook::write_final_manifest(const TrainResult& result) const {
   if (options->checkpoint_dir.empty() || !write_manifests) return;
-  write_manifest(options->checkpoint_dir, options->steps, plan().ranks(), identity, 2,
+  write_manifest(options->checkpoint_dir, options->steps, devices(), identity, 2,
                  result_record(result));
 }
 

@@ -66,6 +66,8 @@ struct StepBook {
   void init(const models::ModelSpec& m, const PreparedRun& run, const TrainOptions& o,
             const TokenSource& tokens, int ranks);
   const planner::Plan& plan() const { return programs->plan; }
+  // Devices (threads or processes) of the run: t per pipeline rank.
+  int devices() const { return plan().ranks() * plan().t; }
   // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
   bool checkpoint_after(int step) const;
   void add_loss(int step, double loss);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,28 @@ struct StageSpec {
   std::int64_t first_block = 0;
   std::int64_t blocks = 0;
   bool has_head = false;
+  // Megatron tensor parallelism: this stage is TP rank `tp_rank` of `t` (heads, FFN and the padded
+  // vocabulary split; LayerNorms and the row-parallel biases replicated). t = 1: the whole layer.
+  int t = 1;
+  int tp_rank = 0;
+  // Megatron's sequence parallelism (t > 1): outside the TP region (norms, residuals, the stage's
+  // input and output) each TP rank holds 1/t of the microbatch's b*T tokens, rows
+  // [tp_rank * bT/t, (tp_rank + 1) * bT/t); all-gathers before the column-parallel GEMMs and
+  // reduce-scatters after the row-parallel ones replace the all-reduces.
+  bool sp = false;
+};
+
+// The TP group's collectives over n floats in place (every member calls them in the same order
+// with the same n; bit-identical results on every member). Only used when StageSpec::t > 1.
+struct TpComm {
+  std::function<void(float* data, std::int64_t n)> all_reduce;  // sum
+  // data: t equal parts in group order. all_gather: every member's part to every member;
+  // reduce_scatter: the caller's part becomes the sum of every member's part (the rest unchanged).
+  std::function<void(float*data, std::int64_t n)> all_gather, reduce_scatter;
+  // Sequence parallelism: where forward and recompute gather full-width activations
+  // (sizes().workspace floats: the rank's backward workspace, free while they run).
+  float* scratch = nullptr;
+  std::int64_t scratch_floats = 0;
 };
 
 // A named tensor inside a stage's parameter blob (and, at the same offset, its gradient blob).
@@ -48,10 +71,14 @@ class StageCompute {
   virtual const StageSpec& spec() const = 0;
   virtual const std::vector<TensorSlot>& layout() const = 0;
   virtual StageSizes sizes(int b) const = 0;
+  // The TP group's collectives (needed before forward when spec().t > 1). Backends without tensor
+  // parallelism refuse t > 1 when they are built and ignore this.
+  virtual void set_tp(TpComm) {}
 
   // GPT-2 initialisation (normal(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at
-  // 1/0), deterministic in (seed, tensor name): the same tensor gets the same values on every
-  // stage split, so a d-stage run starts from the single-device weights. The last stage's tied
+  // 1/0), deterministic in (seed, tensor name, element of the whole tensor): the same tensor gets
+  // the same values on every stage split, and a TP shard is the slice of the t = 1 tensor it
+  // holds, so a d-stage, t-way run starts from the single-device weights. The last stage's tied
   // LM head copy gets the token embedding's values.
   virtual void init_parameters(float* params, std::uint64_t seed) const = 0;
 

@@ -27,18 +27,19 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   InProcessTransport transport;
   detail::Shared shared;
   shared.transport = &transport;
-  shared.init(model, run, options, data, plan.ranks());
-  shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks()));
+  // t devices (threads) per pipeline rank.
+  const int devices = plan.ranks() * plan.t;
+  shared.init(model, run, options, data, devices);
+  shared.devices = std::vector<MemoryCounter>(std::size_t(devices));
   shared.on_step = on_step;
   std::vector<std::unique_ptr<detail::Worker>> workers;
-  for (int r = 0; r < plan.ranks(); ++r)
+  for (int r = 0; r < devices; ++r)
     workers.push_back(std::make_unique<detail::Worker>(shared, r));
   shared.start = detail::Clock::now();
-  if (!options.cores.empty() && int(options.cores.size()) != plan.ranks())
-    throw InputError(
-        fmt::format("{} cores to pin {} ranks to", options.cores.size(), plan.ranks()));
+  if (!options.cores.empty() && int(options.cores.size()) != devices)
+    throw InputError(fmt::format("{} cores to pin {} ranks to", options.cores.size(), devices));
   detail::run_threads(
-      plan.ranks(),
+      devices,
       [&](int r) {
         if (!options.cores.empty()) pin_current_thread(options.cores[std::size_t(r)]);
         workers[std::size_t(r)]->run();

@@ -14,21 +14,64 @@ namespace pw::exec::detail {
 using planner::Op;
 using planner::OpKind;
 
-Worker::Worker(Shared& s, int rank)
+Worker::Worker(Shared& s, int device)
     : s_(s),
-      rank_(rank),
-      stage_(s.plan().stage_of(rank)),
-      replica_(s.plan().replica_of(rank)),
-      memory_(&s.devices[std::size_t(rank)]) {
+      device_(device),
+      rank_(device / s.plan().t),
+      tp_(device % s.plan().t),
+      stage_(s.plan().stage_of(rank_)),
+      replica_(s.plan().replica_of(rank_)),
+      t_(s.plan().t),
+      memory_(&s.devices[std::size_t(device)]) {
   const planner::Plan& p = s.plan();
   std::int64_t workspace = 0;
-  slots_.set_rank(rank);
+  slots_.set_rank(device);
+  // The TP group: the t devices of this pipeline rank, summing in group order under keys that
+  // count the group's collectives (its members run the same program, so the same sequence).
+  std::vector<int> tp_group;
+  for (int i = 0; i < t_; ++i)
+    tp_group.push_back(rank_ * t_ + i);
   sharded_ = p.distributed_optimizer && p.w > 1;
   std::int64_t flat = 0;  // the rank's parameters so far
   for (int c = 0; c < p.v; ++c) {
-    const StageSpec spec = chunk_spec(*s.model, p, stage_, c);
+    StageSpec spec = chunk_spec(*s.model, p, stage_, c);
+    spec.t = t_;
+    spec.tp_rank = tp_;
+    spec.sp = p.sp;
     Chunk ch;
     ch.stage = make_cpu_stage(spec);
+    if (t_ > 1) {
+      TpComm comm;
+      // Keys count the group's collectives: its members run the same program, so the same
+      // sequence. The waits inside compute ops are not busy time.
+      const auto timed = [this](auto&& call) {
+        const auto t0 = Clock::now();
+        call(fmt::format("tp/{}/{}", rank_, tp_calls_++));
+        tp_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      };
+      const auto parts = [this](std::int64_t n) {
+        std::vector<std::int64_t> bounds;
+        for (int i = 0; i <= t_; ++i)
+          bounds.push_back(n / t_ * i);
+        return bounds;
+      };
+      comm.all_reduce = [this, tp_group, timed](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->all_reduce_sum(key, tp_group, device_, data, n);
+        });
+      };
+      comm.all_gather = [this, tp_group, timed, parts](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->all_gather(key, tp_group, device_, data, parts(n));
+        });
+      };
+      comm.reduce_scatter = [this, tp_group, timed, parts](float* data, std::int64_t n) {
+        timed([&](const std::string& key) {
+          s_.transport->reduce_scatter_sum(key, tp_group, device_, data, parts(n));
+        });
+      };
+      tp_comms_.push_back(comm);
+    }
     ch.sizes = ch.stage->sizes(p.b);
     ch.first = spec.has_embedding;
     ch.last = spec.has_head;
@@ -75,6 +118,12 @@ Worker::Worker(Shared& s, int rank)
     ch.v_at = v.empty() ? nullptr : v.data() + at;
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
+  // Forward and recompute gather (SP) into the workspace: free while they run.
+  for (std::size_t c = 0; c < tp_comms_.size(); ++c) {
+    tp_comms_[c].scratch = workspace_.data();
+    tp_comms_[c].scratch_floats = workspace_.size();
+    chunks_[c].stage->set_tp(tp_comms_[c]);
+  }
   if (s.first_step > 0) load_checkpoint(s.first_step);
 }
 
@@ -103,9 +152,10 @@ void Worker::save_checkpoint(int step) {
   const int updates = step + 1;
   const std::vector<int> versions = planner::initial_versions(s_.plan(), updates);
   common::Json header = {{"format", "pipewright.checkpoint-shard/2"},
-                         {"rank", rank_},
+                         {"rank", device_},
                          {"stage", stage_},
                          {"replica", replica_},
+                         {"tp", tp_},
                          {"step", updates},
                          {"versions", versions}};
   std::vector<ShardTensor> tensors = shard_tensors(versions);
@@ -123,7 +173,7 @@ void Worker::save_checkpoint(int step) {
       t.data = copies.back().data();
     }
   }
-  write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), rank_), header,
+  write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), device_), header,
               tensors);
 }
 
@@ -134,7 +184,7 @@ void Worker::load_checkpoint(int step) {
     for (Chunk& c : chunks_)
       c.slots[1] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
   updates_ = step;
-  read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), rank_),
+  read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), device_),
              shard_tensors(versions));
   load_tied_copy(step, versions);
 }
@@ -145,12 +195,16 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
   const planner::Plan& p = s_.plan();
   Chunk& c = chunks_.back();
   if (p.d == 1 || stage_ != p.d - 1 || c.tied_offset < 0) return;
-  const std::unique_ptr<StageCompute> first = make_cpu_stage(chunk_spec(*s_.model, p, 0, 0));
+  StageSpec first_spec = chunk_spec(*s_.model, p, 0, 0);
+  first_spec.t = t_;
+  first_spec.tp_rank = tp_;
+  first_spec.sp = p.sp;
+  const std::unique_ptr<StageCompute> first = make_cpu_stage(first_spec);
   std::int64_t offset = -1;
   for (const auto& slot : first->layout())
     if (slot.name == "wte") offset = slot.offset;
-  const std::string shard =
-      shard_path(checkpoint_path(s_.options->checkpoint_dir, step), p.rank_of(0, replica_));
+  const std::string shard = shard_path(checkpoint_path(s_.options->checkpoint_dir, step),
+                                       device_of(p.rank_of(0, replica_)));
   for (int version : versions)
     read_shard_slice(shard, fmt::format("c0.w{}", version), offset,
                      c.slots[slots_.slot_of(version)].data() + c.tied_offset, c.tied_size);
@@ -159,7 +213,7 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
 void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
   for (op_ = 0; op_ < int(ops.size()); ++op_) {
-    if (s_.before_op) s_.before_op(rank_, op_);
+    if (s_.before_op) s_.before_op(device_, op_);
     step(ops[std::size_t(op_)]);
   }
 }
@@ -181,26 +235,28 @@ void Worker::step(const Op& op) {
     case OpKind::send_activation:
       record(planner::kSendStream, Clock::now(), Clock::now());
       s_.transport->send(
-          rank_, op.peer, Channel::activation,
+          device_, device_of(op.peer), Channel::activation,
           std::vector<float>(outputs_[key].data(), outputs_[key].data() + outputs_[key].size()));
       outputs_.erase(key);
       return;
     case OpKind::send_gradient:
       record(planner::kSendStream, Clock::now(), Clock::now());
       s_.transport->send(
-          rank_, op.peer, Channel::gradient,
+          device_, device_of(op.peer), Channel::gradient,
           std::vector<float>(d_inputs_[key].data(), d_inputs_[key].data() + d_inputs_[key].size()));
       d_inputs_.erase(key);
       return;
     case OpKind::recv_activation: {
       const auto t0 = Clock::now();
-      inputs_[key] = to_buffer(s_.transport->recv(op.peer, rank_, Channel::activation));
+      inputs_[key] =
+          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::activation));
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
     case OpKind::recv_gradient: {
       const auto t0 = Clock::now();
-      d_outputs_[key] = to_buffer(s_.transport->recv(op.peer, rank_, Channel::gradient));
+      d_outputs_[key] =
+          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::gradient));
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
@@ -253,7 +309,7 @@ void Worker::forward(const Op& op) {
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
-  if (c.last) s_.add_loss(op.step, loss);
+  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);  // every TP member computes it
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);
@@ -302,14 +358,15 @@ void Worker::all_reduce(const Op& op) {
   const std::int64_t n = c.grads.size(), per = (n + buckets - 1) / buckets;
   const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
   if (sharded_) return reduce_scatter(op, begin, end);
-  s_.transport->all_reduce_sum(fmt::format("ar/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket),
-                               replica_group(), rank_, c.grads.data() + begin, end - begin);
+  s_.transport->all_reduce_sum(
+      fmt::format("ar/{}.{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket), replica_group(),
+      device_, c.grads.data() + begin, end - begin);
 }
 
 std::vector<int> Worker::replica_group() const {
   std::vector<int> group;
   for (int r = 0; r < s_.plan().w; ++r)
-    group.push_back(s_.plan().rank_of(stage_, r));
+    group.push_back(device_of(s_.plan().rank_of(stage_, r)));
   return group;
 }
 
@@ -373,11 +430,11 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end) 
     const std::int64_t a = cuts[piece], b = cuts[piece + 1];
     if (a >= b) continue;
     const std::string key =
-        fmt::format("rs/{}/{}/{}/{}/{}", stage_, op.step, op.chunk, op.bucket, piece);
+        fmt::format("rs/{}.{}/{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket, piece);
     if (piece == 1 && p.d == 1)
-      s_.transport->all_reduce_sum(key, group, rank_, c.grads.data() + a, b - a);
+      s_.transport->all_reduce_sum(key, group, device_, c.grads.data() + a, b - a);
     else
-      s_.transport->reduce_scatter_sum(key, group, rank_, c.grads.data() + a,
+      s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a,
                                        clip(piece == 1 ? tied_starts : shards, a, b));
   }
   record(planner::kCollectiveStream, t0, Clock::now());
@@ -389,7 +446,7 @@ void Worker::all_gather(int step, int target) {
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
-    s_.transport->all_gather(fmt::format("ag/{}/{}/{}", stage_, step, i), group, rank_,
+    s_.transport->all_gather(fmt::format("ag/{}.{}/{}/{}", stage_, tp_, step, i), group, device_,
                              c.slots[target].data(), clip(shard_starts(c), 0, c.sizes.parameters));
   }
   record(planner::kCollectiveStream, t0, Clock::now());
@@ -415,12 +472,13 @@ void Worker::tied(const Op& op) {
   switch (op.kind) {
     case OpKind::send_tied_gradient:
       record(planner::kSendStream, t0, t0);
-      s_.transport->send(rank_, op.peer, Channel::tied,
+      s_.transport->send(device_, device_of(op.peer), Channel::tied,
                          std::vector<float>(grad + sh.begin, grad + sh.end));
       std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
       return;
     case OpKind::recv_tied_gradient: {
-      const std::vector<float> head = s_.transport->recv(op.peer, rank_, Channel::tied);
+      const std::vector<float> head =
+          s_.transport->recv(device_of(op.peer), device_, Channel::tied);
       if (p.w > 1) {
         tied_head_.assign(std::size_t(n), 0.0f);
         std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
@@ -432,7 +490,7 @@ void Worker::tied(const Op& op) {
       return;
     }
     case OpKind::gather_tied_gradient:
-      s_.transport->all_gather(fmt::format("tg/{}/{}", stage_, op.step), group, rank_,
+      s_.transport->all_gather(fmt::format("tg/{}.{}/{}", stage_, tp_, op.step), group, device_,
                                tied_head_.data(), tied_bounds(n, p.w));
       for (std::int64_t i = 0; i < n; ++i)
         grad[i] = grad[i] + tied_head_[std::size_t(i)];
@@ -442,12 +500,13 @@ void Worker::tied(const Op& op) {
     case OpKind::send_tied_weights: {
       const float* w = params(c, op.version) + c.tied_offset;
       record(planner::kSendStream, t0, t0);
-      s_.transport->send(rank_, op.peer, Channel::tied_weights,
+      s_.transport->send(device_, device_of(op.peer), Channel::tied_weights,
                          std::vector<float>(w + sh.begin, w + sh.end));
       return;
     }
     case OpKind::recv_tied_weights: {
-      const std::vector<float> w = s_.transport->recv(op.peer, rank_, Channel::tied_weights);
+      const std::vector<float> w =
+          s_.transport->recv(device_of(op.peer), device_, Channel::tied_weights);
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
       if (p.w > 1) std::fill(out, out + n, 0.0f);
       std::copy(w.begin(), w.end(), out + sh.begin);
@@ -456,8 +515,8 @@ void Worker::tied(const Op& op) {
     }
     default: {  // gather_tied_weights
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
-      s_.transport->all_gather(fmt::format("tw/{}/{}", stage_, op.version), group, rank_, out,
-                               tied_bounds(n, p.w));
+      s_.transport->all_gather(fmt::format("tw/{}.{}/{}", stage_, tp_, op.version), group, device_,
+                               out, tied_bounds(n, p.w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     }
@@ -519,18 +578,20 @@ void Worker::update(Chunk& c, int source, int target) {
 
 RankResult Worker::result() const {
   RankResult r;
-  r.rank = rank_;
+  r.rank = device_;
   r.peak_memory_bytes = memory_->peak();
   r.memory = memory_->at_peak();
-  r.busy_s = busy_s_;
+  r.busy_s = busy_s_ - tp_wait_s_;
   for (const Chunk& c : chunks_)
     r.weights.emplace_back(c.slots[slots_.newest()].data(),
                            c.slots[slots_.newest()].data() + c.slots[slots_.newest()].size());
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
-  r.timeline.rank = rank_;
-  r.timeline.label =
-      fmt::format("rank {} ({}, stage {}, replica {})", rank_, s_.runs_on, stage_, replica_);
+  r.timeline.rank = device_;
+  r.timeline.label = t_ > 1 ? fmt::format("rank {} ({}, stage {}, replica {}, TP rank {})", device_,
+                                          s_.runs_on, stage_, replica_, tp_)
+                            : fmt::format("rank {} ({}, stage {}, replica {})", device_, s_.runs_on,
+                                          stage_, replica_);
   r.timeline.ops = ops_;
   for (const auto& [t, bytes] : memory_->samples())
     r.timeline.memory.emplace_back(

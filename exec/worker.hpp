@@ -35,9 +35,13 @@ struct Shared : StepBook {
 // The CPU backend trains fp32 models only: an InputError naming the model otherwise.
 void check_cpu_model(const models::ModelSpec& model);
 
+// One worker per device: with tensor parallelism (t > 1) the t devices of pipeline rank r
+// (device = r * t + TP index, planner/plan.hpp's order) run r's program alike, each with its shard
+// of the layers; their point-to-point messages and data-parallel collectives go to the devices of
+// the same TP index.
 class Worker {
  public:
-  Worker(Shared& shared, int rank);
+  Worker(Shared& shared, int device);
   void run();
   RankResult result() const;
 
@@ -85,7 +89,13 @@ class Worker {
   Buffer to_buffer(std::vector<float> data);
 
   Shared& s_;
-  int rank_, stage_, replica_;
+  int device_;  // this worker's device: its transport rank, memory, checkpoint shard and result
+  int rank_, tp_, stage_, replica_;  // its pipeline rank (program), TP index, stage, replica
+  int t_;
+  int tp_calls_ = 0;
+  std::vector<TpComm> tp_comms_;  // per chunk (t > 1)  // TP collectives so far (the same sequence
+                                  // on every member of the group)
+  int device_of(int rank) const { return rank * t_ + tp_; }  // pipeline rank -> device, my TP index
   MemoryCounter* memory_;
   BufferPool pool_;  // the activations' storage, reused (outlives every buffer below)
   std::vector<Chunk> chunks_;
@@ -97,7 +107,8 @@ class Worker {
   int updates_ = 0;
   std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
   double busy_s_ = 0;
-  int op_ = 0;                         // index of the op being run
+  double tp_wait_s_ = 0;  // inside compute ops: the TP collectives (not counted as busy)
+  int op_ = 0;            // index of the op being run
   std::vector<planner::TimedOp> ops_;  // the timeline
   void record(int stream, Clock::time_point a, Clock::time_point b);
 };

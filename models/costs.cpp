@@ -103,6 +103,13 @@ LayerCosts block_costs(const ModelSpec& s, const Sharding& sh) {
   // the row-parallel outputs; the T x T scores only when attention is unfused).
   c.workspace_bytes =
       2 * d.e * d.T * std::max({d.C, d.Q_t, d.F_t, d.unfused ? d.NH_t * d.T : std::int64_t(0)});
+  // With t > 1 a full-width T x C more: the column-parallel inputs' gradients are summed over the
+  // TP group whole (C wide, not C / t) while the first stage also keeps its residual-stream
+  // gradient there (the executors' backward; at t = 1 the two buffers leave room for it).
+  if (d.t > 1) c.workspace_bytes += d.e * d.T * d.C;
+  // With SP also the first stage's residual-stream gradient (its rows) beside a gathered
+  // full-width activation or gradient.
+  if (d.t > 1 && sh.sp) c.workspace_bytes += d.e * d.rows * d.C;
   // Forward read + write traffic of the non-GEMM ops. Outside: two norms (2 x 2C), two residual
   // adds (2 x 3C), two dropouts (read, write, mask: 2e + 1 bytes each). Inside: the activation
   // (GELU 2F, SwiGLU 3F), unfused softmax (2 NH T) and its dropout.
@@ -189,6 +196,8 @@ LayerCosts head_costs(const ModelSpec& s, const Sharding& sh) {
   c.activation_selective_bytes = c.activation_bytes;
   c.output_bytes = d.T * kStatBytes;      // per-token loss
   c.workspace_bytes = d.e * d.T * d.V_t;  // gradient of this rank's logits
+  // With SP the gathered norm output and the full-width gradient of it beside them.
+  if (d.t > 1 && sh.sp) c.workspace_bytes += 2 * d.e * d.T * d.C;
   c.elementwise_bytes = double(d.e) * (double(d.rows) * d.C * (bert ? 8.0 : 2.0) + 3.0 * T * d.V_t);
   if (d.t > 1) {
     const std::int64_t full = d.e * d.T * d.C;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common/error.hpp"
 #include "exec/cpu/kernels.hpp"
@@ -32,13 +33,22 @@ std::uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-void fill_normal(float* out, int64_t n, std::uint64_t seed, const std::string& name, float std) {
+// Elements [first, first + n) of the whole tensor `name` (a TP shard fills its slices of it).
+void fill_normal(float* out, int64_t n, std::uint64_t seed, const std::string& name, float std,
+                 int64_t first = 0) {
   const std::uint64_t key = splitmix64(seed ^ fnv1a(name));
-  for (int64_t i = 0; i < n; ++i) {
-    const double u1 = (double(splitmix64(key + 2 * std::uint64_t(i)) >> 11) + 0.5) * 0x1p-53;
-    const double u2 = (double(splitmix64(key + 2 * std::uint64_t(i) + 1) >> 11) + 0.5) * 0x1p-53;
-    out[i] = float(std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  for (int64_t k = 0; k < n; ++k) {
+    const std::uint64_t i = std::uint64_t(first + k);
+    const double u1 = (double(splitmix64(key + 2 * i) >> 11) + 0.5) * 0x1p-53;
+    const double u2 = (double(splitmix64(key + 2 * i + 1) >> 11) + 0.5) * 0x1p-53;
+    out[k] = float(std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
   }
+}
+
+void check_id(std::int32_t id, int64_t V, const char* what) {
+  if (id < 0 || id >= V)
+    throw InputError(std::string(what) + " id " + std::to_string(id) + " outside [0, " +
+                     std::to_string(V) + ")");
 }
 
 // Carves consecutive tensors out of a stash region.
@@ -72,6 +82,7 @@ class CpuGptStage final : public StageCompute {
   const std::vector<TensorSlot>& layout() const override { return layout_.slots; }
   StageSizes sizes(int b) const override { return layout_.sizes(b); }
   void init_parameters(float* params, std::uint64_t seed) const override;
+  void set_tp(TpComm comm) override { tp_ = std::move(comm); }
   float forward(const float* params, const std::int32_t* tokens, const float* input,
                 const std::int32_t* targets, int b, bool recompute, float* stash, float* output,
                 float* scratch) override;
@@ -95,7 +106,29 @@ class CpuGptStage final : public StageCompute {
   void head_backward(const float* params, float* grads, const HeadActs<const float>& h, int b,
                      float loss_scale, float* dres, float* ws, int64_t ws_floats) const;
 
+  // Tensor parallelism: the TP group's sum (nothing at t = 1); the row-parallel GEMM's output
+  // summed over the group, then `residual` + bias added (as matmul_forward fuses them at t = 1).
+  void tp_sum(float* data, int64_t n) const;
+  // Sequence parallelism: this rank's rows (rows(BT) x C) into `full` (BT x C) and every other
+  // rank's rows from them; the sum of every rank's `full` over this rank's rows into `mine`.
+  const float* gather(const float* mine, float* full, int64_t BT) const;
+  void scatter(float* full, float* mine, int64_t BT) const;
+  // A norm's weight and bias gradients of this rank's rows, summed over the group (SP), added.
+  void norm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, const float* mean, const float* rstd, int N,
+                     bool accumulate) const;
+  float* scratch(int64_t floats) const;
+  void row_parallel_forward(float* out, const float* inp, const float* weight, const float* bias,
+                            const float* residual, int N, int C_in) const;
+  // The embedding and cross-entropy over this rank's vocabulary rows (t > 1 or padding).
+  void embedding_forward_vp(float* out, const std::int32_t* tokens, const float* params,
+                            int b) const;
+  double crossentropy_forward_vp(float* probs, float* losses, const std::int32_t* targets,
+                                 int N) const;
+  bool vocab_parallel() const { return layout_.t > 1 || layout_.V_pad != layout_.V; }
+
   GptLayout layout_;  // in fp32 elements
+  TpComm tp_;
 };
 
 // The CPU backend computes in fp32 whatever the model says.
@@ -103,6 +136,7 @@ CpuGptStage::CpuGptStage(const StageSpec& spec) : layout_(spec, models::DType::f
 
 void CpuGptStage::init_parameters(float* params, std::uint64_t seed) const {
   const float proj_std = 0.02f / std::sqrt(2.0f * float(layout_.spec.model.layers));
+  const int64_t C = layout_.C, F = layout_.F, C_t = layout_.C_t, F_t = layout_.F_t, tp = layout_.tp;
   for (const TensorSlot& s : layout_.slots) {
     float* p = params + s.offset;
     const std::string& n = s.name;
@@ -110,38 +144,194 @@ void CpuGptStage::init_parameters(float* params, std::uint64_t seed) const {
       const std::size_t k = std::strlen(suffix);
       return n.size() >= k && n.compare(n.size() - k, k, suffix) == 0;
     };
-    if (n == "lm_head" && layout_.spec.model.tied_embeddings) {
-      fill_normal(p, s.size, seed, "wte", 0.02f);  // the tied copy starts as the embedding
-    } else if (ends("ln1_w") || ends("ln2_w") || n == "lnf_w") {
+    if (ends("ln1_w") || ends("ln2_w") || n == "lnf_w") {
       std::fill(p, p + s.size, 1.0f);
     } else if (ends("_b")) {
       std::fill(p, p + s.size, 0.0f);
+    } else if (n == "wte" || n == "lm_head") {
+      // This rank's vocabulary rows; the tied copy starts as the embedding.
+      const std::string name = layout_.spec.model.tied_embeddings ? "wte" : n;
+      fill_normal(p, s.size, seed, name, 0.02f, layout_.v_begin * C);
+    } else if (ends("qkv_w")) {
+      for (int64_t part = 0; part < 3; ++part)  // this rank's heads of q, k and v
+        fill_normal(p + part * C_t * C, C_t * C, seed, n, 0.02f, (part * C + tp * C_t) * C);
+    } else if (ends("fc_w")) {
+      fill_normal(p, s.size, seed, n, 0.02f, tp * F_t * C);
+    } else if (ends("attproj_w") || ends("fcproj_w")) {
+      const int64_t in = ends("attproj_w") ? C : F, in_t = in / layout_.t;
+      for (int64_t row = 0; row < C; ++row)  // this rank's input columns of every row
+        fill_normal(p + row * in_t, in_t, seed, n, proj_std, row * in + tp * in_t);
     } else {
-      fill_normal(p, s.size, seed, n, ends("proj_w") ? proj_std : 0.02f);
+      fill_normal(p, s.size, seed, n, 0.02f);
     }
   }
 }
 
+void CpuGptStage::tp_sum(float* data, int64_t n) const {
+  if (layout_.t == 1) return;
+  if (!tp_.all_reduce) throw Error("cpu stage: t > 1 without the TP group's all-reduce");
+  tp_.all_reduce(data, n);
+}
+
+float* CpuGptStage::scratch(int64_t floats) const {
+  if (!tp_.scratch || tp_.scratch_floats < floats)
+    throw Error("cpu stage: sequence parallelism without a large enough gather scratch");
+  return tp_.scratch;
+}
+
+const float* CpuGptStage::gather(const float* mine, float* full, int64_t BT) const {
+  const int64_t n = layout_.rows(BT) * layout_.C;
+  std::memcpy(full + layout_.tp * n, mine, std::size_t(n) * sizeof(float));
+  tp_.all_gather(full, BT * layout_.C);
+  return full;
+}
+
+void CpuGptStage::scatter(float* full, float* mine, int64_t BT) const {
+  const int64_t n = layout_.rows(BT) * layout_.C;
+  tp_.reduce_scatter(full, BT * layout_.C);
+  std::memmove(mine, full + layout_.tp * n, std::size_t(n) * sizeof(float));
+}
+
+void CpuGptStage::norm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                const float* inp, const float* weight, const float* mean,
+                                const float* rstd, int N, bool accumulate) const {
+  const int C = int(layout_.C);
+  if (!layout_.sp)
+    return cpu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
+                                   accumulate);
+  std::vector<float> d(std::size_t(2 * C), 0.0f);
+  cpu::layernorm_backward(dinp, d.data(), d.data() + C, dout, inp, weight, mean, rstd, N, C,
+                          accumulate);
+  tp_sum(d.data(), 2 * C);
+  for (int j = 0; j < C; ++j) {
+    dweight[j] += d[std::size_t(j)];
+    dbias[j] += d[std::size_t(C + j)];
+  }
+}
+
+void CpuGptStage::row_parallel_forward(float* out, const float* inp, const float* weight,
+                                       const float* bias, const float* residual, int N,
+                                       int C_in) const {
+  const int C = int(layout_.C);
+  if (layout_.t == 1) return cpu::matmul_forward(out, inp, weight, bias, residual, N, C_in, C);
+  int64_t rows = N;
+  if (layout_.sp) {  // the partial sums full-width in the scratch, this rank's rows summed
+    float* full = scratch(int64_t(N) * C);
+    cpu::matmul_forward(full, inp, weight, nullptr, nullptr, N, C_in, C);
+    rows = layout_.rows(N);
+    scatter(full, out, N);
+  } else {
+    cpu::matmul_forward(out, inp, weight, nullptr, nullptr, N, C_in, C);
+    tp_sum(out, int64_t(N) * C);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * C;
+    const float* x = residual + r * C;
+    for (int j = 0; j < C; ++j)
+      o[j] = (x[j] + bias[j]) + o[j];
+  }
+}
+
+// Rows of this rank's vocabulary range, zeros elsewhere, summed over the group; then positions.
+void CpuGptStage::embedding_forward_vp(float* out, const std::int32_t* tokens, const float* params,
+                                       int b) const {
+  const int64_t T = layout_.T, C = layout_.C, BT = int64_t(b) * T;
+  const float* wte = params + layout_.wte;
+  // With SP the lookups full-width in the scratch, this rank's rows of their sum into out.
+  float* looked = layout_.sp ? scratch(BT * C) : out;
+  for (int64_t i = 0; i < BT; ++i) {
+    check_id(tokens[i], layout_.V, "token");
+    const int64_t row = tokens[i] - layout_.v_begin;
+    float* o = looked + i * C;
+    if (row >= 0 && row < layout_.V_t)
+      std::memcpy(o, wte + row * C, std::size_t(C) * sizeof(float));
+    else
+      std::fill(o, o + C, 0.0f);
+  }
+  if (layout_.sp)
+    scatter(looked, out, BT);
+  else
+    tp_sum(out, BT * C);
+  const float* wpe = params + layout_.wpe;
+  const int64_t rows = layout_.rows(BT), first = layout_.sp ? layout_.tp * rows : 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* o = out + i * C;
+    const float* p = wpe + ((first + i) % T) * C;
+    for (int64_t j = 0; j < C; ++j)
+      o[j] = o[j] + p[j];
+  }
+}
+
+// Megatron's vocabulary-parallel cross-entropy over this rank's logits (N, V_t): the row maxima,
+// the sums of exponentials and the target logits summed over the group; padded rows (>= V) get
+// probability 0. Logits become probabilities in place.
+double CpuGptStage::crossentropy_forward_vp(float* probs, float* losses,
+                                            const std::int32_t* targets, int N) const {
+  const int64_t Vt = layout_.V_t, t = layout_.t, tp = layout_.tp;
+  const int64_t valid = std::clamp(layout_.V - layout_.v_begin, int64_t(0), Vt);
+  // Each rank's row maxima side by side (a sum of one value and zeros is exact).
+  std::vector<float> maxima(std::size_t(N * t), 0.0f), sums(std::size_t(2 * N), 0.0f);
+  for (int64_t r = 0; r < N; ++r) {
+    check_id(targets[r], layout_.V, "target");
+    const float* l = probs + r * Vt;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < valid; ++j)
+      m = std::max(m, l[j]);
+    maxima[std::size_t(r * t + tp)] = m;
+  }
+  tp_sum(maxima.data(), N * t);
+  for (int64_t r = 0; r < N; ++r) {
+    float m = -INFINITY;
+    for (int64_t k = 0; k < t; ++k)
+      m = std::max(m, maxima[std::size_t(r * t + k)]);
+    float* l = probs + r * Vt;
+    // The target's logit minus the maximum, on the rank that holds it.
+    const int64_t target = targets[r] - layout_.v_begin;
+    if (target >= 0 && target < valid) sums[std::size_t(N + r)] = l[target] - m;
+    double sum = 0;
+    for (int64_t j = 0; j < valid; ++j) {
+      l[j] = std::exp(l[j] - m);
+      sum += l[j];
+    }
+    std::fill(l + valid, l + Vt, 0.0f);
+    sums[std::size_t(r)] = float(sum);
+  }
+  tp_sum(sums.data(), 2 * N);
+  double total = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    const float s = sums[std::size_t(r)];
+    float* l = probs + r * Vt;
+    const float inv = 1.0f / s;
+    for (int64_t j = 0; j < valid; ++j)
+      l[j] *= inv;
+    losses[r] = std::log(s) - sums[std::size_t(N + r)];
+    total += losses[r];
+  }
+  return total;
+}
+
 template <class F>
 BlockActs<F> CpuGptStage::carve_block(F* base, int64_t BT) const {
-  const int64_t C = layout_.C, T = layout_.T, NH = layout_.NH;
+  const int64_t C = layout_.C, T = layout_.T, C_t = layout_.C_t, NH_t = layout_.NH_t;
   Carver<F> c{base};
   BlockActs<F> a;
-  a.x = c.take(BT * C), a.ln1 = c.take(BT * C);
-  a.ln1_mean = c.take(BT), a.ln1_rstd = c.take(BT);
-  a.qkv = c.take(BT * 3 * C), a.att = c.take(BT * NH * T), a.atty = c.take(BT * C);
-  a.resid1 = c.take(BT * C), a.ln2 = c.take(BT * C);
-  a.ln2_mean = c.take(BT), a.ln2_rstd = c.take(BT);
-  a.fc = c.take(BT * layout_.F), a.gelu = c.take(BT * layout_.F);
+  const int64_t R = layout_.rows(BT);  // tokens outside the TP region (SP: this rank's)
+  a.x = c.take(R * C), a.ln1 = c.take(R * C);
+  a.ln1_mean = c.take(R), a.ln1_rstd = c.take(R);
+  a.qkv = c.take(BT * 3 * C_t), a.att = c.take(BT * NH_t * T), a.atty = c.take(BT * C_t);
+  a.resid1 = c.take(R * C), a.ln2 = c.take(R * C);
+  a.ln2_mean = c.take(R), a.ln2_rstd = c.take(R);
+  a.fc = c.take(BT * layout_.F_t), a.gelu = c.take(BT * layout_.F_t);
   return a;
 }
 
 template <class F>
 HeadActs<F> CpuGptStage::carve_head(F* base, int64_t BT) const {
-  const int64_t C = layout_.C, V = layout_.V;
+  const int64_t C = layout_.C, V = layout_.V_t;
   Carver<F> c{base};
   HeadActs<F> h;
-  h.x = c.take(BT * C), h.lnf = c.take(BT * C), h.mean = c.take(BT), h.rstd = c.take(BT);
+  const int64_t R = layout_.rows(BT);
+  h.x = c.take(R * C), h.lnf = c.take(R * C), h.mean = c.take(R), h.rstd = c.take(R);
   h.probs = c.take(BT * V), h.targets = c.take(BT), h.losses = c.take(BT);
   return h;
 }
@@ -159,7 +349,7 @@ float CpuGptStage::forward(const float* params, const std::int32_t* tokens, cons
   if (s.has_embedding)
     std::memcpy(stash, tokens, std::size_t(BT) * sizeof(float));
   else
-    std::memcpy(stash, input, std::size_t(BT * layout_.C) * sizeof(float));
+    std::memcpy(stash, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
   return run(params, tokens, input, targets, b, scratch, true, output);
 }
 
@@ -187,11 +377,13 @@ float CpuGptStage::run(const float* params, const std::int32_t* tokens, const fl
       cur += layout_.embedding_elements(BT);
     }
     float* dst = has_layers ? cur : output;
-    if (dst)
+    if (dst && vocab_parallel())
+      embedding_forward_vp(dst, tokens, params, b);
+    else if (dst)
       cpu::embedding_forward(dst, tokens, params + layout_.wte, params + layout_.wpe, b,
                              int(layout_.T), int(layout_.C), int(layout_.V));
   } else {
-    std::memcpy(cur, input, std::size_t(BT * layout_.C) * sizeof(float));
+    std::memcpy(cur, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
   }
   for (int64_t i = 0; i < s.blocks; ++i) {
     float* next = rolling ? cur : cur + layout_.block_elements(BT);
@@ -205,30 +397,38 @@ float CpuGptStage::run(const float* params, const std::int32_t* tokens, const fl
 
 void CpuGptStage::block_forward(const float* w, const BlockActs<float>& a, int b,
                                 float* out) const {
-  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
+  // With t > 1: this rank's heads and FFN columns (C_t, F_t), the projections row-parallel.
+  const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
+            F_t = int(layout_.F_t);
   const int64_t* r = layout_.block_rel;
-  cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], BT, C);
-  cpu::matmul_forward(a.qkv, a.ln1, w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C);
-  cpu::attention_forward(a.atty, a.att, a.qkv, b, int(layout_.T), C, int(layout_.NH));
-  cpu::matmul_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C, C);
-  cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], BT,
-                         C);
-  cpu::matmul_forward(a.fc, a.ln2, w + r[fc_w], w + r[fc_b], nullptr, BT, C, F);
-  cpu::gelu_forward(a.gelu, a.fc, int64_t(BT) * F);
+  // With SP the norms run on this rank's rows, gathered full-width (scratch) for the GEMMs.
+  const int R = int(layout_.rows(BT));
+  const auto full = [&](const float* mine) {
+    return layout_.sp ? gather(mine, scratch(int64_t(BT) * C), BT) : mine;
+  };
+  cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], R, C);
+  cpu::matmul_forward(a.qkv, full(a.ln1), w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
+  cpu::attention_forward(a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+  row_parallel_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C_t);
+  cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], R, C);
+  cpu::matmul_forward(a.fc, full(a.ln2), w + r[fc_w], w + r[fc_b], nullptr, BT, C, F_t);
+  cpu::gelu_forward(a.gelu, a.fc, int64_t(BT) * F_t);
   // out may alias a.x (rolling): x is dead once resid1 exists.
-  if (out) cpu::matmul_forward(out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F, C);
+  if (out) row_parallel_forward(out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F_t);
 }
 
 float CpuGptStage::head_forward(const float* params, const HeadActs<float>& h,
                                 const std::int32_t* targets, int b) const {
   const int BT = int(b * layout_.T);
   cpu::layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b,
-                         BT, int(layout_.C));
-  cpu::matmul_forward(h.probs, h.lnf, params + layout_.head_w, nullptr, nullptr, BT, int(layout_.C),
-                      int(layout_.V));
+                         int(layout_.rows(BT)), int(layout_.C));
+  const float* lnf = layout_.sp ? gather(h.lnf, scratch(BT * layout_.C), BT) : h.lnf;
+  cpu::matmul_forward(h.probs, lnf, params + layout_.head_w, nullptr, nullptr, BT, int(layout_.C),
+                      int(layout_.V_t));
   std::memcpy(h.targets, targets, std::size_t(BT) * sizeof(float));
-  const double sum =
-      cpu::softmax_crossentropy_forward(h.probs, h.losses, targets, BT, int(layout_.V));
+  const double sum = vocab_parallel() ? crossentropy_forward_vp(h.probs, h.losses, targets, BT)
+                                      : cpu::softmax_crossentropy_forward(
+                                            h.probs, h.losses, targets, BT, int(layout_.V));
   return float(sum / double(BT));
 }
 
@@ -238,7 +438,7 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
                            int b, float loss_scale, float* grads, float* d_input,
                            float* workspace) {
   const StageSpec& s = layout_.spec;
-  const int64_t BT = int64_t(b) * layout_.T, BTC = BT * layout_.C;
+  const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;  // this rank's
   const bool has_layers = s.blocks > 0 || s.has_head;
   if ((!s.has_head && !d_output) || (!s.has_embedding && !d_input))
     throw Error("cpu stage backward: missing d_output or d_input");
@@ -260,10 +460,29 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
     block_backward(params + base, grads + base,
                    carve_block(cur + i * layout_.block_elements(BT), BT), b, dres, ws, ws_floats);
   }
-  if (s.has_embedding)
-    cpu::embedding_backward(grads + layout_.wte, grads + layout_.wpe, has_layers ? dres : d_output,
-                            reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
-                            int(layout_.C));
+  if (!s.has_embedding) return;
+  const float* demb = has_layers ? dres : d_output;
+  if (layout_.sp) {  // every token's gradient (ws: past dres)
+    if (ws_floats < BT * layout_.C)
+      throw Error("cpu stage backward: workspace too small for the embedding");
+    demb = gather(demb, ws, BT);
+  }
+  const auto* tokens = reinterpret_cast<const std::int32_t*>(full_stash);
+  if (!vocab_parallel())
+    return cpu::embedding_backward(grads + layout_.wte, grads + layout_.wpe, demb, tokens, b,
+                                   int(layout_.T), int(layout_.C));
+  // This rank's vocabulary rows only; the position table (replicated) takes every token's.
+  const int64_t C = layout_.C;
+  for (int64_t i = 0; i < BT; ++i) {
+    const float* d = demb + i * C;
+    float* dp = grads + layout_.wpe + (i % layout_.T) * C;
+    const int64_t row = tokens[i] - layout_.v_begin;
+    float* de = row >= 0 && row < layout_.V_t ? grads + layout_.wte + row * C : nullptr;
+    for (int64_t j = 0; j < C; ++j) {
+      if (de) de[j] += d[j];
+      dp[j] += d[j];
+    }
+  }
 }
 
 // dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the
@@ -271,48 +490,101 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
 void CpuGptStage::head_backward(const float* params, float* grads, const HeadActs<const float>& h,
                                 int b, float loss_scale, float* dres, float* ws,
                                 int64_t ws_floats) const {
-  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
-  const int rows = int(std::min<int64_t>(BT, ws_floats / layout_.V));
+  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
+  const int64_t BTC = int64_t(BT) * C;
+  // With SP: d(lnf out) full-width and the gathered norm output first in the workspace.
+  float* dlnf = dres;
+  const float* lnf = h.lnf;
+  if (layout_.sp) {
+    if (ws_floats < 2 * BTC) throw Error("cpu stage backward: workspace too small for the head");
+    dlnf = ws;
+    lnf = gather(h.lnf, ws + BTC, BT);
+    ws += 2 * BTC;
+    ws_floats -= 2 * BTC;
+  }
+  const int rows = int(std::min<int64_t>(BT, ws_floats / V));
   if (rows < 1) throw Error("cpu stage backward: workspace smaller than one row of logits");
   const auto* targets = reinterpret_cast<const std::int32_t*>(h.targets);
   for (int r0 = 0; r0 < BT; r0 += rows) {
     const int n = std::min(rows, BT - r0);
-    cpu::softmax_crossentropy_backward(ws, h.probs + int64_t(r0) * V, targets + r0, loss_scale, n,
-                                       V);
-    cpu::matmul_backward(dres + int64_t(r0) * C, grads + layout_.head_w, nullptr, ws,
-                         h.lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
+    if (vocab_parallel()) {
+      // (probs - onehot) * scale over this rank's rows; padded rows have probability 0.
+      for (int64_t i = 0; i < int64_t(n) * V; ++i)
+        ws[i] = h.probs[int64_t(r0) * V + i] * loss_scale;
+      for (int k = 0; k < n; ++k) {
+        const int64_t target = targets[r0 + k] - layout_.v_begin;
+        if (target >= 0 && target < V) ws[int64_t(k) * V + target] -= loss_scale;
+      }
+    } else {
+      cpu::softmax_crossentropy_backward(ws, h.probs + int64_t(r0) * V, targets + r0, loss_scale, n,
+                                         V);
+    }
+    cpu::matmul_backward(dlnf + int64_t(r0) * C, grads + layout_.head_w, nullptr, ws,
+                         lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
   }
-  cpu::layernorm_backward(dres, grads + layout_.lnf_w, grads + layout_.lnf_b, dres, h.x,
-                          params + layout_.lnf_w, h.mean, h.rstd, BT, C, false);
+  // The vocabulary shards' parts of d(lnf out) summed (SP: this rank's rows of the sum).
+  if (layout_.sp)
+    scatter(dlnf, dres, BT);
+  else
+    tp_sum(dres, BTC);
+  norm_backward(dres, grads + layout_.lnf_w, grads + layout_.lnf_b, dres, h.x,
+                params + layout_.lnf_w, h.mean, h.rstd, int(layout_.rows(BT)), false);
 }
 
 // dres holds d(block output) and leaves holding d(block input). Scratch: the MLP phase uses
-// [dgelu (BT F) | dln2 (BT C)], the attention phase [dqkv (BT 3C) | datty (BT C) | dS rows].
+// [dgelu (BT F/t) | dln2 (BT C)], the attention phase [dqkv (BT 3C/t) | datty (BT C/t) | dS rows],
+// then [dqkv | dln1 (BT C)].
 void CpuGptStage::block_backward(const float* w, float* g, const BlockActs<const float>& a, int b,
                                  float* dres, float* ws, int64_t ws_floats) const {
-  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
-  const int64_t BTC = int64_t(BT) * C;
-  if (ws_floats < int64_t(BT) * F + BTC || ws_floats < 4 * BTC + layout_.T)
+  // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
+  // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
+  // whole on every rank (d(out) is). With SP dres holds this rank's rows: it is gathered
+  // full-width (first BT C floats of the workspace) for the row-parallel GEMMs, the norm outputs
+  // gathered again for the column-parallel weight gradients, and the partial input gradients
+  // reduce-scattered back to rows.
+  const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
+            F_t = int(layout_.F_t), R = int(layout_.rows(BT));
+  const int64_t BTC = int64_t(BT) * C, BTC_t = int64_t(BT) * C_t;
+  const bool sp = layout_.sp;
+  float* A = ws;  // SP: the gathered tensor, then the summed rows
+  if (sp) {
+    ws += BTC;
+    ws_floats -= BTC;
+  }
+  if (ws_floats < int64_t(BT) * F_t + BTC || ws_floats < 4 * BTC_t + layout_.T ||
+      ws_floats < 3 * BTC_t + BTC)
     throw Error("cpu stage backward: workspace too small for a block");
   const int64_t* r = layout_.block_rel;
   float* dgelu = ws;
-  float* dln2 = ws + int64_t(BT) * F;
-  cpu::matmul_backward(dgelu, g + r[fcproj_w], g + r[fcproj_b], dres, a.gelu, w + r[fcproj_w], BT,
-                       F, C);
-  cpu::gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F);
-  cpu::matmul_backward(dln2, g + r[fc_w], g + r[fc_b], dgelu, a.ln2, w + r[fc_w], BT, C, F);
-  cpu::layernorm_backward(dres, g + r[ln2_w], g + r[ln2_b], dln2, a.resid1, w + r[ln2_w],
-                          a.ln2_mean, a.ln2_rstd, BT, C, true);
+  float* dln2 = ws + int64_t(BT) * F_t;
+  const float* dout = sp ? gather(dres, A, BT) : dres;
+  cpu::matmul_backward(dgelu, g + r[fcproj_w], g + r[fcproj_b], dout, a.gelu, w + r[fcproj_w], BT,
+                       F_t, C);
+  cpu::gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F_t);
+  cpu::matmul_backward(dln2, g + r[fc_w], g + r[fc_b], dgelu, sp ? gather(a.ln2, A, BT) : a.ln2,
+                       w + r[fc_w], BT, C, F_t);
+  if (sp)
+    scatter(dln2, A, BT);
+  else
+    tp_sum(dln2, BTC);
+  norm_backward(dres, g + r[ln2_w], g + r[ln2_b], sp ? A : dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
+                a.ln2_rstd, R, true);
   float* dqkv = ws;
-  float* datty = ws + 3 * BTC;
-  cpu::matmul_backward(datty, g + r[attproj_w], g + r[attproj_b], dres, a.atty, w + r[attproj_w],
-                       BT, C, C);
-  cpu::attention_backward(dqkv, datty, a.qkv, a.att, ws + 4 * BTC, ws_floats - 4 * BTC, b,
-                          int(layout_.T), C, int(layout_.NH));
-  float* dln1 = datty;  // datty is dead once dqkv exists
-  cpu::matmul_backward(dln1, g + r[qkv_w], g + r[qkv_b], dqkv, a.ln1, w + r[qkv_w], BT, C, 3 * C);
-  cpu::layernorm_backward(dres, g + r[ln1_w], g + r[ln1_b], dln1, a.x, w + r[ln1_w], a.ln1_mean,
-                          a.ln1_rstd, BT, C, true);
+  float* datty = ws + 3 * BTC_t;
+  dout = sp ? gather(dres, A, BT) : dres;
+  cpu::matmul_backward(datty, g + r[attproj_w], g + r[attproj_b], dout, a.atty, w + r[attproj_w],
+                       BT, C_t, C);
+  cpu::attention_backward(dqkv, datty, a.qkv, a.att, ws + 4 * BTC_t, ws_floats - 4 * BTC_t, b,
+                          int(layout_.T), C_t, int(layout_.NH_t));
+  float* dln1 = datty;  // datty is dead once dqkv exists (C wide from there on)
+  cpu::matmul_backward(dln1, g + r[qkv_w], g + r[qkv_b], dqkv, sp ? gather(a.ln1, A, BT) : a.ln1,
+                       w + r[qkv_w], BT, C, 3 * C_t);
+  if (sp)
+    scatter(dln1, A, BT);
+  else
+    tp_sum(dln1, BTC);
+  norm_backward(dres, g + r[ln1_w], g + r[ln1_b], sp ? A : dln1, a.x, w + r[ln1_w], a.ln1_mean,
+                a.ln1_rstd, R, true);
 }
 
 }  // namespace

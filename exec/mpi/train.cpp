@@ -120,8 +120,10 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
                           const std::function<void(const StepLog&)>& on_step, const MpiSession& mpi,
                           const MpiRunOptions& run) {
   detail::check_cpu_model(model);
-  check_world_size(mpi.size(), plan.ranks(),
-                   fmt::format("{} w={} d={}", planner::to_string(plan.schedule), plan.w, plan.d));
+  // One process per device: t per pipeline rank (device = rank * t + TP index).
+  check_world_size(mpi.size(), plan.ranks() * plan.t,
+                   fmt::format("{} {}w={} d={}", planner::to_string(plan.schedule),
+                               plan.t > 1 ? fmt::format("t={} ", plan.t) : "", plan.w, plan.d));
   const detail::PreparedRun prepared = detail::prepare_run(model, plan, options, "cpu");
   const TokenSource data(options.data, model.vocab, options.seed);
   MpiTransport transport(mpi.rank(), run.timeout_s);
@@ -130,7 +132,7 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
   shared.runs_on = "process";
   shared.before_op = fault_from_env();
   shared.init(model, prepared, options, data, 1);
-  shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks()));
+  shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks() * plan.t));
   // Rank 0 writes a checkpoint's manifest once every process wrote its shard.
   shared.write_manifests = mpi.rank() == 0;
   shared.before_manifest = [&] { transport.barrier("checkpoint barrier"); };

@@ -254,7 +254,11 @@ expect_error "--sp without --tp" "sp:" "$O" $PW estimate --model gpt2-124m --clu
 expect_error "--recompute unknown mode" "partial" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 --recompute partial -d 2 --out "$O"
 expect_error "--seq-len beyond max_positions" "max_positions" "$O" $PW estimate --model gpt2-124m --cluster dgx-a100 --seq-len 2048 -d 2 --out "$O"
 expect_ok "--seq-len with rotary positions" $PW estimate --model llama2-7b --cluster dgx-a100 --seq-len 8192 --tp 8 -w 1 -d 1
-expect_error "train refuses --tp" "does not run tensor parallelism" "$O" $PW train --model gpt-tiny --tp 2 -d 1 -w 1 --steps 1 --out "$O"
+expect_ok "train --tp 2 (cpu, a thread per device)" $PW train --model gpt-tiny --tp 2 -d 2 -w 1 --steps 2 --out "$TMP/train-tp.json" --timeline "$TMP/train-tp-tl.json"
+python3 -c "import json; r = json.load(open('$TMP/train-tp.json')); assert len(r['devices']) == 4 and r['plan']['t'] == 2, r['devices']" && ok || bad "train --tp 2 reports every device"
+expect_ok "train --tp 2 --sp (cpu)" $PW train --model gpt-tiny --tp 2 --sp -d 2 -w 1 --steps 2
+expect_error "train --tp not dividing the heads" "/heads" "$O" $PW train --model gpt-tiny --tp 3 -d 1 -w 1 --steps 1 --out "$O"
+expect_error "validate refuses --tp" "validate does not compare tensor-parallel runs" "$O" $PW validate --model gpt-tiny --tp 2 -d 1 -w 1 --steps 2 --out "$O"
 expect_ok "trace --tp --sp" $PW trace --model llama2-7b --device A100-80GB --tp 4 --sp --microbatch 1 --out "$TMP/t4.json"
 expect_ok "estimate from a TP trace" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 4 --sp -d 2 -w 1 --trace "$TMP/t4.json"
 expect_error "a TP trace for another t" "/tensor_parallel: trace is for t = 4 with SP" "$O" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 2 -d 2 -w 1 --trace "$TMP/t4.json" --out "$O"
