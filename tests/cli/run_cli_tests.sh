@@ -418,7 +418,7 @@ assert any(l['kind'] == 'uplink' for l in r['simulation']['links']), r['simulati
 expect_ok "schedule --offload optimizer" $PW schedule -d 2 -m 2 --offload optimizer
 grep -q "D2H1" "$TMP/out" && grep -q "hostopt0(v1) H2D0(v1)" "$TMP/out" && ok || bad "schedule prints the offload ops"
 expect_ok "plan falls back to offload" $PW plan --model gpt-10b --cluster v100-32gb-ws -B 8 --top 2 --out "$TMP/off-plan.json"
-grep -q "without offload nothing fits" "$TMP/out" && grep -q "so the search tried --offload optimizer" "$TMP/out" && ok || bad "plan says why it offloads: $(head -c 400 "$TMP/out")"
+grep -q "without offload nothing fits" "$TMP/out" && grep -q "so the search tried --offload activations" "$TMP/out" && ok || bad "plan says why it offloads: $(head -c 400 "$TMP/out")"
 python3 -c "import json; assert json.load(open('$TMP/off-plan.json'))['offload'] == 'optimizer'" && ok || bad "plan writes the offload plan"
 expect_ok "sweep host memory with offload" $PW sweep --model gpt2-124m --cluster v100-32gb-ws -b 1 -m 2 --offload optimizer --vary host.memory_bytes=1e9,1e11 --out "$TMP/off-sweep.csv"
 grep -q "does not fit: the host memory of node 0" "$TMP/out" && grep -q "m=2 offload" "$TMP/out" && ok || bad "sweep names the host that runs out: $(head -c 600 "$TMP/out")"
