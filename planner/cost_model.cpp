@@ -580,8 +580,9 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
       st.memory.activations = bytes_mul(st.in_flight, per_unit);
       break;
   }
-  // Activation offload (docs/formulas.md section 9, activation offload): a swapping stage holds only the stashes not on the host,
-  // and its backwards wait for the uploads that do not hide (the stage's stall, per microbatch).
+  // Activation offload (docs/formulas.md section 9, activation offload): a swapping stage holds
+  // only the stashes not on the host, and its backwards wait for the uploads that do not hide (the
+  // stage's stall, per microbatch).
   if (p.swaps(s)) {
     st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)));
     st.memory.activations = st.swap.device_bytes;

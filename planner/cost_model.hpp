@@ -140,7 +140,8 @@ std::vector<double> processor_sharing_finish(const std::vector<double>& work,
 // link).
 void check_offload_cluster(const clusters::Cluster& cluster, const Plan& p);
 
-// --- Activation offload (KARMA, plan.offload_activations): docs/formulas.md, section 9, activation offload ---
+// --- Activation offload (KARMA, plan.offload_activations): docs/formulas.md, section 9, activation
+// offload ---
 
 // One stage's activation swapping over one step (its compute order, step_compute_order), with
 // the copies on one copy engine per direction (FIFO) over the rank's host path (host_path).
@@ -157,10 +158,11 @@ struct StageSwap {
 // The figures of stage `stage` swapping (plan.swaps(stage) need not hold: computed as if it did).
 StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chunks,
                      const HostPath& path);
-// The stall of a compute order with swaps (docs/formulas.md section 9, activation offload): compute ops back to back, each download
-// after its forward, each upload issued with the op before its backward, after its download, and
-// each backward after its upload; durations[i] is slot i's compute, copy_s[i] the copy of slot
-// i's unit (one direction). Returns the makespan minus the summed compute.
+// The stall of a compute order with swaps (docs/formulas.md section 9, activation offload): compute
+// ops back to back, each download after its forward, each upload issued with the op before its
+// backward, after its download, and each backward after its upload; durations[i] is slot i's
+// compute, copy_s[i] the copy of slot i's unit (one direction). Returns the makespan minus the
+// summed compute.
 double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
                     const std::vector<double>& durations, const std::vector<double>& copy_s);
 // KARMA's choice per stage: swap when some microbatch-chunk can swap (swap_plan) and the copy of

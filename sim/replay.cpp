@@ -173,10 +173,10 @@ class Replayer {
     }
   }
 
-  // Activation offload (KARMA, docs/formulas.md section 9, activation offload): one copy engine per direction, each
-  // an actor running its copies in FIFO order over the GPU's host link. A download releases the
-  // stash on the device when it has finished; an upload starts after its download and the
-  // uploads before it, and takes the stash's device memory back as it starts.
+  // Activation offload (KARMA, docs/formulas.md section 9, activation offload): one copy engine per
+  // direction, each an actor running its copies in FIFO order over the GPU's host link. A download
+  // releases the stash on the device when it has finished; an upload starts after its download and
+  // the uploads before it, and takes the stash's device memory back as it starts.
   using Unit = std::tuple<int, int, int>;  // (step, microbatch, chunk)
   struct CopyJob {
     Unit unit;

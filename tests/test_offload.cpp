@@ -427,7 +427,6 @@ TEST(OffloadSearch, AModelThatFitsIsPlannedWithoutOffload) {
     EXPECT_EQ(cand.plan.offload, Offload::none);
 }
 
-
 // --- Activation offload (KARMA): docs/formulas.md section 9, activation offload ---
 
 TEST(ActivationPlan, ParsesWritesAndRefusesBadChoices) {
@@ -462,27 +461,30 @@ TEST(ActivationPlan, ParsesWritesAndRefusesBadChoices) {
     const char* says;
   };
   for (const Bad& bad :
-       {Bad{"activations", common::Json({"swap"}), "plan: activations: has 1 entries but the plan "
-                                                   "has d = 2 stages"},
+       {Bad{"activations", common::Json({"swap"}),
+            "plan: activations: has 1 entries but the plan "
+            "has d = 2 stages"},
         Bad{"activations", common::Json({"swap", "keep"}),
             "/activations/1: unknown activation choice \"keep\" (expected swap or recompute)"},
         Bad{"offload", "activations,activations", "unknown offload mode"},
         Bad{"recompute", "full", "plan: activations[0]: swap needs recompute none on stage 0"}}) {
     common::Json k = j;
     k[bad.key] = bad.value;
-    const std::string msg = error_of([&] { parse_plan(k, "plan.json"); });
+    const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
     EXPECT_NE(msg.find(bad.says), std::string::npos) << msg;
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   }
   common::Json k = j;
   k.erase("offload");
-  EXPECT_NE(error_of([&] { parse_plan(k, "plan.json"); })
-                .find("plan: activations: swap/recompute choices need offload activations"),
+  EXPECT_NE(error_of<Error>([&] {
+              parse_plan(k, "plan.json");
+            }).find("plan: activations: swap/recompute choices need offload activations"),
             std::string::npos);
   k = j;
   k["t"] = 2;
-  EXPECT_NE(error_of([&] { parse_plan(k, "plan.json"); })
-                .find("activation offload with tensor parallelism (t = 2) is not supported yet"),
+  EXPECT_NE(error_of<Error>([&] {
+              parse_plan(k, "plan.json");
+            }).find("activation offload with tensor parallelism (t = 2) is not supported yet"),
             std::string::npos);
 }
 
@@ -524,7 +526,8 @@ struct ActivationWs : ::testing::Test {
   traces::Trace trace = uniform_trace(model, 1);              // block: t_f 1 ms, t_b 2 ms
   clusters::Cluster link(double bw) {
     return clusters::load_cluster("v100-32gb-ws", {},
-                                  {fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
+                                  {bw > 15.75e9 ? "host.link=nvlink-c2c" : "host.link=pcie3",
+                                   fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
                                    fmt::format("host.uplink_bandwidth_bytes_per_s={}", bw)});
   }
   Plan swapping(const clusters::Cluster& c, int m) {
@@ -538,7 +541,7 @@ struct ActivationWs : ::testing::Test {
 // (the one computing, the previous forward's on its way out, the next backward's on its way in)
 // instead of m = 8: lower by 5 microbatches' stash. The rule picks swap on this link.
 TEST_F(ActivationWs, CopiesThatHideCostNoTimeAndSaveTheStash) {
-  const clusters::Cluster c = link(1e12);
+  const clusters::Cluster c = link(4e11);
   const Plan p = swapping(c, 8);
   Plan plain = p;
   plain.offload_activations = false;
@@ -552,7 +555,8 @@ TEST_F(ActivationWs, CopiesThatHideCostNoTimeAndSaveTheStash) {
   EXPECT_EQ(none.report.devices[0].peak_memory_bytes - est.report.devices[0].peak_memory_bytes,
             5 * A);
   EXPECT_EQ(est.stages[0].swap.bytes_per_step, 8 * A);
-  EXPECT_EQ(est.stages[0].swap.host_bytes, 5 * A);  // on the host at most: m - 3
+  // On the host at the last forward: the 7 earlier microbatches (there or on their way).
+  EXPECT_EQ(est.stages[0].swap.host_bytes, 7 * A);
   EXPECT_EQ(est.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(), 8 * A);
   Plan chosen = p;
   chosen.activations.clear();
@@ -593,8 +597,10 @@ TEST_F(ActivationWs, CopiesThatDoNotHideStallTheStep) {
 TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
   const models::ModelSpec model = models::load_model("gpt2-124m");
   const traces::Trace trace = uniform_trace(model, 1);
-  const clusters::Cluster c = clusters::load_cluster(
-      "p3.16xlarge", {}, {"host.pcie_bandwidth_bytes_per_s=2e11", "host.uplink_bandwidth_bytes_per_s=4e11"});
+  const clusters::Cluster c =
+      clusters::load_cluster("p3.16xlarge", {},
+                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
+                              "host.uplink_bandwidth_bytes_per_s=4e11"});
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(to_string(s));
     Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
@@ -610,8 +616,12 @@ TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
                   double(est.report.devices[std::size_t(r)].peak_memory_bytes),
                   0.03 * double(est.report.devices[std::size_t(r)].peak_memory_bytes))
           << r;
-    EXPECT_EQ(sim.report.extra["offload"]["activation_bytes_per_step"],
-              est.report.extra["offload"]["activation_bytes_per_step"]);
+    // Flush schedules move the same bytes every step; 2bw's simulated figure is the run's total
+    // over its steps, the stream's drain included (its last backwards follow each other, so
+    // units swap there that stay in the steady state).
+    const double sim_bytes = sim.report.extra["offload"]["activation_bytes_per_step"].get<double>();
+    const double est_bytes = est.report.extra["offload"]["activation_bytes_per_step"].get<double>();
+    EXPECT_NEAR(sim_bytes, est_bytes, s == Schedule::two_bw ? 0.1 * est_bytes : 0.0);
     ProgramOptions o;
     o.tied_embeddings = true;
     EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
@@ -619,12 +629,12 @@ TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
 }
 
 TEST(ActivationPrograms, EverySchedulePassesTheCheckerAndBrokenOnesDoNot) {
-  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw,
-                     Schedule::interleaved}) {
+  for (Schedule s :
+       {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw, Schedule::interleaved}) {
     SCOPED_TRACE(to_string(s));
-    Plan p = plan_of(s, 1, 2, 1, 4, s == Schedule::interleaved ? 2 : 1, 12, {1, 8});
+    Plan p = plan_of(s, 1, 4, 1, 8, s == Schedule::interleaved ? 2 : 1, 12, {1, 8});
     p.offload = Offload::optimizer;
-    set_activations(p, {ActivationChoice::swap, ActivationChoice::swap});
+    set_activations(p, std::vector<ActivationChoice>(4, ActivationChoice::swap));
     ProgramOptions o;
     o.tied_embeddings = true;
     const Programs progs = generate_programs(p, o);
@@ -645,13 +655,16 @@ TEST(ActivationPrograms, EverySchedulePassesTheCheckerAndBrokenOnesDoNot) {
     const Op moved = *up;
     ops.erase(up);
     ops.push_back(moved);
-    EXPECT_NE(error_of<ScheduleError>([&] { check_programs(bad); })
-                  .find("backward before its stash is back on the device"),
+    EXPECT_NE(error_of<ScheduleError>([&] {
+                check_programs(bad);
+              }).find("backward before its stash is back on the device"),
               std::string::npos);
     Programs off = progs;
-    set_activations(off.plan, {ActivationChoice::recompute, ActivationChoice::swap});
-    EXPECT_NE(error_of<ScheduleError>([&] { check_programs(off); })
-                  .find("on a stage that does not swap its activations"),
+    set_activations(off.plan, {ActivationChoice::recompute, ActivationChoice::swap,
+                               ActivationChoice::swap, ActivationChoice::swap});
+    EXPECT_NE(error_of<ScheduleError>([&] {
+                check_programs(off);
+              }).find("on a stage that does not swap its activations"),
               std::string::npos);
   }
 }
@@ -674,7 +687,7 @@ TEST(ActivationSimulate, SameInputsSameReportAndCopyTracks) {
 
 // Host memory too small for the swapped stash: the report says the host does not fit.
 TEST_F(ActivationWs, HostMemoryTooSmallDoesNotFit) {
-  clusters::Cluster c = link(1e12);
+  clusters::Cluster c = link(4e11);
   c.host.memory_bytes = 1'000'000;
   const Estimate est = estimate(model, trace, c, swapping(c, 8));
   ASSERT_EQ(est.report.hosts.size(), 1u);
