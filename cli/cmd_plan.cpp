@@ -149,6 +149,7 @@ common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::S
                     {"rows", rows}};
   // Written only when the search went on to optimizer offload: why.
   if (!res.offload_reason.empty()) j["offload_reason"] = res.offload_reason;
+  if (!res.swap_reason.empty()) j["swap_reason"] = res.swap_reason;
   return j;
 }
 
@@ -274,6 +275,11 @@ void add_plan_command(CLI::App& app) {
         fmt::print("the fastest that fits offloads {}\n",
                    planner::offload_name(res.fitting.front().plan));
     }
+    if (!res.swap_reason.empty())
+      fmt::print("{}; the fastest that fits {}\n", res.swap_reason,
+                 res.fitting.front().plan.offload_activations
+                     ? "swaps (activations " + activation_list(res.fitting.front().plan) + ")"
+                     : "does not offload");
     if (res.fitting.empty())
       throw PlanError("plan: " + (res.offload_reason.empty()
                                       ? planner::explain_no_fit(res)

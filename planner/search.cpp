@@ -268,6 +268,29 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
     if (result.fitting.empty() && result.rejected.empty())
       result.rejected = std::move(without.rejected);
   }
+  // Everything that fits recomputes: KARMA's point is that swapping the stash to the host can
+  // be cheaper than recomputing it where the copies hide behind compute. Try it beside them.
+  const bool all_recompute = !result.fitting.empty() && result.offload_reason.empty() &&
+                             std::all_of(result.fitting.begin(), result.fitting.end(),
+                                         [](const Candidate& c) { return any_recompute(c.plan); });
+  if (o.offload_when_nothing_fits && all_recompute && host_link) {
+    const std::size_t before = result.fitting.size();
+    enumerate({Offload::none, true});
+    if (cpu_adam) enumerate({Offload::optimizer, true});
+    std::size_t swapping = 0;
+    for (std::size_t i = before; i < result.fitting.size(); ++i)
+      for (int s = 0; s < result.fitting[i].plan.d; ++s)
+        if (result.fitting[i].plan.swaps(s)) {
+          ++swapping;
+          break;
+        }
+    result.swap_reason = fmt::format(
+        "every plan that fits recomputes activations, so the search also tried --offload "
+        "activations{} (KARMA: swap a stage's stash to host memory where the copies hide behind "
+        "compute): {} of {} such plans fit and swap somewhere",
+        cpu_adam ? " and optimizer,activations" : "",
+        swapping, result.fitting.size() - before);
+  }
   if (result.considered == 0 && too_many_ranks > 0)
     throw InputError(fmt::format(
         "plan search: {} GPUs x {} ranks per GPU make {} pipeline ranks or more, more than the "

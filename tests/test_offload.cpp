@@ -696,5 +696,46 @@ TEST_F(ActivationWs, HostMemoryTooSmallDoesNotFit) {
       << describe_oom(est.report);
 }
 
+// KARMA's point in the planner: GPT-3 175B on 32 GH200s fits only with full recomputation
+// without offload; with NVLink-C2C to host memory a stage's stash copies hide behind its compute,
+// so swapping (with the optimizer on the host, which frees the room for the stashes that stay)
+// beats recomputing, and the search says so. Over PCIe 3 the rule recomputes instead and the
+// recomputing plan stays the best.
+TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
+  const models::ModelSpec model = models::load_model("gpt3-175b");
+  const clusters::Cluster c =
+      clusters::load_cluster("gh200", 32, {"network.bandwidth_bytes_per_s=50e9"});
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 64;
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_TRUE(r.offload_reason.empty());
+  EXPECT_NE(r.swap_reason.find("every plan that fits recomputes activations"), std::string::npos)
+      << r.swap_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Plan& best = r.fitting.front().plan;
+  EXPECT_TRUE(best.offload_activations);
+  EXPECT_TRUE(best.swaps(0));
+  EXPECT_EQ(best.offload, Offload::optimizer);
+  EXPECT_TRUE(r.fitting.front().estimate.report.fits());
+  // Without activation offload the best is the recomputing plan, slower.
+  const auto plain = std::find_if(r.fitting.begin(), r.fitting.end(),
+                                  [](const Candidate& x) { return !x.plan.any_offload(); });
+  ASSERT_NE(plain, r.fitting.end());
+  EXPECT_EQ(plain->plan.recompute_of(0), Recompute::full);
+  EXPECT_GT(r.fitting.front().samples_per_s(), plain->samples_per_s());
+  // PCIe 3 shared by nothing: the copies do not hide; no plan swaps.
+  const clusters::Cluster slow = clusters::load_cluster(
+      "gh200", 32,
+      {"network.bandwidth_bytes_per_s=50e9", "host.link=pcie3",
+       "host.pcie_bandwidth_bytes_per_s=15.75e9", "host.uplink_bandwidth_bytes_per_s=15.75e9"});
+  const SearchResult s = search_plans(model, trace, slow, o);
+  ASSERT_FALSE(s.fitting.empty());
+  for (const Candidate& x : s.fitting)
+    for (int st = 0; st < x.plan.d; ++st)
+      EXPECT_FALSE(x.plan.swaps(st));
+  EXPECT_NE(s.swap_reason.find(": 0 of"), std::string::npos) << s.swap_reason;
+}
+
 }  // namespace
 }  // namespace pw::planner
