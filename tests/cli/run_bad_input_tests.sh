@@ -175,7 +175,7 @@ import json
 r = json.load(open('$TMP/off.json'))
 assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
 expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported yet" $PW estimate $WS --offload chunks --out "$O"
-expect_code "--offload activations with t > 1" 1 "activation offload with tensor parallelism (t = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -t 2 -w 1 -d 4 --offload activations --out "$O"
+expect_code "--offload activations with t > 1" 1 "activation offload with tensor parallelism (t = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload activations --out "$O"
 expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"
 expect_code "offload with w > 1" 1 "data parallelism (w = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 --offload optimizer --out "$O"
 expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .*(short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
