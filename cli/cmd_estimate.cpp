@@ -51,7 +51,9 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
     for (const auto& st : est.stages)
       fmt::print("  activations stage {}: {}{}\n", st.stage,
                  to_string(p.activations[std::size_t(st.stage)]),
-                 p.swaps(st.stage)
+                 p.swaps(st.stage) && st.swap.units_per_step == 0
+                     ? std::string(" (nothing can swap here: keeps its stash)")
+                 : p.swaps(st.stage)
                      ? fmt::format(" ({} units/step; copy {} each way vs shortest op {}; stall {} "
                                    "per step; host {})",
                                    st.swap.units_per_step, human_seconds(st.swap.copy_s),

@@ -386,8 +386,8 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
 
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
-                                                 const clusters::Cluster& cluster,
-                                                 const Plan& plan) {
+                                                 const clusters::Cluster& cluster, const Plan& plan,
+                                                 bool keep_unswappable) {
   const models::ModelCosts mc = models::derive_costs(model, {plan.t, plan.sp});
   std::vector<ActivationChoice> out;
   for (int s = 0; s < plan.d; ++s) {
@@ -395,8 +395,9 @@ std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
     for (int c = 0; c < plan.v; ++c)
       chunks.push_back(chunk_cost(mc, trace, plan, s, c));
     const StageSwap sw = stage_swap(plan, s, chunks, host_path(cluster, plan, plan.rank_of(s, 0)));
-    out.push_back(sw.units_per_step > 0 && sw.copy_s <= sw.window_s ? ActivationChoice::swap
-                                                                    : ActivationChoice::recompute);
+    const bool hides = sw.units_per_step > 0 && sw.copy_s <= sw.window_s;
+    const bool keeps = sw.units_per_step == 0 && keep_unswappable;
+    out.push_back(hides || keeps ? ActivationChoice::swap : ActivationChoice::recompute);
   }
   return out;
 }

@@ -167,11 +167,14 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
                     const std::vector<double>& durations, const std::vector<double>& copy_s);
 // KARMA's choice per stage: swap when some microbatch-chunk can swap (swap_plan) and the copy of
 // the largest unit, one direction, takes no longer than the shortest compute op it hides behind
-// (copy_s <= window_s); recompute otherwise. `plan` placed and resolved, t == 1.
+// (copy_s <= window_s); recompute when the copies would not hide. A stage where nothing can swap
+// (1F1B's last stage: each backward right after its forward) gets `swap` when keep_unswappable
+// (it keeps its stash, as without offload: no recompute time) and `recompute` otherwise (less
+// memory); the planner tries both. `plan` placed and resolved, t == 1.
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
-                                                 const clusters::Cluster& cluster,
-                                                 const Plan& plan);
+                                                 const clusters::Cluster& cluster, const Plan& plan,
+                                                 bool keep_unswappable = true);
 
 // What one pipeline stage (all chunks a device holds) costs for one microbatch of size b.
 struct StageCost {

@@ -213,23 +213,33 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                 try {
                   resolve_stages(p, model.layers);
                   place(p, {cluster.nodes, cluster.gpus_per_node}, o.ranks_per_gpu);
-                  if (modes.activations) {
-                    p.offload_activations = true;
-                    set_activations(p, choose_activations(model, trace, cluster, p));
-                  }
                 } catch (const PlanError&) {
                   continue;  // e.g. more virtual stages than blocks
                 }
                 // The evenly split plan, and the split balanced by time when it differs (the
                 // head-heavy last stage gets fewer blocks; it may need more memory elsewhere).
-                std::vector<Plan> splits = {p};
+                std::vector<Plan> shapes_of = {p};
                 if (p.d > 1) {
                   Plan q = p;
                   q.stage_blocks = time_balanced_split(p, model.layers, trace);
-                  if (q.stage_blocks != p.stage_blocks) {
-                    if (modes.activations)
-                      set_activations(q, choose_activations(model, trace, cluster, q));
-                    splits.push_back(q);
+                  if (q.stage_blocks != p.stage_blocks) shapes_of.push_back(q);
+                }
+                // Activation offload: the rule's choices, with the stages where nothing can swap
+                // keeping their stash (faster) or recomputing (smaller) when that differs.
+                std::vector<Plan> splits;
+                for (Plan& x : shapes_of) {
+                  if (!modes.activations) {
+                    splits.push_back(x);
+                    continue;
+                  }
+                  x.offload_activations = true;
+                  const auto keep = choose_activations(model, trace, cluster, x, true);
+                  const auto small = choose_activations(model, trace, cluster, x, false);
+                  set_activations(x, keep);
+                  splits.push_back(x);
+                  if (small != keep) {
+                    set_activations(x, small);
+                    splits.push_back(x);
                   }
                 }
                 for (const Plan& x : splits) {
@@ -277,19 +287,17 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
     const std::size_t before = result.fitting.size();
     enumerate({Offload::none, true});
     if (cpu_adam) enumerate({Offload::optimizer, true});
-    std::size_t swapping = 0;
-    for (std::size_t i = before; i < result.fitting.size(); ++i)
-      for (int s = 0; s < result.fitting[i].plan.d; ++s)
-        if (result.fitting[i].plan.swaps(s)) {
-          ++swapping;
-          break;
-        }
+    std::size_t swapping = 0;  // plans that move activations to the host
+    for (std::size_t i = before; i < result.fitting.size(); ++i) {
+      const common::Json& rep = result.fitting[i].estimate.report.extra;
+      if (rep.contains("offload") && rep["offload"].value("activation_bytes_per_step", 0.0) > 0)
+        ++swapping;
+    }
     result.swap_reason = fmt::format(
         "every plan that fits recomputes activations, so the search also tried --offload "
         "activations{} (KARMA: swap a stage's stash to host memory where the copies hide behind "
         "compute): {} of {} such plans fit and swap somewhere",
-        cpu_adam ? " and optimizer,activations" : "",
-        swapping, result.fitting.size() - before);
+        cpu_adam ? " and optimizer,activations" : "", swapping, result.fitting.size() - before);
   }
   if (result.considered == 0 && too_many_ranks > 0)
     throw InputError(fmt::format(

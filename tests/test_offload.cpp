@@ -732,9 +732,35 @@ TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
   const SearchResult s = search_plans(model, trace, slow, o);
   ASSERT_FALSE(s.fitting.empty());
   for (const Candidate& x : s.fitting)
-    for (int st = 0; st < x.plan.d; ++st)
-      EXPECT_FALSE(x.plan.swaps(st));
+    if (x.plan.offload_activations) {
+      EXPECT_EQ(x.estimate.report.extra["offload"]["activation_bytes_per_step"], 0);
+      EXPECT_FALSE(x.plan.swaps(0));
+    }
   EXPECT_NE(s.swap_reason.find(": 0 of"), std::string::npos) << s.swap_reason;
+}
+
+// The same model on 80 GB devices: nothing fits without offload; the fallback's fastest swaps,
+// faster than the same shape with optimizer offload and full recomputation.
+TEST(ActivationSearch, PicksActivationOffloadWhenNothingFitsWithoutIt) {
+  const models::ModelSpec model = models::load_model("gpt3-175b");
+  const clusters::Cluster c = clusters::load_cluster(
+      "gh200", 32, {"network.bandwidth_bytes_per_s=50e9", "device.memory_bytes=80e9"});
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 64;
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_NE(r.offload_reason.find("nothing fits in memory"), std::string::npos) << r.offload_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Candidate& best = r.fitting.front();
+  EXPECT_TRUE(best.plan.offload_activations);
+  EXPECT_TRUE(best.plan.swaps(0));
+  EXPECT_GT(best.estimate.report.extra["offload"]["activation_bytes_per_step"].get<double>(), 0);
+  const auto recomputing =
+      std::find_if(r.fitting.begin(), r.fitting.end(),
+                   [&](const Candidate& x) { return !x.plan.offload_activations; });
+  ASSERT_NE(recomputing, r.fitting.end());
+  EXPECT_EQ(recomputing->plan.recompute_of(0), Recompute::full);
+  EXPECT_GT(best.samples_per_s(), 1.2 * recomputing->samples_per_s());
 }
 
 }  // namespace

@@ -425,7 +425,7 @@ grep -q "does not fit: the host memory of node 0" "$TMP/out" && grep -q "m=2 off
 # Activation offload (KARMA): the rule's choice printed per stage; a plan file's choices simulated
 # with copy tracks in the timeline and the swapped bytes in the report.
 expect_ok "estimate --offload activations" $PW estimate --model gpt2-124m --cluster p3.16xlarge -w 1 -d 4 -m 8 --schedule 1f1b --offload activations
-grep -q "activations stage 3: recompute" "$TMP/out" && ok || bad "estimate prints each stage's activation choice: $(head -c 600 "$TMP/out")"
+grep -q "activations stage 0: recompute" "$TMP/out" && grep -q "activations stage 3: swap (nothing can swap here: keeps its stash)" "$TMP/out" && ok || bad "estimate prints each stage's activation choice: $(head -c 600 "$TMP/out")"
 python3 -c "
 import json
 json.dump({'format': 'pipewright.plan/1', 'schedule': 'gpipe', 'w': 1, 'd': 2, 'b': 1, 'm': 8,
