@@ -43,7 +43,7 @@ struct PlanOptions {
   int t = 1;
   bool sp = false;
   bool distributed_optimizer = false;
-  std::string offload = "none";          // planner::parse_offload
+  std::string offload = "none";          // planner::parse_offload_modes
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;

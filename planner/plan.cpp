@@ -52,14 +52,6 @@ std::string to_string(Offload o) {
   return o == Offload::optimizer ? "optimizer" : "none";
 }
 
-Offload parse_offload(const std::string& s) {
-  const OffloadModes m = parse_offload_modes(s);
-  if (m.activations)
-    throw InputError(
-        fmt::format("offload \"{}\": activation offload is not a single mode here", s));
-  return m.optimizer;
-}
-
 std::string to_string(ActivationChoice c) {
   return c == ActivationChoice::swap ? "swap" : "recompute";
 }
@@ -176,6 +168,13 @@ void check(const Plan& p) {
       reject("offload", fmt::format("activation offload with tensor parallelism (t = {}) is not "
                                     "supported yet; use t = 1",
                                     p.t));
+    if (p.activations.empty())
+      for (std::size_t s = 0; s < p.recompute.size(); ++s)
+        if (p.recompute[s] != Recompute::none)
+          reject("recompute", fmt::format("with activation offload each stage's recompute follows "
+                                          "its swap/recompute choice (stage {} has {}); drop "
+                                          "--recompute, or give the choices in a plan file",
+                                          s, to_string(p.recompute[s])));
     if (!p.activations.empty() && int(p.activations.size()) != p.d)
       reject("activations", fmt::format("has {} entries but the plan has d = {} stages",
                                         p.activations.size(), p.d));

@@ -29,9 +29,7 @@ Recompute parse_recompute(const std::string& s);  // throws InputError listing t
 // the new fp16 parameters are copied back. ("chunks" (PatrickStar) is named by issue 15 and
 // refused as not yet supported.) Activation offload (KARMA) is Plan::offload_activations.
 enum class Offload { none, optimizer };
-std::string to_string(Offload o);             // "none", "optimizer"
-Offload parse_offload(const std::string& s);  // throws InputError; a one-line "not yet" for the
-                                              // modes still to come
+std::string to_string(Offload o);  // "none", "optimizer"
 
 // Activation offload (KARMA, Wahib et al., SC 2020): per stage, its stashed activations are swapped
 // to host memory during the forward and back before the backward, or dropped and recomputed.
@@ -40,11 +38,12 @@ std::string to_string(ActivationChoice c);                       // "swap", "rec
 ActivationChoice parse_activation_choice(const std::string& s);  // throws InputError
 
 // --offload: "none", "optimizer", "activations" or "optimizer,activations" (either order).
+// Throws InputError: a one-line "not yet" for "chunks", "unknown offload mode" otherwise.
 struct OffloadModes {
   Offload optimizer = Offload::none;
   bool activations = false;
 };
-OffloadModes parse_offload_modes(const std::string& s);  // throws InputError
+OffloadModes parse_offload_modes(const std::string& s);
 
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
 struct Placement {

@@ -177,6 +177,7 @@ assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offl
 expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported yet" $PW estimate $WS --offload chunks --out "$O"
 echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
 expect_code "plan file: activations of the wrong length" 1 "plan: activations: has 1 entries but the plan has d = 2 stages" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-swap.json" --out "$O"
+expect_code "--offload activations with --recompute" 1 "with activation offload each stage's recompute follows its swap/recompute choice" $PW estimate $WS --offload activations --recompute full --out "$O"
 expect_code "--offload activations with t > 1" 1 "activation offload with tensor parallelism (t = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload activations --out "$O"
 expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"
 expect_code "offload with w > 1" 1 "data parallelism (w = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 --offload optimizer --out "$O"
