@@ -46,6 +46,20 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
         d.fits ? "" : "  DOES NOT FIT");
   }
   fmt::print("{}", offload_summary(r));
+  // Activation offload: each stage's choice and the figures the rule compares (formulas.md §9).
+  if (p.offload_activations)
+    for (const auto& st : est.stages)
+      fmt::print("  activations stage {}: {}{}\n", st.stage,
+                 to_string(p.activations[std::size_t(st.stage)]),
+                 p.swaps(st.stage) && st.swap.units_per_step == 0
+                     ? std::string(" (nothing can swap here: keeps its stash)")
+                 : p.swaps(st.stage)
+                     ? fmt::format(" ({} units/step; copy {} each way vs shortest op {}; stall {} "
+                                   "per step; host {})",
+                                   st.swap.units_per_step, human_seconds(st.swap.copy_s),
+                                   human_seconds(st.swap.window_s), human_seconds(st.swap.stall_s),
+                                   human_bytes(double(st.swap.host_bytes)))
+                     : "");
 }
 
 }  // namespace

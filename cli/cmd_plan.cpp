@@ -74,7 +74,7 @@ planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const Trac
 std::string plan_label(const planner::Plan& p) {
   return fmt::format("{}{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
                      p.distributed_optimizer ? " dopt" : "",
-                     p.offload != planner::Offload::none ? " offload" : "");
+                     p.any_offload() ? " offload=" + planner::offload_name(p) : "");
 }
 
 std::string tp_label(const planner::Plan& p) {
@@ -149,6 +149,7 @@ common::Json ranked_json(const PlanArgs& a, const Scenario& sc, const planner::S
                     {"rows", rows}};
   // Written only when the search went on to optimizer offload: why.
   if (!res.offload_reason.empty()) j["offload_reason"] = res.offload_reason;
+  if (!res.swap_reason.empty()) j["swap_reason"] = res.swap_reason;
   return j;
 }
 
@@ -265,14 +266,24 @@ void add_plan_command(CLI::App& app) {
       // Said before anything else: the plans below keep the optimizer in host memory.
       fmt::print("without offload {}\n", res.offload_reason);
       fmt::print(
-          "so the search tried --offload optimizer (ZeRO-Offload: fp16 parameters on the "
-          "GPU, optimizer state and CPU Adam in host memory; w = t = 1): {} fit\n",
+          "so the search tried --offload activations (KARMA: per stage, stashed activations "
+          "swapped to host memory where the copies hide behind compute, recomputed elsewhere; "
+          "t = 1), optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and "
+          "CPU Adam in host memory; w = t = 1) and both: {} fit\n",
           res.fitting.size());
+      if (!res.fitting.empty())
+        fmt::print("the fastest that fits offloads {}\n",
+                   planner::offload_name(res.fitting.front().plan));
     }
+    if (!res.swap_reason.empty())
+      fmt::print("{}; the fastest that fits {}\n", res.swap_reason,
+                 res.fitting.front().plan.offload_activations
+                     ? "swaps (activations " + activation_list(res.fitting.front().plan) + ")"
+                     : "does not offload");
     if (res.fitting.empty())
-      throw PlanError("plan: " + (res.offload_reason.empty() ? planner::explain_no_fit(res)
-                                                             : "with --offload optimizer too, " +
-                                                                   planner::explain_no_fit(res)));
+      throw PlanError("plan: " + (res.offload_reason.empty()
+                                      ? planner::explain_no_fit(res)
+                                      : "with offload too, " + planner::explain_no_fit(res)));
     const int simulated =
         planner::simulated_count(res, a->top, a->within / 100.0, a->max_simulated);
     if (simulated > 0)
@@ -293,7 +304,10 @@ void add_plan_command(CLI::App& app) {
     const planner::Plan& p = best.candidate.plan;
     fmt::print("best: {} t={} w={} d={} b={} m={}{}{}: {:.2f} samples/s {}\n", plan_label(p),
                tp_label(p), p.w, p.d, p.b, p.m,
-               p.offload != planner::Offload::none ? " --offload optimizer" : "",
+               p.any_offload()
+                   ? " --offload " + planner::offload_name(p) +
+                         (p.activations.empty() ? "" : " (activations " + activation_list(p) + ")")
+                   : "",
                p.recompute_of(0) == planner::Recompute::none
                    ? ""
                    : fmt::format(" with {} recompute", to_string(p.recompute_of(0))),

@@ -76,8 +76,10 @@ void PlanOptions::add(CLI::App& app) {
                "step's forward, in pieces (Megatron's --overlap-param-gather; simulate, estimate "
                "and plan only)");
   app.add_option("--offload", offload,
-                 "where the optimizer state lives: none, or optimizer (ZeRO-Offload: gradients "
-                 "to host memory, CPU Adam, fp16 parameters back; w = t = 1)")
+                 "what lives in host memory: none; optimizer (ZeRO-Offload: gradients to host "
+                 "memory, CPU Adam, fp16 parameters back; w = t = 1); activations (KARMA: per "
+                 "stage, stashed activations swapped to the host or recomputed; t = 1); or "
+                 "optimizer,activations")
       ->capture_default_str();
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
@@ -111,7 +113,9 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.sp = sp;
     p.distributed_optimizer = distributed_optimizer;
     p.overlap_param_gather = overlap_param_gather;
-    p.offload = planner::parse_offload(offload);
+    const planner::OffloadModes modes = planner::parse_offload_modes(offload);
+    p.offload = modes.optimizer;
+    p.offload_activations = modes.activations;
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
@@ -175,14 +179,21 @@ common::Json ScenarioOptions::inputs(const Scenario& sc) const {
   return j;
 }
 
+std::string activation_list(const planner::Plan& p) {
+  std::string out;
+  for (std::size_t s = 0; s < p.activations.size(); ++s)
+    out += (s ? "," : "") + planner::to_string(p.activations[s]);
+  return out;
+}
+
 std::string plan_summary(const planner::Plan& p) {
-  return fmt::format(
-      "{}{} w={} d={} b={} m={}{}{}{}{}", to_string(p.schedule),
-      p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b, p.m,
-      p.v > 1 ? fmt::format(" v={}", p.v) : "",
-      p.distributed_optimizer ? " distributed-optimizer" : "",
-      p.overlap_param_gather ? " overlap-param-gather" : "",
-      p.offload != planner::Offload::none ? " offload=" + planner::to_string(p.offload) : "");
+  return fmt::format("{}{} w={} d={} b={} m={}{}{}{}{}{}", to_string(p.schedule),
+                     p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? " sp" : "") : "", p.w, p.d, p.b,
+                     p.m, p.v > 1 ? fmt::format(" v={}", p.v) : "",
+                     p.distributed_optimizer ? " distributed-optimizer" : "",
+                     p.overlap_param_gather ? " overlap-param-gather" : "",
+                     p.any_offload() ? " offload=" + planner::offload_name(p) : "",
+                     p.activations.empty() ? "" : " activations=" + activation_list(p));
 }
 
 std::string offload_summary(const planner::RunReport& r) {
@@ -195,9 +206,13 @@ std::string offload_summary(const planner::RunReport& r) {
                     o["mode"].get<std::string>(), h.node, human_bytes(double(h.peak_memory_bytes)),
                     human_bytes(double(h.capacity_bytes)), human_bytes(double(h.pinned_bytes)),
                     human_bytes(double(h.pinned_capacity_bytes)), h.fits() ? "" : "  DOES NOT FIT");
-  out += fmt::format("  moved per step: {} to the host, {} back to the devices\n",
+  out += fmt::format("  moved per step: {} to the host, {} back to the devices{}\n",
                      human_bytes(o["copy_out_bytes_per_step"].get<double>()),
-                     human_bytes(o["copy_in_bytes_per_step"].get<double>()));
+                     human_bytes(o["copy_in_bytes_per_step"].get<double>()),
+                     o.value("activation_bytes_per_step", std::int64_t{0}) > 0
+                         ? fmt::format(" ({} each way swapped activations)",
+                                       human_bytes(o["activation_bytes_per_step"].get<double>()))
+                         : "");
   return out;
 }
 

@@ -44,7 +44,7 @@ struct PlanOptions {
   bool sp = false;
   bool distributed_optimizer = false;
   bool overlap_param_gather = false;
-  std::string offload = "none";          // planner::parse_offload
+  std::string offload = "none";          // planner::parse_offload_modes
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;
@@ -88,6 +88,8 @@ std::string plan_summary(const planner::Plan& p);
 // With offload, per node "  host (offload optimizer): node 0 172.3 GiB of 223.5 GiB, pinned 19.1
 // GiB of 223.5 GiB; moved per step 153.2 GiB to the host, 19.1 GiB back" lines; "" without.
 std::string offload_summary(const planner::RunReport& r);
+// "swap,recompute,...": a plan's activation choices per stage.
+std::string activation_list(const planner::Plan& p);
 
 // "the plan does not fit: rank 3 (stage 3) needs ... (largest term: ...)" + what to try.
 std::string oom_message(const planner::RunReport& r);

@@ -166,10 +166,11 @@ void print_table(const SweepSpec& spec, const std::vector<Row>& rows) {
   for (const auto& r : rows) {
     std::vector<std::string> line = r.point;
     const auto& p = r.plan;
-    line.push_back(r.planned ? fmt::format("{} w={} d={} b={} m={}{}",
-                                           planner::to_string(p.schedule), p.w, p.d, p.b, p.m,
-                                           p.offload != planner::Offload::none ? " offload" : "")
-                             : "-");
+    line.push_back(r.planned
+                       ? fmt::format("{} w={} d={} b={} m={}{}", planner::to_string(p.schedule),
+                                     p.w, p.d, p.b, p.m,
+                                     p.any_offload() ? " offload=" + planner::offload_name(p) : "")
+                       : "-");
     const auto& rep = r.report;
     std::int64_t peak = 0;
     for (const auto& d : rep.devices)

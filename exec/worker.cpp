@@ -277,6 +277,8 @@ void Worker::step(const Op& op) {
     case OpKind::copy_gradient_to_host:  // prepare_run refuses offload plans before any runs
     case OpKind::host_optimizer_step:
     case OpKind::copy_parameters_to_device:
+    case OpKind::copy_activation_to_host:
+    case OpKind::copy_activation_to_device:
       throw InputError("train does not support --offload yet");
   }
 }

@@ -34,6 +34,10 @@ enum Flag : std::uint8_t {
   kSentG = 64,
   kCopiedOut = 128,  // offload: the slot's gradients copied to the host
 };
+enum SwapFlag : std::uint8_t {
+  kSwapOut = 1,  // activation offload: the stash copied to the host
+  kSwapIn = 2,   // and back to the device
+};
 
 // Walks one device's program in order and checks the per-device invariants.
 class DeviceChecker {
@@ -42,6 +46,7 @@ class DeviceChecker {
       : p_(p), plan_(p.plan), prog_(p.devices[std::size_t(rank)]) {
     const std::size_t slots = std::size_t(p.steps) * std::size_t(plan_.m) * std::size_t(plan_.v);
     flags_.assign(slots, 0);
+    swap_flags_.assign(slots, 0);
     version_of_.assign(slots, -1);
     live_.assign(std::size_t(p.first_step + p.steps) + 2, 0);
     for (int version : initial_versions(plan_, p.first_step))
@@ -130,12 +135,33 @@ class DeviceChecker {
         return optimizer_step(op);
       case OpKind::free_version:
         return free_version(op);
+      case OpKind::copy_activation_to_host:
+      case OpKind::copy_activation_to_device:
+        return swap(op);
       default:
         return;  // tied ops: above
     }
   }
 
   bool offload() const { return plan_.offload == Offload::optimizer; }
+
+  // Activation offload: a stash goes to the host after its forward and comes back before its
+  // backward, once each, only on a stage that swaps; the backward needs it back.
+  void swap(const Op& op) {
+    const std::string name = to_string(op.kind);
+    if (!plan_.swaps(prog_.stage)) bad(name + " on a stage that does not swap its activations");
+    std::uint8_t& f = swap_flags_[slot(op)];
+    if (op.kind == OpKind::copy_activation_to_host) {
+      require(op, kForward, name + " before its forward");
+      if (f & kSwapOut) bad("activation copied to the host twice");
+      f |= kSwapOut;
+    } else {
+      if (!(f & kSwapOut)) bad(name + " before its copy_activation_to_host");
+      if (f & kSwapIn) bad("activation copied back to the device twice");
+      f |= kSwapIn;
+    }
+    if (flags(op) & kBackward) bad(name + " after its backward");
+  }
 
   // Optimizer offload: every backward's gradients go to the host (and stage 0's tied gradient
   // after the exchange) before CPU Adam runs the step's tiles in order, each tile's upload right
@@ -298,6 +324,9 @@ class DeviceChecker {
     require(op, kForward, "backward before its forward");
     if (!last(op)) require(op, kRecvG, "backward before its gradient is received");
     if (plan_.recomputes(prog_.stage)) require(op, kRecompute, "backward without a recompute");
+    const std::uint8_t sf = swap_flags_[slot(op)];
+    if ((sf & kSwapOut) && !(sf & kSwapIn))
+      bad("backward before its stash is back on the device (copy_activation_to_device)");
     set_once(op, kBackward, "backward");
     same_version_as_forward(op, "backward");
     --users_[std::size_t(op.version)];
@@ -405,6 +434,7 @@ class DeviceChecker {
   const Program& prog_;
   std::size_t index_ = 0;
   std::vector<std::uint8_t> flags_;
+  std::vector<std::uint8_t> swap_flags_;  // activation offload, per slot
   std::vector<int> version_of_;
   std::vector<char> live_;
   std::vector<int> users_;            // stashed microbatches per weight version

@@ -340,9 +340,102 @@ double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<doub
   return upload_end;
 }
 
+double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
+                    const std::vector<double>& durations, const std::vector<double>& copy_s) {
+  const std::size_t n = order.size();
+  std::vector<double> down_end(n, 0), up_end(n, 0);
+  double t = 0, out_free = 0, in_free = 0, compute = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!sp.prefetch.empty() && sp.prefetch[i] >= 0) {  // the upload, issued before op i
+      const auto b = std::size_t(sp.prefetch[i]);
+      const auto f = std::size_t(sp.forward_of[b]);
+      in_free = std::max({t, down_end[f], in_free}) + copy_s[b];
+      up_end[b] = in_free;
+    }
+    double start = t;
+    if (order[i].backward && !sp.forward_of.empty() && sp.forward_of[i] >= 0 &&
+        sp.out[std::size_t(sp.forward_of[i])])
+      start = std::max(start, up_end[i]);
+    t = start + durations[i];
+    compute += durations[i];
+    if (!order[i].backward && !sp.out.empty() && sp.out[i]) {  // the download, after op i
+      out_free = std::max(t, out_free) + copy_s[i];
+      down_end[i] = out_free;
+    }
+  }
+  return t - compute;
+}
+
+StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& chunks,
+                     const HostPath& path) {
+  Plan p = plan;  // as if the stage swapped
+  p.offload_activations = true;
+  p.activations.assign(std::size_t(p.d), ActivationChoice::swap);
+  p.recompute.clear();
+  const std::vector<ComputeSlot> order = step_compute_order(p, stage);
+  const SwapPlan sp = swap_plan(p, stage, order);
+  const std::size_t n = order.size();
+  StageSwap sw;
+  sw.choice = ActivationChoice::swap;
+  std::vector<double> durations(n), copy(n);
+  std::vector<std::int64_t> bytes(n);
+  sw.window_s = std::numeric_limits<double>::infinity();
+  for (std::size_t i = 0; i < n; ++i) {
+    const ChunkCost& ch = chunks[std::size_t(order[i].chunk)];
+    durations[i] = order[i].backward ? ch.backward_s : ch.forward_s;
+    bytes[i] = ch.stash_bytes;
+    copy[i] = path.time_s(double(ch.stash_bytes));
+    sw.window_s = std::min(sw.window_s, durations[i]);
+  }
+  // Where each unit is at compute op i: on the device from its forward to its backward, except
+  // a swapped unit between the op after its forward (its download) and the op before its
+  // backward (its upload), when it is on the host.
+  std::vector<std::int64_t> device(n, 0), host(n, 0);
+  for (std::size_t b = 0; b < n; ++b) {
+    if (!order[b].backward || sp.forward_of[b] < 0) continue;
+    const auto f = std::size_t(sp.forward_of[b]);
+    const bool swapped = sp.out[f];
+    for (std::size_t i = f; i <= b; ++i) {
+      const bool away = swapped && i > f + 1 && i + 1 < b;
+      if (!away) device[i] = bytes_add(device[i], bytes[f]);
+      if (swapped && i > f && i < b) host[i] = bytes_add(host[i], bytes[f]);
+    }
+    if (swapped) {
+      sw.units_per_step += 1;
+      sw.bytes_per_step = bytes_add(sw.bytes_per_step, bytes[f]);
+      sw.copy_s = std::max(sw.copy_s, copy[f]);
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    sw.device_bytes = std::max(sw.device_bytes, device[i]);
+    sw.host_bytes = std::max(sw.host_bytes, host[i]);
+  }
+  if (n == 0) sw.window_s = 0;
+  sw.stall_s = swap_stall_s(order, sp, durations, copy);
+  return sw;
+}
+
+std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
+                                                 const traces::Trace& trace,
+                                                 const clusters::Cluster& cluster, const Plan& plan,
+                                                 bool keep_unswappable) {
+  const models::ModelCosts mc = models::derive_costs(model, {plan.t, plan.sp});
+  std::vector<ActivationChoice> out;
+  for (int s = 0; s < plan.d; ++s) {
+    std::vector<ChunkCost> chunks;
+    for (int c = 0; c < plan.v; ++c)
+      chunks.push_back(chunk_cost(mc, trace, plan, s, c));
+    const StageSwap sw = stage_swap(plan, s, chunks, host_path(cluster, plan, plan.rank_of(s, 0)));
+    const bool hides = sw.units_per_step > 0 && sw.copy_s <= sw.window_s;
+    const bool keeps = sw.units_per_step == 0 && keep_unswappable;
+    out.push_back(hides || keeps ? ActivationChoice::swap : ActivationChoice::recompute);
+  }
+  return out;
+}
+
 void check_offload_cluster(const clusters::Cluster& c, const Plan& p) {
-  if (p.offload == Offload::none) return;
-  if (c.host.cpu_adam_params_per_s() <= 0)
+  if (!p.any_offload()) return;
+  if (p.offload != Offload::none && c.host.cpu_adam_params_per_s() <= 0)
     throw InputError(fmt::format(
         "cluster {}: optimizer offload needs the host's CPU Adam rate, and host.cpu_cores x "
         "host.cpu_adam_params_per_s_per_core = {} x {:g} is 0 (set both, e.g. --set "
@@ -350,7 +443,7 @@ void check_offload_cluster(const clusters::Cluster& c, const Plan& p) {
         c.name, c.host.cpu_cores, c.host.cpu_adam_params_per_s_per_core));
   if (c.host.pcie_bandwidth_bytes_per_s <= 0 || c.host.uplink_bandwidth_bytes_per_s <= 0)
     throw InputError(fmt::format(
-        "cluster {}: optimizer offload needs a host link, and host.pcie_bandwidth_bytes_per_s is "
+        "cluster {}: offload needs a host link, and host.pcie_bandwidth_bytes_per_s is "
         "{:g} (uplink {:g})",
         c.name, c.host.pcie_bandwidth_bytes_per_s, c.host.uplink_bandwidth_bytes_per_s));
 }
@@ -519,6 +612,14 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
       st.memory.activations = bytes_mul(st.in_flight, per_unit);
       break;
   }
+  // Activation offload (docs/formulas.md section 9, activation offload): a swapping stage holds
+  // only the stashes not on the host, and its backwards wait for the uploads that do not hide (the
+  // stage's stall, per microbatch).
+  if (p.swaps(s)) {
+    st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)));
+    st.memory.activations = st.swap.device_bytes;
+    st.backward_s += st.swap.stall_s / p.m;
+  }
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
   // of the TP group sends its 1/t of the tensor to its counterpart (Megatron's scatter/gather;
@@ -677,32 +778,51 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
                         const clusters::Cluster& cluster, const Plan& p) {
   std::map<int, HostReport> hosts;
   common::Json ranks = common::Json::array();
-  std::int64_t out = 0, in = 0;
+  std::int64_t out = 0, in = 0, swapped = 0;
   for (int r = 0; r < p.ranks(); ++r) {
-    const RankOffload& o = stages[std::size_t(p.stage_of(r))].offload;
+    const StageCost& st = stages[std::size_t(p.stage_of(r))];
+    const RankOffload& o = st.offload;
+    const bool swaps = p.swaps(st.stage);
+    const std::int64_t swap_bytes = swaps ? st.swap.bytes_per_step : 0;
+    const std::int64_t swap_host = swaps ? st.swap.host_bytes : 0;
     HostReport& h = hosts[p.placement[std::size_t(r)].node];
     h.node = p.placement[std::size_t(r)].node;
-    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, o.host_bytes);
-    h.pinned_bytes = bytes_add(h.pinned_bytes, o.pinned_bytes);
+    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, bytes_add(o.host_bytes, swap_host));
+    h.pinned_bytes = bytes_add(h.pinned_bytes, bytes_add(o.pinned_bytes, swap_host));
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-    out = bytes_add(out, o.copy_out_bytes_per_step);
-    in = bytes_add(in, o.copy_in_bytes_per_step);
-    ranks.push_back({{"rank", r},
-                     {"host_bytes", o.host_bytes},
-                     {"pinned_bytes", o.pinned_bytes},
-                     {"copy_out_bytes_per_step", o.copy_out_bytes_per_step},
-                     {"copy_in_bytes_per_step", o.copy_in_bytes_per_step},
-                     {"copy_out_s_per_microbatch", o.copy_out_s},
-                     {"cpu_adam_s", o.cpu_adam_s},
-                     {"upload_s", o.upload_s},
-                     {"host_step_s", o.host_step_s}});
+    out = bytes_add(out, bytes_add(o.copy_out_bytes_per_step, swap_bytes));
+    in = bytes_add(in, bytes_add(o.copy_in_bytes_per_step, swap_bytes));
+    swapped = bytes_add(swapped, swap_bytes);
+    common::Json rank = {
+        {"rank", r},
+        {"host_bytes", bytes_add(o.host_bytes, swap_host)},
+        {"pinned_bytes", bytes_add(o.pinned_bytes, swap_host)},
+        {"copy_out_bytes_per_step", bytes_add(o.copy_out_bytes_per_step, swap_bytes)},
+        {"copy_in_bytes_per_step", bytes_add(o.copy_in_bytes_per_step, swap_bytes)}};
+    if (p.offload != Offload::none) {
+      rank["copy_out_s_per_microbatch"] = o.copy_out_s;
+      rank["cpu_adam_s"] = o.cpu_adam_s;
+      rank["upload_s"] = o.upload_s;
+      rank["host_step_s"] = o.host_step_s;
+    }
+    if (p.offload_activations) {
+      rank["activations"] = {{"choice", to_string(p.activations[std::size_t(st.stage)])},
+                             {"swapped_per_step", swaps ? st.swap.units_per_step : 0},
+                             {"swapped_bytes_per_step", swap_bytes},
+                             {"host_bytes", swap_host},
+                             {"copy_s", swaps ? st.swap.copy_s : 0.0},
+                             {"window_s", swaps ? st.swap.window_s : 0.0},
+                             {"stall_s", swaps ? st.swap.stall_s : 0.0}};
+    }
+    ranks.push_back(rank);
   }
   for (const auto& [node, h] : hosts)
     rep.hosts.push_back(h);
-  rep.extra["offload"] = {{"mode", to_string(p.offload)},
+  rep.extra["offload"] = {{"mode", offload_name(p)},
                           {"copy_out_bytes_per_step", out},
                           {"copy_in_bytes_per_step", in},
+                          {"activation_bytes_per_step", swapped},
                           {"ranks", ranks}};
 }
 
@@ -746,8 +866,9 @@ static double exposed_data_parallel_s(const std::vector<StageCost>& stages, cons
 }
 
 Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
-                  const clusters::Cluster& cluster, const Plan& p) {
-  check(p);
+                  const clusters::Cluster& cluster, const Plan& plan) {
+  check(plan);
+  Plan p = plan;
   if (int(p.placement.size()) != p.ranks())
     throw PlanError("plan: placement: the plan is not placed");
   if (int(p.stage_blocks.size()) != p.virtual_stages())
@@ -756,6 +877,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   traces::check_sharding(trace, sharding);
   const models::ModelCosts mc = models::derive_costs(model, sharding);  // checks t against it
   check_offload_cluster(cluster, p);
+  if (p.offload_activations && p.activations.empty())
+    set_activations(p, choose_activations(model, trace, cluster, p));
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
@@ -804,7 +927,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
     rep.devices.push_back(d);
   }
-  if (p.offload != Offload::none) add_offload_report(rep, est.stages, cluster, p);
+  if (p.any_offload()) add_offload_report(rep, est.stages, cluster, p);
   common::Json stages = common::Json::array();
   for (const auto& st : est.stages)
     stages.push_back({{"stage", st.stage},

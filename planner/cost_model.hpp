@@ -8,6 +8,7 @@
 #include "clusters/cluster.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
+#include "planner/program.hpp"
 #include "planner/report.hpp"
 #include "traces/trace.hpp"
 
@@ -139,6 +140,42 @@ std::vector<double> processor_sharing_finish(const std::vector<double>& work,
 // link).
 void check_offload_cluster(const clusters::Cluster& cluster, const Plan& p);
 
+// --- Activation offload (KARMA, plan.offload_activations): docs/formulas.md, section 9, activation
+// offload ---
+
+// One stage's activation swapping over one step (its compute order, step_compute_order), with
+// the copies on one copy engine per direction (FIFO) over the rank's host path (host_path).
+struct StageSwap {
+  ActivationChoice choice = ActivationChoice::recompute;
+  int units_per_step = 0;           // microbatch-chunks swapped per step (swap_plan)
+  std::int64_t bytes_per_step = 0;  // copied each way per step
+  std::int64_t device_bytes = 0;    // peak stash bytes on the device, the copies hiding
+  std::int64_t host_bytes = 0;      // peak swapped bytes on the host (pinned buffers)
+  double copy_s = 0;                // the largest unit's copy, one direction
+  double window_s = 0;              // the shortest compute op a copy hides behind
+  double stall_s = 0;               // per step: the stage alone, back to back, with its copies
+};
+// The figures of stage `stage` swapping (plan.swaps(stage) need not hold: computed as if it did).
+StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chunks,
+                     const HostPath& path);
+// The stall of a compute order with swaps (docs/formulas.md section 9, activation offload): compute
+// ops back to back, each download after its forward, each upload issued with the op before its
+// backward, after its download, and each backward after its upload; durations[i] is slot i's
+// compute, copy_s[i] the copy of slot i's unit (one direction). Returns the makespan minus the
+// summed compute.
+double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
+                    const std::vector<double>& durations, const std::vector<double>& copy_s);
+// KARMA's choice per stage: swap when some microbatch-chunk can swap (swap_plan) and the copy of
+// the largest unit, one direction, takes no longer than the shortest compute op it hides behind
+// (copy_s <= window_s); recompute when the copies would not hide. A stage where nothing can swap
+// (1F1B's last stage: each backward right after its forward) gets `swap` when keep_unswappable
+// (it keeps its stash, as without offload: no recompute time) and `recompute` otherwise (less
+// memory); the planner tries both. `plan` placed and resolved, t == 1.
+std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
+                                                 const traces::Trace& trace,
+                                                 const clusters::Cluster& cluster, const Plan& plan,
+                                                 bool keep_unswappable = true);
+
 // What one pipeline stage (all chunks a device holds) costs for one microbatch of size b.
 struct StageCost {
   int stage = 0;
@@ -153,6 +190,7 @@ struct StageCost {
   double optimizer_s = 0;            // AdamW over the stage's parameters (its shard with the
                                      // distributed optimizer); with offload the host step
   RankOffload offload;               // offload figures of one rank (plan.offload != none)
+  StageSwap swap;                    // activation offload of one rank (plan.swaps(stage))
   double send_s = 0;                 // activation to stage s+1 (and gradient back), one microbatch
   double allreduce_s = 0;            // ring all-reduce of the stage's gradients over w replicas
   std::int64_t in_flight = 0;        // microbatches stashed at once (n_s)

@@ -52,15 +52,55 @@ std::string to_string(Offload o) {
   return o == Offload::optimizer ? "optimizer" : "none";
 }
 
-Offload parse_offload(const std::string& s) {
-  if (s == "none") return Offload::none;
-  if (s == "optimizer") return Offload::optimizer;
-  if (s == "chunks" || s == "activations")
-    throw InputError(
-        fmt::format("offload \"{}\" is not supported yet (issue 15); use none or "
-                    "optimizer",
-                    s));
-  throw InputError(fmt::format("unknown offload mode \"{}\" (expected none or optimizer)", s));
+std::string to_string(ActivationChoice c) {
+  return c == ActivationChoice::swap ? "swap" : "recompute";
+}
+
+ActivationChoice parse_activation_choice(const std::string& s) {
+  if (s == "swap") return ActivationChoice::swap;
+  if (s == "recompute") return ActivationChoice::recompute;
+  throw InputError(fmt::format("unknown activation choice \"{}\" (expected swap or recompute)", s));
+}
+
+OffloadModes parse_offload_modes(const std::string& s) {
+  OffloadModes m;
+  if (s == "none") return m;
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t comma = s.find(',', begin);
+    const std::string part = s.substr(begin, comma == std::string::npos ? comma : comma - begin);
+    if (part == "optimizer" && m.optimizer == Offload::none) {
+      m.optimizer = Offload::optimizer;
+    } else if (part == "activations" && !m.activations) {
+      m.activations = true;
+    } else if (part == "chunks") {
+      throw InputError(
+          "offload \"chunks\" is not supported yet (issue 15); use none, optimizer, activations "
+          "or optimizer,activations");
+    } else {
+      throw InputError(
+          fmt::format("unknown offload mode \"{}\" (expected none, optimizer, activations or "
+                      "optimizer,activations)",
+                      s));
+    }
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return m;
+}
+
+std::string offload_name(const Plan& p) {
+  if (p.offload == Offload::optimizer && p.offload_activations) return "optimizer,activations";
+  if (p.offload_activations) return "activations";
+  return to_string(p.offload);
+}
+
+void set_activations(Plan& p, const std::vector<ActivationChoice>& choices) {
+  p.offload_activations = true;
+  p.activations = choices;
+  p.recompute.assign(choices.size(), Recompute::none);
+  for (std::size_t s = 0; s < choices.size(); ++s)
+    if (choices[s] == ActivationChoice::recompute) p.recompute[s] = Recompute::full;
 }
 
 Schedule parse_schedule(const std::string& s) {
@@ -122,6 +162,37 @@ void check(const Plan& p) {
                                     p.t));
     if (p.distributed_optimizer)
       reject("offload", "optimizer offload with the distributed optimizer is not supported yet");
+  }
+  if (!p.activations.empty() && !p.offload_activations)
+    reject("activations", "swap/recompute choices need offload activations");
+  if (p.offload_activations) {
+    if (p.t > 1)
+      reject("offload", fmt::format("activation offload with tensor parallelism (t = {}) is not "
+                                    "supported yet; use t = 1",
+                                    p.t));
+    if (p.activations.empty())
+      for (std::size_t s = 0; s < p.recompute.size(); ++s)
+        if (p.recompute[s] != Recompute::none)
+          reject("recompute", fmt::format("with activation offload each stage's recompute follows "
+                                          "its swap/recompute choice (stage {} has {}); drop "
+                                          "--recompute, or give the choices in a plan file",
+                                          s, to_string(p.recompute[s])));
+    if (!p.activations.empty() && int(p.activations.size()) != p.d)
+      reject("activations", fmt::format("has {} entries but the plan has d = {} stages",
+                                        p.activations.size(), p.d));
+    for (std::size_t s = 0; s < p.activations.size(); ++s) {
+      const Recompute want =
+          p.activations[s] == ActivationChoice::swap ? Recompute::none : Recompute::full;
+      if (!p.recompute.empty() && p.recompute.size() == p.activations.size() &&
+          p.recompute[s] != want)
+        reject(
+            fmt::format("activations[{}]", s),
+            fmt::format("{} needs recompute {} on stage {}, found {}", to_string(p.activations[s]),
+                        to_string(want), s, to_string(p.recompute[s])));
+      if (p.recompute.empty() && want != Recompute::none)
+        reject(fmt::format("activations[{}]", s),
+               fmt::format("recompute needs recompute full on stage {}, found none", s));
+    }
   }
   if (!p.stage_blocks.empty() && int(p.stage_blocks.size()) != p.virtual_stages())
     reject("stage_blocks", fmt::format("has {} entries but the plan has d*v = {} stages",
@@ -234,9 +305,21 @@ Plan parse_plan(const Json& json, const std::string& source) {
   p.v = r.has("v") ? small_int("v") : 1;
   if (r.has("offload")) {
     try {
-      p.offload = parse_offload(r.get_string("offload"));
+      const OffloadModes modes = parse_offload_modes(r.get_string("offload"));
+      p.offload = modes.optimizer;
+      p.offload_activations = modes.activations;
     } catch (const InputError& e) {
       r.fail_member("offload", e.what());
+    }
+  }
+  if (auto ac = r.find("activations")) {
+    for (std::size_t i = 0; i < ac->size(); ++i) {
+      const JsonReader e = ac->at(i);
+      try {
+        p.activations.push_back(parse_activation_choice(e.as_string()));
+      } catch (const InputError& err) {
+        e.fail(err.what());
+      }
     }
   }
   if (auto sb = r.find("stage_blocks"))
@@ -258,6 +341,11 @@ Plan parse_plan(const Json& json, const std::string& source) {
     } else {
       p.recompute.assign(std::size_t(p.d), mode(*rc));
     }
+  }
+  // Choices without a recompute list: the recompute each choice implies.
+  if (!p.activations.empty() && !r.has("recompute") && p.offload_activations) {
+    const std::vector<ActivationChoice> choices = p.activations;
+    set_activations(p, choices);
   }
   if (auto pl = r.find("placement"))
     for (std::size_t i = 0; i < pl->size(); ++i) {
@@ -288,7 +376,13 @@ Json to_json(const Plan& p) {
             {"global_batch", p.global_batch()},
             {"stage_blocks", p.stage_blocks}};
   // Written only when on, so plans without offload read and print as before.
-  if (p.offload != Offload::none) j["offload"] = to_string(p.offload);
+  if (p.any_offload()) j["offload"] = offload_name(p);
+  if (!p.activations.empty()) {
+    Json ac = Json::array();
+    for (ActivationChoice c : p.activations)
+      ac.push_back(to_string(c));
+    j["activations"] = ac;
+  }
   if (p.overlap_param_gather) j["overlap_param_gather"] = true;
   Json rc = Json::array();
   for (int s = 0; s < p.d; ++s)

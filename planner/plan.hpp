@@ -26,12 +26,24 @@ Recompute parse_recompute(const std::string& s);  // throws InputError listing t
 // Where model data lives between uses. none: on the device. optimizer: ZeRO-Offload (Ren et al.
 // 2021) - fp16 parameters stay on the device, gradients stream to host memory during each
 // backward, the fp32 master weights and Adam state live on the host and CPU Adam updates them,
-// the new fp16 parameters are copied back. ("chunks" (PatrickStar) and "activations" (KARMA) are
-// named by issue 15 and refused as not yet supported.)
+// the new fp16 parameters are copied back. ("chunks" (PatrickStar) is named by issue 15 and
+// refused as not yet supported.) Activation offload (KARMA) is Plan::offload_activations.
 enum class Offload { none, optimizer };
-std::string to_string(Offload o);             // "none", "optimizer"
-Offload parse_offload(const std::string& s);  // throws InputError; a one-line "not yet" for the
-                                              // modes still to come
+std::string to_string(Offload o);  // "none", "optimizer"
+
+// Activation offload (KARMA, Wahib et al., SC 2020): per stage, its stashed activations are swapped
+// to host memory during the forward and back before the backward, or dropped and recomputed.
+enum class ActivationChoice { swap, recompute };
+std::string to_string(ActivationChoice c);                       // "swap", "recompute"
+ActivationChoice parse_activation_choice(const std::string& s);  // throws InputError
+
+// --offload: "none", "optimizer", "activations" or "optimizer,activations" (either order).
+// Throws InputError: a one-line "not yet" for "chunks", "unknown offload mode" otherwise.
+struct OffloadModes {
+  Offload optimizer = Offload::none;
+  bool activations = false;
+};
+OffloadModes parse_offload_modes(const std::string& s);
 
 // Where a rank runs. Several ranks may share one (node, gpu): they share its compute and memory.
 struct Placement {
@@ -62,6 +74,11 @@ struct Plan {
   int m = 1;                        // microbatches per optimizer step per replica
   int v = 1;                        // model chunks per device (interleaved only)
   Offload offload = Offload::none;  // optimizer: needs w == 1, t == 1, no distributed optimizer
+  // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
+  // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A
+  // stage that swaps has no recomputation; one that recomputes has full recomputation.
+  bool offload_activations = false;
+  std::vector<ActivationChoice> activations;
   // Blocks per virtual stage, in pipeline order (d*v entries). Empty: balanced over the model.
   std::vector<std::int64_t> stage_blocks;
   // Recomputation of each stage (d entries). Empty: no recomputation anywhere.
@@ -81,6 +98,12 @@ struct Plan {
     return recompute.empty() ? Recompute::none : recompute[std::size_t(stage)];
   }
   bool recomputes(int stage) const { return recompute_of(stage) == Recompute::full; }
+  // The stage swaps its activations to the host (activation offload, choice made).
+  bool swaps(int stage) const {
+    return offload_activations && !activations.empty() &&
+           activations[std::size_t(stage)] == ActivationChoice::swap;
+  }
+  bool any_offload() const { return offload != Offload::none || offload_activations; }
 };
 
 inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d
@@ -88,8 +111,16 @@ inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d
 // Structural checks that need no model or cluster: t, w, d, b, m, v in 1 .. kMaxCount; t*w*d at
 // most kMaxGpus, w*d at most kMaxRanks, d*v at most kMaxCount; d == 1 for dp; m >= d for 2bw; v > 1
 // only for interleaved and m % d == 0 there; list lengths; offload optimizer only with w = t = 1
-// and no distributed optimizer (not yet). Throws PlanError naming the field.
+// and no distributed optimizer (not yet); activation offload only with t = 1, its choices d
+// entries, each stage's recompute matching its choice. Throws PlanError naming the field.
 void check(const Plan& plan);
+
+// "none", "optimizer", "activations" or "optimizer,activations".
+std::string offload_name(const Plan& plan);
+
+// Sets the activation choices and the recompute list that follows from them (full where a stage
+// recomputes, none where it swaps).
+void set_activations(Plan& plan, const std::vector<ActivationChoice>& choices);
 
 // Balanced split of `layers` blocks into `parts` contiguous stages (the first layers % parts
 // stages get one more block).

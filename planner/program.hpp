@@ -38,6 +38,11 @@ enum class OpKind {
                           // microbatch -1: stage 0's tied gradient after the tied exchange
   host_optimizer_step,    // CPU Adam on tile `bucket` (a layer) of `chunk`, creating `version`
   copy_parameters_to_device,  // that tile's new parameters back to the device (`version`)
+  // Activation offload (plan.swaps(stage); KARMA). On the copy engines, one FIFO per direction:
+  copy_activation_to_host,    // after the (microbatch, chunk)'s forward: its stash to the host;
+                              // the device buffer is released when the copy has finished
+  copy_activation_to_device,  // issued one compute op before its backward (prefetch): the stash
+                              // back, after its copy to the host; the backward waits for it
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
@@ -60,6 +65,28 @@ inline TiedShard tied_shard(std::int64_t n, int w, int r) {
   return {begin, begin + per < n ? begin + per : n};
 }
 bool is_offload(OpKind kind);  // the three optimizer-offload ops
+bool is_swap(OpKind kind);     // the two activation-offload ops
+
+// One compute slot of a schedule (a forward or a backward of a microbatch-chunk).
+struct ComputeSlot {
+  bool backward = false;
+  int step = 0;
+  int microbatch = 0;
+  int chunk = 0;
+};
+// The compute order of `stage` in one step (2bw: a 1F1B step, as its steady state runs).
+std::vector<ComputeSlot> step_compute_order(const Plan& plan, int stage, int step = 0);
+
+// Activation offload on a stage that swaps: a microbatch-chunk is swapped when at least
+// kSwapGap compute ops run between its forward and its backward (its download overlaps the first,
+// its upload the last, and it is off the device in between); otherwise it stays on the device.
+inline constexpr int kSwapGap = 3;
+struct SwapPlan {
+  std::vector<bool> out;      // per slot: a forward whose stash goes to the host after it
+  std::vector<int> prefetch;  // per slot: the backward slot whose stash comes back before it, or -1
+  std::vector<int> forward_of;  // per slot: a backward's forward slot (-1 for forwards)
+};
+SwapPlan swap_plan(const Plan& plan, int stage, const std::vector<ComputeSlot>& order);
 
 // CPU Adam tiles of a chunk under optimizer offload: one per layer (embedding on virtual stage 0,
 // each block, head on the last), in forward order. Needs resolved stage_blocks (PlanError).
@@ -141,7 +168,7 @@ std::vector<int> initial_versions(const Plan& plan, int first_step);
 // "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights), "AGTG",
 // "AGTW(v2)" (their gathers over the replicas), "D2H3", "D2H(tied)", "hostopt0(v2)", "H2D0(v2)"
 // (offload; the number after hostopt and H2D is the tile, with ".chunk" before the version when
-// v > 1).
+// v > 1), "A2H3", "A2D3" (activation offload: microbatch 3's stash to the host and back).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

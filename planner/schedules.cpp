@@ -1,6 +1,8 @@
 // Schedule generators: a plan -> per-device programs (compute order, then communication around it).
 #include <algorithm>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -51,6 +53,10 @@ std::string to_string(OpKind kind) {
       return "host_optimizer_step";
     case OpKind::copy_parameters_to_device:
       return "copy_parameters_to_device";
+    case OpKind::copy_activation_to_host:
+      return "copy_activation_to_host";
+    case OpKind::copy_activation_to_device:
+      return "copy_activation_to_device";
   }
   return "unknown";
 }
@@ -79,6 +85,10 @@ bool is_collective(OpKind kind) {
 bool is_offload(OpKind kind) {
   return kind == OpKind::copy_gradient_to_host || kind == OpKind::host_optimizer_step ||
          kind == OpKind::copy_parameters_to_device;
+}
+
+bool is_swap(OpKind kind) {
+  return kind == OpKind::copy_activation_to_host || kind == OpKind::copy_activation_to_device;
 }
 
 int offload_tiles(const Plan& plan, int stage, int chunk) {
@@ -146,6 +156,10 @@ std::string format_op(const Op& op, const Plan& plan) {
              ")";
     case OpKind::copy_parameters_to_device:
       return "H2D" + std::to_string(op.bucket) + chunk + "(v" + std::to_string(op.version) + ")";
+    case OpKind::copy_activation_to_host:
+      return "A2H" + mb + chunk;
+    case OpKind::copy_activation_to_device:
+      return "A2D" + mb + chunk;
   }
   return "?";
 }
@@ -160,12 +174,7 @@ std::int64_t total_ops(const Programs& programs) {
 namespace {
 
 // One compute slot of a schedule, before communication is added around it.
-struct Slot {
-  bool backward = false;
-  int step = 0;
-  int microbatch = 0;
-  int chunk = 0;
-};
+using Slot = ComputeSlot;
 
 // The one-forward-one-backward pattern over n forwards: `warmup` forwards, then pairs (forward
 // warmup+j, backward j), then the remaining backwards. Returns (is_backward, index) pairs.
@@ -232,8 +241,10 @@ class ProgramBuilder {
   ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program)
       : plan_(plan), buckets_(buckets), tied_(tied), program_(program) {}
 
-  void compute(const Slot& slot) {
+  // `out`: the forward's stash goes to the host; `prefetch`: a stash to bring back first.
+  void compute(const Slot& slot, bool out = false, const Slot* prefetch = nullptr) {
     const int s = program_.stage, d = plan_.d;
+    if (prefetch) add(OpKind::copy_activation_to_device, *prefetch, -1);
     const int vs = virtual_stage(plan_, s, slot.chunk);
     const bool first = vs == 0, last = vs == plan_.virtual_stages() - 1;
     const int prev = peer((s - 1 + d) % d), next = peer((s + 1) % d);
@@ -243,6 +254,7 @@ class ProgramBuilder {
       if (tied_last() && slot.chunk == plan_.v - 1) receive_tied_weights(slot.step, version);
       add(OpKind::forward, slot, -1, version);
       if (!last) add(OpKind::send_activation, slot, next);
+      if (out) add(OpKind::copy_activation_to_host, slot, -1);
       return;
     }
     if (!last) add(OpKind::recv_gradient, slot, next);
@@ -330,15 +342,26 @@ class ProgramBuilder {
   std::vector<int> unreceived_;  // tied weight versions created here, not yet received
 };
 
+// The compute slots in order, with their activation swaps.
+void run_slots(const Plan& plan, int stage, const std::vector<Slot>& slots, ProgramBuilder& builder,
+               bool two_bw_tails) {
+  const SwapPlan sp = swap_plan(plan, stage, slots);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const Slot& slot = slots[i];
+    const int pf = sp.prefetch.empty() ? -1 : sp.prefetch[i];
+    builder.compute(slot, !sp.out.empty() && sp.out[i],
+                    pf >= 0 ? &slots[std::size_t(pf)] : nullptr);
+    if (two_bw_tails && slot.backward && slot.microbatch == plan.m - 1)
+      builder.step_tail(slot.step);
+  }
+}
+
 void generate_device(const Plan& plan, int first_step, int steps, int buckets, bool tied,
                      Program& program) {
   ProgramBuilder builder(plan, buckets, tied, program);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
-    for (const Slot& slot : two_bw_stream(plan, s, first_step, steps)) {
-      builder.compute(slot);
-      if (slot.backward && slot.microbatch == plan.m - 1) builder.step_tail(slot.step);
-    }
+    run_slots(plan, s, two_bw_stream(plan, s, first_step, steps), builder, true);
     builder.finish(first_step + steps - 1);
     return;
   }
@@ -355,14 +378,51 @@ void generate_device(const Plan& plan, int first_step, int steps, int buckets, b
         slots = one_f_one_b_step(plan, s, step);
         break;
     }
-    for (const Slot& slot : slots)
-      builder.compute(slot);
+    run_slots(plan, s, slots, builder, false);
     builder.step_tail(step);
   }
   builder.finish(first_step + steps - 1);
 }
 
 }  // namespace
+
+std::vector<ComputeSlot> step_compute_order(const Plan& plan, int stage, int step) {
+  switch (plan.schedule) {
+    case Schedule::gpipe:
+      return gpipe_step(plan, step);
+    case Schedule::interleaved:
+      return interleaved_step(plan, stage, step);
+    default:
+      return one_f_one_b_step(plan, stage, step);
+  }
+}
+
+SwapPlan swap_plan(const Plan& plan, int stage, const std::vector<ComputeSlot>& order) {
+  SwapPlan sp;
+  if (!plan.swaps(stage)) return sp;
+  sp.out.assign(order.size(), false);
+  sp.prefetch.assign(order.size(), -1);
+  sp.forward_of.assign(order.size(), -1);
+  std::map<std::tuple<int, int, int>, int> forward;  // (step, microbatch, chunk) -> slot
+  for (int i = 0; i < int(order.size()); ++i) {
+    const ComputeSlot& c = order[std::size_t(i)];
+    const auto key = std::make_tuple(c.step, c.microbatch, c.chunk);
+    if (!c.backward) {
+      forward[key] = i;
+      continue;
+    }
+    auto it = forward.find(key);
+    if (it == forward.end()) continue;  // its forward is before this order (resumed 2bw)
+    const int f = it->second;
+    sp.forward_of[std::size_t(i)] = f;
+    if (i - f - 1 >= kSwapGap) {
+      sp.out[std::size_t(f)] = true;
+      sp.prefetch[std::size_t(i - 1)] = i;
+    }
+    forward.erase(it);
+  }
+  return sp;
+}
 
 std::vector<int> initial_versions(const Plan& plan, int first_step) {
   if (plan.schedule == Schedule::two_bw && first_step > 0) return {first_step - 1, first_step};
@@ -399,6 +459,7 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
       offload_ops = std::max(offload_ops, double(plan.m) * plan.v + 2.0 * tiles + 1.0);
     }
   }
+  if (plan.offload_activations) offload_ops += 2.0 * plan.m * plan.v;
   const double ops_bound =
       double(plan.ranks()) * double(steps) *
       (8.0 * double(plan.m) * double(plan.v) + 2.0 * gradient_buckets + 8.0 + offload_ops);

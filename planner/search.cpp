@@ -140,7 +140,11 @@ bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (recompute_rank(a) != recompute_rank(b)) return recompute_rank(a) < recompute_rank(b);
   if (a.sp != b.sp) return !a.sp;
   if (a.distributed_optimizer != b.distributed_optimizer) return !a.distributed_optimizer;
-  if (a.offload != b.offload) return a.offload == Offload::none;
+  // Fewer offload modes first: none, then one (activations before optimizer), then both.
+  auto offload_rank = [](const Plan& x) {
+    return (x.offload != Offload::none ? 2 : 0) + (x.offload_activations ? 1 : 0);
+  };
+  if (offload_rank(a) != offload_rank(b)) return offload_rank(a) < offload_rank(b);
   if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
   return a.v < b.v;
 }
@@ -175,8 +179,11 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
   std::int64_t too_many_ranks = 0;  // the smallest rank count skipped for passing kMaxRanks
-  // One pass over every shape with the given offload mode; offload plans are t = 1, w = 1.
-  auto enumerate = [&](Offload offload) {
+  // One pass over every shape with the given offload modes; optimizer offload plans are t = 1,
+  // w = 1; activation offload plans t = 1, their swap/recompute choices made by the choice rule
+  // (choose_activations) in place of the recompute options.
+  auto enumerate = [&](OffloadModes modes) {
+    const Offload offload = modes.optimizer;
     for (int t : tps)
       // SP splits a TP group's work: t = 1 runs without it whatever the list says.
       for (bool sp : t == 1 ? std::vector<bool>{false} : o.sequence_parallel) {
@@ -193,9 +200,11 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
             if (offload != Offload::none && (t > 1 || w > 1)) continue;
+            if (modes.activations && t > 1) continue;
             for (const Plan& shape : plans_for(w, d, b, model.layers, o))
               for (bool dopt : o.distributed_optimizer) {
                 if (dopt && (w == 1 || offload != Offload::none)) continue;
+                if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;
@@ -209,11 +218,29 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                 }
                 // The evenly split plan, and the split balanced by time when it differs (the
                 // head-heavy last stage gets fewer blocks; it may need more memory elsewhere).
-                std::vector<Plan> splits = {p};
+                std::vector<Plan> shapes_of = {p};
                 if (p.d > 1) {
                   Plan q = p;
                   q.stage_blocks = time_balanced_split(p, model.layers, trace);
-                  if (q.stage_blocks != p.stage_blocks) splits.push_back(q);
+                  if (q.stage_blocks != p.stage_blocks) shapes_of.push_back(q);
+                }
+                // Activation offload: the rule's choices, with the stages where nothing can swap
+                // keeping their stash (faster) or recomputing (smaller) when that differs.
+                std::vector<Plan> splits;
+                for (Plan& x : shapes_of) {
+                  if (!modes.activations) {
+                    splits.push_back(x);
+                    continue;
+                  }
+                  x.offload_activations = true;
+                  const auto keep = choose_activations(model, trace, cluster, x, true);
+                  const auto small = choose_activations(model, trace, cluster, x, false);
+                  set_activations(x, keep);
+                  splits.push_back(x);
+                  if (small != keep) {
+                    set_activations(x, small);
+                    splits.push_back(x);
+                  }
                 }
                 for (const Plan& x : splits) {
                   Candidate c{x, estimate(model, trace, cluster, x), true, ""};
@@ -231,21 +258,46 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
           }
       }
   };
-  enumerate(Offload::none);
-  // Nothing fits on the devices alone: ZeRO-Offload's fp16-parameters-only device memory may.
-  const bool can_offload = cluster.host.cpu_adam_params_per_s() > 0 &&
-                           cluster.host.pcie_bandwidth_bytes_per_s > 0 &&
-                           cluster.host.uplink_bandwidth_bytes_per_s > 0 &&
-                           std::find(tps.begin(), tps.end(), 1) != tps.end();
-  if (o.offload_when_nothing_fits && result.fitting.empty() && result.considered > 0 &&
-      can_offload) {
+  enumerate({Offload::none, false});
+  // Nothing fits on the devices alone: KARMA's activation swapping (stashes in host memory),
+  // ZeRO-Offload's fp16-parameters-only device memory, or both may.
+  const bool host_link = cluster.host.pcie_bandwidth_bytes_per_s > 0 &&
+                         cluster.host.uplink_bandwidth_bytes_per_s > 0 &&
+                         std::find(tps.begin(), tps.end(), 1) != tps.end();
+  const bool cpu_adam = cluster.host.cpu_adam_params_per_s() > 0;
+  if (o.offload_when_nothing_fits && result.fitting.empty() && result.considered > 0 && host_link) {
     SearchResult without = std::move(result);
     result = SearchResult{};
-    enumerate(Offload::optimizer);
+    enumerate({Offload::none, true});
+    if (cpu_adam) {
+      enumerate({Offload::optimizer, false});
+      enumerate({Offload::optimizer, true});
+    }
     result.offload_reason = explain_no_fit(without);
     result.considered += without.considered;
     if (result.fitting.empty() && result.rejected.empty())
       result.rejected = std::move(without.rejected);
+  }
+  // Everything that fits recomputes: KARMA's point is that swapping the stash to the host can
+  // be cheaper than recomputing it where the copies hide behind compute. Try it beside them.
+  const bool all_recompute = !result.fitting.empty() && result.offload_reason.empty() &&
+                             std::all_of(result.fitting.begin(), result.fitting.end(),
+                                         [](const Candidate& c) { return any_recompute(c.plan); });
+  if (o.offload_when_nothing_fits && all_recompute && host_link) {
+    const std::size_t before = result.fitting.size();
+    enumerate({Offload::none, true});
+    if (cpu_adam) enumerate({Offload::optimizer, true});
+    std::size_t swapping = 0;  // plans that move activations to the host
+    for (std::size_t i = before; i < result.fitting.size(); ++i) {
+      const common::Json& rep = result.fitting[i].estimate.report.extra;
+      if (rep.contains("offload") && rep["offload"].value("activation_bytes_per_step", 0.0) > 0)
+        ++swapping;
+    }
+    result.swap_reason = fmt::format(
+        "every plan that fits recomputes activations, so the search also tried --offload "
+        "activations{} (KARMA: swap a stage's stash to host memory where the copies hide behind "
+        "compute): {} of {} such plans fit and swap somewhere",
+        cpu_adam ? " and optimizer,activations" : "", swapping, result.fitting.size() - before);
   }
   if (result.considered == 0 && too_many_ranks > 0)
     throw InputError(fmt::format(

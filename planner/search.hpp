@@ -61,6 +61,9 @@ struct SearchResult {
   // devices alone were not enough (explain_no_fit of that first search). The candidates above are
   // then the offload ones (those considered without offload are counted in `considered`).
   std::string offload_reason;
+  // Set when every plan that fit without offload recomputed and the search also tried activation
+  // offload beside them (its candidates are among `fitting` / `rejected`): what it found.
+  std::string swap_reason;
 };
 
 // Enumerates candidates (w * d = devices * ranks_per_gpu, d <= layers, b a power of two <= cap

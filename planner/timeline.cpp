@@ -26,9 +26,11 @@ common::Json chrome_trace(const Programs& programs, const std::vector<RankTimeli
                       {"args", {{"sort_index", r.rank}}}});
     for (int s = 0; s < (plan.t > 1 ? 5 : 4); ++s)
       events.push_back(metadata("thread_name", r.rank, s, kStreamNames[s]));
-    if (plan.offload != Offload::none)
-      for (int s : {kCopyOutStream, kCopyInStream, kHostStream})
+    if (plan.any_offload())
+      for (int s : {kCopyOutStream, kCopyInStream, kHostStream}) {
+        if (s == kHostStream && plan.offload == Offload::none) continue;  // no CPU Adam
         events.push_back(metadata("thread_name", r.rank, s, kStreamNames[s]));
+      }
     const auto& ops = programs.devices[std::size_t(r.rank)].ops;
     for (const TimedOp& e : r.ops) {
       const Op& op = ops[std::size_t(e.op)];

@@ -4,7 +4,9 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -52,8 +54,18 @@ class Replayer {
     claim_mailboxes(true);
     mark_bucketed_backwards();
     allocate_static();
+    if (w_.plan().swaps(me_.stage)) open_copy_engines();
     for (op_ = 0; op_ < int(program_.ops.size()); ++op_)
       step(program_.ops[std::size_t(op_)]);
+    for (CopyEngine* e : {&down_, &up_}) {
+      if (!e->actor) continue;
+      {
+        std::unique_lock<sg4::Mutex> lock(*e->mutex);
+        e->closing = true;
+        e->wake->notify_all();
+      }
+      e->actor->join();
+    }
     for (auto& [name, ch] : channels_) {
       {
         std::unique_lock<sg4::Mutex> lock(*ch.mutex);
@@ -108,7 +120,15 @@ class Replayer {
         compute(chunk(op).recompute_s);
         tensor_parallel(chunk(op).tp_forward);
         break;
+      case OpKind::copy_activation_to_host:
+        swapped_out_.insert(unit_of(op));
+        enqueue(down_, op);
+        break;
+      case OpKind::copy_activation_to_device:
+        enqueue(up_, op);
+        break;
       case OpKind::backward:
+        wait_uploaded(op);  // a swapped stash must be back on the device
         if (offload_.on()) offload_.begin_backward(op);  // gradients stream out meanwhile
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
@@ -154,6 +174,101 @@ class Replayer {
         offload_.run(op, op_);  // sim/offload.cpp
         break;
     }
+  }
+
+  // Activation offload (KARMA, docs/formulas.md section 9, activation offload): one copy engine per
+  // direction, each an actor running its copies in FIFO order over the GPU's host link. A download
+  // releases the stash on the device when it has finished; an upload starts after its download and
+  // the uploads before it, and takes the stash's device memory back as it starts.
+  using Unit = std::tuple<int, int, int>;  // (step, microbatch, chunk)
+  struct CopyJob {
+    Unit unit;
+    std::int64_t bytes = 0;
+    int op = 0;
+  };
+  struct CopyEngine {
+    std::deque<CopyJob> queue;
+    bool closing = false;
+    sg4::MutexPtr mutex;
+    sg4::ConditionVariablePtr wake;
+    sg4::ActorPtr actor;
+  };
+
+  static Unit unit_of(const Op& op) { return {op.step, op.microbatch, op.chunk}; }
+
+  void open_copy_engines() {
+    swap_mutex_ = sg4::Mutex::create();
+    swap_done_ = sg4::ConditionVariable::create();
+    for (CopyEngine* e : {&down_, &up_}) {
+      e->mutex = sg4::Mutex::create();
+      e->wake = sg4::ConditionVariable::create();
+    }
+    down_.actor = sg4::Actor::create(fmt::format("d2h:{}", me_.rank), me_.host,
+                                     [this] { copy_loop(down_, true); });
+    up_.actor = sg4::Actor::create(fmt::format("h2d:{}", me_.rank), me_.host,
+                                   [this] { copy_loop(up_, false); });
+  }
+
+  void enqueue(CopyEngine& e, const Op& op) {
+    std::unique_lock<sg4::Mutex> lock(*e.mutex);
+    e.queue.push_back({unit_of(op), chunk(op).stash_bytes, op_});
+    e.wake->notify_all();
+  }
+
+  void copy_loop(CopyEngine& e, bool down) {
+    for (;;) {
+      CopyJob job;
+      {
+        std::unique_lock<sg4::Mutex> lock(*e.mutex);
+        while (e.queue.empty() && !e.closing)
+          e.wake->wait(lock);
+        if (e.queue.empty()) return;
+        job = e.queue.front();
+        e.queue.pop_front();
+      }
+      if (!down) {  // the stash must be on the host first
+        std::unique_lock<sg4::Mutex> lock(*swap_mutex_);
+        while (downloaded_.count(job.unit) == 0)
+          swap_done_->wait(lock);
+        downloaded_.erase(job.unit);
+        allocate(&planner::MemoryBreakdown::activations, job.bytes);
+      } else {
+        host_swap(job.bytes);
+      }
+      sg4::Host* from = down ? me_.host : me_.cpu;
+      sg4::Host* to = down ? me_.cpu : me_.host;
+      const auto size = std::uint64_t(std::max<std::int64_t>(job.bytes, 1));
+      observe_transfer(from, to, double(size));
+      sg4::CommPtr c = start_flow(from, to, size);
+      c->wait();
+      record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
+      (down ? me_.copied_out_bytes : me_.copied_in_bytes) += job.bytes;
+      if (down) {
+        me_.swapped_bytes += job.bytes;
+        allocate(&planner::MemoryBreakdown::activations, -job.bytes);
+      } else {
+        host_swap(-job.bytes);
+      }
+      std::unique_lock<sg4::Mutex> lock(*swap_mutex_);
+      (down ? downloaded_ : uploaded_).insert(job.unit);
+      swap_done_->notify_all();
+    }
+  }
+
+  void host_swap(std::int64_t bytes) {
+    me_.swap_host_now += bytes;
+    me_.swap_host_peak = std::max(me_.swap_host_peak, me_.swap_host_now);
+  }
+
+  // A backward whose stash went to the host waits for its upload.
+  void wait_uploaded(const Op& op) {
+    if (!swap_mutex_) return;
+    const Unit u = unit_of(op);
+    if (swapped_out_.erase(u) == 0) return;
+    std::unique_lock<sg4::Mutex> lock(*swap_mutex_);
+    while (uploaded_.count(u) == 0)
+      swap_done_->wait(lock);
+    uploaded_.erase(u);
   }
 
   // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
@@ -518,6 +633,10 @@ class Replayer {
   std::int64_t versions_ = 1;
   int op_ = 0;
   OffloadReplay offload_{w_, me_};
+  CopyEngine down_, up_;  // activation offload
+  sg4::MutexPtr swap_mutex_;
+  sg4::ConditionVariablePtr swap_done_;
+  std::set<Unit> swapped_out_, downloaded_, uploaded_;
 };
 
 }  // namespace

@@ -73,9 +73,9 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
       rs.offload = planner::rank_offload(model, mc, cluster, p, r, rs.chunks, host_parameters);
       fixed.gradients = rs.offload.device_gradient_bytes;
       fixed.optimizer = 0;
-      rs.cpu = platform.host_cpus[std::size_t(rs.node)];
       rs.cpu_adam_params_per_s = cluster.host.cpu_adam_params_per_s();
     }
+    if (p.any_offload()) rs.cpu = platform.host_cpus[std::size_t(rs.node)];
     // What the replay can hold at once (every microbatch-chunk stashed, two weight versions, the
     // static memory), checked here, before any actor runs, so its running sums cannot overflow.
     // (Not a limit on the answer: only int64's range, with room to spare.)
@@ -150,27 +150,36 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
   std::map<int, planner::HostReport> hosts;
   common::Json ranks = common::Json::array();
   const std::int64_t steps = w.programs->steps;
-  std::int64_t out = 0, in = 0;
+  std::int64_t out = 0, in = 0, swapped = 0;
   for (const RankState& r : w.ranks) {
     planner::HostReport& h = hosts[r.node];
     h.node = r.node;
-    h.peak_memory_bytes += r.offload.host_bytes;
-    h.pinned_bytes += r.offload.pinned_bytes;
+    h.peak_memory_bytes += r.offload.host_bytes + r.swap_host_peak;
+    h.pinned_bytes += r.offload.pinned_bytes + r.swap_host_peak;
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
     out += r.copied_out_bytes / steps;
     in += r.copied_in_bytes / steps;
-    ranks.push_back({{"rank", r.rank},
-                     {"host_bytes", r.offload.host_bytes},
-                     {"pinned_bytes", r.offload.pinned_bytes},
-                     {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
-                     {"copy_in_bytes_per_step", r.copied_in_bytes / steps}});
+    common::Json rank = {{"rank", r.rank},
+                         {"host_bytes", r.offload.host_bytes + r.swap_host_peak},
+                         {"pinned_bytes", r.offload.pinned_bytes + r.swap_host_peak},
+                         {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
+                         {"copy_in_bytes_per_step", r.copied_in_bytes / steps}};
+    if (w.plan().offload_activations) {
+      rank["activations"] = {
+          {"choice", planner::to_string(w.plan().activations[std::size_t(r.stage)])},
+          {"swapped_bytes_per_step", r.swapped_bytes / steps},
+          {"host_bytes", r.swap_host_peak}};
+      swapped += r.swapped_bytes / steps;
+    }
+    ranks.push_back(rank);
   }
   for (const auto& [node, h] : hosts)
     rep.hosts.push_back(h);
-  rep.extra["offload"] = {{"mode", planner::to_string(w.plan().offload)},
+  rep.extra["offload"] = {{"mode", planner::offload_name(w.plan())},
                           {"copy_out_bytes_per_step", out},
                           {"copy_in_bytes_per_step", in},
+                          {"activation_bytes_per_step", swapped},
                           {"ranks", ranks}};
 }
 
@@ -203,7 +212,7 @@ planner::RunReport make_report(const World& w, const models::ModelSpec& model,
     d.bubble_fraction = rep.iteration_time_s > 0 ? 1.0 - d.busy_s / rep.iteration_time_s : 0;
     rep.devices.push_back(d);
   }
-  if (p.offload != planner::Offload::none) add_offload_report(rep, w, cluster);
+  if (p.any_offload()) add_offload_report(rep, w, cluster);
   common::Json links = common::Json::array();
   for (const auto& l : result.links)
     links.push_back({{"name", l.name},
@@ -230,8 +239,9 @@ std::int64_t peak_rss_bytes() {
 }  // namespace
 
 SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trace& trace,
-                              const clusters::Cluster& cluster, const planner::Plan& plan,
+                              const clusters::Cluster& cluster, const planner::Plan& given,
                               const SimOptions& options) {
+  planner::Plan plan = given;
   const auto wall_start = std::chrono::steady_clock::now();
   if (options.steps < 1) throw InputError("--steps must be at least 1");
   // The simulator's share of the limits (common/limits.hpp), refused before anything is built.
@@ -248,6 +258,8 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
         plan.w, plan.d, plan.ranks(), kMaxSimulatedRanks, common::kMaxRanks));
   traces::check_sharding(trace, {plan.t, plan.sp});
   planner::check_offload_cluster(cluster, plan);
+  if (plan.offload_activations && plan.activations.empty())  // KARMA's choice, as estimate makes it
+    planner::set_activations(plan, planner::choose_activations(model, trace, cluster, plan));
   // Test hook: PIPEWRIGHT_TEST_NO_PREFLIGHT=1 lets SimGrid meet what it aborts on (to test how a
   // crashed child is reported).
   if (std::getenv("PIPEWRIGHT_TEST_NO_PREFLIGHT") == nullptr)

@@ -43,7 +43,7 @@ TEST(OffloadPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   j.erase("offload");
   EXPECT_EQ(parse_plan(j, "plan.json").offload, Offload::none);
   EXPECT_FALSE(to_json(parse_plan(j, "plan.json")).contains("offload"));
-  for (const char* mode : {"chunks", "activations"}) {
+  for (const char* mode : {"chunks", "optimizer,chunks"}) {
     j["offload"] = mode;
     const std::string msg = error_of([&] { parse_plan(j, "plan.json"); });
     EXPECT_NE(msg.find("plan.json: /offload: "), std::string::npos) << msg;
@@ -425,6 +425,342 @@ TEST(OffloadSearch, AModelThatFitsIsPlannedWithoutOffload) {
   ASSERT_FALSE(r.fitting.empty());
   for (const Candidate& cand : r.fitting)
     EXPECT_EQ(cand.plan.offload, Offload::none);
+}
+
+// --- Activation offload (KARMA): docs/formulas.md section 9, activation offload ---
+
+TEST(ActivationPlan, ParsesWritesAndRefusesBadChoices) {
+  common::Json j = {{"format", "pipewright.plan/1"},
+                    {"schedule", "1f1b"},
+                    {"w", 1},
+                    {"d", 2},
+                    {"b", 1},
+                    {"m", 4},
+                    {"offload", "optimizer,activations"},
+                    {"activations", {"swap", "recompute"}}};
+  Plan p = parse_plan(j, "plan.json");
+  EXPECT_EQ(p.offload, Offload::optimizer);
+  EXPECT_TRUE(p.offload_activations);
+  EXPECT_TRUE(p.swaps(0));
+  EXPECT_FALSE(p.swaps(1));
+  EXPECT_EQ(p.recompute_of(1), Recompute::full);  // a recomputing stage recomputes in full
+  EXPECT_EQ(p.recompute_of(0), Recompute::none);
+  const common::Json back = to_json(p);
+  EXPECT_EQ(back["offload"], "optimizer,activations");
+  EXPECT_EQ(back["activations"], common::Json({"swap", "recompute"}));
+  EXPECT_EQ(to_json(parse_plan(back, "again")).dump(), back.dump());
+  j["offload"] = "activations";
+  EXPECT_EQ(parse_plan(j, "plan.json").offload, Offload::none);
+  // Either order on the command line.
+  EXPECT_TRUE(parse_offload_modes("activations,optimizer").activations);
+  EXPECT_EQ(parse_offload_modes("activations,optimizer").optimizer, Offload::optimizer);
+  // Bad input: one line naming the field.
+  struct Bad {
+    const char* key;
+    common::Json value;
+    const char* says;
+  };
+  for (const Bad& bad :
+       {Bad{"activations", common::Json({"swap"}),
+            "plan: activations: has 1 entries but the plan "
+            "has d = 2 stages"},
+        Bad{"activations", common::Json({"swap", "keep"}),
+            "/activations/1: unknown activation choice \"keep\" (expected swap or recompute)"},
+        Bad{"offload", "activations,activations", "unknown offload mode"},
+        Bad{"recompute", "full", "plan: activations[0]: swap needs recompute none on stage 0"}}) {
+    common::Json k = j;
+    k[bad.key] = bad.value;
+    const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
+    EXPECT_NE(msg.find(bad.says), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  common::Json k = j;
+  k.erase("offload");
+  EXPECT_NE(error_of<Error>([&] {
+              parse_plan(k, "plan.json");
+            }).find("plan: activations: swap/recompute choices need offload activations"),
+            std::string::npos);
+  k = j;
+  k["t"] = 2;
+  EXPECT_NE(error_of<Error>([&] {
+              parse_plan(k, "plan.json");
+            }).find("activation offload with tensor parallelism (t = 2) is not supported yet"),
+            std::string::npos);
+}
+
+// The stall recurrence on constructed numbers: gpipe, one stage, m = 4, forwards f, backwards
+// b, copies c > b. Every microbatch swaps (3 compute ops between its forward and backward).
+// Downloads queue behind each other from f on; upload j starts when download j ends (f + (j+1)c
+// ... the uploads queue too), so backward j starts at f + (j+2)c and the step ends at
+// f + 5c + b: the stall is 5c - 3(f + b).
+TEST(ActivationChoice, StallRecurrenceAndRuleByHand) {
+  Plan p = plan_of(Schedule::gpipe, 1, 1, 1, 4, 1, 12, {1, 1});
+  set_activations(p, {ActivationChoice::swap});
+  const std::vector<ComputeSlot> order = step_compute_order(p, 0);
+  const SwapPlan sp = swap_plan(p, 0, order);
+  ASSERT_EQ(order.size(), 8u);
+  for (int j = 0; j < 4; ++j) {
+    EXPECT_TRUE(sp.out[std::size_t(j)]);
+    EXPECT_EQ(sp.prefetch[std::size_t(j + 3)], j + 4);  // the upload rides the op before
+  }
+  const double f = 1, b = 2;
+  std::vector<double> dur = {f, f, f, f, b, b, b, b};
+  for (double c : {3.0, 5.0}) {
+    const std::vector<double> copy(8, c);
+    EXPECT_NEAR(swap_stall_s(order, sp, dur, copy), 5 * c - 3 * (f + b), 1e-12) << c;
+  }
+  // Copies shorter than every op hide: no stall.
+  EXPECT_NEAR(swap_stall_s(order, sp, dur, std::vector<double>(8, 0.5)), 0.0, 1e-12);
+  // 1F1B's last stage runs each backward right after its forward: nothing to swap there.
+  Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 1, 8, 1, 12, {1, 4});
+  set_activations(q, std::vector<ActivationChoice>(4, ActivationChoice::swap));
+  const SwapPlan last = swap_plan(q, 3, step_compute_order(q, 3));
+  EXPECT_EQ(std::count(last.out.begin(), last.out.end(), true), 0);
+  // Stage 0 holds d = 4 microbatches: F F F F B F B ...; a forward's backward comes 7 ops later.
+  const SwapPlan first = swap_plan(q, 0, step_compute_order(q, 0));
+  EXPECT_EQ(std::count(first.out.begin(), first.out.end(), true), 8);
+}
+
+struct ActivationWs : ::testing::Test {
+  models::ModelSpec model = models::load_model("gpt2-124m");  // 12 blocks, fp16, tied
+  traces::Trace trace = uniform_trace(model, 1);              // block: t_f 1 ms, t_b 2 ms
+  clusters::Cluster link(double bw) {
+    return clusters::load_cluster("v100-32gb-ws", {},
+                                  {bw > 15.75e9 ? "host.link=nvlink-c2c" : "host.link=pcie3",
+                                   fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
+                                   fmt::format("host.uplink_bandwidth_bytes_per_s={}", bw)});
+  }
+  Plan swapping(const clusters::Cluster& c, int m) {
+    Plan p = plan_of(Schedule::gpipe, 1, 1, 1, m, 1, 12, grid(c));
+    set_activations(p, {ActivationChoice::swap});
+    return p;
+  }
+};
+
+// Copies that hide: the step takes as long as without offload, and the device holds 3 stashes
+// (the one computing, the previous forward's on its way out, the next backward's on its way in)
+// instead of m = 8: lower by 5 microbatches' stash. The rule picks swap on this link.
+TEST_F(ActivationWs, CopiesThatHideCostNoTimeAndSaveTheStash) {
+  const clusters::Cluster c = link(4e11);
+  const Plan p = swapping(c, 8);
+  Plan plain = p;
+  plain.offload_activations = false;
+  plain.activations.clear();
+  plain.recompute.clear();
+  const Estimate est = estimate(model, trace, c, p);
+  const Estimate none = estimate(model, trace, c, plain);
+  const std::int64_t A = est.stages[0].stash_bytes;
+  EXPECT_NEAR(est.report.iteration_time_s, none.report.iteration_time_s, 1e-12);
+  EXPECT_EQ(est.stages[0].memory.activations, 3 * A);
+  EXPECT_EQ(none.report.devices[0].peak_memory_bytes - est.report.devices[0].peak_memory_bytes,
+            5 * A);
+  EXPECT_EQ(est.stages[0].swap.bytes_per_step, 8 * A);
+  // On the host at the last forward: the 7 earlier microbatches (there or on their way).
+  EXPECT_EQ(est.stages[0].swap.host_bytes, 7 * A);
+  EXPECT_EQ(est.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(), 8 * A);
+  Plan chosen = p;
+  chosen.activations.clear();
+  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  // The simulator: the same step time and device peak, the same bytes moved and host peak.
+  const sim::SimResult s = sim::simulate(model, trace, c, p);
+  const sim::SimResult n = sim::simulate(model, trace, c, plain);
+  EXPECT_NEAR(s.report.iteration_time_s, n.report.iteration_time_s,
+              1e-9 * n.report.iteration_time_s);
+  EXPECT_EQ(n.report.devices[0].peak_memory_bytes - s.report.devices[0].peak_memory_bytes, 5 * A);
+  EXPECT_EQ(s.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(), 8 * A);
+  ASSERT_EQ(s.report.hosts.size(), 1u);
+  EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+}
+
+// A slow link: m = 4, copies c longer than a backward; the step is f + 5c + b (the stall of
+// StallRecurrenceAndRuleByHand) in the closed form and the simulator. The rule picks recompute.
+TEST_F(ActivationWs, CopiesThatDoNotHideStallTheStep) {
+  const double bw = 15.75e9;
+  const clusters::Cluster c = link(bw);
+  const Plan p = swapping(c, 4);
+  const Estimate est = estimate(model, trace, c, p);
+  const double A = double(est.stages[0].stash_bytes);
+  const double copy = c.host.pcie_latency_s + A / bw;
+  const double f = est.stages[0].forward_s, b = 12 * 2e-3;
+  ASSERT_GT(copy, b);
+  EXPECT_NEAR(est.pipeline_s, f + 5 * copy + b, 1e-9);
+  EXPECT_NEAR(est.stages[0].swap.stall_s, 5 * copy - 3 * (f + b), 1e-9);
+  const sim::SimResult s = sim::simulate(model, trace, c, p);
+  EXPECT_NEAR(s.report.iteration_time_s, est.report.iteration_time_s,
+              0.01 * est.report.iteration_time_s);
+  Plan chosen = p;
+  chosen.activations.clear();
+  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::recompute);
+}
+
+// A pipeline: the closed form and the simulator within a few percent (time and device peak).
+TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const clusters::Cluster c =
+      clusters::load_cluster("p3.16xlarge", {},
+                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
+                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(to_string(s));
+    Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
+    p.offload_activations = true;
+    set_activations(p, choose_activations(model, trace, c, p));
+    EXPECT_TRUE(p.swaps(0));
+    const Estimate est = estimate(model, trace, c, p);
+    const sim::SimResult sim = sim::simulate(model, trace, c, p);
+    EXPECT_NEAR(sim.report.iteration_time_s, est.report.iteration_time_s,
+                0.03 * est.report.iteration_time_s);
+    for (int r = 0; r < p.ranks(); ++r)
+      EXPECT_NEAR(double(sim.report.devices[std::size_t(r)].peak_memory_bytes),
+                  double(est.report.devices[std::size_t(r)].peak_memory_bytes),
+                  0.03 * double(est.report.devices[std::size_t(r)].peak_memory_bytes))
+          << r;
+    // Flush schedules move the same bytes every step; 2bw's simulated figure is the run's total
+    // over its steps, the stream's drain included (its last backwards follow each other, so
+    // units swap there that stay in the steady state).
+    const double sim_bytes = sim.report.extra["offload"]["activation_bytes_per_step"].get<double>();
+    const double est_bytes = est.report.extra["offload"]["activation_bytes_per_step"].get<double>();
+    EXPECT_NEAR(sim_bytes, est_bytes, s == Schedule::two_bw ? 0.1 * est_bytes : 0.0);
+    ProgramOptions o;
+    o.tied_embeddings = true;
+    EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
+  }
+}
+
+TEST(ActivationPrograms, EverySchedulePassesTheCheckerAndBrokenOnesDoNot) {
+  for (Schedule s :
+       {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw, Schedule::interleaved}) {
+    SCOPED_TRACE(to_string(s));
+    Plan p = plan_of(s, 1, 4, 1, 8, s == Schedule::interleaved ? 2 : 1, 12, {1, 8});
+    p.offload = Offload::optimizer;
+    set_activations(p, std::vector<ActivationChoice>(4, ActivationChoice::swap));
+    ProgramOptions o;
+    o.tied_embeddings = true;
+    const Programs progs = generate_programs(p, o);
+    EXPECT_NO_THROW(check_programs(progs));
+    std::int64_t out = 0, in = 0;
+    for (const Op& op : progs.devices[0].ops) {
+      out += op.kind == OpKind::copy_activation_to_host;
+      in += op.kind == OpKind::copy_activation_to_device;
+    }
+    EXPECT_GT(out, 0);
+    EXPECT_EQ(out, in);
+    // An upload moved after its backward, and a stage that does not swap.
+    Programs bad = progs;
+    auto& ops = bad.devices[0].ops;
+    auto up = std::find_if(ops.begin(), ops.end(), [](const Op& op) {
+      return op.kind == OpKind::copy_activation_to_device;
+    });
+    const Op moved = *up;
+    ops.erase(up);
+    ops.push_back(moved);
+    EXPECT_NE(error_of<ScheduleError>([&] {
+                check_programs(bad);
+              }).find("backward before its stash is back on the device"),
+              std::string::npos);
+    Programs off = progs;
+    set_activations(off.plan, {ActivationChoice::recompute, ActivationChoice::swap,
+                               ActivationChoice::swap, ActivationChoice::swap});
+    EXPECT_NE(error_of<ScheduleError>([&] {
+                check_programs(off);
+              }).find("on a stage that does not swap its activations"),
+              std::string::npos);
+  }
+}
+
+TEST(ActivationSimulate, SameInputsSameReportAndCopyTracks) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge");
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 4, 1, 8, 1, 12, {1, 4});
+  set_activations(p, std::vector<ActivationChoice>(4, ActivationChoice::swap));
+  sim::SimOptions o;
+  o.timeline = true;
+  const sim::SimResult a = sim::simulate(model, trace, c, p, o);
+  const sim::SimResult b = sim::simulate(model, trace, c, p, o);
+  EXPECT_EQ(to_json(a.report).dump(), to_json(b.report).dump());
+  EXPECT_EQ(a.timeline.dump(), b.timeline.dump());
+  EXPECT_NE(a.timeline.dump().find("\"A2H"), std::string::npos);
+  EXPECT_NE(a.timeline.dump().find("\"A2D"), std::string::npos);
+}
+
+// Host memory too small for the swapped stash: the report says the host does not fit.
+TEST_F(ActivationWs, HostMemoryTooSmallDoesNotFit) {
+  clusters::Cluster c = link(4e11);
+  c.host.memory_bytes = 1'000'000;
+  const Estimate est = estimate(model, trace, c, swapping(c, 8));
+  ASSERT_EQ(est.report.hosts.size(), 1u);
+  EXPECT_FALSE(est.report.hosts[0].fits());
+  EXPECT_NE(describe_oom(est.report).find("host memory of node 0"), std::string::npos)
+      << describe_oom(est.report);
+}
+
+// KARMA's point in the planner: GPT-3 175B on 32 GH200s fits only with full recomputation
+// without offload; with NVLink-C2C to host memory a stage's stash copies hide behind its compute,
+// so swapping (with the optimizer on the host, which frees the room for the stashes that stay)
+// beats recomputing, and the search says so. Over PCIe 3 the rule recomputes instead and the
+// recomputing plan stays the best.
+TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
+  const models::ModelSpec model = models::load_model("gpt3-175b");
+  const clusters::Cluster c =
+      clusters::load_cluster("gh200", 32, {"network.bandwidth_bytes_per_s=50e9"});
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 64;
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_TRUE(r.offload_reason.empty());
+  EXPECT_NE(r.swap_reason.find("every plan that fits recomputes activations"), std::string::npos)
+      << r.swap_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Plan& best = r.fitting.front().plan;
+  EXPECT_TRUE(best.offload_activations);
+  EXPECT_TRUE(best.swaps(0));
+  EXPECT_EQ(best.offload, Offload::optimizer);
+  EXPECT_TRUE(r.fitting.front().estimate.report.fits());
+  // Without activation offload the best is the recomputing plan, slower.
+  const auto plain = std::find_if(r.fitting.begin(), r.fitting.end(),
+                                  [](const Candidate& x) { return !x.plan.any_offload(); });
+  ASSERT_NE(plain, r.fitting.end());
+  EXPECT_EQ(plain->plan.recompute_of(0), Recompute::full);
+  EXPECT_GT(r.fitting.front().samples_per_s(), plain->samples_per_s());
+  // PCIe 3 shared by nothing: the copies do not hide; no plan swaps.
+  const clusters::Cluster slow = clusters::load_cluster(
+      "gh200", 32,
+      {"network.bandwidth_bytes_per_s=50e9", "host.link=pcie3",
+       "host.pcie_bandwidth_bytes_per_s=15.75e9", "host.uplink_bandwidth_bytes_per_s=15.75e9"});
+  const SearchResult s = search_plans(model, trace, slow, o);
+  ASSERT_FALSE(s.fitting.empty());
+  for (const Candidate& x : s.fitting)
+    if (x.plan.offload_activations) {
+      EXPECT_EQ(x.estimate.report.extra["offload"]["activation_bytes_per_step"], 0);
+      EXPECT_FALSE(x.plan.swaps(0));
+    }
+  EXPECT_NE(s.swap_reason.find(": 0 of"), std::string::npos) << s.swap_reason;
+}
+
+// The same model on 80 GB devices: nothing fits without offload; the fallback's fastest swaps,
+// faster than the same shape with optimizer offload and full recomputation.
+TEST(ActivationSearch, PicksActivationOffloadWhenNothingFitsWithoutIt) {
+  const models::ModelSpec model = models::load_model("gpt3-175b");
+  const clusters::Cluster c = clusters::load_cluster(
+      "gh200", 32, {"network.bandwidth_bytes_per_s=50e9", "device.memory_bytes=80e9"});
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 64;
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_NE(r.offload_reason.find("nothing fits in memory"), std::string::npos) << r.offload_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Candidate& best = r.fitting.front();
+  EXPECT_TRUE(best.plan.offload_activations);
+  EXPECT_TRUE(best.plan.swaps(0));
+  EXPECT_GT(best.estimate.report.extra["offload"]["activation_bytes_per_step"].get<double>(), 0);
+  const auto recomputing =
+      std::find_if(r.fitting.begin(), r.fitting.end(),
+                   [&](const Candidate& x) { return !x.plan.offload_activations; });
+  ASSERT_NE(recomputing, r.fitting.end());
+  EXPECT_EQ(recomputing->plan.recompute_of(0), Recompute::full);
+  EXPECT_GT(best.samples_per_s(), 1.2 * recomputing->samples_per_s());
 }
 
 }  // namespace

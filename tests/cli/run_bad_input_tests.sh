@@ -175,7 +175,10 @@ import json
 r = json.load(open('$TMP/off.json'))
 assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
 expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported yet" $PW estimate $WS --offload chunks --out "$O"
-expect_code "--offload activations: not yet" 1 "not supported yet" $PW simulate $WS --offload activations --out "$O"
+echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
+expect_code "plan file: activations of the wrong length" 1 "plan: activations: has 1 entries but the plan has d = 2 stages" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-swap.json" --out "$O"
+expect_code "--offload activations with --recompute" 1 "with activation offload each stage's recompute follows its swap/recompute choice" $PW estimate $WS --offload activations --recompute full --out "$O"
+expect_code "--offload activations with t > 1" 1 "activation offload with tensor parallelism (t = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload activations --out "$O"
 expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"
 expect_code "offload with w > 1" 1 "data parallelism (w = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 -w 2 -d 4 --offload optimizer --out "$O"
 expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .*(short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
@@ -188,5 +191,6 @@ expect_code "cpu cores -1" 1 "/host/cpu_cores" $PW estimate $WS --set host.cpu_c
 expect_code "gpus_per_uplink 3 of 8" 1 "/host/gpus_per_uplink: must divide" $PW estimate --model gpt2-124m --cluster dgx-a100 --set host.gpus_per_uplink=3 --out "$O"
 expect_code "pcie3 at 64 GB/s" 1 "more than a pcie3 link" $PW estimate $WS --set host.pcie_bandwidth_bytes_per_s=64e9 --out "$O"
 expect_code "train --offload: not yet" 1 "train does not support --offload yet" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 2 -b 1 --offload optimizer --out "$O"
+expect_code "train --offload activations: not yet" 1 "train does not support --offload yet" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 2 -b 1 --offload activations --out "$O"
 
 finish "bad-input CLI tests"

@@ -426,9 +426,27 @@ assert any(l['kind'] == 'uplink' for l in r['simulation']['links']), r['simulati
 expect_ok "schedule --offload optimizer" $PW schedule -d 2 -m 2 --offload optimizer
 grep -q "D2H1" "$TMP/out" && grep -q "hostopt0(v1) H2D0(v1)" "$TMP/out" && ok || bad "schedule prints the offload ops"
 expect_ok "plan falls back to offload" $PW plan --model gpt-10b --cluster v100-32gb-ws -B 8 --top 2 --out "$TMP/off-plan.json"
-grep -q "without offload nothing fits" "$TMP/out" && grep -q "so the search tried --offload optimizer" "$TMP/out" && ok || bad "plan says why it offloads: $(head -c 400 "$TMP/out")"
+grep -q "without offload nothing fits" "$TMP/out" && grep -q "so the search tried --offload activations" "$TMP/out" && ok || bad "plan says why it offloads: $(head -c 400 "$TMP/out")"
 python3 -c "import json; assert json.load(open('$TMP/off-plan.json'))['offload'] == 'optimizer'" && ok || bad "plan writes the offload plan"
 expect_ok "sweep host memory with offload" $PW sweep --model gpt2-124m --cluster v100-32gb-ws -b 1 -m 2 --offload optimizer --vary host.memory_bytes=1e9,1e11 --out "$TMP/off-sweep.csv"
 grep -q "does not fit: the host memory of node 0" "$TMP/out" && grep -q "m=2 offload" "$TMP/out" && ok || bad "sweep names the host that runs out: $(head -c 600 "$TMP/out")"
+# Activation offload (KARMA): the rule's choice printed per stage; a plan file's choices simulated
+# with copy tracks in the timeline and the swapped bytes in the report.
+expect_ok "estimate --offload activations" $PW estimate --model gpt2-124m --cluster p3.16xlarge -w 1 -d 4 -m 8 --schedule 1f1b --offload activations
+grep -q "activations stage 0: recompute" "$TMP/out" && grep -q "activations stage 3: swap (nothing can swap here: keeps its stash)" "$TMP/out" && ok || bad "estimate prints each stage's activation choice: $(head -c 600 "$TMP/out")"
+python3 -c "
+import json
+json.dump({'format': 'pipewright.plan/1', 'schedule': 'gpipe', 'w': 1, 'd': 2, 'b': 1, 'm': 8,
+           'offload': 'activations', 'activations': ['swap', 'recompute']}, open('$TMP/swap-plan.json', 'w'))"
+expect_ok "simulate a plan that swaps" $PW simulate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/swap-plan.json" --timeline "$TMP/swap-tl.json" --out "$TMP/swap-sim.json"
+grep -q "swapped activations" "$TMP/out" && ok || bad "simulate prints the swapped bytes: $(head -c 600 "$TMP/out")"
+python3 -c "
+import json
+t = json.load(open('$TMP/swap-tl.json'))['traceEvents']
+names = {e['args']['name'] for e in t if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+assert 'copy_d2h' in names and 'copy_h2d' in names, names
+assert any(e.get('name', '').startswith('A2H') for e in t) and any(e.get('name', '').startswith('A2D') for e in t)
+r = json.load(open('$TMP/swap-sim.json'))
+assert r['offload']['activation_bytes_per_step'] > 0 and r['plan']['activations'] == ['swap', 'recompute']" && ok || bad "swap timeline tracks and report"
 
 finish
