@@ -499,21 +499,29 @@ class Replayer {
               const std::vector<std::vector<Member>>& groups, double bytes) {
     const Platform* platform = w_.platform;
     sg4::Actor::create(name, me_.host, [&c, name, collective, groups, bytes, platform] {
-      c.start = sg4::Engine::get_clock();
-      std::vector<sg4::ActorPtr> rings;
-      for (std::size_t i = 1; i < groups.size(); ++i)
-        rings.push_back(sg4::Actor::create(name, sg4::this_actor::get_host(),
-                                           [members = groups[i], collective, bytes, platform] {
-                                             collective(*platform, members, bytes);
-                                           }));
-      collective(*platform, groups[0], bytes);
-      for (const auto& a : rings)
-        a->join();
-      c.end = sg4::Engine::get_clock();
-      std::unique_lock<sg4::Mutex> lock(*c.mutex);
-      c.done = true;
-      c.finished->notify_all();
+      run_collective(c, name, collective, groups, bytes, *platform);
     });
+  }
+
+  // On the calling actor: `collective` over each group at once (the first here, the others on
+  // actors of their own), then `c` marked done and its waiters woken.
+  static void run_collective(Collective& c, const char* name, GroupCollective collective,
+                             const std::vector<std::vector<Member>>& groups, double bytes,
+                             const Platform& platform) {
+    c.start = sg4::Engine::get_clock();
+    std::vector<sg4::ActorPtr> rings;
+    for (std::size_t i = 1; i < groups.size(); ++i)
+      rings.push_back(sg4::Actor::create(name, sg4::this_actor::get_host(),
+                                         [members = groups[i], collective, bytes, &platform] {
+                                           collective(platform, members, bytes);
+                                         }));
+    collective(platform, groups[0], bytes);
+    for (const auto& a : rings)
+      a->join();
+    c.end = sg4::Engine::get_clock();
+    std::unique_lock<sg4::Mutex> lock(*c.mutex);
+    c.done = true;
+    c.finished->notify_all();
   }
 
   void optimizer_step(const Op& op) {
@@ -556,21 +564,8 @@ class Replayer {
     const double bytes = double(me_.version_bytes) / pieces;
     const Platform* platform = w_.platform;
     sg4::Actor::create("paramgather", me_.host, [cs, groups, bytes, platform] {
-      for (Collective* c : cs) {
-        c->start = sg4::Engine::get_clock();
-        std::vector<sg4::ActorPtr> rings;
-        for (std::size_t i = 1; i < groups.size(); ++i)
-          rings.push_back(sg4::Actor::create(
-              "paramgather", sg4::this_actor::get_host(),
-              [members = groups[i], bytes, platform] { allgather(*platform, members, bytes); }));
-        allgather(*platform, groups[0], bytes);
-        for (const auto& a : rings)
-          a->join();
-        c->end = sg4::Engine::get_clock();
-        std::unique_lock<sg4::Mutex> lock(*c->mutex);
-        c->done = true;
-        c->finished->notify_all();
-      }
+      for (Collective* c : cs)
+        run_collective(*c, "paramgather", allgather, groups, bytes, *platform);
     });
   }
 
