@@ -81,9 +81,12 @@ NodeModel node_model(const Cluster& c, int node, const PlatformOptions& options)
   }
   if (c.host.pcie_bandwidth_bytes_per_s > 0) {
     // GPUs behind one switch share its uplink to the CPU: "n<n>u<k>-uplink" after their links.
+    // One GPU per uplink needs it only where it is narrower than the GPU's own link.
     const int per_uplink = c.host.gpus_per_uplink;
     std::vector<int> uplink;
-    if (per_uplink > 1 && c.host.uplink_bandwidth_bytes_per_s > 0)
+    if ((per_uplink > 1 ||
+         c.host.uplink_bandwidth_bytes_per_s < c.host.pcie_bandwidth_bytes_per_s) &&
+        c.host.uplink_bandwidth_bytes_per_s > 0)
       for (int k = 0; k < G / per_uplink; ++k)
         uplink.push_back(add({fmt::format("n{}u{}-uplink", node, k), "uplink",
                               c.host.uplink_bandwidth_bytes_per_s, 0.0}));

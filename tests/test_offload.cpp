@@ -323,10 +323,12 @@ TEST(OffloadPrograms, TheCheckerCatchesMissingAndMisorderedCopies) {
 // --- Simulator against the closed form ---
 
 TEST_F(Workstation, SimulateAgreesWithEstimate) {
-  for (double bw : {15.75e9, 2e9}) {
+  // The last pair: one GPU behind an uplink narrower than its own link (the uplink binds in both).
+  for (auto [bw, uplink] : {std::pair{15.75e9, 15.75e9}, {2e9, 2e9}, {63e9, 2e9}}) {
     SCOPED_TRACE(bw);
-    const clusters::Cluster c = ws({fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
-                                    fmt::format("host.uplink_bandwidth_bytes_per_s={}", bw)});
+    const clusters::Cluster c =
+        ws({"host.link=pcie5", fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
+            fmt::format("host.uplink_bandwidth_bytes_per_s={}", uplink)});
     const Plan p = one_gpu(c);
     const RunReport est = estimate(model, trace, c, p).report;
     const RunReport sim = sim::simulate(model, trace, c, p, {.steps = 3}).report;
