@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Executes notebooks/NAME.ipynb (whatif or calibration) headless on freshly generated data
+# Executes notebooks/NAME.ipynb (whatif, calibration or offload) headless on freshly generated data
 # (notebooks/make_NAME_data.sh); fails if a cell fails or a figure is missing.
 # Uses Debian's Jupyter and Python (/usr/bin): the python3 first on PATH may be another interpreter
 # without nbconvert, matplotlib and pandas. The kernel spec is written into a private folder so a
@@ -12,6 +12,7 @@ NB=${3:-whatif}
 case "$NB" in
   whatif) FIGS="whatif_batch whatif_bandwidth whatif_memory whatif_timeline" ;;
   calibration) FIGS="calibration_scatter calibration_residuals calibration_gemm" ;;
+  offload) FIGS="offload_capacity offload_bandwidth offload_memory" ;;
   *) echo "unknown notebook $NB" >&2; exit 2 ;;
 esac
 if ! /usr/bin/python3 -c "import nbconvert, ipykernel, matplotlib, pandas" 2>/dev/null; then
