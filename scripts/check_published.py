@@ -18,6 +18,13 @@ Tables (the figures are typed from the papers; docs/performance.md, "Held-out pu
                  assumptions (the paper's iteration times match its MFU column with these
                  global batches).
 
+  korthikanti-t4 The same paper, Table 4: one transformer layer of the 22B model (t = 8, global
+                 batch 4), forward + backward time per iteration in ms with no recomputation
+                 (19.6), sequence parallelism (19.0), full recomputation (27.2), selective
+                 recomputation (20.9) and both (20.3). Predicted as the step's stage time with 48
+                 layers minus that with 47 (one layer's forward + backward, recomputation
+                 included), times the m microbatches; b = 1 (m = 4) is an assumption.
+
 Both papers predate FlashAttention in Megatron-LM: attention is the unfused form (the T x T
 scores are materialized), as in the calibration rows (docs/formulas.md section 8).
 
@@ -103,9 +110,43 @@ def rows_korthikanti(args, tmp):
             yield name, mode, gpus, t, p, w, batch, predicted, measured
 
 
+# mode name, flags, published forward + backward ms of one layer per iteration (22B, t = 8, B = 4)
+KORTHIKANTI_T4 = [
+    ("none", ["--recompute", "none"], 19.6),
+    ("sp", ["--sp", "--recompute", "none"], 19.0),
+    ("full", ["--recompute", "full"], 27.2),
+    ("selective", ["--recompute", "selective"], 20.9),
+    ("sp+selective", ["--sp", "--recompute", "selective"], 20.3),
+]
+
+
+def layer_ms(args, tmp, layers, b, m, extra):
+    """Forward + backward of the one stage with `layers` layers, ms per iteration."""
+    path = os.path.join(tmp, "m.json")
+    with open(path, "w") as f:
+        json.dump(model_json("22B", 6144, 64, layers), f)
+    out = os.path.join(tmp, "r.json")
+    subprocess.run([args.pipewright, "estimate", "--model", path, "--cluster", "dgx-a100:1",
+                    "--set", f"device={args.device}", "--tp", "8", "-d", "1", "-w", "1", "-b",
+                    str(b), "-m", str(m), "--schedule", "1f1b", "--allow-oom", "--out", out] +
+                   extra, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        stage = json.load(f)["estimate"]["stages"][0]
+    return m * (stage["forward_s"] + stage["backward_s"]) * 1e3
+
+
+def rows_korthikanti_t4(args, tmp):
+    b = args.microbatch
+    if 4 % b:
+        sys.exit("check_published.py: korthikanti-t4: --microbatch must divide the batch of 4")
+    for mode, extra, measured in KORTHIKANTI_T4:
+        one = layer_ms(args, tmp, 48, b, 4 // b, extra) - layer_ms(args, tmp, 47, b, 4 // b, extra)
+        yield "22B/layer", mode, 8, 8, 1, 1, 4, one / 1e3, measured / 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", choices=["narayanan-t1", "korthikanti-t5"],
+    ap.add_argument("--table", choices=["narayanan-t1", "korthikanti-t5", "korthikanti-t4"],
                     default="narayanan-t1")
     ap.add_argument("--pipewright", default="./build/pipewright")
     ap.add_argument("--device", default="A100-80GB-cal")
@@ -121,7 +162,8 @@ def main():
             assert len(limits) == 2 and all(0 < x < 10 for x in limits)
         except (ValueError, AssertionError):
             sys.exit(f"check_published.py: --check: expected MEAN,MAX fractions, found {args.check}")
-    rows = rows_narayanan if args.table == "narayanan-t1" else rows_korthikanti
+    rows = {"narayanan-t1": rows_narayanan, "korthikanti-t5": rows_korthikanti,
+            "korthikanti-t4": rows_korthikanti_t4}[args.table]
     print(f"{args.table} with {args.device}, b = {args.microbatch}, 1F1B, unfused attention")
     print(f"{'model':<7} {'recompute':<13} {'GPUs':>5} {'t':>2} {'p':>3} {'w':>3} {'B':>5} "
           f"{'predicted':>10} {'measured':>10} {'error':>7}")
@@ -130,8 +172,9 @@ def main():
         for name, mode, gpus, t, p, w, batch, predicted, measured in rows(args, tmp):
             e = predicted / measured - 1
             errors.append(abs(e))
+            unit, scale = ("ms", 1e3) if args.table == "korthikanti-t4" else ("s", 1)
             print(f"{name:<7} {mode:<13} {gpus:>5} {t:>2} {p:>3} {w:>3} {batch:>5} "
-                  f"{predicted:>9.2f}s {measured:>9.2f}s {e:>+7.1%}")
+                  f"{predicted * scale:>9.2f}{unit} {measured * scale:>9.2f}{unit} {e:>+7.1%}")
     mean, worst = sum(errors) / len(errors), max(errors)
     print(f"mean |error| {mean:.1%}, max {worst:.1%} over {len(errors)} runs")
     if limits and (mean > limits[0] or worst > limits[1]):
