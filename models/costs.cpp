@@ -125,11 +125,20 @@ LayerCosts block_costs(const ModelSpec& s, const Sharding& sh) {
     const std::int64_t full = d.e * d.T * d.C;
     using K = CollectiveKind;
     // Megatron's f/g pair (all-reduce) or, with SP, g/g-bar (all-gather before the
-    // column-parallel GEMM, reduce-scatter after the row-parallel one); backward the adjoints.
-    c.tp_forward =
-        sh.sp ? repeat({K::all_gather, K::reduce_scatter, K::all_gather, K::reduce_scatter}, full)
-              : repeat({K::all_reduce, K::all_reduce}, full);
-    c.tp_backward = c.tp_forward;
+    // column-parallel GEMM, reduce-scatter after the row-parallel one); backward the adjoints:
+    // g's (identity, or with SP an all-gather) blocks, f's (the input gradient's all-reduce, or
+    // with SP reduce-scatter) runs beside the weight-gradient GEMM, and with SP the
+    // column-parallel GEMM's input, kept sharded, is gathered again beside its input-gradient GEMM.
+    if (sh.sp) {
+      c.tp_forward =
+          repeat({K::all_gather, K::reduce_scatter, K::all_gather, K::reduce_scatter}, full);
+      c.tp_backward = repeat({K::all_gather, K::all_gather}, full);
+      c.tp_backward_wgrad = repeat({K::reduce_scatter, K::reduce_scatter}, full);
+      c.tp_backward_dgrad = repeat({K::all_gather, K::all_gather}, full);
+    } else {
+      c.tp_forward = repeat({K::all_reduce, K::all_reduce}, full);
+      c.tp_backward_wgrad = repeat({K::all_reduce, K::all_reduce}, full);
+    }
   }
   return c;
 }
@@ -208,7 +217,11 @@ LayerCosts head_costs(const ModelSpec& s, const Sharding& sh) {
                d.T * kStatBytes);
     if (sh.sp) c.tp_forward.push_back({CollectiveKind::all_gather, full});
     c.tp_forward.insert(c.tp_forward.end(), ce.begin(), ce.end());
-    c.tp_backward = {{sh.sp ? CollectiveKind::reduce_scatter : CollectiveKind::all_reduce, full}};
+    // The LM head is column-parallel: its input gradient's all-reduce (reduce-scatter) beside its
+    // weight gradient, with SP its input re-gathered beside the input gradient (as a block's).
+    c.tp_backward_wgrad = {
+        {sh.sp ? CollectiveKind::reduce_scatter : CollectiveKind::all_reduce, full}};
+    if (sh.sp) c.tp_backward_dgrad = {{CollectiveKind::all_gather, full}};
   }
   return c;
 }

@@ -113,7 +113,12 @@ struct LayerCosts {
   std::int64_t output_bytes = 0;                     // what it hands the next layer / stage
   std::int64_t workspace_bytes = 0;                  // transient scratch while it runs backward
   // TP collectives of one forward and of one backward (empty when t = 1), in execution order.
+  // tp_backward holds the backward's blocking ones. Megatron issues the others asynchronously
+  // beside the backward's GEMMs: the input gradient's all-reduce (reduce-scatter with SP) of each
+  // column-parallel GEMM behind that GEMM's weight-gradient GEMM (tp_backward_wgrad) and, with
+  // SP, the re-gather of its input behind its input-gradient GEMM (tp_backward_dgrad).
   std::vector<TpCollective> tp_forward, tp_backward;
+  std::vector<TpCollective> tp_backward_wgrad, tp_backward_dgrad;
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
 };
 

@@ -42,6 +42,12 @@ double tp_time_s(const TpTraffic& tr, int t, const clusters::Link& link) {
   return steps * link.latency_s + moved / link.bandwidth_bytes_per_s;
 }
 
+double tp_backward_s(const ChunkCost& ch, int t, const clusters::Link& link) {
+  return tp_time_s(ch.tp_backward, t, link) +
+         std::max(0.0, tp_time_s(ch.tp_backward_wgrad, t, link) - ch.backward_weight_s) +
+         std::max(0.0, tp_time_s(ch.tp_backward_dgrad, t, link) - ch.backward_input_s);
+}
+
 namespace {
 
 // Memory figures in checked arithmetic: a device's bytes stay at most kMaxBytes (8 PiB); a model
@@ -188,6 +194,8 @@ void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCos
                const traces::LayerTimes& t, LayerKind kind, std::int64_t count, std::int64_t b) {
   ch.forward_s += count * t.forward_s;
   ch.backward_s += count * t.backward_s;
+  ch.backward_weight_s += count * t.backward_weight_s;
+  ch.backward_input_s += count * t.backward_input_s;
   ch.recompute_s += count * t.recompute_s;
   ch.selective_recompute_s += count * t.selective_recompute_s;
   ch.optimizer_s += count * trace.statics[kind].optimizer_step_s;
@@ -198,6 +206,8 @@ void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCos
   ch.workspace_bytes = std::max(ch.workspace_bytes, t.workspace_bytes);
   add_traffic(ch.tp_forward, lc.tp_forward, count, b);
   add_traffic(ch.tp_backward, lc.tp_backward, count, b);
+  add_traffic(ch.tp_backward_wgrad, lc.tp_backward_wgrad, count, b);
+  add_traffic(ch.tp_backward_dgrad, lc.tp_backward_dgrad, count, b);
 }
 
 }  // namespace
@@ -554,7 +564,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     chunks.push_back(ch);
     const double backward_before = st.backward_s;
     const double tp_forward = tp_time_s(ch.tp_forward, p.t, tp);
-    const double tp_backward = tp_time_s(ch.tp_backward, p.t, tp);
+    const double tp_backward = tp_backward_s(ch, p.t, tp);
     st.blocks += ch.blocks;
     st.has_embedding |= ch.has_embedding;
     st.has_head |= ch.has_head;

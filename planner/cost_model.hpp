@@ -33,6 +33,11 @@ struct TpTraffic {
 // all-reduce 2(t-1)(alpha + S/(t beta)), all-gather / reduce-scatter (t-1)(alpha + S/(t beta)).
 double tp_time_s(const TpTraffic& traffic, int t, const clusters::Link& link);
 
+struct ChunkCost;
+// What a chunk's backward TP collectives add to its backward: the blocking ones, plus what each
+// asynchronous group takes beyond the GEMMs it hides behind (docs/formulas.md section 4).
+double tp_backward_s(const ChunkCost& ch, int t, const clusters::Link& link);
+
 // What one model chunk (the layers of one virtual stage) costs for one microbatch of size b on
 // one GPU of its TP group. The simulator replays these; the closed form sums them per stage.
 // Compute times exclude the TP collectives, which are in tp_forward / tp_backward.
@@ -49,12 +54,17 @@ struct ChunkCost {
   double selective_recompute_s = 0;  // the attention cores recomputed before the backward
   double optimizer_s = 0;
   TpTraffic tp_forward, tp_backward;  // per microbatch (a full recompute repeats tp_forward)
-  std::int64_t parameters = 0;        // including the tied-embedding copy on the last stage
-  std::int64_t stash_bytes = 0;       // one microbatch's stash without recompute
-  std::int64_t selective_bytes = 0;   // one microbatch's stash with selective recompute
-  std::int64_t input_bytes = 0;       // the chunk's input (all it keeps with recompute)
-  std::int64_t output_bytes = 0;      // activation sent to the next virtual stage (0 for the last)
-  std::int64_t workspace_bytes = 0;   // largest transient of its layers
+  // The backward's asynchronous TP collectives (models::LayerCosts) and the GEMM time they hide
+  // behind: the backward's weight-gradient and input-gradient GEMMs (0 in a measured trace, which
+  // does not separate them: nothing hides there).
+  TpTraffic tp_backward_wgrad, tp_backward_dgrad;
+  double backward_weight_s = 0, backward_input_s = 0;
+  std::int64_t parameters = 0;       // including the tied-embedding copy on the last stage
+  std::int64_t stash_bytes = 0;      // one microbatch's stash without recompute
+  std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
+  std::int64_t input_bytes = 0;      // the chunk's input (all it keeps with recompute)
+  std::int64_t output_bytes = 0;     // activation sent to the next virtual stage (0 for the last)
+  std::int64_t workspace_bytes = 0;  // largest transient of its layers
 };
 
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,

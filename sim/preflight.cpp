@@ -74,12 +74,18 @@ void check_simulable(const models::ModelSpec& model, const traces::Trace& trace,
           {"a workspace", double(ch.workspace_bytes)},
           {"a tensor-parallel forward", ch.tp_forward.equivalent_allreduce_bytes()},
           {"a tensor-parallel backward", ch.tp_backward.equivalent_allreduce_bytes()},
+          {"a tensor-parallel backward beside the weight gradients",
+           ch.tp_backward_wgrad.equivalent_allreduce_bytes()},
+          {"a tensor-parallel backward beside the input gradients",
+           ch.tp_backward_dgrad.equivalent_allreduce_bytes()},
           {"the parameters", double(ch.parameters) * e}};
       for (const auto& [what, bytes] : sizes)
         if (bad_bytes(bytes)) throw size_error(s, c, what, bytes);
       const std::pair<const char*, double> times[] = {
           {"forward", ch.forward_s},
           {"backward", ch.backward_s},
+          {"backward weight-gradient GEMMs", ch.backward_weight_s},
+          {"backward input-gradient GEMMs", ch.backward_input_s},
           {"recompute", ch.recompute_s},
           {"selective recompute", ch.selective_recompute_s},
           {"optimizer step", ch.optimizer_s}};

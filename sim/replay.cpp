@@ -328,11 +328,27 @@ class Replayer {
     record(kTensorParallel, start, sg4::Engine::get_clock(), op_);
   }
 
+  // The backward's asynchronous TP collectives, which Megatron runs beside its GEMMs: replayed
+  // first on their links, each group hiding up to its GEMMs' time, which the backward's compute
+  // then no longer needs (total: compute + what each group takes beyond its GEMMs, as
+  // planner::tp_backward_s). Returns the compute time they hid.
+  double overlapped_tensor_parallel(const planner::ChunkCost& ch) {
+    double hidden = 0;
+    for (const auto& [traffic, gemm_s] : {std::pair{&ch.tp_backward_wgrad, ch.backward_weight_s},
+                                          std::pair{&ch.tp_backward_dgrad, ch.backward_input_s}}) {
+      const double start = sg4::Engine::get_clock();
+      tensor_parallel(*traffic);
+      hidden += std::min(sg4::Engine::get_clock() - start, gemm_s);
+    }
+    return hidden;
+  }
+
   void backward(const Op& op) {
     const planner::ChunkCost& ch = chunk(op);
     tensor_parallel(ch.tp_backward);
+    const double hidden = overlapped_tensor_parallel(ch);
     const double t =
-        ch.backward_s +
+        std::max(0.0, ch.backward_s - hidden) +
         (me_.recompute == planner::Recompute::selective ? ch.selective_recompute_s : 0.0);
     if (!bucketed_[std::size_t(op_)]) return compute(t);
     const int buckets = w_.programs->buckets;

@@ -266,7 +266,9 @@ TEST(ModelCosts, VocabularyPadding) {
 
 // Collectives per sample (bytes of the whole T x C tensor, e = 2 bytes, gpt2-124m T 1024):
 // Megatron's f / g operators (all-reduce forward in g, backward in f) or, with SP, all-gather
-// before and reduce-scatter after each parallel region (backward: the adjoints).
+// before and reduce-scatter after each parallel region (backward: the adjoints). f's backward runs
+// beside the weight-gradient GEMM, SP's re-gather of a column-parallel input beside the
+// input-gradient GEMM; only g's backward (with SP an all-gather) blocks.
 TEST(TensorParallel, CollectiveListsAndSizes) {
   const ModelSpec s = load_model("gpt2-124m");
   const std::int64_t full = 2 * 1024 * 768, ce = 1024 * 4;
@@ -274,28 +276,37 @@ TEST(TensorParallel, CollectiveListsAndSizes) {
   using L = std::vector<TpCollective>;
   const ModelCosts tp = derive_costs(s, {4, false});
   EXPECT_EQ(tp.block.tp_forward, (L{{K::all_reduce, full}, {K::all_reduce, full}}));
-  EXPECT_EQ(tp.block.tp_backward, (L{{K::all_reduce, full}, {K::all_reduce, full}}));
+  EXPECT_TRUE(tp.block.tp_backward.empty());
+  EXPECT_EQ(tp.block.tp_backward_wgrad, (L{{K::all_reduce, full}, {K::all_reduce, full}}));
+  EXPECT_TRUE(tp.block.tp_backward_dgrad.empty());
   EXPECT_EQ(tp.embedding.tp_forward, (L{{K::all_reduce, full}}));
   EXPECT_TRUE(tp.embedding.tp_backward.empty());
   EXPECT_EQ(tp.head.tp_forward, (L{{K::all_reduce, ce}, {K::all_reduce, ce}, {K::all_reduce, ce}}));
-  EXPECT_EQ(tp.head.tp_backward, (L{{K::all_reduce, full}}));
+  EXPECT_TRUE(tp.head.tp_backward.empty());
+  EXPECT_EQ(tp.head.tp_backward_wgrad, (L{{K::all_reduce, full}}));
   const ModelCosts sp = derive_costs(s, {4, true});
   const L sp_block = {{K::all_gather, full},
                       {K::reduce_scatter, full},
                       {K::all_gather, full},
                       {K::reduce_scatter, full}};
   EXPECT_EQ(sp.block.tp_forward, sp_block);
-  EXPECT_EQ(sp.block.tp_backward, sp_block);
+  EXPECT_EQ(sp.block.tp_backward, (L{{K::all_gather, full}, {K::all_gather, full}}));
+  EXPECT_EQ(sp.block.tp_backward_wgrad, (L{{K::reduce_scatter, full}, {K::reduce_scatter, full}}));
+  EXPECT_EQ(sp.block.tp_backward_dgrad, (L{{K::all_gather, full}, {K::all_gather, full}}));
   EXPECT_EQ(sp.embedding.tp_forward, (L{{K::reduce_scatter, full}}));
   EXPECT_EQ(sp.embedding.tp_backward, (L{{K::all_gather, full}}));
   EXPECT_EQ(
       sp.head.tp_forward,
       (L{{K::all_gather, full}, {K::all_reduce, ce}, {K::all_reduce, ce}, {K::all_reduce, ce}}));
-  EXPECT_EQ(sp.head.tp_backward, (L{{K::reduce_scatter, full}}));
+  EXPECT_TRUE(sp.head.tp_backward.empty());
+  EXPECT_EQ(sp.head.tp_backward_wgrad, (L{{K::reduce_scatter, full}}));
+  EXPECT_EQ(sp.head.tp_backward_dgrad, (L{{K::all_gather, full}}));
   const ModelCosts one = derive_costs(s);
   for (LayerKind k : {LayerKind::embedding, LayerKind::block, LayerKind::head}) {
     EXPECT_TRUE(one.layer(k).tp_forward.empty());
     EXPECT_TRUE(one.layer(k).tp_backward.empty());
+    EXPECT_TRUE(one.layer(k).tp_backward_wgrad.empty());
+    EXPECT_TRUE(one.layer(k).tp_backward_dgrad.empty());
   }
   EXPECT_EQ(to_string(K::reduce_scatter), "reduce_scatter");
 }

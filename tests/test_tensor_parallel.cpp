@@ -64,18 +64,52 @@ TEST(TpTraffic, ChunkSumsItsLayersTimesB) {
   const ChunkCost first = chunk_cost(mc, t, p, 0, 0);
   EXPECT_EQ(first.tp_forward.allreduces, 2 * 6 + 1);
   EXPECT_DOUBLE_EQ(first.tp_forward.allreduce_bytes, 4 * (2 * 6 + 1) * tce);
-  EXPECT_EQ(first.tp_backward.allreduces, 2 * 6);
+  EXPECT_TRUE(first.tp_backward.empty());
+  EXPECT_EQ(first.tp_backward_wgrad.allreduces, 2 * 6);
   EXPECT_EQ(first.tp_forward.halves, 0);
   const ChunkCost last = chunk_cost(mc, t, p, 1, 0);
   EXPECT_DOUBLE_EQ(last.tp_forward.allreduce_bytes, 4 * (2 * 6 * tce + 3 * 1024 * 4));
-  EXPECT_DOUBLE_EQ(last.tp_backward.allreduce_bytes, 4 * (2 * 6 + 1) * tce);
+  EXPECT_DOUBLE_EQ(last.tp_backward_wgrad.allreduce_bytes, 4 * (2 * 6 + 1) * tce);
+  // The GEMM time they hide behind: the trace's weight- and input-gradient times, summed.
+  const traces::LayerTimes& blk = t.at(4).layers[models::LayerKind::block];
+  EXPECT_NEAR(first.backward_weight_s, 6 * blk.backward_weight_s, 1e-15);
+  EXPECT_NEAR(first.backward_input_s, 6 * blk.backward_input_s, 1e-15);
   // With SP the blocks' all-reduces become an all-gather and a reduce-scatter each.
   const models::Sharding sp{2, true};
   const Plan q = tp_plan(Schedule::one_f_one_b, 2, 1, 2, 4, 4, m.layers, c, true);
   const ChunkCost mid = chunk_cost(models::derive_costs(m, sp),
                                    traces::analytic_trace(m, c.device, {4}, sp), q, 1, 0);
-  EXPECT_EQ(mid.tp_backward.halves, 4 * 6 + 1);
-  EXPECT_EQ(mid.tp_backward.allreduces, 0);
+  // Blocking: each block's two all-gathers and the head's none; beside the weight gradients two
+  // reduce-scatters a block and the head's one; beside the input gradients the re-gathers.
+  EXPECT_EQ(mid.tp_backward.halves, 2 * 6);
+  EXPECT_EQ(mid.tp_backward_wgrad.halves, 2 * 6 + 1);
+  EXPECT_EQ(mid.tp_backward_dgrad.halves, 2 * 6 + 1);
+  EXPECT_EQ(mid.tp_backward.allreduces + mid.tp_backward_wgrad.allreduces, 0);
+}
+
+// The backward's TP time by hand: blocking collectives count whole, each asynchronous group only
+// beyond the GEMMs it hides behind.
+TEST(TpTraffic, AsynchronousBackwardCollectivesHideBehindTheirGemms) {
+  const clusters::Link link{100e9, 1e-6, "nvswitch"};
+  ChunkCost ch;
+  ch.tp_backward = {2e6, 1, 0, 0};        // one 2 MB all-reduce, blocking
+  ch.tp_backward_wgrad = {4e6, 2, 0, 0};  // two 2 MB all-reduces
+  ch.tp_backward_dgrad = {0, 0, 2e6, 1};  // one all-gather of 2 MB (half an all-reduce's data)
+  const int t = 4;
+  const double blocking = tp_time_s(ch.tp_backward, t, link);
+  const double wgrad = tp_time_s(ch.tp_backward_wgrad, t, link);
+  const double dgrad = tp_time_s(ch.tp_backward_dgrad, t, link);
+  EXPECT_NEAR(blocking, 6 * 1e-6 + 1.5 * 2e6 / 100e9, 1e-15);
+  // No GEMM time (a measured trace): everything is exposed.
+  EXPECT_NEAR(tp_backward_s(ch, t, link), blocking + wgrad + dgrad, 1e-15);
+  // GEMMs longer than the collectives: only the blocking one is left.
+  ch.backward_weight_s = 1;
+  ch.backward_input_s = 1;
+  EXPECT_NEAR(tp_backward_s(ch, t, link), blocking, 1e-15);
+  // Partly hidden: what passes the GEMMs.
+  ch.backward_weight_s = wgrad / 4;
+  ch.backward_input_s = dgrad / 2;
+  EXPECT_NEAR(tp_backward_s(ch, t, link), blocking + 0.75 * wgrad + 0.5 * dgrad, 1e-15);
 }
 
 // Placement: a pipeline rank is t adjacent GPUs; slots in Megatron's order (TP, then DP, then PP).
