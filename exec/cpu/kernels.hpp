@@ -15,7 +15,10 @@ void embedding_forward(float* out,                  // (B, T, C)
                        const float* wte,            // (V, C)
                        const float* wpe,            // (maxT, C)
                        int B, int T, int C, int V);
-// dwte[tokens] += dout; dwpe[t] += dout.
+// dwte[tokens] += dout; dwpe[t] += dout. Like every kernel's parameter gradients here, each element
+// is summed from zero over the call's rows and then added once (so adding a call's gradients on a
+// zeroed buffer into an accumulator gives the bits of a call on the accumulator); the sgemm of
+// matmul_backward's dweight adds its product once (beta = 1, one pass over K in OpenBLAS).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C);
 
