@@ -124,8 +124,9 @@ TEST(OffloadExec, TrainsBitIdenticallyToNoOffload) {
       const TrainResult r = train_cpu(model, p, options(3));
       expect_identical(r, plain);
       if (mode & kActivations) {  // the first stage's stashes really went out and came back
-        if (k.d == 4 || k.schedule == Schedule::gpipe)
+        if (k.d == 4 || k.schedule == Schedule::gpipe) {
           EXPECT_GT(r.ranks[0].activation_out_bytes, 0);
+        }
         EXPECT_EQ(r.ranks[0].activation_out_bytes, r.ranks[0].activation_in_bytes);
       }
       if (mode & kOptimizer) {
@@ -197,6 +198,13 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
         if (mode & kActivations) {
           EXPECT_EQ(got.activation_out_bytes,
                     steps * sr["activations"]["swapped_bytes_per_step"].get<std::int64_t>())
+              << "rank " << rank;
+        }
+        // The host pool of optimizer offload: master copy, accumulator, m and v, 16 B per
+        // host-updated parameter in fp32, the planner's (optimizer state + 4 + e) x P_h.
+        if (mode == kOptimizer) {
+          EXPECT_EQ(got.host_peak_memory_bytes,
+                    o["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>())
               << "rank " << rank;
         }
         if (s != Schedule::two_bw) {
