@@ -146,6 +146,18 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
   const TrainResult off =
       train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kOptimizer), options(3));
   expect_identical(off, plain);
+  // A vocabulary large enough that the head's logit gradient takes the stage's whole workspace:
+  // the head runs in two row blocks there (the embedding's gradient takes part of it).
+  models::ModelSpec wide = model;
+  wide.hidden = 128;
+  wide.heads = 2;
+  wide.kv_heads = 2;
+  wide.ffn = 512;
+  wide.vocab = 4096;
+  wide.layers = 1;
+  expect_identical(
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kOptimizer), options(2)),
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kNone), options(2)));
 }
 
 // The measured device peak per rank is the planner's plus exactly what the executor holds beyond

@@ -538,7 +538,28 @@ void CpuGptStage::head_backward(const float* params, GradientSink& grads,
   if (rows < 1) throw Error("cpu stage backward: workspace smaller than one row of logits");
   const auto* targets = reinterpret_cast<const std::int32_t*>(h.targets);
   float* dhead = grads.at(layout_.head_w, int64_t(V) * C);
-  for (int r0 = 0; r0 < BT; r0 += rows) {
+  // The logits' gradient does not fit the workspace whole (a stage with the embedding, whose
+  // gradient takes part of it): vocabulary column blocks over every row, so that each element of
+  // the head's weight gradient is added to once (one sgemm over all rows per block; the gradient
+  // sums stay bit-identical under optimizer offload, exec/cpu/kernels.hpp).
+  const int cols = int(std::min<int64_t>(V, ws_floats / BT));
+  const bool columns = rows < BT && cols >= 1 && !vocab_parallel() && !layout_.sp;
+  if (columns) {
+    for (int v0 = 0; v0 < V; v0 += cols) {
+      const int nv = std::min(cols, V - v0);
+      for (int r = 0; r < BT; ++r) {
+        const float* p = h.probs + int64_t(r) * V + v0;
+        float* d = ws + int64_t(r) * nv;
+        for (int j = 0; j < nv; ++j)
+          d[j] = p[j] * loss_scale;
+        const int target = targets[r] - v0;
+        if (target >= 0 && target < nv) d[target] -= loss_scale;
+      }
+      cpu::matmul_backward(dlnf, dhead + int64_t(v0) * C, nullptr, ws, lnf,
+                           params + layout_.head_w + int64_t(v0) * C, BT, C, nv, v0 > 0);
+    }
+  }
+  for (int r0 = 0; r0 < BT && !columns; r0 += rows) {
     const int n = std::min(rows, BT - r0);
     if (vocab_parallel()) {
       // (probs - onehot) * scale over this rank's rows; padded rows have probability 0.

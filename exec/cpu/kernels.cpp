@@ -224,10 +224,10 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC) {
+                     const float* weight, int N, int C, int OC, bool accumulate_input) {
   // dinp (N, C) = dout (N, OC) · weight (OC, C)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f,
-              dinp, C);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C,
+              accumulate_input ? 1.0f : 0.0f, dinp, C);
   // dweight (OC, C) += dout^T (OC, N) · inp (N, C)
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f,
               dweight, C);

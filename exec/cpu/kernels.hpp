@@ -40,15 +40,15 @@ void matmul_forward(float* out,             // (N, OC)
                     const float* bias,      // (OC) or null
                     const float* residual,  // (N, OC) or null; may alias out
                     int N, int C, int OC);
-// dinp = dout · weight (overwritten); dweight += dout^T · inp; dbias += column sums of dout.
-// dbias may be null (no bias).
+// dinp = dout · weight (overwritten; added to with accumulate_input); dweight += dout^T · inp;
+// dbias += column sums of dout. dbias may be null (no bias).
 void matmul_backward(float* dinp,          // (N, C)
                      float* dweight,       // (OC, C)
                      float* dbias,         // (OC)
                      const float* dout,    // (N, OC)
                      const float* inp,     // (N, C)
                      const float* weight,  // (OC, C)
-                     int N, int C, int OC);
+                     int N, int C, int OC, bool accumulate_input = false);
 
 // GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 void gelu_forward(float* out, const float* inp, std::int64_t n);
