@@ -17,8 +17,9 @@ void embedding_forward(float* out,                  // (B, T, C)
                        int B, int T, int C, int V);
 // dwte[tokens] += dout; dwpe[t] += dout. Like every kernel's parameter gradients here, each element
 // is summed from zero over the call's rows and then added once (so adding a call's gradients on a
-// zeroed buffer into an accumulator gives the bits of a call on the accumulator); the sgemm of
-// matmul_backward's dweight adds its product once (beta = 1, one pass over K in OpenBLAS).
+// zeroed buffer into an accumulator gives the bits of a call on the accumulator); matmul_backward's
+// dweight relies on OpenBLAS's sgemm (beta = 1) adding its product to C once (observed
+// bit-identical up to N = b*T = 2048 rows, docs/formulas.md section 9).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C);
 
