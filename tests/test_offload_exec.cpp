@@ -4,6 +4,7 @@
 // plan without offload; the measured device peak equals the planner's and stays inside
 // --device-memory; the bytes the copy engines moved per step are the planner's exactly.
 #include <cstring>
+#include <functional>
 
 #include <gtest/gtest.h>
 
@@ -135,6 +136,54 @@ TEST(OffloadExec, TrainsBitIdenticallyToNoOffload) {
       }
     }
   }
+}
+
+// Beside recomputation, interleaving, data parallelism (activations) and SGD: the same bits.
+TEST(OffloadExec, OtherShapesAreBitIdentical) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  struct Variant {
+    const char* name;
+    std::function<void(Plan&)> edit;
+    int modes;  // the offload modes it combines with (bit mask of kOptimizer, kActivations)
+    std::string optimizer = "adamw";
+  };
+  const std::vector<Variant> variants = {
+      {"recompute full",
+       [](Plan& p) { p.recompute.assign(std::size_t(p.d), planner::Recompute::full); }, kOptimizer},
+      {"interleaved v=2",
+       [](Plan& p) {
+         p.schedule = Schedule::interleaved;
+         p.v = 2;
+       },
+       kOptimizer | kActivations},
+      {"w=2", [](Plan& p) { p.w = 2; }, kActivations},
+      {"sgd", [](Plan&) {}, kOptimizer | kActivations, "sgd"},
+  };
+  for (const Variant& var : variants)
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      if ((mode & var.modes) != mode) continue;
+      SCOPED_TRACE(std::string(var.name) + " " + mode_name(mode));
+      Plan plain;
+      plain.schedule = Schedule::one_f_one_b;
+      plain.d = 2;
+      plain.b = 1;
+      plain.m = 4;
+      var.edit(plain);
+      plain.stage_blocks.clear();
+      planner::resolve_stages(plain, model.layers);
+      Plan off = plain;
+      if (mode & kOptimizer) off.offload = Offload::optimizer;
+      if (mode & kActivations) {
+        off.offload_activations = true;
+        // Stage 1 recomputes instead of swapping: the plain plan recomputes there too.
+        planner::set_activations(off, {ActivationChoice::swap, ActivationChoice::recompute});
+        plain.recompute = off.recompute;
+      }
+      planner::check(off);
+      TrainOptions o = options(3);
+      o.optimizer = var.optimizer;
+      expect_identical(train_cpu(model, off, o), train_cpu(model, plain, o));
+    }
 }
 
 // An untied model on one stage: every layer's gradients stream (the head's too).
