@@ -289,6 +289,24 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
     }
 }
 
+// A budget below the run's natural peak, where that peak holds a stash on its way to the host:
+// the allocation that would not fit waits for the download and takes its buffer back, and the
+// run goes on inside the budget with the same bits.
+TEST(OffloadExec, TighterBudgetWaitsForDownloads) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const Plan p = make_plan(model, Schedule::gpipe, 2, 2, 4, kActivations);
+  const TrainResult free_run = train_cpu(model, p, options(3));
+  std::int64_t peak = 0;
+  for (const RankResult& r : free_run.ranks)
+    peak = std::max(peak, r.peak_memory_bytes);
+  TrainOptions o = options(3);
+  o.device_memory = peak - 1;
+  const TrainResult tight = train_cpu(model, p, o);
+  for (const RankResult& r : tight.ranks)
+    EXPECT_LT(r.peak_memory_bytes, peak);
+  expect_identical(tight, free_run);
+}
+
 // A device smaller than what a rank holds: one line naming the rank, what did not fit and by how
 // much; nothing is left running.
 TEST(OffloadExec, DeviceTooSmallIsOneLine) {
