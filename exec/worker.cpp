@@ -193,9 +193,9 @@ void Worker::setup_offload() {
 }
 
 // A swapped stash's device buffer is released when its download is done, no later than when the
-// second compute slot after its forward begins (its upload, receive or compute op): the planner's and simulator's account (a download
-// overlaps the op after its forward), so the device's peak is the predicted one. The wait is for
-// a copy slower than a compute op.
+// second compute slot after its forward begins (its upload, receive or compute op): the planner's
+// and simulator's account (a download overlaps the op after its forward), so the device's peak is
+// the predicted one. The wait is for a copy slower than a compute op.
 void Worker::release_downloads(int compute_op) {
   while (!downloads_.empty() && downloads_.front().first + 2 <= compute_op)
     reclaim_download();
@@ -270,7 +270,6 @@ class Worker::TileSink : public GradientSink {
     float* acc = h.accumulator.data();
     Worker* w = &w_;
     const int op = op_;
-    if (w_.gradient_copy_start_ == Clock::time_point{}) w_.gradient_copy_start_ = Clock::now();
     const CopyEngine::Ticket ticket = w_.d2h_->submit([w, ranges, t, src, acc, op] {
       const auto t0 = Clock::now();
       std::int64_t bytes = 0;
@@ -355,7 +354,6 @@ void Worker::offload_op(const Op& op) {
     case OpKind::copy_gradient_to_host: {
       if (op.microbatch >= 0) {  // the backward's layers: ends when the last has arrived
         d2h_->wait(last_gradient_copy_);
-        gradient_copy_start_ = {};
         return;
       }
       // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.

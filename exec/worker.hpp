@@ -148,8 +148,7 @@ class Worker {
   Buffer grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy engine
   CopyEngine::Ticket grad_tile_copy_[2] = {0, 0};
   int next_grad_tile_ = 0;
-  CopyEngine::Ticket last_gradient_copy_ = 0;  // the last backward's last tile
-  Clock::time_point gradient_copy_start_{};
+  CopyEngine::Ticket last_gradient_copy_ = 0;          // the last backward's last tile
   std::vector<std::vector<CopyEngine::Ticket>> adam_;  // per chunk and tile, this step
   CopyEngine::Ticket last_upload_ = 0;
   int upload_slot_ = -1;     // the weight slot this step's uploads write
