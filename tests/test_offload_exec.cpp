@@ -236,6 +236,9 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
         const planner::DeviceReport& want = e.report.devices[std::size_t(rank)];
         EXPECT_EQ(got.memory.gradients, want.memory.gradients) << "rank " << rank;
         EXPECT_EQ(got.memory.optimizer, want.memory.optimizer) << "rank " << rank;
+        EXPECT_EQ(got.memory.weights, want.memory.weights) << "rank " << rank;
+        EXPECT_EQ(got.memory.weight_versions, want.memory.weight_versions) << "rank " << rank;
+        EXPECT_EQ(got.memory.workspace, want.memory.workspace) << "rank " << rank;
         // The breakdown's total: the device report's peak adds the runtime's reserve of a GPU.
         const std::int64_t total = want.memory.total();
         // The executor's excess over the prediction is the one it has without offload.
