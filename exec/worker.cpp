@@ -192,10 +192,10 @@ void Worker::setup_offload() {
     b = Buffer(memory_, Category::gradients, largest);
 }
 
-// A swapped stash's device buffer is released when its download is done, no later than when the
-// second compute slot after its forward begins (its upload, receive or compute op): the planner's
-// and simulator's account (a download overlaps the op after its forward), so the device's peak is
-// the predicted one. The wait is for a copy slower than a compute op.
+// A swapped stash's device buffer is released when the second compute slot after its forward
+// begins (its upload, receive or compute op), its download done (waited for if still running):
+// the planner's account (a download overlaps the slot after its forward), so the device's peak is
+// the predicted one. Earlier only when an allocation would not fit the budget (reclaim_download).
 void Worker::release_downloads(int compute_op) {
   while (!downloads_.empty() && downloads_.front().first + 2 <= compute_op)
     reclaim_download();

@@ -155,7 +155,7 @@ class Worker {
   BufferPool host_buffers_;  // the swapped stashes' host storage, reused
   std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
   // Downloads whose device buffer is still held, oldest first, with their forward's compute index:
-  // released once done, at the latest before the second compute op after that forward.
+  // released, done, when the second compute slot after that forward begins (or under a budget).
   std::deque<std::pair<int, std::shared_ptr<Swap>>> downloads_;
   int compute_ops_ = 0;  // forwards and backwards begun
   void release_downloads(int compute_op);
