@@ -84,6 +84,12 @@ void add_train_command(CLI::App& app) {
                 "CPU backend, one process: run rank r's thread on core r only (with more ranks "
                 "than cores, neighbouring ranks share one); under mpirun, mpirun binds")
       ->capture_default_str();
+  cmd->add_option("--device-memory", a->options.device_memory,
+                  "CPU backend: bytes of each rank's emulated device (its tensors' arena); a run "
+                  "that would exceed it stops with one line naming the rank, what did not fit "
+                  "and by how much (default 0: unlimited)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t(0), std::int64_t(1) << 50));
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");
   cmd->add_option("--timeline", a->timeline,
                   "write a Chrome-trace timeline of what ran (Perfetto), laid out like simulate's");
@@ -91,7 +97,15 @@ void add_train_command(CLI::App& app) {
     check_backend(a->backend);
     const models::ModelSpec model = exec::as_executed(models::load_model(a->model));
     // Without -w the width is 1 (build() checks the plan).
-    const planner::Plan plan = a->plan.build(model.layers, 1);
+    planner::Plan plan = a->plan.build(model.layers, 1);
+    // Activation offload without per-stage choices (a plan file's "activations"): every stage
+    // swaps what it can (the rule that picks swap or recompute needs a cluster's link; this
+    // machine's copies are memcpys).
+    if (plan.offload_activations && plan.activations.empty()) {
+      planner::set_activations(plan, std::vector<planner::ActivationChoice>(
+                                         std::size_t(plan.d), planner::ActivationChoice::swap));
+      planner::check(plan);
+    }
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
     if (lead)

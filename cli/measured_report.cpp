@@ -46,6 +46,28 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.extra["backend"] = on.backend;
   if (!on.device.empty()) rep.extra["device"] = on.device;
   rep.extra["first_step"] = r.first_step;
+  // Offload: what the copy engines moved per step (over the run / steps) and the host pool's
+  // peak, per rank and summed (the fields of an estimate's or simulation's "offload" report).
+  if (plan.any_offload() && !r.steps.empty()) {
+    const auto steps = std::int64_t(r.steps.size());
+    std::int64_t out = 0, in = 0, activations = 0;
+    common::Json ranks = common::Json::array();
+    for (const auto& rank : r.ranks) {
+      out += rank.copy_out_bytes / steps;
+      in += rank.copy_in_bytes / steps;
+      activations += rank.activation_out_bytes / steps;
+      ranks.push_back({{"rank", rank.rank},
+                       {"host_bytes", rank.host_peak_memory_bytes},
+                       {"copy_out_bytes_per_step", rank.copy_out_bytes / steps},
+                       {"copy_in_bytes_per_step", rank.copy_in_bytes / steps},
+                       {"activation_bytes_per_step", rank.activation_out_bytes / steps}});
+    }
+    rep.extra["offload"] = {{"mode", planner::offload_name(plan)},
+                            {"copy_out_bytes_per_step", out},
+                            {"copy_in_bytes_per_step", in},
+                            {"activation_bytes_per_step", activations},
+                            {"ranks", ranks}};
+  }
   return rep;
 }
 

@@ -1,6 +1,10 @@
 // Byte counting by category (see memory.hpp).
 #include "exec/memory.hpp"
 
+#include <fmt/format.h>
+
+#include "common/error.hpp"
+
 namespace pw::exec {
 
 namespace {
@@ -21,10 +25,52 @@ std::int64_t& slot(planner::MemoryBreakdown& m, Category c) {
   }
   return m.workspace;
 }
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::weights:
+      return "weights";
+    case Category::weight_versions:
+      return "weight versions";
+    case Category::gradients:
+      return "gradients";
+    case Category::optimizer:
+      return "optimizer state";
+    case Category::activations:
+      return "activations";
+    case Category::workspace:
+      return "workspace";
+  }
+  return "workspace";
+}
+
+std::string bytes_text(std::int64_t b) {
+  if (b >= (std::int64_t(1) << 20))
+    return fmt::format("{} B ({:.2f} MiB)", b, double(b) / 1048576.0);
+  if (b >= 1024) return fmt::format("{} B ({:.1f} KiB)", b, double(b) / 1024.0);
+  return fmt::format("{} B", b);
+}
+
 }  // namespace
 
-void MemoryCounter::add(Category c, std::int64_t bytes) {
+void MemoryCounter::set_budget(std::int64_t bytes, std::string owner) {
   std::lock_guard<std::mutex> lock(mutex_);
+  budget_ = bytes;
+  owner_ = std::move(owner);
+}
+
+void MemoryCounter::add(Category c, std::int64_t bytes) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (budget_ > 0 && bytes > 0 && now_.total() + bytes > budget_) {
+    lock.unlock();
+    const bool freed = reclaim_ && reclaim_();
+    lock.lock();
+    if (!freed && now_.total() + bytes > budget_)
+      throw InputError(
+          fmt::format("{}: --device-memory {}: {} of {} do not fit ({} in use; short by {})",
+                      owner_, bytes_text(budget_), category_name(c), bytes_text(bytes),
+                      bytes_text(now_.total()), bytes_text(now_.total() + bytes - budget_)));
+  }
   slot(now_, c) += bytes;
   samples_.emplace_back(std::chrono::steady_clock::now(), now_.total());
   if (now_.total() > peak_) {

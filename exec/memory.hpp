@@ -5,8 +5,10 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "planner/report.hpp"
@@ -16,8 +18,18 @@ namespace pw::exec {
 enum class Category { weights, weight_versions, gradients, optimizer, activations, workspace };
 
 // Current and peak bytes of one device, by category. Thread-safe (ranks on one device share it).
+// With a budget it is the emulated device's arena: a growth past the budget first asks `reclaim`
+// to free memory (a swapped stash whose copy to the host is under way: it waits for the copy),
+// and when nothing more can be freed throws an InputError naming the device, what did not fit and
+// by how much.
 class MemoryCounter {
  public:
+  // `bytes` 0: unlimited. `owner` names the device in the error ("rank 1").
+  void set_budget(std::int64_t bytes, std::string owner);
+  std::int64_t budget() const { return budget_; }
+  // Frees some of the device's memory and returns true, or returns false when it cannot. Called
+  // without the counter's lock, on the thread that asked for the growth.
+  void set_reclaim(std::function<bool()> reclaim) { reclaim_ = std::move(reclaim); }
   void add(Category c, std::int64_t bytes);
   std::int64_t current() const;
   std::int64_t peak() const;
@@ -27,6 +39,9 @@ class MemoryCounter {
 
  private:
   mutable std::mutex mutex_;
+  std::int64_t budget_ = 0;
+  std::string owner_;
+  std::function<bool()> reclaim_;
   planner::MemoryBreakdown now_, at_peak_;
   std::int64_t peak_ = 0;
   std::vector<std::pair<std::chrono::steady_clock::time_point, std::int64_t>> samples_;

@@ -64,12 +64,26 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
                     "optimizer yet (the cpu backend does); simulate or estimate it instead",
                     backend));
-  if (plan.any_offload())
+  // Offload runs on the CPU backend's emulated device (docs/formats.md, train); chunks and
+  // other backends are refused.
+  if (plan.any_offload() && backend != "cpu")
     throw InputError(
-        fmt::format("plan: offload: train does not support --offload yet (the {} "
-                    "executor keeps everything on the device); estimate or simulate "
-                    "it instead",
+        fmt::format("plan: offload: the {} executor does not run --offload yet (the cpu backend "
+                    "does); estimate or simulate it instead",
                     backend));
+  if (plan.offload != planner::Offload::none && plan.offload != planner::Offload::optimizer)
+    throw InputError(fmt::format(
+        "plan: offload: the executor does not run --offload {} yet (optimizer and activations it "
+        "does); estimate or simulate it instead",
+        planner::offload_name(plan)));
+  if (plan.offload == planner::Offload::optimizer && model.tied_embeddings && plan.d == 1)
+    throw InputError(
+        "plan: offload: the executor's optimizer offload needs the tied embedding and LM head on "
+        "different stages (d > 1; here d = 1): one stage would add both ends' gradients into one "
+        "layer's; use an untied model or d > 1");
+  if (options.device_memory < 0)
+    throw InputError(fmt::format("--device-memory: {} is negative (bytes; 0: unlimited)",
+                                 options.device_memory));
   if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
                   [](planner::Recompute r) { return r == planner::Recompute::selective; }))
     throw InputError(
@@ -362,4 +376,15 @@ void run_threads(int n, const std::function<void(int)>& body, const std::functio
 }
 
 }  // namespace detail
+}  // namespace pw::exec
+
+namespace pw::exec {
+
+void StageCompute::backward(const float*, const float*, const float*, int, float, GradientSink&,
+                            float*, float*) {
+  throw Error(
+      "this backend's stage does not stream its gradients layer by layer (optimizer "
+      "offload)");
+}
+
 }  // namespace pw::exec

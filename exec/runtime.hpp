@@ -45,6 +45,10 @@ struct TrainOptions {
   int checkpoint_every = 1;
   bool resume = false;
   std::function<void(const ResumeInfo&)> on_resume;  // called once when `resume` is set
+  // The emulated device's size per rank (CPU backend): its tensors live in an arena of this many
+  // bytes, and a run that would exceed it stops with one line naming the rank, what did not fit
+  // and by how much. 0: unlimited.
+  std::int64_t device_memory = 0;
 };
 
 struct StepLog {
@@ -57,9 +61,16 @@ struct StepLog {
 
 struct RankResult {
   int rank = 0;
-  std::int64_t peak_memory_bytes = 0;       // the executor's own byte count (its device)
-  planner::MemoryBreakdown memory;          // at that peak
-  double busy_s = 0;                        // compute time over the whole run
+  std::int64_t peak_memory_bytes = 0;  // the executor's own byte count (its device)
+  planner::MemoryBreakdown memory;     // at that peak
+  double busy_s = 0;                   // compute time over the whole run
+  // Offload (docs/formulas.md section 9): the host pool's peak (master parameters, gradient
+  // accumulator and optimizer state of optimizer offload; swapped stashes), and the bytes the
+  // copy engines moved over the run, device to host (out) and back (in), all kinds together and
+  // the swapped activations' part of them. 0 without offload.
+  std::int64_t host_peak_memory_bytes = 0;
+  std::int64_t copy_out_bytes = 0, copy_in_bytes = 0;
+  std::int64_t activation_out_bytes = 0, activation_in_bytes = 0;
   std::vector<std::vector<float>> weights;  // newest weights per chunk, at the end
   std::vector<std::string> slot_names;      // of chunk 0's layout (for tests)
   planner::RankTimeline timeline;           // every op's wall-clock interval, memory over time

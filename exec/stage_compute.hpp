@@ -65,6 +65,20 @@ struct StageSizes {
                                      // layer's stash (the layers run one at a time in it)
 };
 
+// Where a backward adds parameter gradients, layer by layer ("tiles": the embedding, each block,
+// the final norm with the head), for a runtime that moves each layer's gradients off the device
+// as soon as they are complete (optimizer offload, docs/formulas.md section 9). The layers come in
+// backward order; a layer asks for its tensors' gradients, adds into them, then says it is done.
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // Where the gradients of parameters [offset, offset + size) of the layout are (size floats, added
+  // into).
+  virtual float* at(std::int64_t offset, std::int64_t size) = 0;
+  // The layer whose own parameters are [begin, end) has added all of its gradients.
+  virtual void layer_done(std::int64_t begin, std::int64_t end) = 0;
+};
+
 class StageCompute {
  public:
   virtual ~StageCompute() = default;
@@ -104,6 +118,10 @@ class StageCompute {
   // (b,T,C) unless first. `workspace` has sizes().workspace floats.
   virtual void backward(const float* params, const float* full_stash, const float* d_output, int b,
                         float loss_scale, float* grads, float* d_input, float* workspace) = 0;
+  // The same with the gradients where `grads` says, layer by layer (bit-identical sums). Backends
+  // that do not stream gradients refuse it (Error).
+  virtual void backward(const float* params, const float* full_stash, const float* d_output, int b,
+                        float loss_scale, GradientSink& grads, float* d_input, float* workspace);
 };
 
 std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);

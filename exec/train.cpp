@@ -31,6 +31,8 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   const int devices = plan.ranks() * plan.t;
   shared.init(model, run, options, data, devices);
   shared.devices = std::vector<MemoryCounter>(std::size_t(devices));
+  for (int r = 0; r < devices; ++r)
+    shared.devices[std::size_t(r)].set_budget(options.device_memory, fmt::format("rank {}", r));
   shared.on_step = on_step;
   std::vector<std::unique_ptr<detail::Worker>> workers;
   for (int r = 0; r < devices; ++r)

@@ -32,6 +32,8 @@ Worker::Worker(Shared& s, int device)
   for (int i = 0; i < t_; ++i)
     tp_group.push_back(rank_ * t_ + i);
   sharded_ = p.distributed_optimizer && p.w > 1;
+  offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  swaps_ = p.swaps(stage_);
   std::int64_t flat = 0;  // the rank's parameters so far
   for (int c = 0; c < p.v; ++c) {
     StageSpec spec = chunk_spec(*s.model, p, stage_, c);
@@ -78,8 +80,10 @@ Worker::Worker(Shared& s, int device)
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = Buffer(memory_, Category::weights, n);
     ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
-    ch.grads = Buffer(memory_, Category::gradients, n);
-    if (!sharded_) {
+    // Optimizer offload: gradients leave the device layer by layer and the optimizer state lives
+    // on the host (setup_offload).
+    if (!offload_optimizer_) ch.grads = Buffer(memory_, Category::gradients, n);
+    if (!sharded_ && !offload_optimizer_) {
       ch.m = Buffer(memory_, Category::optimizer, n);
       if (s.options->optimizer == "adamw") ch.v = Buffer(memory_, Category::optimizer, n);
     }
@@ -105,6 +109,7 @@ Worker::Worker(Shared& s, int device)
     if (s.options->optimizer == "adamw") shard_v_ = Buffer(memory_, Category::optimizer, per);
   }
   for (Chunk& ch : chunks_) {
+    if (offload_optimizer_) break;  // setup_offload points the state at the host
     const std::int64_t n = ch.sizes.parameters;
     ch.own_begin = sharded_ ? std::clamp(own.begin - ch.base, std::int64_t(0), n) : 0;
     ch.own_end = sharded_ ? std::clamp(own.end - ch.base, std::int64_t(0), n) : n;
@@ -124,7 +129,312 @@ Worker::Worker(Shared& s, int device)
     tp_comms_[c].scratch_floats = workspace_.size();
     chunks_[c].stage->set_tp(tp_comms_[c]);
   }
+  setup_offload();
   if (s.first_step > 0) load_checkpoint(s.first_step);
+  // The host's master copy starts as the device's newest version (the checkpoint's, resumed).
+  for (std::size_t i = 0; i < host_chunks_.size(); ++i)
+    std::copy_n(chunks_[i].slots[slots_.newest()].data(), host_chunks_[i].n,
+                host_chunks_[i].master.data());
+}
+
+// Offload's state (see worker.hpp) and the copy engines: one per direction on a stage that swaps
+// or offloads the optimizer, and the host CPU's for CPU Adam.
+void Worker::setup_offload() {
+  const planner::Plan& p = s_.plan();
+  if (!offload_optimizer_ && !swaps_) return;
+  d2h_ = std::make_unique<CopyEngine>();
+  h2d_ = std::make_unique<CopyEngine>();
+  // A growth past --device-memory first takes back the buffers of the stashes on their way out.
+  if (swaps_) memory_->set_reclaim([this] { return reclaim_download(); });
+  if (!offload_optimizer_) return;
+  host_cpu_ = std::make_unique<CopyEngine>();
+  std::int64_t largest = 0;
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    HostChunk h;
+    const std::int64_t n = c.sizes.parameters;
+    // The last stage's copy of the tied tensor (the layout's last slot) is not updated there.
+    h.n = c.last && c.tied_offset >= 0 ? c.tied_offset : n;
+    if (h.n != n && c.tied_offset + c.tied_size != n)
+      throw Error(
+          fmt::format("rank {}: the tied copy is not the last tensor of chunk {}", rank_, i));
+    // Tiles: the embedding (wte, wpe), each block (h<k>.*), the final norm with the head.
+    std::string current;
+    for (const TensorSlot& slot : c.stage->layout()) {
+      if (slot.offset >= h.n) break;
+      const std::size_t dot = slot.name.find('.');
+      const std::string key = slot.name == "wte" || slot.name == "wpe" ? "embedding"
+                              : dot != std::string::npos               ? slot.name.substr(0, dot)
+                                                                       : "head";
+      if (h.tiles.empty() || key != current) h.tiles.push_back({slot.offset, slot.offset});
+      current = key;
+      h.tiles.back().end = slot.offset + slot.size;
+    }
+    if (int(h.tiles.size()) != planner::offload_tiles(p, stage_, int(i)))
+      throw Error(fmt::format("rank {}: chunk {} has {} layers, the program {} CPU Adam tiles",
+                              rank_, i, h.tiles.size(), planner::offload_tiles(p, stage_, int(i))));
+    for (const Tile& t : h.tiles)
+      largest = std::max(largest, t.end - t.begin);
+    h.master = Buffer(&host_, Category::weights, h.n);
+    h.accumulator = Buffer(&host_, Category::gradients, h.n);
+    h.m = Buffer(&host_, Category::optimizer, h.n);
+    if (s_.options->optimizer == "adamw") h.v = Buffer(&host_, Category::optimizer, h.n);
+    if (c.tied_offset >= 0) h.resident = Buffer(memory_, Category::gradients, c.tied_size);
+    c.own_begin = 0;
+    c.own_end = h.n;
+    c.m_at = h.m.data();
+    c.v_at = h.v.empty() ? nullptr : h.v.data();
+    adam_.emplace_back(h.tiles.size(), 0);
+    host_chunks_.push_back(std::move(h));
+  }
+  // Double-buffered: one layer's gradients fill while the previous one's are on the copy engine.
+  for (Buffer& b : grad_tiles_)
+    b = Buffer(memory_, Category::gradients, largest);
+}
+
+// A swapped stash's device buffer is released when the second compute slot after its forward
+// begins (its upload, receive or compute op), its download done (waited for if still running):
+// the planner's account (a download overlaps the slot after its forward), so the device's peak is
+// the predicted one. Earlier only when an allocation would not fit the budget (reclaim_download).
+void Worker::release_downloads(int compute_op) {
+  while (!downloads_.empty() && downloads_.front().first + 2 <= compute_op)
+    reclaim_download();
+}
+
+bool Worker::reclaim_download() {
+  if (downloads_.empty()) return false;
+  const std::shared_ptr<Swap> sw = downloads_.front().second;
+  downloads_.pop_front();
+  d2h_->wait(sw->down);
+  sw->device = Buffer();
+  return true;
+}
+
+float* Worker::tied_grad(Chunk& c) {
+  if (!offload_optimizer_) return c.grads.data() + c.tied_offset;
+  return host_chunks_[std::size_t(&c - chunks_.data())].resident.data();
+}
+
+void Worker::copy_record(int stream, Clock::time_point a, Clock::time_point b, int op) {
+  std::lock_guard<std::mutex> lock(copy_ops_mutex_);
+  copy_ops_.push_back({stream, std::chrono::duration<double>(a - s_.start).count(),
+                       std::chrono::duration<double>(b - s_.start).count(), op});
+}
+
+// Optimizer offload's gradient sink for one backward: the layer's gradients go into the free one
+// of the two device tile buffers (zeroed), the tied tensor's into its resident buffer; when the
+// layer is done, the device-to-host engine adds its tile into the host's accumulator. Each
+// gradient element is added to once per backward (exec/cpu/kernels.hpp), so the accumulator gets
+// the bits the device's own accumulation would have.
+class Worker::TileSink : public GradientSink {
+ public:
+  TileSink(Worker& w, std::size_t chunk, int op) : w_(w), chunk_(chunk), op_(op) {}
+  float* at(std::int64_t offset, std::int64_t size) override {
+    Chunk& c = w_.chunks_[chunk_];
+    HostChunk& h = w_.host_chunks_[chunk_];
+    if (c.tied_offset >= 0 && offset == c.tied_offset) return h.resident.data();
+    int k = 0;
+    while (k < int(h.tiles.size()) && !(offset >= h.tiles[std::size_t(k)].begin &&
+                                        offset + size <= h.tiles[std::size_t(k)].end))
+      ++k;
+    if (k == int(h.tiles.size()))
+      throw Error(fmt::format("rank {}: gradients [{}, {}) of chunk {} are in no layer", w_.rank_,
+                              offset, offset + size, chunk_));
+    const Tile& t = h.tiles[std::size_t(k)];
+    if (k != open_) {
+      if (open_ >= 0)
+        throw Error(
+            fmt::format("rank {}: a layer's gradients began before the previous layer's "
+                        "were done",
+                        w_.rank_));
+      buffer_ = w_.next_grad_tile_;
+      w_.next_grad_tile_ ^= 1;
+      w_.d2h_->wait(w_.grad_tile_copy_[buffer_]);  // its previous layer has left
+      std::fill_n(w_.grad_tiles_[buffer_].data(), t.end - t.begin, 0.0f);
+      open_ = k;
+    }
+    return w_.grad_tiles_[buffer_].data() + (offset - t.begin);
+  }
+  void layer_done(std::int64_t, std::int64_t) override {
+    if (open_ < 0) return;  // every gradient of the layer stays on the device
+    Chunk& c = w_.chunks_[chunk_];
+    HostChunk& h = w_.host_chunks_[chunk_];
+    const Tile t = h.tiles[std::size_t(open_)];
+    // The streamed ranges: the layer less the tied tensor (resident on the device).
+    std::vector<Tile> ranges;
+    const std::int64_t r0 = c.tied_offset >= 0 ? c.tied_offset : t.end;
+    const std::int64_t r1 = c.tied_offset >= 0 ? c.tied_offset + c.tied_size : t.end;
+    if (t.begin < std::min(r0, t.end)) ranges.push_back({t.begin, std::min(r0, t.end)});
+    if (std::max(r1, t.begin) < t.end) ranges.push_back({std::max(r1, t.begin), t.end});
+    const float* src = w_.grad_tiles_[buffer_].data();
+    float* acc = h.accumulator.data();
+    Worker* w = &w_;
+    const int op = op_;
+    const CopyEngine::Ticket ticket = w_.d2h_->submit([w, ranges, t, src, acc, op] {
+      const auto t0 = Clock::now();
+      std::int64_t bytes = 0;
+      for (const Tile& r : ranges) {
+        for (std::int64_t i = r.begin; i < r.end; ++i)
+          acc[i] = acc[i] + src[i - t.begin];
+        bytes += (r.end - r.begin) * std::int64_t(sizeof(float));
+      }
+      w->bytes_out_ += bytes;
+      w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+    });
+    w_.grad_tile_copy_[buffer_] = ticket;
+    w_.last_gradient_copy_ = ticket;
+    open_ = -1;
+  }
+
+ private:
+  Worker& w_;
+  std::size_t chunk_;
+  int op_;  // the program's copy_gradient_to_host op of this backward
+  int open_ = -1, buffer_ = 0;
+};
+
+// The copies and the host's CPU Adam (docs/formats.md, program ops): issued in program order on
+// their engines; the dependencies are waits inside the work (an upload after its download or its
+// tile's Adam, Adam after the step's gradient copies) and waits of the compute (a backward for its
+// stash's upload, the optimizer step for the last parameter upload).
+void Worker::offload_op(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  const int at = op_;
+  Worker* w = this;
+  switch (op.kind) {
+    case OpKind::copy_activation_to_host: {
+      auto sw = std::make_shared<Swap>();
+      sw->device = std::move(stash_.at(key));
+      stash_.erase(key);
+      sw->floats = sw->device.size();
+      sw->host = Buffer(&host_, Category::activations, sw->floats, &host_buffers_);
+      const float* src = sw->device.data();
+      float* dst = sw->host.data();
+      const std::int64_t n = sw->floats;
+      sw->down = d2h_->submit([w, src, dst, n, at] {
+        const auto t0 = Clock::now();
+        std::copy_n(src, n, dst);
+        const std::int64_t bytes = n * std::int64_t(sizeof(float));
+        w->bytes_out_ += bytes;
+        w->activation_bytes_out_ += bytes;
+        w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
+      });
+      // The device buffer goes when the copy is done (release_downloads).
+      downloads_.emplace_back(compute_ops_ - 1, sw);
+      swaps_by_key_[key] = sw;
+      return;
+    }
+    case OpKind::copy_activation_to_device: {
+      const auto it = swaps_by_key_.find(key);
+      if (it == swaps_by_key_.end())
+        throw Error(fmt::format("rank {}: {} of a stash that never went to the host", rank_,
+                                planner::to_string(op.kind)));
+      const std::shared_ptr<Swap> sw = it->second;
+      const CopyEngine::Ticket down = sw->down;
+      release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
+      // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
+      while (std::any_of(downloads_.begin(), downloads_.end(),
+                         [&](const auto& d) { return d.second == sw; }))
+        reclaim_download();
+      // ...it is on the device again from the upload's issue (before the op preceding its
+      // backward).
+      sw->device = Buffer(memory_, Category::activations, sw->floats, &pool_);
+      sw->up = h2d_->submit([w, sw, down, at] {
+        w->d2h_->wait(down);
+        const auto t0 = Clock::now();
+        std::copy_n(sw->host.data(), sw->floats, sw->device.data());
+        const std::int64_t bytes = sw->floats * std::int64_t(sizeof(float));
+        w->bytes_in_ += bytes;
+        w->activation_bytes_in_ += bytes;
+        sw->host = Buffer();
+        w->copy_record(planner::kCopyInStream, t0, Clock::now(), at);
+      });
+      return;
+    }
+    case OpKind::copy_gradient_to_host: {
+      if (op.microbatch >= 0) {  // the backward's layers: ends when the last has arrived
+        d2h_->wait(last_gradient_copy_);
+        return;
+      }
+      // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
+      Chunk& c = chunks_[std::size_t(op.chunk)];
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      if (c.tied_offset < 0 || h.resident.empty())
+        throw Error(fmt::format("rank {}: tied gradient copy on chunk {}, which keeps none", rank_,
+                                op.chunk));
+      float* dst = h.accumulator.data() + c.tied_offset;
+      float* src = h.resident.data();
+      const std::int64_t n = c.tied_size;
+      d2h_->submit([w, dst, src, n, at] {
+        const auto t0 = Clock::now();
+        std::copy_n(src, n, dst);
+        std::fill_n(src, n, 0.0f);  // the next step accumulates from zero
+        w->bytes_out_ += n * std::int64_t(sizeof(float));
+        w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
+      });
+      return;
+    }
+    case OpKind::host_optimizer_step: {
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      const Tile t = h.tiles.at(std::size_t(op.bucket));
+      const CopyEngine::Ticket copied = d2h_->last();  // the step's gradients, all of them
+      const int update = op.step + 1;
+      HostChunk* hc = &h;
+      adam_[std::size_t(op.chunk)][std::size_t(op.bucket)] =
+          host_cpu_->submit([w, hc, t, copied, update, at] {
+            w->d2h_->wait(copied);
+            const auto t0 = Clock::now();
+            float* master = hc->master.data() + t.begin;
+            optimizer_update(*w->s_.options, update, master, master,
+                             hc->accumulator.data() + t.begin, hc->m.data() + t.begin,
+                             hc->v.empty() ? nullptr : hc->v.data() + t.begin, t.end - t.begin);
+            w->copy_record(planner::kHostStream, t0, Clock::now(), at);
+          });
+      return;
+    }
+    case OpKind::copy_parameters_to_device: {
+      if (upload_slot_ < 0) {
+        // The slot the step's new version goes into: in place for flush schedules; for 2BW the
+        // one the shadow version leaves (free_version, after the uploads: no op reads it any
+        // more), or the second slot the first time.
+        const int newest = slots_.newest();
+        upload_slot_ = planner::version_limit(s_.plan()) == 1 ? newest : 1 - newest;
+        if (!slots_.allocated(upload_slot_))
+          for (Chunk& c : chunks_)
+            c.slots[upload_slot_] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+      }
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      const Tile t = h.tiles.at(std::size_t(op.bucket));
+      const float* src = h.master.data() + t.begin;
+      float* dst = chunks_[std::size_t(op.chunk)].slots[upload_slot_].data() + t.begin;
+      const CopyEngine::Ticket adam = adam_[std::size_t(op.chunk)][std::size_t(op.bucket)];
+      last_upload_ = h2d_->submit([w, src, dst, t, adam, at] {
+        w->host_cpu_->wait(adam);
+        const auto t0 = Clock::now();
+        std::copy_n(src, t.end - t.begin, dst);
+        w->bytes_in_ += (t.end - t.begin) * std::int64_t(sizeof(float));
+        w->copy_record(planner::kCopyInStream, t0, Clock::now(), at);
+      });
+      return;
+    }
+    default:
+      throw Error(
+          fmt::format("rank {}: {} is not an offload op", rank_, planner::to_string(op.kind)));
+  }
+}
+
+// The device's optimizer step under optimizer offload: the uploads have written the new version
+// (CPU Adam ran on the host); it only switches to it.
+void Worker::offload_step(const Op& op) {
+  h2d_->wait(last_upload_);
+  if (upload_slot_ < 0)
+    throw Error(fmt::format("rank {}: optimizer step of version {} without its uploads", rank_,
+                            op.version));
+  ++updates_;
+  slots_.place(op.version, upload_slot_);
+  upload_slot_ = -1;
+  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
+  s_.finish_step(op.step);
 }
 
 // The tensors of a shard: per chunk, every weight version held (ascending), then the optimizer's
@@ -216,6 +526,9 @@ void Worker::run() {
     if (s_.before_op) s_.before_op(device_, op_);
     step(ops[std::size_t(op_)]);
   }
+  // What the copy engines still run (nothing, in a program whose ops wait for their copies).
+  for (CopyEngine* e : {d2h_.get(), h2d_.get(), host_cpu_.get()})
+    if (e) e->drain();
 }
 
 void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
@@ -247,6 +560,7 @@ void Worker::step(const Op& op) {
       d_inputs_.erase(key);
       return;
     case OpKind::recv_activation: {
+      if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
       const auto t0 = Clock::now();
       inputs_[key] =
           to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::activation));
@@ -254,6 +568,7 @@ void Worker::step(const Op& op) {
       return;
     }
     case OpKind::recv_gradient: {
+      if (swaps_) release_downloads(compute_ops_);
       const auto t0 = Clock::now();
       d_outputs_[key] =
           to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::gradient));
@@ -274,12 +589,15 @@ void Worker::step(const Op& op) {
     case OpKind::gather_tied_gradient:
     case OpKind::gather_tied_weights:
       return tied(op);
-    case OpKind::copy_gradient_to_host:  // prepare_run refuses offload plans before any runs
+    case OpKind::copy_gradient_to_host:
     case OpKind::host_optimizer_step:
     case OpKind::copy_parameters_to_device:
     case OpKind::copy_activation_to_host:
     case OpKind::copy_activation_to_device:
-      throw InputError("train does not support --offload yet");
+      if (!d2h_)
+        throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
+                                planner::to_string(op.kind)));
+      return offload_op(op);
   }
 }
 
@@ -293,6 +611,8 @@ const float* Worker::params(const Chunk& c, int version) const {
 
 void Worker::forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  if (swaps_) release_downloads(compute_ops_);
+  ++compute_ops_;
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
@@ -338,13 +658,34 @@ void Worker::backward(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
+  if (swaps_) release_downloads(compute_ops_);
+  ++compute_ops_;
+  if (const auto it = swaps_by_key_.find(key); it != swaps_by_key_.end()) {
+    if (it->second->up == 0)
+      throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank_));
+    h2d_->wait(it->second->up);  // the stash is back on the device
+    stash_[key] = std::move(it->second->device);
+    swaps_by_key_.erase(it);
+  }
   const float* full = rc ? full_.at(key).data() : stash_.at(key).data();
   Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   const auto t0 = Clock::now();
-  c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(), p.b,
-                    scale, c.grads.data(), c.first ? nullptr : d_input.data(), workspace_.data());
+  if (offload_optimizer_) {
+    const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
+    int copy_op = op_;  // the copy_gradient_to_host after it, for the timeline
+    while (copy_op + 1 < int(ops.size()) &&
+           ops[std::size_t(copy_op)].kind != OpKind::copy_gradient_to_host)
+      ++copy_op;
+    TileSink sink(*this, std::size_t(op.chunk), copy_op);
+    c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(),
+                      p.b, scale, sink, c.first ? nullptr : d_input.data(), workspace_.data());
+  } else {
+    c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(),
+                      p.b, scale, c.grads.data(), c.first ? nullptr : d_input.data(),
+                      workspace_.data());
+  }
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
@@ -468,7 +809,7 @@ void Worker::tied(const Op& op) {
   const planner::Plan& p = s_.plan();
   const std::int64_t n = c.tied_size;
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
-  float* grad = c.grads.data() + c.tied_offset;
+  float* grad = tied_grad(c);
   const std::vector<int> group = replica_group();
   const auto t0 = Clock::now();
   switch (op.kind) {
@@ -541,6 +882,7 @@ void Worker::sum_local_tied() {
 }
 
 void Worker::optimizer_step(const Op& op) {
+  if (offload_optimizer_) return offload_step(op);
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
   bool allocate = false;
@@ -584,6 +926,11 @@ RankResult Worker::result() const {
   r.peak_memory_bytes = memory_->peak();
   r.memory = memory_->at_peak();
   r.busy_s = busy_s_ - tp_wait_s_;
+  r.host_peak_memory_bytes = host_.peak();
+  r.copy_out_bytes = bytes_out_;
+  r.copy_in_bytes = bytes_in_;
+  r.activation_out_bytes = activation_bytes_out_;
+  r.activation_in_bytes = activation_bytes_in_;
   for (const Chunk& c : chunks_)
     r.weights.emplace_back(c.slots[slots_.newest()].data(),
                            c.slots[slots_.newest()].data() + c.slots[slots_.newest()].size());
@@ -595,6 +942,13 @@ RankResult Worker::result() const {
                             : fmt::format("rank {} ({}, stage {}, replica {})", device_, s_.runs_on,
                                           stage_, replica_);
   r.timeline.ops = ops_;
+  {
+    std::lock_guard<std::mutex> lock(copy_ops_mutex_);
+    r.timeline.ops.insert(r.timeline.ops.end(), copy_ops_.begin(), copy_ops_.end());
+  }
+  std::stable_sort(
+      r.timeline.ops.begin(), r.timeline.ops.end(),
+      [](const planner::TimedOp& a, const planner::TimedOp& b) { return a.start_s < b.start_s; });
   for (const auto& [t, bytes] : memory_->samples())
     r.timeline.memory.emplace_back(
         std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);

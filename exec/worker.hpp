@@ -1,8 +1,10 @@
 // Internal to exec/: one rank's worker and the state the workers share.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "exec/checkpoint.hpp"
+#include "exec/copy_engine.hpp"
 #include "exec/data.hpp"
 #include "exec/memory.hpp"
 #include "exec/run_common.hpp"
@@ -62,6 +65,32 @@ class Worker {
     bool first = false, last = false;              // first / last virtual stage
   };
 
+  // Offload (docs/formulas.md section 9). The optimizer's host side of a chunk: its
+  // host-updated parameters [0, n) (all but the last stage's tied copy) as the master copy (the
+  // fp32 transfer buffer the new parameters leave from), the gradient accumulator and the
+  // optimizer state, in the host pool; its CPU Adam tiles (one per layer, forward order).
+  struct Tile {
+    std::int64_t begin = 0, end = 0;
+  };
+  struct HostChunk {
+    std::int64_t n = 0;
+    std::vector<Tile> tiles;
+    Buffer master, accumulator, m, v;  // host
+    Buffer resident;  // device: the tied tensor's gradient at a tied end (d > 1), summed there
+  };
+  // A swapped stash (activation offload): on the host between its download and its upload.
+  struct Swap {
+    Buffer host, device;
+    std::int64_t floats = 0;
+    CopyEngine::Ticket down = 0, up = 0;
+  };
+  class TileSink;
+  void setup_offload();
+  void offload_op(const planner::Op& op);
+  void offload_step(const planner::Op& op);
+  float* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)
+  void copy_record(int stream, Clock::time_point a, Clock::time_point b, int op);
+
   void step(const planner::Op& op);
   void forward(const planner::Op& op);
   void recompute(const planner::Op& op);
@@ -111,6 +140,32 @@ class Worker {
   int op_ = 0;            // index of the op being run
   std::vector<planner::TimedOp> ops_;  // the timeline
   void record(int stream, Clock::time_point a, Clock::time_point b);
+
+  // Offload. The host pool's byte count, the bytes each copy engine moved, the state above.
+  bool offload_optimizer_ = false, swaps_ = false;
+  MemoryCounter host_;
+  std::vector<HostChunk> host_chunks_;
+  Buffer grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy engine
+  CopyEngine::Ticket grad_tile_copy_[2] = {0, 0};
+  int next_grad_tile_ = 0;
+  CopyEngine::Ticket last_gradient_copy_ = 0;          // the last backward's last tile
+  std::vector<std::vector<CopyEngine::Ticket>> adam_;  // per chunk and tile, this step
+  CopyEngine::Ticket last_upload_ = 0;
+  int upload_slot_ = -1;     // the weight slot this step's uploads write
+  BufferPool host_buffers_;  // the swapped stashes' host storage, reused
+  std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
+  // Downloads whose device buffer is still held, oldest first, with their forward's compute index:
+  // released, done, when the second compute slot after that forward begins (or under a budget).
+  std::deque<std::pair<int, std::shared_ptr<Swap>>> downloads_;
+  int compute_ops_ = 0;  // forwards and backwards begun
+  void release_downloads(int compute_op);
+  bool reclaim_download();
+  std::atomic<std::int64_t> bytes_out_{0}, bytes_in_{0}, activation_bytes_out_{0},
+      activation_bytes_in_{0};
+  mutable std::mutex copy_ops_mutex_;
+  std::vector<planner::TimedOp> copy_ops_;  // the copy engines' and host CPU's intervals
+  // Last: destroyed first, while what their work touches still lives.
+  std::unique_ptr<CopyEngine> d2h_, h2d_, host_cpu_;
 };
 
 }  // namespace pw::exec::detail

@@ -90,6 +90,8 @@ class CpuGptStage final : public StageCompute {
                  int b, const float* kept, float* full_stash) override;
   void backward(const float* params, const float* full_stash, const float* d_output, int b,
                 float loss_scale, float* grads, float* d_input, float* workspace) override;
+  void backward(const float* params, const float* full_stash, const float* d_output, int b,
+                float loss_scale, GradientSink& grads, float* d_input, float* workspace) override;
 
  private:
   template <class F>
@@ -103,8 +105,8 @@ class CpuGptStage final : public StageCompute {
                       float* ws, int64_t ws_floats) const;
   float head_forward(const float* params, const HeadActs<float>& h, const std::int32_t* targets,
                      int b) const;
-  void head_backward(const float* params, float* grads, const HeadActs<const float>& h, int b,
-                     float loss_scale, float* dres, float* ws, int64_t ws_floats) const;
+  void head_backward(const float* params, GradientSink& grads, const HeadActs<const float>& h,
+                     int b, float loss_scale, float* dres, float* ws, int64_t ws_floats) const;
 
   // Tensor parallelism: the TP group's sum (nothing at t = 1); the row-parallel GEMM's output
   // summed over the group, then `residual` + bias added (as matmul_forward fuses them at t = 1).
@@ -434,8 +436,28 @@ float CpuGptStage::head_forward(const float* params, const HeadActs<float>& h,
 
 // Workspace use: on the first stage the residual-stream gradient dres takes its first B*T*C
 // floats (elsewhere dres is d_input); the rest is the scratch of the layers' backward.
+namespace {
+// The whole stage's gradients in one buffer, in the layout's order.
+class FlatSink : public GradientSink {
+ public:
+  explicit FlatSink(float* grads) : grads_(grads) {}
+  float* at(std::int64_t offset, std::int64_t) override { return grads_ + offset; }
+  void layer_done(std::int64_t, std::int64_t) override {}
+
+ private:
+  float* grads_;
+};
+}  // namespace
+
 void CpuGptStage::backward(const float* params, const float* full_stash, const float* d_output,
                            int b, float loss_scale, float* grads, float* d_input,
+                           float* workspace) {
+  FlatSink sink(grads);
+  backward(params, full_stash, d_output, b, loss_scale, sink, d_input, workspace);
+}
+
+void CpuGptStage::backward(const float* params, const float* full_stash, const float* d_output,
+                           int b, float loss_scale, GradientSink& grads, float* d_input,
                            float* workspace) {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;  // this rank's
@@ -452,15 +474,24 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
   }
   if (!s.has_head && has_layers) std::memcpy(dres, d_output, std::size_t(BTC) * sizeof(float));
   const float* cur = full_stash + (s.has_embedding ? layout_.embedding_elements(BT) : 0);
-  if (s.has_head)
+  if (s.has_head) {
     head_backward(params, grads, carve_head(cur + s.blocks * layout_.block_elements(BT), BT), b,
                   loss_scale, dres, ws, ws_floats);
+    grads.layer_done(layout_.lnf_w, layout_.parameters);
+  }
   for (int64_t i = s.blocks - 1; i >= 0; --i) {
     const int64_t base = layout_.block_base[std::size_t(i)];
-    block_backward(params + base, grads + base,
+    const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
+                                         : (s.has_head ? layout_.lnf_w : layout_.parameters);
+    block_backward(params + base, grads.at(base, end - base),
                    carve_block(cur + i * layout_.block_elements(BT), BT), b, dres, ws, ws_floats);
+    grads.layer_done(base, end);
   }
   if (!s.has_embedding) return;
+  const int64_t wte_size = layout_.V_t * layout_.C,
+                wpe_size = layout_.spec.model.max_positions * layout_.C;
+  float* dwte = grads.at(layout_.wte, wte_size);
+  float* dwpe = grads.at(layout_.wpe, wpe_size);
   const float* demb = has_layers ? dres : d_output;
   if (layout_.sp) {  // every token's gradient (ws: past dres)
     if (ws_floats < BT * layout_.C)
@@ -468,16 +499,17 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
     demb = gather(demb, ws, BT);
   }
   const auto* tokens = reinterpret_cast<const std::int32_t*>(full_stash);
-  if (!vocab_parallel())
-    return cpu::embedding_backward(grads + layout_.wte, grads + layout_.wpe, demb, tokens, b,
-                                   int(layout_.T), int(layout_.C));
+  if (!vocab_parallel()) {
+    cpu::embedding_backward(dwte, dwpe, demb, tokens, b, int(layout_.T), int(layout_.C));
+    return grads.layer_done(layout_.wte, layout_.wpe + wpe_size);
+  }
   // This rank's vocabulary rows only; the position table (replicated) takes every token's.
   const int64_t C = layout_.C;
   for (int64_t i = 0; i < BT; ++i) {
     const float* d = demb + i * C;
-    float* dp = grads + layout_.wpe + (i % layout_.T) * C;
+    float* dp = dwpe + (i % layout_.T) * C;
     const int64_t row = tokens[i] - layout_.v_begin;
-    float* de = row >= 0 && row < layout_.V_t ? grads + layout_.wte + row * C : nullptr;
+    float* de = row >= 0 && row < layout_.V_t ? dwte + row * C : nullptr;
     for (int64_t j = 0; j < C; ++j) {
       if (de) de[j] += d[j];
       dp[j] += d[j];
@@ -487,9 +519,9 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
 
 // dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the
 // final norm's backward turns it, in place, into d(head input).
-void CpuGptStage::head_backward(const float* params, float* grads, const HeadActs<const float>& h,
-                                int b, float loss_scale, float* dres, float* ws,
-                                int64_t ws_floats) const {
+void CpuGptStage::head_backward(const float* params, GradientSink& grads,
+                                const HeadActs<const float>& h, int b, float loss_scale,
+                                float* dres, float* ws, int64_t ws_floats) const {
   const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
   const int64_t BTC = int64_t(BT) * C;
   // With SP: d(lnf out) full-width and the gathered norm output first in the workspace.
@@ -505,7 +537,29 @@ void CpuGptStage::head_backward(const float* params, float* grads, const HeadAct
   const int rows = int(std::min<int64_t>(BT, ws_floats / V));
   if (rows < 1) throw Error("cpu stage backward: workspace smaller than one row of logits");
   const auto* targets = reinterpret_cast<const std::int32_t*>(h.targets);
-  for (int r0 = 0; r0 < BT; r0 += rows) {
+  float* dhead = grads.at(layout_.head_w, int64_t(V) * C);
+  // The logits' gradient does not fit the workspace whole (a stage with the embedding, whose
+  // gradient takes part of it): vocabulary column blocks over every row, so that each element of
+  // the head's weight gradient is added to once (one sgemm over all rows per block; the gradient
+  // sums stay bit-identical under optimizer offload, exec/cpu/kernels.hpp).
+  const int cols = int(std::min<int64_t>(V, ws_floats / BT));
+  const bool columns = rows < BT && cols >= 1 && !vocab_parallel() && !layout_.sp;
+  if (columns) {
+    for (int v0 = 0; v0 < V; v0 += cols) {
+      const int nv = std::min(cols, V - v0);
+      for (int r = 0; r < BT; ++r) {
+        const float* p = h.probs + int64_t(r) * V + v0;
+        float* d = ws + int64_t(r) * nv;
+        for (int j = 0; j < nv; ++j)
+          d[j] = p[j] * loss_scale;
+        const int target = targets[r] - v0;
+        if (target >= 0 && target < nv) d[target] -= loss_scale;
+      }
+      cpu::matmul_backward(dlnf, dhead + int64_t(v0) * C, nullptr, ws, lnf,
+                           params + layout_.head_w + int64_t(v0) * C, BT, C, nv, v0 > 0);
+    }
+  }
+  for (int r0 = 0; r0 < BT && !columns; r0 += rows) {
     const int n = std::min(rows, BT - r0);
     if (vocab_parallel()) {
       // (probs - onehot) * scale over this rank's rows; padded rows have probability 0.
@@ -519,15 +573,15 @@ void CpuGptStage::head_backward(const float* params, float* grads, const HeadAct
       cpu::softmax_crossentropy_backward(ws, h.probs + int64_t(r0) * V, targets + r0, loss_scale, n,
                                          V);
     }
-    cpu::matmul_backward(dlnf + int64_t(r0) * C, grads + layout_.head_w, nullptr, ws,
-                         lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
+    cpu::matmul_backward(dlnf + int64_t(r0) * C, dhead, nullptr, ws, lnf + int64_t(r0) * C,
+                         params + layout_.head_w, n, C, V);
   }
   // The vocabulary shards' parts of d(lnf out) summed (SP: this rank's rows of the sum).
   if (layout_.sp)
     scatter(dlnf, dres, BT);
   else
     tp_sum(dres, BTC);
-  norm_backward(dres, grads + layout_.lnf_w, grads + layout_.lnf_b, dres, h.x,
+  norm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
                 params + layout_.lnf_w, h.mean, h.rstd, int(layout_.rows(BT)), false);
 }
 

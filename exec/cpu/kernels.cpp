@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common/error.hpp"
 
@@ -107,18 +108,43 @@ void embedding_forward(float* out, const std::int32_t* tokens, const float* wte,
   }
 }
 
+// Each gradient element gets one addition per call: the contributions are summed from zero first
+// (position rows over the batch; a token row over its occurrences, in order), then added. So a
+// call on a zeroed buffer followed by adding that buffer to an accumulator gives the accumulator
+// the same bits as a call on the accumulator (optimizer offload streams per-microbatch gradients
+// to a host accumulator, docs/formulas.md section 9).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C) {
-  for (int b = 0; b < B; ++b) {
-    for (int t = 0; t < T; ++t) {
+  std::vector<float> sum(static_cast<std::size_t>(C));
+  for (int t = 0; t < T; ++t) {
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int b = 0; b < B; ++b) {
       const float* d = dout + (size_t(b) * T + t) * C;
-      float* de = dwte + size_t(tokens[size_t(b) * T + t]) * C;
-      float* dp = dwpe + size_t(t) * C;
-      for (int i = 0; i < C; ++i) {
-        de[i] += d[i];
-        dp[i] += d[i];
-      }
+      for (int i = 0; i < C; ++i)
+        sum[std::size_t(i)] += d[i];
     }
+    float* dp = dwpe + size_t(t) * C;
+    for (int i = 0; i < C; ++i)
+      dp[i] += sum[std::size_t(i)];
+  }
+  // Token rows: positions grouped by id (stable: in position order within an id).
+  const std::size_t n = std::size_t(B) * std::size_t(T);
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i)
+    order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return tokens[a] < tokens[b]; });
+  for (std::size_t k = 0; k < n;) {
+    const std::int32_t id = tokens[order[k]];
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (; k < n && tokens[order[k]] == id; ++k) {
+      const float* d = dout + order[k] * std::size_t(C);
+      for (int i = 0; i < C; ++i)
+        sum[std::size_t(i)] += d[i];
+    }
+    float* de = dwte + size_t(id) * C;
+    for (int i = 0; i < C; ++i)
+      de[i] += sum[std::size_t(i)];
   }
 }
 
@@ -145,6 +171,8 @@ PW_VECTOR_CLONES
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C, bool accumulate) {
+  // Summed over the rows from zero, then added once (see embedding_backward).
+  std::vector<float> dw(std::size_t(C), 0.0f), db(std::size_t(C), 0.0f);
   for (int n = 0; n < N; ++n) {
     const float* d = dout + size_t(n) * C;
     const float* x = inp + size_t(n) * C;
@@ -153,8 +181,8 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     const float dnorm_xhat_mean =
         lane_sum(C, [&](int i) { return d[i] * weight[i] * ((x[i] - m) * s); }) / float(C);
     for (int i = 0; i < C; ++i) {
-      dweight[i] += d[i] * ((x[i] - m) * s);
-      dbias[i] += d[i];
+      dw[std::size_t(i)] += d[i] * ((x[i] - m) * s);
+      db[std::size_t(i)] += d[i];
     }
     // d is read before dx is written, element by element: dinp may alias dout.
     float* dx = dinp + size_t(n) * C;
@@ -165,6 +193,10 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
       for (int i = 0; i < C; ++i)
         dx[i] = (d[i] * weight[i] - dnorm_mean - ((x[i] - m) * s) * dnorm_xhat_mean) * s;
     }
+  }
+  for (int i = 0; i < C; ++i) {
+    dweight[i] += dw[std::size_t(i)];
+    dbias[i] += db[std::size_t(i)];
   }
 }
 
@@ -192,19 +224,22 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC) {
+                     const float* weight, int N, int C, int OC, bool accumulate_input) {
   // dinp (N, C) = dout (N, OC) · weight (OC, C)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 0.0f,
-              dinp, C);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C,
+              accumulate_input ? 1.0f : 0.0f, dinp, C);
   // dweight (OC, C) += dout^T (OC, N) · inp (N, C)
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f,
               dweight, C);
-  if (dbias) {
+  if (dbias) {  // summed from zero, then added once (see embedding_backward)
+    std::vector<float> sum(std::size_t(OC), 0.0f);
     for (int n = 0; n < N; ++n) {
       const float* d = dout + size_t(n) * OC;
       for (int j = 0; j < OC; ++j)
-        dbias[j] += d[j];
+        sum[std::size_t(j)] += d[j];
     }
+    for (int j = 0; j < OC; ++j)
+      dbias[j] += sum[std::size_t(j)];
   }
 }
 

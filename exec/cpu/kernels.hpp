@@ -15,7 +15,11 @@ void embedding_forward(float* out,                  // (B, T, C)
                        const float* wte,            // (V, C)
                        const float* wpe,            // (maxT, C)
                        int B, int T, int C, int V);
-// dwte[tokens] += dout; dwpe[t] += dout.
+// dwte[tokens] += dout; dwpe[t] += dout. Like every kernel's parameter gradients here, each element
+// is summed from zero over the call's rows and then added once (so adding a call's gradients on a
+// zeroed buffer into an accumulator gives the bits of a call on the accumulator); matmul_backward's
+// dweight relies on OpenBLAS's sgemm (beta = 1) adding its product to C once (observed
+// bit-identical up to N = b*T = 2048 rows, docs/formulas.md section 9).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C);
 
@@ -37,15 +41,15 @@ void matmul_forward(float* out,             // (N, OC)
                     const float* bias,      // (OC) or null
                     const float* residual,  // (N, OC) or null; may alias out
                     int N, int C, int OC);
-// dinp = dout · weight (overwritten); dweight += dout^T · inp; dbias += column sums of dout.
-// dbias may be null (no bias).
+// dinp = dout · weight (overwritten; added to with accumulate_input); dweight += dout^T · inp;
+// dbias += column sums of dout. dbias may be null (no bias).
 void matmul_backward(float* dinp,          // (N, C)
                      float* dweight,       // (OC, C)
                      float* dbias,         // (OC)
                      const float* dout,    // (N, OC)
                      const float* inp,     // (N, C)
                      const float* weight,  // (OC, C)
-                     int N, int C, int OC);
+                     int N, int C, int OC, bool accumulate_input = false);
 
 // GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 void gelu_forward(float* out, const float* inp, std::int64_t n);

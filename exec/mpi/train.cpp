@@ -36,7 +36,7 @@ void merge_logs(StepBook& book, const MpiSession& mpi) {
 }
 
 void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
-  constexpr int kFields = 8;
+  constexpr int kFields = 13;
   const RankResult& mine = result.ranks.front();
   const planner::MemoryBreakdown& m = mine.memory;
   const double local[kFields] = {double(mine.peak_memory_bytes),
@@ -46,7 +46,12 @@ void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
                                  double(m.optimizer),
                                  double(m.activations),
                                  double(m.workspace),
-                                 mine.busy_s};
+                                 mine.busy_s,
+                                 double(mine.host_peak_memory_bytes),
+                                 double(mine.copy_out_bytes),
+                                 double(mine.copy_in_bytes),
+                                 double(mine.activation_out_bytes),
+                                 double(mine.activation_in_bytes)};
   std::vector<double> all(std::size_t(kFields * mpi.size()));
   mpi.all_gather(local, int(sizeof(local)), all.data());
   std::vector<std::string> lines;
@@ -74,6 +79,11 @@ void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
     out.memory.activations = std::int64_t(f[5]);
     out.memory.workspace = std::int64_t(f[6]);
     out.busy_s = f[7];
+    out.host_peak_memory_bytes = std::int64_t(f[8]);
+    out.copy_out_bytes = std::int64_t(f[9]);
+    out.copy_in_bytes = std::int64_t(f[10]);
+    out.activation_out_bytes = std::int64_t(f[11]);
+    out.activation_in_bytes = std::int64_t(f[12]);
     if (r != mine.rank && std::size_t(r) < lines.size()) {
       const common::Json j = common::Json::parse(lines[std::size_t(r)]);
       out.timeline.rank = r;
@@ -133,6 +143,8 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
   shared.before_op = fault_from_env();
   shared.init(model, prepared, options, data, 1);
   shared.devices = std::vector<MemoryCounter>(std::size_t(plan.ranks() * plan.t));
+  shared.devices[std::size_t(mpi.rank())].set_budget(options.device_memory,
+                                                     fmt::format("rank {}", mpi.rank()));
   // Rank 0 writes a checkpoint's manifest once every process wrote its shard.
   shared.write_manifests = mpi.rank() == 0;
   shared.before_manifest = [&] { transport.barrier("checkpoint barrier"); };

@@ -423,6 +423,16 @@ assert {'copy_d2h', 'copy_h2d', 'host_cpu'} <= names and {'copy_d2h', 'copy_h2d'
 r = json.load(open('$TMP/off-sim.json'))
 assert r['hosts'][0]['fits'] and r['offload']['copy_out_bytes_per_step'] > 0
 assert any(l['kind'] == 'uplink' for l in r['simulation']['links']), r['simulation']['links']" && ok || bad "offload timeline tracks, hosts and uplink traffic"
+expect_ok "train --offload optimizer,activations" $PW train --model gpt-tiny --schedule 1f1b -d 2 -m 4 -b 2 --steps 2 --offload optimizer,activations --device-memory 3000000 --timeline "$TMP/off-train-tl.json" --out "$TMP/off-train.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/off-train.json'))
+o = r['offload']
+assert o['mode'] == 'optimizer,activations' and o['copy_out_bytes_per_step'] > 0 and o['copy_in_bytes_per_step'] > 0, o
+assert all(d['peak_memory_bytes'] <= 3000000 and d['memory_breakdown_bytes']['optimizer'] == 0 for d in r['devices']), r['devices']
+t = json.load(open('$TMP/off-train-tl.json'))
+names = {e['args']['name'] for e in t['traceEvents'] if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+assert {'copy_d2h', 'copy_h2d', 'host_cpu'} <= names, names" && ok || bad "train --offload: report's offload bytes, device peaks inside --device-memory, copy tracks"
 expect_ok "schedule --offload optimizer" $PW schedule -d 2 -m 2 --offload optimizer
 grep -q "D2H1" "$TMP/out" && grep -q "hostopt0(v1) H2D0(v1)" "$TMP/out" && ok || bad "schedule prints the offload ops"
 expect_ok "plan falls back to offload" $PW plan --model gpt-10b --cluster v100-32gb-ws -B 8 --top 2 --out "$TMP/off-plan.json"

@@ -73,6 +73,12 @@ if [x.strip() for x in a] != [x.strip() for x in b]:
 d = json.load(open(mpi))
 assert len(d['devices']) == np, d['devices']
 assert all(x['peak_memory_bytes'] > 0 and x['busy_s'] > 0 for x in d['devices'])
+if 'offload' in d:  # the copy engines moved the threaded run's bytes
+    o = json.load(open(threads))['offload']
+    for key in ('copy_out_bytes_per_step', 'copy_in_bytes_per_step', 'activation_bytes_per_step'):
+        assert d['offload'][key] == o[key], (key, d['offload'][key], o[key])
+    print(f"ok: offload moved {o['copy_out_bytes_per_step']} B out and "
+          f"{o['copy_in_bytes_per_step']} B in per step in both runs")
 t = json.load(open(timeline))
 pids = {e['pid'] for e in t['traceEvents'] if e['ph'] == 'X'}
 assert pids == set(range(np)), f"timeline ranks {pids}"

@@ -1,0 +1,375 @@
+// The CPU executor with offload (issue 15, docs/formulas.md section 9): optimizer offload
+// (gradients streamed to a host accumulator layer by layer, CPU Adam on the host, parameters back)
+// and activation offload (stashes swapped to the host and back) train bit-identically to the same
+// plan without offload; the measured device peak equals the planner's and stays inside
+// --device-memory; the bytes the copy engines moved per step are the planner's exactly.
+#include <cstring>
+#include <functional>
+
+#include <gtest/gtest.h>
+
+#include "clusters/cluster.hpp"
+#include "exec/run_common.hpp"
+#include "exec/runtime.hpp"
+#include "planner/cost_model.hpp"
+#include "planner/plan.hpp"
+#include "sim/simulator.hpp"
+#include "test_util.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::exec {
+namespace {
+
+using planner::ActivationChoice;
+using planner::Offload;
+using planner::Plan;
+using planner::Schedule;
+
+enum Mode { kNone = 0, kOptimizer = 1, kActivations = 2, kBoth = 3 };
+
+std::string mode_name(int mode) {
+  const char* names[] = {"none", "optimizer", "activations", "optimizer,activations"};
+  return names[mode];
+}
+
+Plan make_plan(const models::ModelSpec& model, Schedule s, int d, int b, int m, int mode) {
+  Plan p;
+  p.schedule = s;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  planner::resolve_stages(p, model.layers);
+  if (mode & kOptimizer) p.offload = Offload::optimizer;
+  if (mode & kActivations) {
+    p.offload_activations = true;
+    planner::set_activations(p,
+                             std::vector<ActivationChoice>(std::size_t(d), ActivationChoice::swap));
+  }
+  planner::check(p);
+  return p;
+}
+
+TrainOptions options(int steps) {
+  TrainOptions o;
+  o.steps = steps;
+  o.optimizer = "adamw";
+  o.lr = 3e-3f;
+  o.weight_decay = 0.01f;
+  o.seed = 11;
+  return o;
+}
+
+void expect_identical(const TrainResult& got, const TrainResult& want) {
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (std::size_t i = 0; i < want.steps.size(); ++i)
+    EXPECT_EQ(got.steps[i].loss, want.steps[i].loss) << "step " << i;
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < want.ranks.size(); ++r) {
+    ASSERT_EQ(got.ranks[r].weights.size(), want.ranks[r].weights.size());
+    for (std::size_t c = 0; c < want.ranks[r].weights.size(); ++c) {
+      const auto& a = got.ranks[r].weights[c];
+      const auto& b = want.ranks[r].weights[c];
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << "rank " << r << " chunk " << c << ": weights differ";
+    }
+  }
+}
+
+// The planner's figures for the plan (fp32, the CPU executor's dtype) on a node with a host link
+// and a CPU Adam rate; one GPU holds every rank, as every thread is its own emulated device.
+Plan placed(const Plan& p) {
+  Plan q = p;
+  planner::place(q, {1, 1}, p.ranks());
+  return q;
+}
+
+planner::Estimate predicted(const models::ModelSpec& model, const Plan& p) {
+  const clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
+  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
+  return planner::estimate(model, t, node, placed(p));
+}
+
+// The simulator's report of the same programs over `steps` steps (its bytes: the run's / steps).
+planner::RunReport simulated(const models::ModelSpec& model, const Plan& p, int steps) {
+  const clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
+  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
+  return sim::simulate(model, t, node, placed(p), {.steps = steps}).report;
+}
+
+std::string describe(const planner::MemoryBreakdown& m) {
+  return "weights " + std::to_string(m.weights) + " versions " + std::to_string(m.weight_versions) +
+         " gradients " + std::to_string(m.gradients) + " optimizer " + std::to_string(m.optimizer) +
+         " activations " + std::to_string(m.activations) + " workspace " +
+         std::to_string(m.workspace);
+}
+
+struct Case {
+  Schedule schedule;
+  int d, b, m;
+};
+
+// Every mode, 1f1b and 2bw (and gpipe), against the same plan without offload: the same losses
+// and final weights, bit for bit. Activation offload swaps only where a stash waits 3 compute ops
+// (kSwapGap): 1f1b and 2bw at d = 4 on their first stages, gpipe at d = 2.
+TEST(OffloadExec, TrainsBitIdenticallyToNoOffload) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  for (const Case& k : {Case{Schedule::one_f_one_b, 2, 2, 4}, Case{Schedule::two_bw, 2, 2, 4},
+                        Case{Schedule::one_f_one_b, 4, 1, 4}, Case{Schedule::two_bw, 4, 1, 4},
+                        Case{Schedule::gpipe, 2, 2, 4}}) {
+    const TrainResult plain =
+        train_cpu(model, make_plan(model, k.schedule, k.d, k.b, k.m, kNone), options(3));
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) + " " + mode_name(mode));
+      const Plan p = make_plan(model, k.schedule, k.d, k.b, k.m, mode);
+      const TrainResult r = train_cpu(model, p, options(3));
+      expect_identical(r, plain);
+      if (mode & kActivations) {  // the first stage's stashes really went out and came back
+        if (k.d == 4 || k.schedule == Schedule::gpipe) {
+          EXPECT_GT(r.ranks[0].activation_out_bytes, 0);
+        }
+        EXPECT_EQ(r.ranks[0].activation_out_bytes, r.ranks[0].activation_in_bytes);
+      }
+      if (mode & kOptimizer) {
+        EXPECT_EQ(r.ranks[0].memory.optimizer, 0);  // on the host
+        EXPECT_GT(r.ranks[0].host_peak_memory_bytes, 0);
+      }
+    }
+  }
+}
+
+// Beside recomputation, interleaving, data parallelism (activations) and SGD: the same bits.
+TEST(OffloadExec, OtherShapesAreBitIdentical) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  struct Variant {
+    const char* name;
+    std::function<void(Plan&)> edit;
+    int modes;  // the offload modes it combines with (bit mask of kOptimizer, kActivations)
+    std::string optimizer = "adamw";
+  };
+  const std::vector<Variant> variants = {
+      {"recompute full",
+       [](Plan& p) { p.recompute.assign(std::size_t(p.d), planner::Recompute::full); }, kOptimizer},
+      {"interleaved v=2",
+       [](Plan& p) {
+         p.schedule = Schedule::interleaved;
+         p.v = 2;
+       },
+       kOptimizer | kActivations},
+      {"w=2", [](Plan& p) { p.w = 2; }, kActivations},
+      {"sgd", [](Plan&) {}, kOptimizer | kActivations, "sgd"},
+  };
+  for (const Variant& var : variants)
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      if ((mode & var.modes) != mode) continue;
+      SCOPED_TRACE(std::string(var.name) + " " + mode_name(mode));
+      Plan plain;
+      plain.schedule = Schedule::one_f_one_b;
+      plain.d = 2;
+      plain.b = 1;
+      plain.m = 4;
+      var.edit(plain);
+      plain.stage_blocks.clear();
+      planner::resolve_stages(plain, model.layers);
+      Plan off = plain;
+      if (mode & kOptimizer) off.offload = Offload::optimizer;
+      if (mode & kActivations) {
+        off.offload_activations = true;
+        // Stage 1 recomputes instead of swapping: the plain plan recomputes there too.
+        planner::set_activations(off, {ActivationChoice::swap, ActivationChoice::recompute});
+        plain.recompute = off.recompute;
+      }
+      planner::check(off);
+      TrainOptions o = options(3);
+      o.optimizer = var.optimizer;
+      expect_identical(train_cpu(model, off, o), train_cpu(model, plain, o));
+    }
+}
+
+// An untied model on one stage: every layer's gradients stream (the head's too).
+TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
+  models::ModelSpec model = testing::gpt_tiny(2);
+  model.tied_embeddings = false;
+  const TrainResult plain =
+      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kNone), options(3));
+  const TrainResult off =
+      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kOptimizer), options(3));
+  expect_identical(off, plain);
+  // A vocabulary large enough that the head's logit gradient takes the stage's whole workspace:
+  // the head runs in two row blocks there (the embedding's gradient takes part of it).
+  models::ModelSpec wide = model;
+  wide.hidden = 128;
+  wide.heads = 2;
+  wide.kv_heads = 2;
+  wide.ffn = 512;
+  wide.vocab = 4096;
+  wide.layers = 1;
+  expect_identical(
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kOptimizer), options(2)),
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kNone), options(2)));
+}
+
+// The measured device peak per rank is the planner's plus exactly what the executor holds beyond
+// the planner's figure without offload (the activation-sized messages on their way, one on the
+// end stages and two in the middle here, docs/performance.md), and the copy engines' bytes are
+// the simulator's exactly (and the closed form's per step, flush schedules); run again inside a
+// budget of that peak, the run fits.
+TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const std::int64_t message = 2 * model.seq_len * model.hidden * 4;  // b = 2
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw, Schedule::gpipe})
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      const int d = s == Schedule::gpipe ? 2 : 4;
+      SCOPED_TRACE(to_string(s) + " " + mode_name(mode));
+      const Plan p = make_plan(model, s, d, 2, 4, mode);
+      const int steps = 3;
+      const TrainResult r = train_cpu(model, p, options(steps));
+      const planner::Estimate e = predicted(model, p);
+      const Plan plain_plan = make_plan(model, s, d, 2, 4, kNone);
+      const TrainResult plain = train_cpu(model, plain_plan, options(steps));
+      const planner::Estimate plain_e = predicted(model, plain_plan);
+      const common::Json& o = e.report.extra["offload"];
+      const planner::RunReport sim = simulated(model, p, steps);
+      const common::Json& so = sim.extra["offload"];
+      for (int rank = 0; rank < p.ranks(); ++rank) {
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        const planner::DeviceReport& want = e.report.devices[std::size_t(rank)];
+        EXPECT_EQ(got.memory.gradients, want.memory.gradients) << "rank " << rank;
+        EXPECT_EQ(got.memory.optimizer, want.memory.optimizer) << "rank " << rank;
+        EXPECT_EQ(got.memory.weights, want.memory.weights) << "rank " << rank;
+        EXPECT_EQ(got.memory.weight_versions, want.memory.weight_versions) << "rank " << rank;
+        EXPECT_EQ(got.memory.workspace, want.memory.workspace) << "rank " << rank;
+        // The breakdown's total: the device report's peak adds the runtime's reserve of a GPU.
+        const std::int64_t total = want.memory.total();
+        // The executor's excess over the prediction is the one it has without offload.
+        EXPECT_EQ(got.peak_memory_bytes - total,
+                  plain.ranks[std::size_t(rank)].peak_memory_bytes -
+                      plain_e.report.devices[std::size_t(rank)].memory.total())
+            << "rank " << rank;
+        EXPECT_GE(got.peak_memory_bytes, total)
+            << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
+        EXPECT_LE(got.peak_memory_bytes, total + 2 * message)
+            << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
+        // Bytes: the simulator's, which runs the same programs (2BW's first step fills the
+        // pipeline and swaps fewer stashes than its steady state), exactly; for flush schedules
+        // also the closed form's per step.
+        const common::Json& sr = so["ranks"][std::size_t(rank)];
+        EXPECT_EQ(got.copy_out_bytes % steps, 0);
+        EXPECT_EQ(got.copy_out_bytes, steps * sr["copy_out_bytes_per_step"].get<std::int64_t>())
+            << "rank " << rank;
+        EXPECT_EQ(got.copy_in_bytes, steps * sr["copy_in_bytes_per_step"].get<std::int64_t>())
+            << "rank " << rank;
+        if (mode & kActivations) {
+          EXPECT_EQ(got.activation_out_bytes,
+                    steps * sr["activations"]["swapped_bytes_per_step"].get<std::int64_t>())
+              << "rank " << rank;
+        }
+        // The host pool of optimizer offload: master copy, accumulator, m and v, 16 B per
+        // host-updated parameter in fp32, the planner's (optimizer state + 4 + e) x P_h.
+        if (mode == kOptimizer) {
+          EXPECT_EQ(got.host_peak_memory_bytes,
+                    o["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>())
+              << "rank " << rank;
+        }
+        if (s != Schedule::two_bw) {
+          const common::Json& ro = o["ranks"][std::size_t(rank)];
+          EXPECT_EQ(got.copy_out_bytes, steps * ro["copy_out_bytes_per_step"].get<std::int64_t>())
+              << "rank " << rank;
+          EXPECT_EQ(got.copy_in_bytes, steps * ro["copy_in_bytes_per_step"].get<std::int64_t>())
+              << "rank " << rank;
+        }
+      }
+      // Inside a budget of the largest measured peak: the same run fits and stays inside.
+      std::int64_t peak = 0;
+      for (const RankResult& rank : r.ranks)
+        peak = std::max(peak, rank.peak_memory_bytes);
+      TrainOptions o2 = options(steps);
+      o2.device_memory = peak;
+      const TrainResult fitted = train_cpu(model, p, o2);
+      for (const RankResult& rank : fitted.ranks)
+        EXPECT_LE(rank.peak_memory_bytes, peak);
+      expect_identical(fitted, r);
+    }
+}
+
+// A budget below the run's natural peak, where that peak holds a stash on its way to the host:
+// the allocation that would not fit waits for the download and takes its buffer back, and the
+// run goes on inside the budget with the same bits.
+TEST(OffloadExec, TighterBudgetWaitsForDownloads) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const Plan p = make_plan(model, Schedule::gpipe, 2, 2, 4, kActivations);
+  const TrainResult free_run = train_cpu(model, p, options(3));
+  std::int64_t peak = 0;
+  for (const RankResult& r : free_run.ranks)
+    peak = std::max(peak, r.peak_memory_bytes);
+  TrainOptions o = options(3);
+  o.device_memory = peak - 1;
+  const TrainResult tight = train_cpu(model, p, o);
+  for (const RankResult& r : tight.ranks)
+    EXPECT_LT(r.peak_memory_bytes, peak);
+  expect_identical(tight, free_run);
+}
+
+// A device smaller than what a rank holds: one line naming the rank, what did not fit and by how
+// much; nothing is left running.
+TEST(OffloadExec, DeviceTooSmallIsOneLine) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kBoth);
+  TrainOptions o = options(2);
+  o.device_memory = 1000;
+  std::string msg = testing::error_of([&] { train_cpu(model, p, o); });
+  EXPECT_NE(msg.find("rank 0: --device-memory 1000 B: weights of "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // Just short of the run's peak: what did not fit, later in the run.
+  const TrainResult r = train_cpu(model, p, options(2));
+  o.device_memory = r.ranks[0].peak_memory_bytes - 1;
+  msg = testing::error_of([&] { train_cpu(model, p, o); });
+  EXPECT_NE(msg.find("rank "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("do not fit"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("short by "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  o.device_memory = -1;
+  EXPECT_NE(testing::error_of([&] { train_cpu(model, p, o); }).find("--device-memory"),
+            std::string::npos);
+}
+
+// Checkpoints keep the host's optimizer state: a run stopped and resumed gives the bits of an
+// unbroken one.
+TEST(OffloadExec, ResumeIsBitIdentical) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(to_string(s));
+    const Plan p = make_plan(model, s, 4, 1, 4, kBoth);
+    const TrainResult whole = train_cpu(model, p, options(4));
+    testing::TempDir dir("offexec_" + to_string(s));
+    TrainOptions o = options(2);
+    o.checkpoint_dir = dir.file("ckpt");
+    train_cpu(model, p, o);
+    o.steps = 4;
+    o.resume = true;
+    const TrainResult resumed = train_cpu(model, p, o);
+    ASSERT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(resumed.steps.size(), 2u);
+    for (std::size_t i = 0; i < 2; ++i)
+      EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + 2].loss);
+    for (std::size_t r = 0; r < whole.ranks.size(); ++r)
+      EXPECT_EQ(resumed.ranks[r].weights, whole.ranks[r].weights) << "rank " << r;
+  }
+}
+
+// What the executor does not run: the CUDA backend's offload, optimizer offload with both tied
+// ends on one stage.
+TEST(OffloadExec, RefusesWhatItDoesNotRun) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kOptimizer);
+  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "cuda"); });
+  EXPECT_NE(msg.find("the cuda executor does not run --offload yet"), std::string::npos) << msg;
+  const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
+  msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
+  EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace pw::exec
