@@ -64,6 +64,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
                     "optimizer yet (the cpu backend does); simulate or estimate it instead",
                     backend));
+  if (plan.offload == planner::Offload::chunks)
+    throw InputError(
+        fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
+                    "yet; estimate or simulate it instead",
+                    backend));
   if (plan.any_offload())
     throw InputError(
         fmt::format("plan: offload: train does not support --offload yet (the {} "

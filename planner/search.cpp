@@ -142,7 +142,10 @@ bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (a.distributed_optimizer != b.distributed_optimizer) return !a.distributed_optimizer;
   // Fewer offload modes first: none, then one (activations before optimizer), then both.
   auto offload_rank = [](const Plan& x) {
-    return (x.offload != Offload::none ? 2 : 0) + (x.offload_activations ? 1 : 0);
+    return (x.offload == Offload::chunks ? 4
+            : x.offload != Offload::none ? 2
+                                         : 0) +
+           (x.offload_activations ? 1 : 0);
   };
   if (offload_rank(a) != offload_rank(b)) return offload_rank(a) < offload_rank(b);
   if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
@@ -200,11 +203,21 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
             if (offload != Offload::none && (t > 1 || w > 1)) continue;
+            if (offload == Offload::chunks && d > 1) continue;
             if (modes.activations && t > 1) continue;
             for (const Plan& shape : plans_for(w, d, b, model.layers, o))
               for (bool dopt : o.distributed_optimizer) {
                 if (dopt && (w == 1 || offload != Offload::none)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
+                // Chunks: one rank, m = 1, no recompute; 1f1b stands for gpipe (the same step
+                // with d = m = 1) when both are asked for.
+                if (offload == Offload::chunks &&
+                    (shape.m != 1 || any_recompute(shape) || shape.schedule == Schedule::two_bw ||
+                     shape.schedule == Schedule::interleaved ||
+                     (shape.schedule == Schedule::gpipe &&
+                      std::find(o.schedules.begin(), o.schedules.end(), Schedule::one_f_one_b) !=
+                          o.schedules.end())))
+                  continue;
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;
@@ -242,8 +255,20 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                     splits.push_back(x);
                   }
                 }
-                for (const Plan& x : splits) {
-                  Candidate c{x, estimate(model, trace, cluster, x), true, ""};
+                for (Plan& x : splits) {
+                  Candidate c{x, {}, true, ""};
+                  if (x.offload == Offload::chunks) {
+                    x.chunk_bytes = default_chunk_bytes(model);
+                    c.plan = x;
+                    try {
+                      c.estimate = estimate(model, trace, cluster, x);
+                    } catch (const InputError&) {
+                      ++result.considered;  // a layer's working set passes the device
+                      continue;
+                    }
+                  } else {
+                    c.estimate = estimate(model, trace, cluster, x);
+                  }
                   for (auto& dev : c.estimate.report.devices) {
                     dev.fits = double(dev.peak_memory_bytes) <= usable;
                     c.fits = c.fits && dev.fits;
@@ -272,6 +297,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
     if (cpu_adam) {
       enumerate({Offload::optimizer, false});
       enumerate({Offload::optimizer, true});
+      enumerate({Offload::chunks, false});  // PatrickStar: all model data in moving chunks
     }
     result.offload_reason = explain_no_fit(without);
     result.considered += without.considered;
