@@ -437,7 +437,7 @@ void check_offload_cluster(const clusters::Cluster& c, const Plan& p) {
   if (!p.any_offload()) return;
   if (p.offload != Offload::none && c.host.cpu_adam_params_per_s() <= 0)
     throw InputError(fmt::format(
-        "cluster {}: offload {} needs the host's CPU Adam rate, and host.cpu_cores x "
+        "cluster {}: {} offload needs the host's CPU Adam rate, and host.cpu_cores x "
         "host.cpu_adam_params_per_s_per_core = {} x {:g} is 0 (set both, e.g. --set "
         "host.cpu_cores=32 --set host.cpu_adam_params_per_s_per_core=9.5e7; docs/formats.md)",
         c.name, to_string(p.offload), c.host.cpu_cores, c.host.cpu_adam_params_per_s_per_core));

@@ -207,7 +207,7 @@ class Replayer {
   // Adam on the node's CPU host. An upload starts when the downloads issued before it are done
   // (they make its room) and takes its chunk's device memory as it starts; a download releases it
   // when done; a chunk's CPU Adam starts after the downloads issued before it. A compute op runs
-  // layer by layer, each layer after its copies' uploads, its stash held from its forward to its
+  // layer by layer, each layer after its copies, its stash held from its forward to its
   // backward; optimizer_step waits for the host's Adam steps.
   struct ChunkJob {
     int kind = 0;  // 0 download, 1 upload, 2 CPU Adam
@@ -294,7 +294,7 @@ class Replayer {
   }
 
   // A forward or backward with chunks: its layers in the schedule's moment order, each after the
-  // copies tagged with it (in program order) and their uploads.
+  // copies tagged with it (in program order) are done: evictions and uploads.
   void chunk_compute(const Op& op) {
     const planner::ChunkSchedule& cs = *w_.programs->chunks;
     const bool back = op.kind == OpKind::backward;
@@ -306,6 +306,7 @@ class Replayer {
              program_.ops[std::size_t(pending_chunks_[next])].layer == m.layer;
            ++next)
         chunk_enqueue(program_.ops[std::size_t(pending_chunks_[next])], pending_chunks_[next]);
+      chunk_wait(0);  // the evictions make room for the layer's stash too
       chunk_wait(1);
       // The layer's stash: what its forward adds to the non-model memory.
       const std::int64_t below =

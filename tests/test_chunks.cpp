@@ -335,6 +335,66 @@ TEST_F(ChunkPrograms, TheCheckerCatchesEvictedUsesAndBrokenMoves) {
       "optimizer step without chunk 11's Adam step");
 }
 
+TEST(ChunkVariants, EveryOneRankScheduleAndModelKindPassesTheCheckerAndAgrees) {
+  // Untied, SwiGLU + RMSNorm without biases (LLaMA-like), BERT: their tensors, every schedule
+  // that runs one rank with m = 1, a budget that forces evictions.
+  std::vector<models::ModelSpec> models;
+  models::ModelSpec untied = tiny();
+  untied.tied_embeddings = false;
+  models.push_back(untied);
+  models::ModelSpec llama = tiny();
+  llama.mlp = models::Mlp::swiglu;
+  llama.norm = models::Norm::rmsnorm;
+  llama.bias = false;
+  llama.positions = models::Positions::rope;
+  llama.kv_heads = 1;
+  models.push_back(llama);
+  models::ModelSpec bert = tiny();
+  bert.arch = models::Arch::bert;
+  bert.type_vocab = 2;
+  bert.tied_embeddings = false;
+  models.push_back(bert);
+  for (const models::ModelSpec& m : models) {
+    const traces::Trace trace = uniform_trace(m, 1);
+    clusters::Cluster c = ws();
+    std::int64_t largest = 0;
+    for (const ChunkTensor& t : model_tensors(m))
+      largest = std::max(largest, t.elements);
+    const std::int64_t S = 2 * largest;
+    // Room for the widest layer's chunks, one more, and the stash: not for every chunk.
+    const ChunkLayout L = chunk_layout(m, S);
+    std::size_t widest = 0;
+    for (const auto& u : L.layer_chunks)
+      widest = std::max(widest, u.size());
+    std::int64_t stash = 0;
+    for (models::LayerKind k : traces::kLayerKinds)
+      stash += trace.entries[0].layers[k].activation_bytes *
+                   (k == models::LayerKind::block ? m.layers : 1) +
+               trace.entries[0].layers[k].workspace_bytes;
+    c.device.memory_bytes = std::int64_t(widest + 1) * S + stash;
+    ASSERT_GT(L.chunks(), int(widest + 1));
+    for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::dp}) {
+      SCOPED_TRACE(fmt::format("{} {} {}", to_string(m.arch), int(m.mlp), to_string(sch)));
+      Plan p = chunked(c, m.layers, S);
+      p.schedule = sch;
+      const auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(m, trace, c, p));
+      EXPECT_EQ(cs->device_adam_chunks, 0);
+      EXPECT_GT(cs->uploads, L.chunks());  // some chunks come up twice: evicted between uses
+      ProgramOptions o;
+      o.steps = 2;
+      o.chunks = cs;
+      EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
+      const Estimate est = estimate(m, trace, c, p);
+      const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 3});
+      EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.02);
+      EXPECT_EQ(sr.report.devices[0].peak_memory_bytes, est.report.devices[0].peak_memory_bytes);
+      EXPECT_LE(sr.report.devices[0].peak_memory_bytes, c.device.memory_bytes);
+      EXPECT_EQ(sr.report.extra["offload"]["copy_in_bytes_per_step"],
+                est.report.extra["offload"]["copy_in_bytes_per_step"]);
+    }
+  }
+}
+
 // --- Closed form against the simulator ---
 
 TEST(ChunksSimulate, AgreesWithTheClosedFormInTimePeakAndBytes) {
