@@ -220,6 +220,20 @@ std::string offload_summary(const planner::RunReport& r) {
                          ? fmt::format(" ({} each way swapped activations)",
                                        human_bytes(o["activation_bytes_per_step"].get<double>()))
                          : "");
+  // Chunks (PatrickStar): the schedule's figures (docs/formulas.md section 9, chunks).
+  if (o.contains("ranks") && !o["ranks"].empty() && o["ranks"][0].contains("chunks")) {
+    const common::Json& c = o["ranks"][0]["chunks"];
+    out += fmt::format(
+        "  chunks: {} x {} (the optimizer state of {} of them on the device); {} up and {} down "
+        "per step "
+        "({} s of copies exposed), CPU Adam {} s, optimizer step {} s\n",
+        c["chunks"].get<int>(), human_bytes(c["chunk_bytes"].get<double>()),
+        c["device_adam_chunks"].get<int>(), c["uploads_per_step"].get<std::int64_t>(),
+        c["downloads_per_step"].get<std::int64_t>(),
+        fmt::format("{:.3f}", c["copy_stall_s"].get<double>()),
+        fmt::format("{:.3f}", c["cpu_adam_s"].get<double>()),
+        fmt::format("{:.3f}", c["optimizer_s"].get<double>()));
+  }
   return out;
 }
 
