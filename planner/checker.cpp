@@ -205,9 +205,13 @@ class DeviceChecker {
   void chunk_compute(const Op& op) {
     const ChunkLayout& L = chunks_->layout;
     const bool back = op.kind == OpKind::backward;
+    const int index = chunk_slot_++;
     std::size_t next = 0;
     for (const ChunkMoment& m : chunks_->moments) {
-      if (m.backward != back) continue;
+      if (m.slot != index) continue;
+      if (m.backward != back)
+        bad(std::string(back ? "backward" : "forward") + " where the chunk schedule has a " +
+            (back ? "forward" : "backward"));
       for (; next < pending_.size() && pending_[next].layer == m.layer; ++next) {
         for (int c : L.layer_chunks[std::size_t(m.layer)])
           if (pending_[next].kind == OpKind::copy_chunk_to_host && pending_[next].bucket == c)
@@ -223,7 +227,7 @@ class DeviceChecker {
           bad(std::string(back ? "backward" : "forward") + " of " +
               L.layer_names[std::size_t(m.layer)] + " uses chunk " + std::to_string(c) +
               ", which is on the host");
-      const std::int64_t device = std::int64_t(resident) * L.chunk_bytes + m.non_model_bytes +
+      const std::int64_t device = std::int64_t(resident) * L.move_bytes + m.non_model_bytes +
                                   std::int64_t(chunks_->device_adam_chunks) * L.os_chunk_bytes;
       if (device > chunks_->budget_bytes)
         bad(std::string(back ? "backward" : "forward") + " of " +
@@ -468,6 +472,7 @@ class DeviceChecker {
         bad("optimizer step with the chunks not where the step started (the next step's plan "
             "assumes them there)");
       std::fill(stepped_.begin(), stepped_.end(), 0);
+      chunk_slot_ = 0;
     }
     live_[std::size_t(op.version)] = 1;
     ++live_count_;
@@ -555,6 +560,7 @@ class DeviceChecker {
   std::vector<bool> on_device_;            // chunks: per chunk, now
   std::vector<Op> pending_;                // chunks: copies waiting for the next compute op
   std::vector<int> stepped_;               // chunks: Adam steps per chunk in this step
+  int chunk_slot_ = 0;                     // chunks: compute ops of this step so far
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

@@ -105,6 +105,7 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
   const std::int64_t e = models::dtype_bytes(model.dtype);
   ChunkLayout L;
   L.chunk_bytes = chunk_bytes;
+  L.move_bytes = chunk_bytes;
   L.chunk_elements = chunk_bytes / e;
   L.os_chunk_bytes = mul(L.chunk_elements, optimizer_bytes_per_parameter(model.dtype));
   L.tensors = model_tensors(model);
@@ -147,7 +148,9 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 
 namespace {
 
-// One step's moments without copies: layer, direction, non-model bytes and compute time.
+// One step's moments without copies: per compute op of the step (its order for the one rank),
+// its layers, with the non-model bytes (the stashes held: every microbatch in flight, the current
+// one up to its layer) and the compute time.
 std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
                                       const Plan& p, std::int64_t workspace) {
   const traces::Entry& e = trace.at(p.b);
@@ -157,19 +160,26 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
            : l == layers - 1 ? models::LayerKind::head
                              : models::LayerKind::block;
   };
-  std::vector<std::int64_t> held(std::size_t(layers), 0);  // stash of layers 0..l
-  std::int64_t sum = 0;
-  for (int l = 0; l < layers; ++l) {
-    sum = add(sum, e.layers[kind(l)].activation_bytes);
-    held[std::size_t(l)] = sum;
-  }
   std::vector<ChunkMoment> out;
-  for (int l = 0; l < layers; ++l)
-    out.push_back(
-        {false, l, {}, add(held[std::size_t(l)], workspace), 0, e.layers[kind(l)].forward_s});
-  for (int l = layers - 1; l >= 0; --l)
-    out.push_back(
-        {true, l, {}, add(held[std::size_t(l)], workspace), 0, e.layers[kind(l)].backward_s});
+  std::int64_t held = 0;
+  const std::vector<ComputeSlot> order = step_compute_order(p, 0);
+  for (int i = 0; i < int(order.size()); ++i) {
+    const bool back = order[std::size_t(i)].backward;
+    for (int j = 0; j < layers; ++j) {
+      const int l = back ? layers - 1 - j : j;
+      const traces::LayerTimes& t = e.layers[kind(l)];
+      if (!back) held = add(held, t.activation_bytes);
+      out.push_back({i,
+                     back,
+                     l,
+                     t.activation_bytes,
+                     {},
+                     add(held, workspace),
+                     0,
+                     back ? t.backward_s : t.forward_s});
+      if (back) held -= t.activation_bytes;
+    }
+  }
   return out;
 }
 
@@ -201,19 +211,19 @@ void run_step(ChunkSchedule& s, std::set<int>& resident) {
     m.copies.clear();
     const std::vector<int>& need = L.layer_chunks[std::size_t(m.layer)];
     const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
-    const std::int64_t working = mul(std::int64_t(need.size()), L.chunk_bytes);
+    const std::int64_t working = mul(std::int64_t(need.size()), L.move_bytes);
     if (working > room)
       throw InputError(fmt::format(
           "offload chunks: the device's {} is smaller than the working set of the {} of {} "
           "({} chunks of {} = {}, non-model memory {}{}) by {}",
           gib(s.budget_bytes), m.backward ? "backward" : "forward",
-          L.layer_names[std::size_t(m.layer)], need.size(), gib(L.chunk_bytes), gib(working),
+          L.layer_names[std::size_t(m.layer)], need.size(), gib(L.move_bytes), gib(working),
           gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
           gib(working - room)));
     std::vector<int> missing;
     for (int c : need)
       if (!resident.count(c)) missing.push_back(c);
-    while (mul(std::int64_t(resident.size() + missing.size()), L.chunk_bytes) > room) {
+    while (mul(std::int64_t(resident.size() + missing.size()), L.move_bytes) > room) {
       int victim = -1, far = -1;
       for (int c : resident) {
         if (std::binary_search(need.begin(), need.end(), c)) continue;
@@ -247,6 +257,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   check(p);
   ChunkSchedule s;
   s.layout = chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model));
+  if (p.m > 1) s.layout.move_bytes = mul(2, s.layout.chunk_bytes);  // a gradient half beside
   const ChunkLayout& L = s.layout;
   const int n = L.chunks();
   const traces::Entry& e = trace.at(p.b);
@@ -259,7 +270,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     non_model_peak = std::max(non_model_peak, m.non_model_bytes);
   // K: optimizer state on the device only in the margin left by every parameter chunk and the
   // peak non-model memory (PatrickStar's device-aware placement of the OS chunks).
-  const std::int64_t margin = s.budget_bytes - mul(n, L.chunk_bytes) - non_model_peak;
+  const std::int64_t margin = s.budget_bytes - mul(n, L.move_bytes) - non_model_peak;
   s.device_adam_chunks = margin > 0 ? int(std::min<std::int64_t>(n, margin / L.os_chunk_bytes)) : 0;
   // The fixed point: from every chunk on the host, steps until one ends where it started (two at
   // most: host-Adam chunks always end on the host, device-Adam ones on the device).
@@ -277,7 +288,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
 
   // Times and figures (docs/formulas.md, section 9, chunks).
   const HostPath path = host_path(cluster, p, 0);
-  s.copy_s = path.time_s(double(L.chunk_bytes));
+  s.copy_s = path.time_s(double(L.move_bytes));
   const double rate = cluster.host.cpu_adam_params_per_s();
   s.device_adam_s.assign(std::size_t(n), 0);
   s.host_adam_s.assign(std::size_t(n), 0);
@@ -306,7 +317,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     const double t = m.compute_s + (in + out) * s.copy_s;
     (m.backward ? s.backward_s : s.forward_s) += t;
     s.compute_s += m.compute_s;
-    const std::int64_t device = add(add(mul(m.resident, L.chunk_bytes), m.non_model_bytes), os);
+    const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
     if (device > s.device_peak_bytes) {
       s.device_peak_bytes = device;
       s.peak_moment = int(k);
@@ -331,9 +342,9 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   most_host = std::max(most_host, n - s.device_adam_chunks);
   s.optimizer_s = std::max(device_adam, two_stage_pipeline_s(down, adam));
   s.compute_s += device_adam;
-  s.copy_in_bytes = mul(s.uploads, L.chunk_bytes);
-  s.copy_out_bytes = mul(s.downloads, L.chunk_bytes);
-  s.host_chunk_peak_bytes = mul(most_host, L.chunk_bytes);
+  s.copy_in_bytes = mul(s.uploads, L.move_bytes);
+  s.copy_out_bytes = mul(s.downloads, L.move_bytes);
+  s.host_chunk_peak_bytes = mul(most_host, L.move_bytes);
   s.host_peak_bytes = add(mul(n - s.device_adam_chunks, L.os_chunk_bytes), s.host_chunk_peak_bytes);
   return s;
 }

@@ -35,7 +35,11 @@ std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model);
 std::int64_t default_chunk_bytes(const models::ModelSpec& model);
 
 struct ChunkLayout {
-  std::int64_t chunk_bytes = 0;     // S_p: one parameter chunk in the compute dtype
+  std::int64_t chunk_bytes = 0;  // S_p: one parameter chunk in the compute dtype
+  // What one chunk holds on the device and moves: S_p, or 2 S_p with a gradient half beside the
+  // parameters when m > 1 (a gradient cannot reuse its parameter's slot while later microbatches
+  // still need the parameter). Set by chunk_schedule.
+  std::int64_t move_bytes = 0;
   std::int64_t chunk_elements = 0;  // S_p / e
   std::int64_t os_chunk_bytes = 0;  // S_os: its fp32 master + Adam m, v (chunk_elements x 12)
   std::vector<ChunkTensor> tensors;
@@ -61,8 +65,10 @@ struct ChunkCopy {
 // One moment of the step: a layer's forward or backward, with the copies that run before it
 // (evictions to the host first, furthest next use first, then the uploads of its missing chunks).
 struct ChunkMoment {
+  int slot = 0;  // the compute op of the step (step_compute_order) it belongs to
   bool backward = false;
   int layer = 0;
+  std::int64_t stash_bytes = 0;  // the layer's stash: held from its forward to its backward
   std::vector<ChunkCopy> copies;
   std::int64_t non_model_bytes = 0;  // N_k: stashed activations held + workspace
   int resident = 0;                  // parameter chunks on the device during the moment
@@ -77,7 +83,9 @@ struct ChunkSchedule {
   std::int64_t workspace_bytes = 0;   // W: the largest layer workspace, held throughout
   int device_adam_chunks = 0;         // K: chunks 0 .. K-1 keep their state on the device
   std::vector<bool> start_on_device;  // per chunk, at each step's start and end
-  std::vector<ChunkMoment> moments;   // 2(L + 2): forward layers ascending, backward descending
+  // Per compute op of the step (m forwards and m backwards in the schedule's order), its layers:
+  // forward ascending, backward descending.
+  std::vector<ChunkMoment> moments;
   std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
   std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)
   std::vector<double> host_adam_s;    // per chunk: CPU Adam (the node's rate)

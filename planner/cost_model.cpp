@@ -783,6 +783,7 @@ common::Json chunk_report(const ChunkSchedule& cs) {
         cs.device_resident(c) ? cs.device_adam_s[std::size_t(c)] : cs.host_adam_s[std::size_t(c)];
   return {
       {"chunk_bytes", cs.layout.chunk_bytes},
+      {"move_bytes", cs.layout.move_bytes},
       {"chunks", cs.layout.chunks()},
       {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
       {"device_adam_chunks", cs.device_adam_chunks},
@@ -941,11 +942,14 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(model, trace, cluster, p));
     StageCost& st = est.stages[0];
     const ChunkMoment& peak = cs->moments[std::size_t(cs->peak_moment)];
-    st.forward_s = cs->forward_s;
-    st.backward_s = cs->backward_s;
+    // Per microbatch (the step's m forwards and backwards, d = 1: the pipeline formulas give m
+    // times these back).
+    st.forward_s = cs->forward_s / p.m;
+    st.backward_s = cs->backward_s / p.m;
     st.optimizer_s = cs->optimizer_s;
     st.memory = MemoryBreakdown{};
     st.memory.weights = bytes_mul(peak.resident, cs->layout.chunk_bytes);
+    st.memory.gradients = bytes_mul(peak.resident, cs->layout.move_bytes - cs->layout.chunk_bytes);
     st.memory.optimizer = bytes_mul(cs->device_adam_chunks, cs->layout.os_chunk_bytes);
     st.memory.workspace = cs->workspace_bytes;
     st.memory.activations = peak.non_model_bytes - cs->workspace_bytes;

@@ -181,17 +181,14 @@ void check(const Plan& p) {
            fmt::format("must be in 1 .. {}, found {}", common::kMaxBytes, p.chunk_bytes));
   if (p.offload == Offload::chunks) {
     // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.
-    const std::pair<const char*, int> one[] = {
-        {"t", p.t}, {"w", p.w}, {"d", p.d}, {"v", p.v}, {"m", p.m}};
+    const std::pair<const char*, int> one[] = {{"t", p.t}, {"w", p.w}, {"d", p.d}, {"v", p.v}};
     const char* why[] = {"tensor parallelism", "data parallelism (chunk sharding over ranks)",
-                         "pipeline parallelism", "interleaving",
-                         "gradient accumulation (the gradient reuses its parameter's slot)"};
-    for (std::size_t i = 0; i < 5; ++i)
+                         "pipeline parallelism", "interleaving"};
+    for (std::size_t i = 0; i < 4; ++i)
       if (one[i].second != 1)
         reject(one[i].first,
-               fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1{}",
-                           why[i], one[i].first, one[i].second, one[i].first,
-                           i == 4 ? " and a larger b" : ""));
+               fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",
+                           why[i], one[i].first, one[i].second, one[i].first));
     if (p.schedule == Schedule::two_bw)
       reject("schedule", "offload chunks with 2bw (two weight versions) is not supported yet");
     if (p.distributed_optimizer)
@@ -201,8 +198,8 @@ void check(const Plan& p) {
     for (std::size_t s = 0; s < p.recompute.size(); ++s)
       if (p.recompute[s] != Recompute::none)
         reject("recompute", fmt::format("offload chunks with recompute {} is not supported yet "
-                                        "(with d = m = 1 a recompute keeps no less at the "
-                                        "backward); use none",
+                                        "(a stage's recompute re-materializes every layer "
+                                        "before its backward); use none",
                                         to_string(p.recompute[s])));
   }
   if (!p.activations.empty() && !p.offload_activations)

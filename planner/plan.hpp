@@ -84,7 +84,7 @@ struct Plan {
   int v = 1;                        // model chunks per device (interleaved only)
   Offload offload = Offload::none;  // optimizer: needs w == 1, t == 1, no distributed optimizer
   // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
-  // Chunks need t = w = d = v = m = 1, no recompute, no activation offload (not yet).
+  // Chunks need t = w = d = v = 1, no 2bw, no recompute, no activation offload (not yet).
   std::int64_t chunk_bytes = 0;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A

@@ -328,11 +328,12 @@ class ProgramBuilder {
   int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
   bool offload() const { return plan_.offload == Offload::optimizer; }
 
-  // Chunks (d = m = 1: one compute op per direction holds every layer): the copies of each of
-  // its moments, tagged with the moment's layer, in the schedule's order.
+  // Chunks (d = 1: each compute op holds every layer): the copies of each of its moments (the
+  // op's index in the step, its layers in order), tagged with the moment's layer.
   void chunk_copies(const Slot& slot) {
+    const int index = chunk_slot_++;
     for (const ChunkMoment& m : chunks_->moments) {
-      if (m.backward != slot.backward) continue;
+      if (m.slot != index) continue;
       for (const ChunkCopy& c : m.copies) {
         Op op{c.to_device ? OpKind::copy_chunk_to_device : OpKind::copy_chunk_to_host,
               slot.step,
@@ -350,6 +351,7 @@ class ProgramBuilder {
   // The optimizer step of the chunks: each host-Adam chunk (to the host first when it ended the
   // backward on the device) on the host CPU, then the device-Adam chunks on the device.
   void chunk_steps(int step) {
+    chunk_slot_ = 0;
     const int n = chunks_->layout.chunks();
     for (int c = chunks_->device_adam_chunks; c < n; ++c) {
       if (chunks_->adam_download[std::size_t(c)])
@@ -397,6 +399,7 @@ class ProgramBuilder {
   bool tied_;
   Program& program_;
   const ChunkSchedule* chunks_;
+  int chunk_slot_ = 0;           // chunks: compute ops of the current step so far
   std::vector<int> unreceived_;  // tied weight versions created here, not yet received
 };
 

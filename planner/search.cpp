@@ -209,14 +209,10 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : o.distributed_optimizer) {
                 if (dopt && (w == 1 || offload != Offload::none)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: one rank, m = 1, no recompute; 1f1b stands for gpipe (the same step
-                // with d = m = 1) when both are asked for.
+                // Chunks: one rank, no recompute, no 2bw.
                 if (offload == Offload::chunks &&
-                    (shape.m != 1 || any_recompute(shape) || shape.schedule == Schedule::two_bw ||
-                     shape.schedule == Schedule::interleaved ||
-                     (shape.schedule == Schedule::gpipe &&
-                      std::find(o.schedules.begin(), o.schedules.end(), Schedule::one_f_one_b) !=
-                          o.schedules.end())))
+                    (any_recompute(shape) || shape.schedule == Schedule::two_bw ||
+                     shape.schedule == Schedule::interleaved))
                   continue;
                 Plan p = shape;
                 p.t = t;

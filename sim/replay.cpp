@@ -245,7 +245,8 @@ class Replayer {
 
   void chunk_loop(int kind) {
     const planner::ChunkSchedule& cs = *w_.programs->chunks;
-    const std::int64_t bytes = cs.layout.chunk_bytes;
+    // A chunk's parameters and, with m > 1, its gradient half (docs/formulas.md section 9, chunks).
+    const std::int64_t bytes = cs.layout.move_bytes, params = cs.layout.chunk_bytes;
     for (;;) {
       ChunkJob job;
       {
@@ -269,7 +270,10 @@ class Replayer {
         record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
       } else {
         const bool down = kind == 0;
-        if (!down) allocate(&planner::MemoryBreakdown::weights, bytes);
+        if (!down) {
+          allocate(&planner::MemoryBreakdown::weights, params);
+          allocate(&planner::MemoryBreakdown::gradients, bytes - params);
+        }
         sg4::Host* from = down ? me_.host : me_.cpu;
         sg4::Host* to = down ? me_.cpu : me_.host;
         observe_transfer(from, to, double(bytes));
@@ -278,7 +282,10 @@ class Replayer {
         record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
         (down ? me_.copied_out_bytes : me_.copied_in_bytes) += bytes;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
-        if (down) allocate(&planner::MemoryBreakdown::weights, -bytes);
+        if (down) {
+          allocate(&planner::MemoryBreakdown::weights, -params);
+          allocate(&planner::MemoryBreakdown::gradients, -(bytes - params));
+        }
       }
       std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
       ++ck_.done[kind];
@@ -298,24 +305,20 @@ class Replayer {
   void chunk_compute(const Op& op) {
     const planner::ChunkSchedule& cs = *w_.programs->chunks;
     const bool back = op.kind == OpKind::backward;
+    const int index = chunk_slot_++;
     std::size_t next = 0;
     for (std::size_t k = 0; k < cs.moments.size(); ++k) {
       const planner::ChunkMoment& m = cs.moments[k];
-      if (m.backward != back) continue;
+      if (m.slot != index) continue;
       for (; next < pending_chunks_.size() &&
              program_.ops[std::size_t(pending_chunks_[next])].layer == m.layer;
            ++next)
         chunk_enqueue(program_.ops[std::size_t(pending_chunks_[next])], pending_chunks_[next]);
       chunk_wait(0);  // the evictions make room for the layer's stash too
       chunk_wait(1);
-      // The layer's stash: what its forward adds to the non-model memory.
-      const std::int64_t below =
-          m.layer == 0 ? cs.workspace_bytes
-                       : cs.moments[std::size_t(m.layer - 1)].non_model_bytes;  // forward l-1
-      const std::int64_t stash = cs.moments[std::size_t(m.layer)].non_model_bytes - below;
-      if (!back) allocate(&planner::MemoryBreakdown::activations, stash);
+      if (!back) allocate(&planner::MemoryBreakdown::activations, m.stash_bytes);
       compute(m.compute_s);
-      if (back) allocate(&planner::MemoryBreakdown::activations, -stash);
+      if (back) allocate(&planner::MemoryBreakdown::activations, -m.stash_bytes);
     }
     pending_chunks_.clear();
   }
@@ -675,9 +678,10 @@ class Replayer {
       opt += ch.optimizer_s;
     if (offload_.on())
       offload_.wait_uploads();  // the host ran the step: the device takes the new parameters
-    else if (ck_.mutex)
+    else if (ck_.mutex) {
       chunk_wait(2);  // chunks: the host's Adam steps (the device's ran as their own ops)
-    else
+      chunk_slot_ = 0;
+    } else
       compute(opt);
     // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
     // the new version (one weight version of the rank) before anything uses it, as the executor;
@@ -780,6 +784,7 @@ class Replayer {
   std::set<Unit> swapped_out_, downloaded_, uploaded_;
   ChunkEngines ck_;                  // offload chunks
   std::vector<int> pending_chunks_;  // chunk copies (op indices) waiting for their compute op
+  int chunk_slot_ = 0;               // chunks: compute ops of this step so far
 };
 
 }  // namespace

@@ -70,11 +70,12 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     fixed.workspace = workspace;
     if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
       const planner::ChunkSchedule& cs = *w.programs->chunks;
-      // The chunks a step starts with on the device (each step ends with them there).
-      fixed.weights =
-          std::int64_t(std::count(cs.start_on_device.begin(), cs.start_on_device.end(), true)) *
-          cs.layout.chunk_bytes;
-      fixed.gradients = 0;
+      // The chunks a step starts with on the device (each step ends with them there): their
+      // parameters and, with m > 1, their gradient halves.
+      const std::int64_t resident =
+          std::count(cs.start_on_device.begin(), cs.start_on_device.end(), true);
+      fixed.weights = resident * cs.layout.chunk_bytes;
+      fixed.gradients = resident * (cs.layout.move_bytes - cs.layout.chunk_bytes);
       fixed.optimizer = std::int64_t(cs.device_adam_chunks) * cs.layout.os_chunk_bytes;
       fixed.workspace = cs.workspace_bytes;
       rs.offload.host_bytes = cs.host_peak_bytes;

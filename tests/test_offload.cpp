@@ -395,8 +395,11 @@ TEST(OffloadSearch, TenBillionOnOneV100NeedsOffloadAndSaysWhy) {
   const SearchResult r = search_plans(model, trace, c, o);
   EXPECT_NE(r.offload_reason.find("nothing fits in memory"), std::string::npos) << r.offload_reason;
   ASSERT_FALSE(r.fitting.empty());
+  // Optimizer offload and chunks (PatrickStar, tests/test_chunks.cpp) fit; the fastest keeps the
+  // fp16 parameters on the device (ZeRO-Offload): chunks move them every microbatch here.
+  EXPECT_EQ(r.fitting.front().plan.offload, Offload::optimizer);
   for (const Candidate& cand : r.fitting) {
-    EXPECT_EQ(cand.plan.offload, Offload::optimizer);
+    EXPECT_NE(cand.plan.offload, Offload::none);
     EXPECT_TRUE(cand.estimate.report.fits());
   }
   // Not asked to: the search stops at "nothing fits".

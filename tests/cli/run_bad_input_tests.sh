@@ -174,7 +174,7 @@ python3 -c "
 import json
 r = json.load(open('$TMP/off.json'))
 assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
-expect_code "--offload chunks with m > 1" 1 "offload chunks with gradient accumulation (the gradient reuses its parameter's slot) (m = 2) is not supported yet" $PW estimate $WS --offload chunks --out "$O"
+expect_code "--offload chunks with d > 1" 1 "offload chunks with pipeline parallelism (d = 2) is not supported yet" $PW estimate $WS -d 2 --ranks-per-gpu 2 --offload chunks --out "$O"
 CK="--model gpt2-124m --cluster v100-32gb-ws -b 1 -m 1 --offload chunks"
 expect_ok "offload chunks estimate" $PW estimate $CK --out "$TMP/ck.json"
 python3 -c "
