@@ -271,7 +271,7 @@ void add_plan_command(CLI::App& app) {
           "t = 1), optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and "
           "CPU Adam in host memory; w = t = 1), both, and chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
-          "the host for the chunks whose state does not fit; t = w = d = m = 1): {} fit\n",
+          "the host for the chunks whose state does not fit; t = w = d = 1): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())
         fmt::print("the fastest that fits offloads {}\n",

@@ -81,7 +81,7 @@ void PlanOptions::add(CLI::App& app) {
          "memory, CPU Adam, fp16 parameters back; w = t = 1); activations (KARMA: per "
          "stage, stashed activations swapped to the host or recomputed; t = 1); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
-         "that move between host and device; t = w = d = m = 1)")
+         "that move between host and device; t = w = d = 1)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one fp16 parameter chunk (default: 64 Mi "
