@@ -269,7 +269,9 @@ void add_plan_command(CLI::App& app) {
           "so the search tried --offload activations (KARMA: per stage, stashed activations "
           "swapped to host memory where the copies hide behind compute, recomputed elsewhere; "
           "t = 1), optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and "
-          "CPU Adam in host memory; w = t = 1) and both: {} fit\n",
+          "CPU Adam in host memory; w = t = 1), both, and chunks (PatrickStar: all model data "
+          "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
+          "the host for the chunks whose state does not fit; t = w = d = 1): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())
         fmt::print("the fastest that fits offloads {}\n",
@@ -302,17 +304,19 @@ void add_plan_command(CLI::App& app) {
       throw PlanError(fmt::format(
           "plan: none of the {} simulated candidates ran within memory: over capacity", simulated));
     const planner::Plan& p = best.candidate.plan;
-    fmt::print("best: {} t={} w={} d={} b={} m={}{}{}: {:.2f} samples/s {}\n", plan_label(p),
-               tp_label(p), p.w, p.d, p.b, p.m,
-               p.any_offload()
-                   ? " --offload " + planner::offload_name(p) +
-                         (p.activations.empty() ? "" : " (activations " + activation_list(p) + ")")
-                   : "",
-               p.recompute_of(0) == planner::Recompute::none
-                   ? ""
-                   : fmt::format(" with {} recompute", to_string(p.recompute_of(0))),
-               best.simulated ? best.simulated->samples_per_s : best.candidate.samples_per_s(),
-               best.simulated ? "(simulated)" : "(closed form)");
+    fmt::print(
+        "best: {} t={} w={} d={} b={} m={}{}{}: {:.2f} samples/s {}\n", plan_label(p), tp_label(p),
+        p.w, p.d, p.b, p.m,
+        p.any_offload()
+            ? " --offload " + planner::offload_name(p) +
+                  (p.activations.empty() ? "" : " (activations " + activation_list(p) + ")") +
+                  (p.chunk_bytes > 0 ? fmt::format(" --chunk-size {}", p.chunk_bytes) : "")
+            : "",
+        p.recompute_of(0) == planner::Recompute::none
+            ? ""
+            : fmt::format(" with {} recompute", to_string(p.recompute_of(0))),
+        best.simulated ? best.simulated->samples_per_s : best.candidate.samples_per_s(),
+        best.simulated ? "(simulated)" : "(closed form)");
     if (!a->out.empty()) {
       common::write_json_file(a->out, planner::to_json(p));
       fmt::print("wrote {}\n", a->out);

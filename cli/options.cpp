@@ -75,12 +75,18 @@ void PlanOptions::add(CLI::App& app) {
                "with --distributed-optimizer: all-gather the new parameters behind the next "
                "step's forward, in pieces (Megatron's --overlap-param-gather; simulate, estimate "
                "and plan only)");
-  app.add_option("--offload", offload,
-                 "what lives in host memory: none; optimizer (ZeRO-Offload: gradients to host "
-                 "memory, CPU Adam, fp16 parameters back; w = t = 1); activations (KARMA: per "
-                 "stage, stashed activations swapped to the host or recomputed; t = 1); or "
-                 "optimizer,activations")
+  app.add_option(
+         "--offload", offload,
+         "what lives in host memory: none; optimizer (ZeRO-Offload: gradients to host "
+         "memory, CPU Adam, fp16 parameters back; w = t = 1); activations (KARMA: per "
+         "stage, stashed activations swapped to the host or recomputed; t = 1); or "
+         "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
+         "that move between host and device; t = w = d = 1)")
       ->capture_default_str();
+  app.add_option("--chunk-size", chunk_size,
+                 "with --offload chunks: bytes of one fp16 parameter chunk (default: 64 Mi "
+                 "elements, 128 MiB, or the largest tensor rounded up to a MiB)")
+      ->check(CLI::Range(std::int64_t{1}, common::kMaxBytes));
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
       ->delimiter(',')
@@ -92,9 +98,9 @@ void PlanOptions::add(CLI::App& app) {
 }
 
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
-  for (const char* name :
-       {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp", "--recompute",
-        "--distributed-optimizer", "--overlap-param-gather", "--stage-blocks", "--offload"})
+  for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
+                           "--recompute", "--distributed-optimizer", "--overlap-param-gather",
+                           "--stage-blocks", "--offload", "--chunk-size"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -116,6 +122,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     const planner::OffloadModes modes = planner::parse_offload_modes(offload);
     p.offload = modes.optimizer;
     p.offload_activations = modes.activations;
+    p.chunk_bytes = chunk_size;
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
@@ -213,6 +220,20 @@ std::string offload_summary(const planner::RunReport& r) {
                          ? fmt::format(" ({} each way swapped activations)",
                                        human_bytes(o["activation_bytes_per_step"].get<double>()))
                          : "");
+  // Chunks (PatrickStar): the schedule's figures (docs/formulas.md section 9, chunks).
+  if (o.contains("ranks") && !o["ranks"].empty() && o["ranks"][0].contains("chunks")) {
+    const common::Json& c = o["ranks"][0]["chunks"];
+    out += fmt::format(
+        "  chunks: {} x {} (the optimizer state of {} of them on the device); {} up and {} down "
+        "per step "
+        "({} s of copies exposed), CPU Adam {} s, optimizer step {} s\n",
+        c["chunks"].get<int>(), human_bytes(c["chunk_bytes"].get<double>()),
+        c["device_adam_chunks"].get<int>(), c["uploads_per_step"].get<std::int64_t>(),
+        c["downloads_per_step"].get<std::int64_t>(),
+        fmt::format("{:.3f}", c["copy_stall_s"].get<double>()),
+        fmt::format("{:.3f}", c["cpu_adam_s"].get<double>()),
+        fmt::format("{:.3f}", c["optimizer_s"].get<double>()));
+  }
   return out;
 }
 

@@ -45,6 +45,7 @@ struct PlanOptions {
   bool distributed_optimizer = false;
   bool overlap_param_gather = false;
   std::string offload = "none";          // planner::parse_offload_modes
+  std::int64_t chunk_size = 0;           // --chunk-size (offload chunks); 0: the default
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;

@@ -64,8 +64,13 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
                     "optimizer yet (the cpu backend does); simulate or estimate it instead",
                     backend));
-  // Offload runs on the CPU backend's emulated device (docs/formats.md, train); chunks and
-  // other backends are refused.
+  if (plan.offload == planner::Offload::chunks)
+    throw InputError(
+        fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
+                    "yet; estimate or simulate it instead",
+                    backend));
+  // Offload runs on the CPU backend's emulated device (docs/formats.md, train); other backends
+  // are refused.
   if (plan.any_offload() && backend != "cpu")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not run --offload yet (the cpu backend "

@@ -598,6 +598,11 @@ void Worker::step(const Op& op) {
         throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
                                 planner::to_string(op.kind)));
       return offload_op(op);
+    case OpKind::copy_chunk_to_host:  // prepare_run refuses chunks plans before any runs
+    case OpKind::copy_chunk_to_device:
+    case OpKind::chunk_step_host:
+    case OpKind::chunk_step_device:
+      throw InputError("train does not run offload chunks (PatrickStar) yet");
   }
 }
 

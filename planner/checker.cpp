@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "planner/chunks.hpp"
 #include "planner/op_errors.hpp"
 
 namespace pw::planner {
@@ -64,6 +65,12 @@ class DeviceChecker {
       for (int c = 0; c < plan_.v; ++c)
         tiles_ += offload_tiles(plan_, prog_.stage, c);
     }
+    if (plan_.offload == Offload::chunks) {
+      if (!p.chunks) throw ScheduleError("offload chunks programs without their chunk schedule");
+      chunks_ = p.chunks.get();
+      on_device_ = chunks_->start_on_device;
+      stepped_.assign(std::size_t(chunks_->layout.chunks()), 0);
+    }
   }
 
   DeviceCheck run() {
@@ -102,8 +109,12 @@ class DeviceChecker {
     if (op.kind == OpKind::all_reduce && !in_range(op.bucket, p_.buckets)) {
       bad("bucket out of range");
     }
+    if (!pending_.empty() && !is_chunk(op.kind) && op.kind != OpKind::forward &&
+        op.kind != OpKind::backward)
+      bad(to_string(op.kind) + " between chunk copies and the compute op they precede");
     if (is_tied(op.kind)) return tied(op);
     if (is_offload(op.kind)) return offload_op(op);
+    if (is_chunk(op.kind)) return chunk_op(op);
     if (op.microbatch >= 0 || is_compute(op.kind) || is_send(op.kind) || is_recv(op.kind)) {
       if (!in_range(op.microbatch, plan_.m)) bad("microbatch out of range");
     }
@@ -144,6 +155,90 @@ class DeviceChecker {
   }
 
   bool offload() const { return plan_.offload == Offload::optimizer; }
+
+  // Chunks: a copy with a layer waits for the next compute op and runs right before that layer;
+  // one without (the optimizer step's) runs at once. An upload needs the chunk on the host, an
+  // eviction the chunk on the device and not used by its layer.
+  void chunk_op(const Op& op) {
+    const std::string name = to_string(op.kind);
+    if (!chunks_) bad(name + " in a plan without offload chunks");
+    const int n = chunks_->layout.chunks();
+    if (!in_range(op.bucket, n))
+      bad(name + " of chunk " + std::to_string(op.bucket) + ", out of range (" + std::to_string(n) +
+          " chunks)");
+    const bool copy =
+        op.kind == OpKind::copy_chunk_to_host || op.kind == OpKind::copy_chunk_to_device;
+    if (copy && op.layer >= 0) {
+      if (!in_range(op.layer, chunks_->layout.layers())) bad(name + " before a layer out of range");
+      pending_.push_back(op);
+      return;
+    }
+    if (!pending_.empty()) bad(name + " while chunk copies wait for a compute op");
+    if (copy) return move_chunk(op);
+    if (op.microbatch != -1) bad(name + " with a microbatch");
+    if (op.step != p_.first_step + steps_done_) bad(name + " out of step order");
+    if (op.version != op.step + 1) bad(name + " must create version step+1");
+    if (backwards_of(op.step, 0) != plan_.m) bad(name + " before the step's backward");
+    const bool host = op.kind == OpKind::chunk_step_host;
+    const int c = op.bucket;
+    if (host == chunks_->device_resident(c))
+      bad(name + " of chunk " + std::to_string(c) + ", whose optimizer state is on the " +
+          (host ? "device" : "host"));
+    if (host == bool(on_device_[std::size_t(c)]))
+      bad(name + " of chunk " + std::to_string(c) + " while it is on the " +
+          (host ? "device" : "host"));
+    if (stepped_[std::size_t(c)]++) bad(name + " of chunk " + std::to_string(c) + " twice");
+  }
+
+  void move_chunk(const Op& op) {
+    const bool up = op.kind == OpKind::copy_chunk_to_device;
+    auto here = on_device_[std::size_t(op.bucket)];
+    if (bool(here) == up)
+      bad(to_string(op.kind) + " of chunk " + std::to_string(op.bucket) + ", already on the " +
+          (up ? "device" : "host"));
+    on_device_[std::size_t(op.bucket)] = up;
+  }
+
+  // A compute op's layers in order (forward ascending, backward descending): each layer's copies,
+  // then its chunks must be on the device and the resident chunks, the device-resident optimizer
+  // state and the moment's non-model memory within the device's memory.
+  void chunk_compute(const Op& op) {
+    const ChunkLayout& L = chunks_->layout;
+    const bool back = op.kind == OpKind::backward;
+    const int index = chunk_slot_++;
+    std::size_t next = 0;
+    for (const ChunkMoment& m : chunks_->moments) {
+      if (m.slot != index) continue;
+      if (m.backward != back)
+        bad(std::string(back ? "backward" : "forward") + " where the chunk schedule has a " +
+            (back ? "forward" : "backward"));
+      for (; next < pending_.size() && pending_[next].layer == m.layer; ++next) {
+        for (int c : L.layer_chunks[std::size_t(m.layer)])
+          if (pending_[next].kind == OpKind::copy_chunk_to_host && pending_[next].bucket == c)
+            bad("evicts chunk " + std::to_string(c) + " before layer " + std::to_string(m.layer) +
+                ", which uses it");
+        move_chunk(pending_[next]);
+      }
+      int resident = 0;
+      for (auto d : on_device_)
+        resident += d ? 1 : 0;
+      for (int c : L.layer_chunks[std::size_t(m.layer)])
+        if (!on_device_[std::size_t(c)])
+          bad(std::string(back ? "backward" : "forward") + " of " +
+              L.layer_names[std::size_t(m.layer)] + " uses chunk " + std::to_string(c) +
+              ", which is on the host");
+      const std::int64_t device = std::int64_t(resident) * L.move_bytes + m.non_model_bytes +
+                                  std::int64_t(chunks_->device_adam_chunks) * L.os_chunk_bytes;
+      if (device > chunks_->budget_bytes)
+        bad(std::string(back ? "backward" : "forward") + " of " +
+            L.layer_names[std::size_t(m.layer)] + " holds " + std::to_string(device) +
+            " bytes on the device, more than its " + std::to_string(chunks_->budget_bytes));
+    }
+    if (next != pending_.size())
+      bad("chunk copy before layer " + std::to_string(pending_[next].layer) +
+          " out of the compute op's layer order");
+    pending_.clear();
+  }
 
   // Activation offload: a stash goes to the host after its forward and comes back before its
   // backward, once each, only on a stage that swaps; the backward needs it back.
@@ -293,6 +388,7 @@ class DeviceChecker {
   }
 
   void forward(const Op& op) {
+    if (chunks_) chunk_compute(op);
     if (!first(op)) require(op, kRecvA, "forward before its activation is received");
     set_once(op, kForward, "forward");
     use_version(op);
@@ -321,6 +417,7 @@ class DeviceChecker {
   }
 
   void backward(const Op& op) {
+    if (chunks_) chunk_compute(op);
     require(op, kForward, "backward before its forward");
     if (!last(op)) require(op, kRecvG, "backward before its gradient is received");
     if (plan_.recomputes(prog_.stage)) require(op, kRecompute, "backward without a recompute");
@@ -367,6 +464,16 @@ class DeviceChecker {
             " tiles copied back from the host");
       host_steps_ = uploads_ = 0;
     }
+    if (chunks_) {
+      for (std::size_t c = 0; c < stepped_.size(); ++c)
+        if (stepped_[c] != 1)
+          bad("optimizer step without chunk " + std::to_string(c) + "'s Adam step");
+      if (on_device_ != chunks_->start_on_device)
+        bad("optimizer step with the chunks not where the step started (the next step's plan "
+            "assumes them there)");
+      std::fill(stepped_.begin(), stepped_.end(), 0);
+      chunk_slot_ = 0;
+    }
     live_[std::size_t(op.version)] = 1;
     ++live_count_;
     ++steps_done_;
@@ -390,6 +497,9 @@ class DeviceChecker {
   }
 
   void check_complete() const {
+    if (!pending_.empty())
+      throw ScheduleError("rank " + std::to_string(prog_.rank) +
+                          ": chunk copies at the end of the program, before no compute op");
     if (steps_done_ != p_.steps) {
       throw ScheduleError("rank " + std::to_string(prog_.rank) + ": " +
                           std::to_string(steps_done_) + " optimizer steps, expected " +
@@ -446,6 +556,11 @@ class DeviceChecker {
   std::vector<int> tied_copied_;      // offload: tied gradient copies, per step
   int tiles_ = 0;                     // offload: CPU Adam tiles per step
   int host_steps_ = 0, uploads_ = 0;  // offload: of the current step
+  const ChunkSchedule* chunks_ = nullptr;  // offload chunks
+  std::vector<bool> on_device_;            // chunks: per chunk, now
+  std::vector<Op> pending_;                // chunks: copies waiting for the next compute op
+  std::vector<int> stepped_;               // chunks: Adam steps per chunk in this step
+  int chunk_slot_ = 0;                     // chunks: compute ops of this step so far
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

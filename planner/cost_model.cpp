@@ -447,10 +447,10 @@ void check_offload_cluster(const clusters::Cluster& c, const Plan& p) {
   if (!p.any_offload()) return;
   if (p.offload != Offload::none && c.host.cpu_adam_params_per_s() <= 0)
     throw InputError(fmt::format(
-        "cluster {}: optimizer offload needs the host's CPU Adam rate, and host.cpu_cores x "
+        "cluster {}: {} offload needs the host's CPU Adam rate, and host.cpu_cores x "
         "host.cpu_adam_params_per_s_per_core = {} x {:g} is 0 (set both, e.g. --set "
         "host.cpu_cores=32 --set host.cpu_adam_params_per_s_per_core=9.5e7; docs/formats.md)",
-        c.name, c.host.cpu_cores, c.host.cpu_adam_params_per_s_per_core));
+        c.name, to_string(p.offload), c.host.cpu_cores, c.host.cpu_adam_params_per_s_per_core));
   if (c.host.pcie_bandwidth_bytes_per_s <= 0 || c.host.uplink_bandwidth_bytes_per_s <= 0)
     throw InputError(fmt::format(
         "cluster {}: offload needs a host link, and host.pcie_bandwidth_bytes_per_s is "
@@ -784,6 +784,59 @@ void share_host_cpus(std::vector<StageCost>& stages, const clusters::Cluster& cl
   }
 }
 
+}  // namespace
+
+common::Json chunk_report(const ChunkSchedule& cs) {
+  double host_adam = 0, device_adam = 0;
+  for (int c = 0; c < cs.layout.chunks(); ++c)
+    (cs.device_resident(c) ? device_adam : host_adam) +=
+        cs.device_resident(c) ? cs.device_adam_s[std::size_t(c)] : cs.host_adam_s[std::size_t(c)];
+  return {
+      {"chunk_bytes", cs.layout.chunk_bytes},
+      {"move_bytes", cs.layout.move_bytes},
+      {"chunks", cs.layout.chunks()},
+      {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
+      {"device_adam_chunks", cs.device_adam_chunks},
+      {"uploads_per_step", cs.uploads},
+      {"downloads_per_step", cs.downloads},
+      {"copy_s", cs.copy_s},
+      {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
+      {"cpu_adam_s", host_adam},
+      {"device_adam_s", device_adam},
+      {"optimizer_s", cs.optimizer_s},
+      {"device_peak_bytes", cs.device_peak_bytes},
+      {"peak_moment",
+       fmt::format(
+           "{} of {}", cs.moments[std::size_t(cs.peak_moment)].backward ? "backward" : "forward",
+           cs.layout.layer_names[std::size_t(cs.moments[std::size_t(cs.peak_moment)].layer)])},
+      {"host_peak_bytes", cs.host_peak_bytes}};
+}
+
+namespace {
+
+// offload chunks (one rank, d = w = 1): the schedule's host memory and copy volumes.
+void add_chunk_report(RunReport& rep, const ChunkSchedule& cs, const clusters::Cluster& cluster,
+                      const Plan& p) {
+  HostReport h;
+  h.node = p.placement[0].node;
+  h.peak_memory_bytes = cs.host_peak_bytes;
+  h.pinned_bytes = cs.host_chunk_peak_bytes;
+  h.capacity_bytes = cluster.host.memory_bytes;
+  h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
+  rep.hosts.push_back(h);
+  common::Json rank = {{"rank", 0},
+                       {"host_bytes", cs.host_peak_bytes},
+                       {"pinned_bytes", cs.host_chunk_peak_bytes},
+                       {"copy_out_bytes_per_step", cs.copy_out_bytes},
+                       {"copy_in_bytes_per_step", cs.copy_in_bytes},
+                       {"chunks", chunk_report(cs)}};
+  rep.extra["offload"] = {{"mode", offload_name(p)},
+                          {"copy_out_bytes_per_step", cs.copy_out_bytes},
+                          {"copy_in_bytes_per_step", cs.copy_in_bytes},
+                          {"activation_bytes_per_step", 0},
+                          {"ranks", common::Json::array({rank})}};
+}
+
 void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
                         const clusters::Cluster& cluster, const Plan& p) {
   std::map<int, HostReport> hosts;
@@ -810,7 +863,7 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
         {"pinned_bytes", bytes_add(o.pinned_bytes, swap_host)},
         {"copy_out_bytes_per_step", bytes_add(o.copy_out_bytes_per_step, swap_bytes)},
         {"copy_in_bytes_per_step", bytes_add(o.copy_in_bytes_per_step, swap_bytes)}};
-    if (p.offload != Offload::none) {
+    if (p.offload == Offload::optimizer) {
       rank["copy_out_s_per_microbatch"] = o.copy_out_s;
       rank["cpu_adam_s"] = o.cpu_adam_s;
       rank["upload_s"] = o.upload_s;
@@ -892,6 +945,26 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
+  // offload chunks (docs/formulas.md section 9, chunks): one rank; its moments' copies are
+  // exposed (each layer waits for its uploads, each upload for its moment's evictions), the
+  // optimizer step is the schedule's, the memory its peak moment's.
+  if (p.offload == Offload::chunks) {
+    auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(model, trace, cluster, p));
+    StageCost& st = est.stages[0];
+    const ChunkMoment& peak = cs->moments[std::size_t(cs->peak_moment)];
+    // Per microbatch (the step's m forwards and backwards, d = 1: the pipeline formulas give m
+    // times these back).
+    st.forward_s = cs->forward_s / p.m;
+    st.backward_s = cs->backward_s / p.m;
+    st.optimizer_s = cs->optimizer_s;
+    st.memory = MemoryBreakdown{};
+    st.memory.weights = bytes_mul(peak.resident, cs->layout.chunk_bytes);
+    st.memory.gradients = bytes_mul(peak.resident, cs->layout.move_bytes - cs->layout.chunk_bytes);
+    st.memory.optimizer = bytes_mul(cs->device_adam_chunks, cs->layout.os_chunk_bytes);
+    st.memory.workspace = cs->workspace_bytes;
+    st.memory.activations = peak.non_model_bytes - cs->workspace_bytes;
+    est.chunks = std::move(cs);
+  }
 
   // Ranks sharing a GPU serialize their work: a GPU can finish no sooner than its summed compute.
   std::map<std::pair<int, int>, double> gpu_work;
@@ -905,7 +978,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   est.pipeline_s = pipeline_time(p, est.stages);
   for (const auto& [gpu, work] : gpu_work)
     est.pipeline_s = std::max(est.pipeline_s, work);
-  if (p.offload != Offload::none) share_host_cpus(est.stages, cluster, p);
+  if (p.offload == Offload::optimizer) share_host_cpus(est.stages, cluster, p);
   est.allreduce_s = exposed_data_parallel_s(est.stages, p);
   for (const auto& st : est.stages) {
     est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
@@ -934,10 +1007,14 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     // With offload the optimizer step runs on the host: the device is not busy then.
     d.busy_s =
         p.m * (st.forward_s + st.backward_s) + (p.offload == Offload::none ? st.optimizer_s : 0.0);
+    if (est.chunks) d.busy_s = est.chunks->compute_s;  // layers and device Adam, no copies
     d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
     rep.devices.push_back(d);
   }
-  if (p.any_offload()) add_offload_report(rep, est.stages, cluster, p);
+  if (est.chunks)
+    add_chunk_report(rep, *est.chunks, cluster, p);
+  else if (p.any_offload())
+    add_offload_report(rep, est.stages, cluster, p);
   common::Json stages = common::Json::array();
   for (const auto& st : est.stages)
     stages.push_back({{"stage", st.stage},

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "clusters/cluster.hpp"
 #include "models/model.hpp"
+#include "planner/chunks.hpp"
 #include "planner/plan.hpp"
 #include "planner/program.hpp"
 #include "planner/report.hpp"
@@ -186,6 +188,9 @@ std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const clusters::Cluster& cluster, const Plan& plan,
                                                  bool keep_unswappable = true);
 
+// The "chunks" object of a report's offload rank (docs/formats.md): the schedule's figures.
+common::Json chunk_report(const ChunkSchedule& cs);
+
 // What one pipeline stage (all chunks a device holds) costs for one microbatch of size b.
 struct StageCost {
   int stage = 0;
@@ -217,6 +222,8 @@ struct Estimate {
   double tied_s = 0;       // exposed tied-embedding exchange (gradient, then new weights)
   double optimizer_s = 0;  // slowest stage's optimizer step
   RunReport report;        // source "analytic", with "estimate" details in report.extra
+  // offload chunks: the layout and eviction plan of the one rank (planner/chunks.hpp).
+  std::shared_ptr<const ChunkSchedule> chunks;
 };
 
 // Pieces of the data-parallel collectives that overlap compute in the closed form (gradient

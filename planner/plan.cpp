@@ -49,7 +49,15 @@ Recompute parse_recompute(const std::string& s) {
 }
 
 std::string to_string(Offload o) {
-  return o == Offload::optimizer ? "optimizer" : "none";
+  switch (o) {
+    case Offload::optimizer:
+      return "optimizer";
+    case Offload::chunks:
+      return "chunks";
+    case Offload::none:
+      break;
+  }
+  return "none";
 }
 
 std::string to_string(ActivationChoice c) {
@@ -73,15 +81,18 @@ OffloadModes parse_offload_modes(const std::string& s) {
       m.optimizer = Offload::optimizer;
     } else if (part == "activations" && !m.activations) {
       m.activations = true;
+    } else if (part == "chunks" && s == "chunks") {
+      m.optimizer = Offload::chunks;
     } else if (part == "chunks") {
-      throw InputError(
-          "offload \"chunks\" is not supported yet (issue 15); use none, optimizer, activations "
-          "or optimizer,activations");
+      throw InputError(fmt::format(
+          "offload \"{}\": chunks (PatrickStar) holds all model data and combines with no other "
+          "mode; use --offload chunks alone",
+          s));
     } else {
-      throw InputError(
-          fmt::format("unknown offload mode \"{}\" (expected none, optimizer, activations or "
-                      "optimizer,activations)",
-                      s));
+      throw InputError(fmt::format(
+          "unknown offload mode \"{}\" (expected none, optimizer, chunks, activations or "
+          "optimizer,activations)",
+          s));
     }
     if (comma == std::string::npos) break;
     begin = comma + 1;
@@ -162,6 +173,34 @@ void check(const Plan& p) {
                                     p.t));
     if (p.distributed_optimizer)
       reject("offload", "optimizer offload with the distributed optimizer is not supported yet");
+  }
+  if (p.chunk_bytes != 0 && p.offload != Offload::chunks)
+    reject("chunk_bytes", "a chunk size needs offload chunks");
+  if (p.chunk_bytes < 0 || p.chunk_bytes > common::kMaxBytes)
+    reject("chunk_bytes",
+           fmt::format("must be in 1 .. {}, found {}", common::kMaxBytes, p.chunk_bytes));
+  if (p.offload == Offload::chunks) {
+    // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.
+    const std::pair<const char*, int> one[] = {{"t", p.t}, {"w", p.w}, {"d", p.d}, {"v", p.v}};
+    const char* why[] = {"tensor parallelism", "data parallelism (chunk sharding over ranks)",
+                         "pipeline parallelism", "interleaving"};
+    for (std::size_t i = 0; i < 4; ++i)
+      if (one[i].second != 1)
+        reject(one[i].first,
+               fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",
+                           why[i], one[i].first, one[i].second, one[i].first));
+    if (p.schedule == Schedule::two_bw)
+      reject("schedule", "offload chunks with 2bw (two weight versions) is not supported yet");
+    if (p.distributed_optimizer)
+      reject("distributed_optimizer",
+             "offload chunks with the distributed optimizer is not "
+             "supported yet");
+    for (std::size_t s = 0; s < p.recompute.size(); ++s)
+      if (p.recompute[s] != Recompute::none)
+        reject("recompute", fmt::format("offload chunks with recompute {} is not supported yet "
+                                        "(a stage's recompute re-materializes every layer "
+                                        "before its backward); use none",
+                                        to_string(p.recompute[s])));
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");
@@ -312,6 +351,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
       r.fail_member("offload", e.what());
     }
   }
+  if (r.has("chunk_bytes")) p.chunk_bytes = r.get_int_in("chunk_bytes", 1, common::kMaxBytes);
   if (auto ac = r.find("activations")) {
     for (std::size_t i = 0; i < ac->size(); ++i) {
       const JsonReader e = ac->at(i);
@@ -377,6 +417,7 @@ Json to_json(const Plan& p) {
             {"stage_blocks", p.stage_blocks}};
   // Written only when on, so plans without offload read and print as before.
   if (p.any_offload()) j["offload"] = offload_name(p);
+  if (p.chunk_bytes > 0) j["chunk_bytes"] = p.chunk_bytes;
   if (!p.activations.empty()) {
     Json ac = Json::array();
     for (ActivationChoice c : p.activations)

@@ -26,10 +26,18 @@ Recompute parse_recompute(const std::string& s);  // throws InputError listing t
 // Where model data lives between uses. none: on the device. optimizer: ZeRO-Offload (Ren et al.
 // 2021) - fp16 parameters stay on the device, gradients stream to host memory during each
 // backward, the fp32 master weights and Adam state live on the host and CPU Adam updates them,
-// the new fp16 parameters are copied back. ("chunks" (PatrickStar) is named by issue 15 and
-// refused as not yet supported.) Activation offload (KARMA) is Plan::offload_activations.
-enum class Offload { none, optimizer };
-std::string to_string(Offload o);  // "none", "optimizer"
+// the new fp16 parameters are copied back. chunks: PatrickStar (Fang et al. 2021) - fp16
+// parameters (their gradients in the same slots), fp32 master weights and Adam state live in
+// fixed-size chunks that move whole between host and device by an eviction plan made from the
+// model's costs (planner/chunks.hpp); Adam runs on the device for the chunks whose state fits
+// there, on the host for the rest. Activation offload (KARMA) is Plan::offload_activations.
+enum class Offload { none, optimizer, chunks };
+std::string to_string(Offload o);  // "none", "optimizer", "chunks"
+
+// PatrickStar's chunk size when the plan gives none: 64 Mi fp16 elements (128 MiB); a model
+// whose largest tensor is larger gets that tensor's size rounded up to a MiB
+// (planner/chunks.hpp, default_chunk_bytes).
+inline constexpr std::int64_t kDefaultChunkElements = std::int64_t{64} << 20;
 
 // Activation offload (KARMA, Wahib et al., SC 2020): per stage, its stashed activations are swapped
 // to host memory during the forward and back before the backward, or dropped and recomputed.
@@ -38,7 +46,8 @@ std::string to_string(ActivationChoice c);                       // "swap", "rec
 ActivationChoice parse_activation_choice(const std::string& s);  // throws InputError
 
 // --offload: "none", "optimizer", "activations" or "optimizer,activations" (either order).
-// Throws InputError: a one-line "not yet" for "chunks", "unknown offload mode" otherwise.
+// "chunks" alone (PatrickStar); it combines with neither. Throws InputError: "unknown offload
+// mode" or, for chunks with another mode, a one-line refusal.
 struct OffloadModes {
   Offload optimizer = Offload::none;
   bool activations = false;
@@ -74,6 +83,9 @@ struct Plan {
   int m = 1;                        // microbatches per optimizer step per replica
   int v = 1;                        // model chunks per device (interleaved only)
   Offload offload = Offload::none;  // optimizer: needs w == 1, t == 1, no distributed optimizer
+  // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
+  // Chunks need t = w = d = v = 1, no 2bw, no recompute, no activation offload (not yet).
+  std::int64_t chunk_bytes = 0;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A
   // stage that swaps has no recomputation; one that recomputes has full recomputation.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,14 @@ enum class OpKind {
                               // the device buffer is released when the copy has finished
   copy_activation_to_device,  // issued one compute op before its backward (prefetch): the stash
                               // back, after its copy to the host; the backward waits for it
+  // Chunks (plan.offload == chunks; PatrickStar). Chunk `bucket` moves whole; with `layer` >= 0
+  // the copy belongs to the next compute op and runs right before that op's layer `layer`
+  // (the moment it makes room or brings the chunk for); the evictions of a moment finish before
+  // its uploads start, and the layer waits for its uploads. `layer` -1: at the optimizer step.
+  copy_chunk_to_host,    // the chunk's fp16 parameters (or gradients) to the host
+  copy_chunk_to_device,  // the chunk back to the device
+  chunk_step_host,       // CPU Adam on chunk `bucket` (after its download), creating `version`
+  chunk_step_device,     // Adam on the device on chunk `bucket`, whose state lives there
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);
@@ -66,6 +75,7 @@ inline TiedShard tied_shard(std::int64_t n, int w, int r) {
 }
 bool is_offload(OpKind kind);  // the three optimizer-offload ops
 bool is_swap(OpKind kind);     // the two activation-offload ops
+bool is_chunk(OpKind kind);    // the four chunk ops
 
 // One compute slot of a schedule (a forward or a backward of a microbatch-chunk).
 struct ComputeSlot {
@@ -99,7 +109,8 @@ struct Op {
   int chunk = 0;        // interleaved model chunk (virtual stage chunk*d + stage), else 0
   int peer = -1;        // rank at the other end of a send/recv, else -1
   int version = -1;     // weight version used (compute), created (optimizer), freed (free)
-  int bucket = -1;      // all_reduce bucket, else -1
+  int bucket = -1;      // all_reduce bucket, else -1; the chunk of a chunk op
+  int layer = -1;       // chunk copies: the layer of the next compute op they precede, else -1
   bool operator==(const Op&) const = default;
 };
 
@@ -110,6 +121,8 @@ struct Program {
   std::vector<Op> ops;
 };
 
+struct ChunkSchedule;  // planner/chunks.hpp
+
 struct Programs {
   Plan plan;
   int steps = 0;                 // optimizer steps generated
@@ -117,6 +130,9 @@ struct Programs {
   bool tied_embeddings = false;  // the model ties its LM head to the token embedding
   int buckets = 0;               // gradient buckets per chunk
   std::vector<Program> devices;  // indexed by rank
+  // offload chunks: the layout and eviction plan the chunk ops were written from (the checker
+  // and the simulator read the layers' chunks, sizes and non-model memory from it).
+  std::shared_ptr<const ChunkSchedule> chunks;
 };
 
 // Global 1-based microbatch number k = step*m + microbatch + 1 (the 2BW version rule uses it).
@@ -157,6 +173,8 @@ struct ProgramOptions {
   // the segment uses (2BW: the last two; flush: the last one) after its last optimizer step, so
   // every send has its receive and the final weights of both copies agree.
   bool tied_embeddings = false;
+  // offload chunks (needed then): the schedule whose copies and Adam steps the programs carry.
+  std::shared_ptr<const ChunkSchedule> chunks;
 };
 Programs generate_programs(const Plan& plan, const ProgramOptions& options);
 
@@ -168,7 +186,9 @@ std::vector<int> initial_versions(const Plan& plan, int first_step);
 // "sendTG->0", "recvTG<-3", "sendTW(v2)->3", "recvTW(v2)<-0" (tied gradient / weights), "AGTG",
 // "AGTW(v2)" (their gathers over the replicas), "D2H3", "D2H(tied)", "hostopt0(v2)", "H2D0(v2)"
 // (offload; the number after hostopt and H2D is the tile, with ".chunk" before the version when
-// v > 1), "A2H3", "A2D3" (activation offload: microbatch 3's stash to the host and back).
+// v > 1), "A2H3", "A2D3" (activation offload: microbatch 3's stash to the host and back),
+// "C2H4@5", "C2D4@5" (chunk 4 to the host / device before layer 5 of the next compute op; no @
+// at the optimizer step), "hostadam4(v1)", "adam4(v1)" (chunk 4's Adam on the host / device).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

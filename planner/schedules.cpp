@@ -9,6 +9,7 @@
 
 #include "common/error.hpp"
 #include "common/limits.hpp"
+#include "planner/chunks.hpp"
 #include "planner/program.hpp"
 
 namespace pw::planner {
@@ -57,6 +58,14 @@ std::string to_string(OpKind kind) {
       return "copy_activation_to_host";
     case OpKind::copy_activation_to_device:
       return "copy_activation_to_device";
+    case OpKind::copy_chunk_to_host:
+      return "copy_chunk_to_host";
+    case OpKind::copy_chunk_to_device:
+      return "copy_chunk_to_device";
+    case OpKind::chunk_step_host:
+      return "chunk_step_host";
+    case OpKind::chunk_step_device:
+      return "chunk_step_device";
   }
   return "unknown";
 }
@@ -89,6 +98,11 @@ bool is_offload(OpKind kind) {
 
 bool is_swap(OpKind kind) {
   return kind == OpKind::copy_activation_to_host || kind == OpKind::copy_activation_to_device;
+}
+
+bool is_chunk(OpKind kind) {
+  return kind == OpKind::copy_chunk_to_host || kind == OpKind::copy_chunk_to_device ||
+         kind == OpKind::chunk_step_host || kind == OpKind::chunk_step_device;
 }
 
 int offload_tiles(const Plan& plan, int stage, int chunk) {
@@ -160,6 +174,14 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "A2H" + mb + chunk;
     case OpKind::copy_activation_to_device:
       return "A2D" + mb + chunk;
+    case OpKind::copy_chunk_to_host:
+    case OpKind::copy_chunk_to_device:
+      return (op.kind == OpKind::copy_chunk_to_host ? "C2H" : "C2D") + std::to_string(op.bucket) +
+             (op.layer >= 0 ? "@" + std::to_string(op.layer) : "");
+    case OpKind::chunk_step_host:
+      return "hostadam" + std::to_string(op.bucket) + "(v" + std::to_string(op.version) + ")";
+    case OpKind::chunk_step_device:
+      return "adam" + std::to_string(op.bucket) + "(v" + std::to_string(op.version) + ")";
   }
   return "?";
 }
@@ -238,8 +260,9 @@ std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int first_step, int
 // Appends the ops of one device: communication around compute, per-step tails.
 class ProgramBuilder {
  public:
-  ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program)
-      : plan_(plan), buckets_(buckets), tied_(tied), program_(program) {}
+  ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program,
+                 const ChunkSchedule* chunks = nullptr)
+      : plan_(plan), buckets_(buckets), tied_(tied), program_(program), chunks_(chunks) {}
 
   // `out`: the forward's stash goes to the host; `prefetch`: a stash to bring back first.
   void compute(const Slot& slot, bool out = false, const Slot* prefetch = nullptr) {
@@ -249,6 +272,7 @@ class ProgramBuilder {
     const bool first = vs == 0, last = vs == plan_.virtual_stages() - 1;
     const int prev = peer((s - 1 + d) % d), next = peer((s + 1) % d);
     const int version = expected_version(plan_, slot.step, slot.microbatch);
+    if (chunks_) chunk_copies(slot);
     if (!slot.backward) {
       if (!first) add(OpKind::recv_activation, slot, prev);
       if (tied_last() && slot.chunk == plan_.v - 1) receive_tied_weights(slot.step, version);
@@ -288,6 +312,7 @@ class ProgramBuilder {
         program_.ops.push_back(Op{OpKind::gather_tied_gradient, step, -1, 0, -1, -1, -1});
     }
     if (offload()) host_step(step);
+    if (chunks_) chunk_steps(step);
     const int freed = plan_.schedule == Schedule::two_bw ? step - 1 : step;
     if (freed >= 0) program_.ops.push_back(Op{OpKind::free_version, step, -1, 0, -1, freed, -1});
     program_.ops.push_back(Op{OpKind::optimizer_step, step, -1, 0, -1, step + 1, -1});
@@ -302,6 +327,40 @@ class ProgramBuilder {
  private:
   int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
   bool offload() const { return plan_.offload == Offload::optimizer; }
+
+  // Chunks (d = 1: each compute op holds every layer): the copies of each of its moments (the
+  // op's index in the step, its layers in order), tagged with the moment's layer.
+  void chunk_copies(const Slot& slot) {
+    const int index = chunk_slot_++;
+    for (const ChunkMoment& m : chunks_->moments) {
+      if (m.slot != index) continue;
+      for (const ChunkCopy& c : m.copies) {
+        Op op{c.to_device ? OpKind::copy_chunk_to_device : OpKind::copy_chunk_to_host,
+              slot.step,
+              slot.microbatch,
+              slot.chunk,
+              -1,
+              -1,
+              c.chunk};
+        op.layer = m.layer;
+        program_.ops.push_back(op);
+      }
+    }
+  }
+
+  // The optimizer step of the chunks: each host-Adam chunk (to the host first when it ended the
+  // backward on the device) on the host CPU, then the device-Adam chunks on the device.
+  void chunk_steps(int step) {
+    chunk_slot_ = 0;
+    const int n = chunks_->layout.chunks();
+    for (int c = chunks_->device_adam_chunks; c < n; ++c) {
+      if (chunks_->adam_download[std::size_t(c)])
+        program_.ops.push_back(Op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, c});
+      program_.ops.push_back(Op{OpKind::chunk_step_host, step, -1, 0, -1, step + 1, c});
+    }
+    for (int c = 0; c < chunks_->device_adam_chunks; ++c)
+      program_.ops.push_back(Op{OpKind::chunk_step_device, step, -1, 0, -1, step + 1, c});
+  }
 
   // Optimizer offload: stage 0's tied gradient (summed on the device by the tied exchange) goes
   // out too; then CPU Adam tile by tile, each tile's new parameters copied back behind it.
@@ -339,6 +398,8 @@ class ProgramBuilder {
   int buckets_;
   bool tied_;
   Program& program_;
+  const ChunkSchedule* chunks_;
+  int chunk_slot_ = 0;           // chunks: compute ops of the current step so far
   std::vector<int> unreceived_;  // tied weight versions created here, not yet received
 };
 
@@ -357,8 +418,8 @@ void run_slots(const Plan& plan, int stage, const std::vector<Slot>& slots, Prog
 }
 
 void generate_device(const Plan& plan, int first_step, int steps, int buckets, bool tied,
-                     Program& program) {
-  ProgramBuilder builder(plan, buckets, tied, program);
+                     Program& program, const ChunkSchedule* chunks) {
+  ProgramBuilder builder(plan, buckets, tied, program, chunks);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
     run_slots(plan, s, two_bw_stream(plan, s, first_step, steps), builder, true);
@@ -430,7 +491,7 @@ std::vector<int> initial_versions(const Plan& plan, int first_step) {
 }
 
 Programs generate_programs(const Plan& plan, int steps, int gradient_buckets, int first_step) {
-  return generate_programs(plan, ProgramOptions{steps, gradient_buckets, first_step, false});
+  return generate_programs(plan, ProgramOptions{steps, gradient_buckets, first_step, false, {}});
 }
 
 Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
@@ -460,6 +521,18 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
     }
   }
   if (plan.offload_activations) offload_ops += 2.0 * plan.m * plan.v;
+  if (plan.offload == Offload::chunks) {
+    if (!options.chunks)
+      throw PlanError(
+          "plan: offload chunks: programs need the chunk schedule, made from a model and a "
+          "cluster (estimate and simulate make it; schedule cannot)");
+    const ChunkSchedule& cs = *options.chunks;
+    if (cs.layout.layers() != int(plan.stage_blocks.empty() ? -1 : plan.stage_blocks[0] + 2))
+      throw PlanError("plan: offload chunks: the chunk schedule is of another model");
+    // Per step: the moments' copies (at most one per chunk and moment each way) and two ops per
+    // chunk at the optimizer step.
+    offload_ops += (cs.uploads + cs.downloads) + 2.0 * cs.layout.chunks();
+  }
   const double ops_bound =
       double(plan.ranks()) * double(steps) *
       (8.0 * double(plan.m) * double(plan.v) + 2.0 * gradient_buckets + 8.0 + offload_ops);
@@ -469,14 +542,16 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
         "limit of {} (docs/formats.md, Limits): use fewer microbatches, ranks or steps",
         plan.ranks(), steps, plan.m, plan.v > 1 ? fmt::format(" x v = {}", plan.v) : "", ops_bound,
         common::kMaxProgramOps));
-  Programs programs{plan, steps, first_step, options.tied_embeddings, gradient_buckets, {}};
+  Programs programs{plan, steps, first_step, options.tied_embeddings, gradient_buckets, {}, {}};
+  if (plan.offload == Offload::chunks) programs.chunks = options.chunks;
   programs.devices.resize(std::size_t(plan.ranks()));
   for (int rank = 0; rank < plan.ranks(); ++rank) {
     Program& program = programs.devices[std::size_t(rank)];
     program.rank = rank;
     program.stage = plan.stage_of(rank);
     program.replica = plan.replica_of(rank);
-    generate_device(plan, first_step, steps, gradient_buckets, options.tied_embeddings, program);
+    generate_device(plan, first_step, steps, gradient_buckets, options.tied_embeddings, program,
+                    plan.offload == Offload::chunks ? options.chunks.get() : nullptr);
   }
   return programs;
 }

@@ -142,7 +142,10 @@ bool better(double ta, const Plan& a, double tb, const Plan& b) {
   if (a.distributed_optimizer != b.distributed_optimizer) return !a.distributed_optimizer;
   // Fewer offload modes first: none, then one (activations before optimizer), then both.
   auto offload_rank = [](const Plan& x) {
-    return (x.offload != Offload::none ? 2 : 0) + (x.offload_activations ? 1 : 0);
+    return (x.offload == Offload::chunks ? 4
+            : x.offload != Offload::none ? 2
+                                         : 0) +
+           (x.offload_activations ? 1 : 0);
   };
   if (offload_rank(a) != offload_rank(b)) return offload_rank(a) < offload_rank(b);
   if (a.schedule != b.schedule) return schedule_rank(a.schedule) < schedule_rank(b.schedule);
@@ -200,11 +203,17 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
             if (offload != Offload::none && (t > 1 || w > 1)) continue;
+            if (offload == Offload::chunks && d > 1) continue;
             if (modes.activations && t > 1) continue;
             for (const Plan& shape : plans_for(w, d, b, model.layers, o))
               for (bool dopt : o.distributed_optimizer) {
                 if (dopt && (w == 1 || offload != Offload::none)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
+                // Chunks: one rank, no recompute, no 2bw.
+                if (offload == Offload::chunks &&
+                    (any_recompute(shape) || shape.schedule == Schedule::two_bw ||
+                     shape.schedule == Schedule::interleaved))
+                  continue;
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;
@@ -242,8 +251,20 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                     splits.push_back(x);
                   }
                 }
-                for (const Plan& x : splits) {
-                  Candidate c{x, estimate(model, trace, cluster, x), true, ""};
+                for (Plan& x : splits) {
+                  Candidate c{x, {}, true, ""};
+                  if (x.offload == Offload::chunks) {
+                    x.chunk_bytes = default_chunk_bytes(model);
+                    c.plan = x;
+                    try {
+                      c.estimate = estimate(model, trace, cluster, x);
+                    } catch (const InputError&) {
+                      ++result.considered;  // a layer's working set passes the device
+                      continue;
+                    }
+                  } else {
+                    c.estimate = estimate(model, trace, cluster, x);
+                  }
                   for (auto& dev : c.estimate.report.devices) {
                     dev.fits = double(dev.peak_memory_bytes) <= usable;
                     c.fits = c.fits && dev.fits;
@@ -272,6 +293,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
     if (cpu_adam) {
       enumerate({Offload::optimizer, false});
       enumerate({Offload::optimizer, true});
+      enumerate({Offload::chunks, false});  // PatrickStar: all model data in moving chunks
     }
     result.offload_reason = explain_no_fit(without);
     result.considered += without.considered;

@@ -13,7 +13,7 @@ using planner::Op;
 using planner::OpKind;
 
 bool OffloadReplay::on() const {
-  return w_.plan().offload != planner::Offload::none;
+  return w_.plan().offload == planner::Offload::optimizer;
 }
 
 sg4::CommPtr OffloadReplay::flow(sg4::Host* from, sg4::Host* to, std::int64_t bytes) {

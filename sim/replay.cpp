@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "planner/chunks.hpp"
 #include "sim/collectives.hpp"
 #include "sim/observer.hpp"
 #include "sim/world.hpp"
@@ -55,8 +56,18 @@ class Replayer {
     mark_bucketed_backwards();
     allocate_static();
     if (w_.plan().swaps(me_.stage)) open_copy_engines();
+    if (w_.programs->chunks) open_chunk_engines();
     for (op_ = 0; op_ < int(program_.ops.size()); ++op_)
       step(program_.ops[std::size_t(op_)]);
+    if (ck_.mutex) {
+      {
+        std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
+        ck_.closing = true;
+        ck_.cv->notify_all();
+      }
+      for (auto& a : ck_.actors)
+        a->join();
+    }
     for (CopyEngine* e : {&down_, &up_}) {
       if (!e->actor) continue;
       {
@@ -106,6 +117,8 @@ class Replayer {
   }
 
   void step(const Op& op) {
+    if (w_.programs->chunks && (op.kind == OpKind::forward || op.kind == OpKind::backward))
+      return chunk_compute(op);
     switch (op.kind) {
       case OpKind::forward:
         allocate(&planner::MemoryBreakdown::activations, kept_bytes(chunk(op)));
@@ -173,7 +186,141 @@ class Replayer {
       case OpKind::copy_parameters_to_device:
         offload_.run(op, op_);  // sim/offload.cpp
         break;
+      case OpKind::copy_chunk_to_host:
+      case OpKind::copy_chunk_to_device:
+        if (op.layer >= 0)
+          pending_chunks_.push_back(op_);  // runs before that layer of the next compute op
+        else
+          chunk_enqueue(op, op_);
+        break;
+      case OpKind::chunk_step_host:
+        chunk_enqueue(op, op_);
+        break;
+      case OpKind::chunk_step_device:
+        compute(w_.programs->chunks->device_adam_s[std::size_t(op.bucket)]);
+        break;
     }
+  }
+
+  // offload chunks (PatrickStar; docs/formulas.md section 9, chunks): three engines per rank,
+  // each an actor working through its FIFO: device-to-host copies, host-to-device copies and CPU
+  // Adam on the node's CPU host. An upload starts when the downloads issued before it are done
+  // (they make its room) and takes its chunk's device memory as it starts; a download releases it
+  // when done; a chunk's CPU Adam starts after the downloads issued before it. A compute op runs
+  // layer by layer, each layer after its copies, its stash held from its forward to its
+  // backward; optimizer_step waits for the host's Adam steps.
+  struct ChunkJob {
+    int kind = 0;  // 0 download, 1 upload, 2 CPU Adam
+    int chunk = 0;
+    int op = 0;
+    std::int64_t after_downs = 0;  // downloads issued before it
+  };
+  struct ChunkEngines {
+    sg4::MutexPtr mutex;
+    sg4::ConditionVariablePtr cv;
+    std::deque<ChunkJob> queue[3];
+    std::int64_t issued[3] = {0, 0, 0}, done[3] = {0, 0, 0};
+    bool closing = false;
+    std::vector<sg4::ActorPtr> actors;
+  };
+
+  void open_chunk_engines() {
+    ck_.mutex = sg4::Mutex::create();
+    ck_.cv = sg4::ConditionVariable::create();
+    const char* names[] = {"chunk-d2h", "chunk-h2d", "chunk-adam"};
+    for (int k = 0; k < 3; ++k)
+      ck_.actors.push_back(sg4::Actor::create(fmt::format("{}:{}", names[k], me_.rank), me_.host,
+                                              [this, k] { chunk_loop(k); }));
+  }
+
+  void chunk_enqueue(const Op& op, int index) {
+    const int kind = op.kind == OpKind::copy_chunk_to_host     ? 0
+                     : op.kind == OpKind::copy_chunk_to_device ? 1
+                                                               : 2;
+    std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
+    ck_.queue[kind].push_back({kind, op.bucket, index, ck_.issued[0]});
+    ++ck_.issued[kind];
+    ck_.cv->notify_all();
+  }
+
+  void chunk_loop(int kind) {
+    const planner::ChunkSchedule& cs = *w_.programs->chunks;
+    // A chunk's parameters and, with m > 1, its gradient half (docs/formulas.md section 9, chunks).
+    const std::int64_t bytes = cs.layout.move_bytes, params = cs.layout.chunk_bytes;
+    for (;;) {
+      ChunkJob job;
+      {
+        std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
+        while (ck_.queue[kind].empty() && !ck_.closing)
+          ck_.cv->wait(lock);
+        if (ck_.queue[kind].empty()) return;
+        job = ck_.queue[kind].front();
+        ck_.queue[kind].pop_front();
+        while (kind != 0 && ck_.done[0] < job.after_downs)
+          ck_.cv->wait(lock);
+      }
+      if (kind == 2) {
+        const double start = sg4::Engine::get_clock();
+        const double parameters = double(cs.layout.chunk_parameters[std::size_t(job.chunk)]);
+        sg4::ExecPtr adam =
+            sg4::this_actor::exec_init(parameters / me_.cpu_adam_params_per_s * kCpuSpeed);
+        adam->set_host(me_.cpu);
+        adam->start();
+        adam->wait();
+        record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
+      } else {
+        const bool down = kind == 0;
+        if (!down) {
+          allocate(&planner::MemoryBreakdown::weights, params);
+          allocate(&planner::MemoryBreakdown::gradients, bytes - params);
+        }
+        sg4::Host* from = down ? me_.host : me_.cpu;
+        sg4::Host* to = down ? me_.cpu : me_.host;
+        observe_transfer(from, to, double(bytes));
+        sg4::CommPtr c = start_flow(from, to, std::uint64_t(bytes));
+        c->wait();
+        record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
+        (down ? me_.copied_out_bytes : me_.copied_in_bytes) += bytes;
+        (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
+        if (down) {
+          allocate(&planner::MemoryBreakdown::weights, -params);
+          allocate(&planner::MemoryBreakdown::gradients, -(bytes - params));
+        }
+      }
+      std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
+      ++ck_.done[kind];
+      ck_.cv->notify_all();
+    }
+  }
+
+  // Waits until every job of `kind` issued so far is done.
+  void chunk_wait(int kind) {
+    std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
+    while (ck_.done[kind] < ck_.issued[kind])
+      ck_.cv->wait(lock);
+  }
+
+  // A forward or backward with chunks: its layers in the schedule's moment order, each after the
+  // copies tagged with it (in program order) are done: evictions and uploads.
+  void chunk_compute(const Op& op) {
+    const planner::ChunkSchedule& cs = *w_.programs->chunks;
+    const bool back = op.kind == OpKind::backward;
+    const int index = chunk_slot_++;
+    std::size_t next = 0;
+    for (std::size_t k = 0; k < cs.moments.size(); ++k) {
+      const planner::ChunkMoment& m = cs.moments[k];
+      if (m.slot != index) continue;
+      for (; next < pending_chunks_.size() &&
+             program_.ops[std::size_t(pending_chunks_[next])].layer == m.layer;
+           ++next)
+        chunk_enqueue(program_.ops[std::size_t(pending_chunks_[next])], pending_chunks_[next]);
+      chunk_wait(0);  // the evictions make room for the layer's stash too
+      chunk_wait(1);
+      if (!back) allocate(&planner::MemoryBreakdown::activations, m.stash_bytes);
+      compute(m.compute_s);
+      if (back) allocate(&planner::MemoryBreakdown::activations, -m.stash_bytes);
+    }
+    pending_chunks_.clear();
   }
 
   // Activation offload (KARMA, docs/formulas.md section 9, activation offload): one copy engine per
@@ -547,7 +694,10 @@ class Replayer {
       opt += ch.optimizer_s;
     if (offload_.on())
       offload_.wait_uploads();  // the host ran the step: the device takes the new parameters
-    else
+    else if (ck_.mutex) {
+      chunk_wait(2);  // chunks: the host's Adam steps (the device's ran as their own ops)
+      chunk_slot_ = 0;
+    } else
       compute(opt);
     // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
     // the new version (one weight version of the rank) before anything uses it, as the executor;
@@ -648,6 +798,9 @@ class Replayer {
   sg4::MutexPtr swap_mutex_;
   sg4::ConditionVariablePtr swap_done_;
   std::set<Unit> swapped_out_, downloaded_, uploaded_;
+  ChunkEngines ck_;                  // offload chunks
+  std::vector<int> pending_chunks_;  // chunk copies (op indices) waiting for their compute op
+  int chunk_slot_ = 0;               // chunks: compute ops of this step so far
 };
 
 }  // namespace

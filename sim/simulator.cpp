@@ -68,7 +68,21 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     const std::int64_t workspace = fixed.workspace;
     fixed = planner::static_memory(model, p, parameters);
     fixed.workspace = workspace;
-    if (p.offload != planner::Offload::none) {  // the same figures as the closed form
+    if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
+      const planner::ChunkSchedule& cs = *w.programs->chunks;
+      // The chunks a step starts with on the device (each step ends with them there): their
+      // parameters and, with m > 1, their gradient halves.
+      const std::int64_t resident =
+          std::count(cs.start_on_device.begin(), cs.start_on_device.end(), true);
+      fixed.weights = resident * cs.layout.chunk_bytes;
+      fixed.gradients = resident * (cs.layout.move_bytes - cs.layout.chunk_bytes);
+      fixed.optimizer = std::int64_t(cs.device_adam_chunks) * cs.layout.os_chunk_bytes;
+      fixed.workspace = cs.workspace_bytes;
+      rs.offload.host_bytes = cs.host_peak_bytes;
+      rs.offload.pinned_bytes = cs.host_chunk_peak_bytes;
+      rs.cpu_adam_params_per_s = cluster.host.cpu_adam_params_per_s();
+    }
+    if (p.offload == planner::Offload::optimizer) {  // the same figures as the closed form
       if (host_parameters.empty()) host_parameters = planner::host_parameters_by_rank(mc, trace, p);
       rs.offload = planner::rank_offload(model, mc, cluster, p, r, rs.chunks, host_parameters);
       fixed.gradients = rs.offload.device_gradient_bytes;
@@ -165,6 +179,11 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
                          {"pinned_bytes", r.offload.pinned_bytes + r.swap_host_peak},
                          {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
                          {"copy_in_bytes_per_step", r.copied_in_bytes / steps}};
+    if (w.programs->chunks) {  // the schedule's figures; the bytes above are the flows'
+      rank["chunks"] = planner::chunk_report(*w.programs->chunks);
+      rank["chunks"]["uploads_per_step"] = r.chunk_uploads / steps;
+      rank["chunks"]["downloads_per_step"] = r.chunk_downloads / steps;
+    }
     if (w.plan().offload_activations) {
       rank["activations"] = {
           {"choice", planner::to_string(w.plan().activations[std::size_t(r.stage)])},
@@ -265,6 +284,9 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   if (std::getenv("PIPEWRIGHT_TEST_NO_PREFLIGHT") == nullptr)
     check_simulable(model, trace, cluster, plan, options);
   planner::ProgramOptions po;
+  if (plan.offload == planner::Offload::chunks)  // the eviction plan the programs carry
+    po.chunks = std::make_shared<const planner::ChunkSchedule>(
+        planner::chunk_schedule(model, trace, cluster, plan));
   po.steps = options.steps;
   po.gradient_buckets = options.gradient_buckets;
   po.tied_embeddings = model.tied_embeddings;

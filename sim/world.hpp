@@ -80,6 +80,8 @@ struct RankState {
   std::int64_t copied_out_bytes = 0, copied_in_bytes = 0;
   // Activation offload (plan.swaps(stage)): the swapped bytes on the host now and at their peak.
   std::int64_t swap_host_now = 0, swap_host_peak = 0, swapped_bytes = 0;
+  // offload chunks: whole-chunk copies the replay ran (all steps).
+  std::int64_t chunk_uploads = 0, chunk_downloads = 0;
   std::vector<Event> events;                         // every op that took time
   std::vector<double> optimizer_end;                 // per step
   std::vector<std::tuple<int, int, int>> triggered;  // (step, chunk, bucket) started

@@ -283,6 +283,11 @@ void CudaWorker::step(const Op& op) {
     case OpKind::copy_activation_to_host:
     case OpKind::copy_activation_to_device:
       throw InputError("train does not support --offload yet");
+    case OpKind::copy_chunk_to_host:  // prepare_run refuses chunks plans before any runs
+    case OpKind::copy_chunk_to_device:
+    case OpKind::chunk_step_host:
+    case OpKind::chunk_step_device:
+      throw InputError("train does not run offload chunks (PatrickStar) yet");
   }
 }
 

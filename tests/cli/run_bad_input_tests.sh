@@ -174,7 +174,21 @@ python3 -c "
 import json
 r = json.load(open('$TMP/off.json'))
 assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
-expect_code "--offload chunks: not yet" 1 "offload \"chunks\" is not supported yet" $PW estimate $WS --offload chunks --out "$O"
+expect_code "--offload chunks with d > 1" 1 "offload chunks with pipeline parallelism (d = 2) is not supported yet" $PW estimate $WS -d 2 --ranks-per-gpu 2 --offload chunks --out "$O"
+CK="--model gpt2-124m --cluster v100-32gb-ws -b 1 -m 1 --offload chunks"
+expect_ok "offload chunks estimate" $PW estimate $CK --out "$TMP/ck.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/ck.json'))
+c = r['offload']['ranks'][0]['chunks']
+assert r['plan']['offload'] == 'chunks' and r['hosts'][0]['fits'] and c['chunks'] > 0, r.get('offload')" && ok || bad "chunks report: plan.offload, hosts, offload.ranks[0].chunks"
+expect_code "--offload optimizer,chunks" 1 "combines with no other mode" $PW estimate --model gpt2-124m --cluster v100-32gb-ws -b 1 -m 1 --offload optimizer,chunks --out "$O"
+expect_code "--chunk-size below a tensor" 1 "is smaller than tensor wte" $PW estimate $CK --chunk-size 1000000 --out "$O"
+expect_code "--chunk-size without chunks" 1 "chunk_bytes: a chunk size needs offload chunks" $PW estimate $WS --chunk-size 1000000000 --out "$O"
+expect_code "chunks: device below a layer's working set" 1 "is smaller than the working set of the" $PW simulate $CK --set device.memory_bytes=2e8 --out "$O"
+expect_code "chunks: host memory too small" 1 "the host memory of node 0" $PW estimate --model gpt3-13b --cluster v100-32gb-ws -b 1 -m 1 --offload chunks --set host.memory_bytes=1e11 --out "$O"
+expect_code "chunks with w > 1" 1 "data parallelism (chunk sharding over ranks) (w = 8) is not supported yet" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --out "$O"
+expect_code "schedule --offload chunks" 1 "programs need the chunk schedule" $PW schedule --offload chunks -d 1 -m 1
 echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
 expect_code "plan file: activations of the wrong length" 1 "plan: activations: has 1 entries but the plan has d = 2 stages" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-swap.json" --out "$O"
 expect_code "--offload activations with --recompute" 1 "with activation offload each stage's recompute follows its swap/recompute choice" $PW estimate $WS --offload activations --recompute full --out "$O"
@@ -194,5 +208,6 @@ expect_code "train --offload optimizer, tied ends on one stage" 1 "needs the tie
 expect_code "train --device-memory too small" 1 "rank 0: --device-memory 1000 B: weights of .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 -b 1 --offload optimizer,activations --device-memory 1000 --out "$O"
 expect_code "train --device-memory just short" 1 "rank 0: --device-memory .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 2 -d 2 -m 4 -b 2 --offload optimizer,activations --device-memory 2300000 --out "$O"
 expect_code "train --device-memory -5" 2 "device-memory" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 --device-memory -5 --out "$O"
+expect_code "train --offload chunks: not yet" 1 "does not run offload chunks (PatrickStar) yet" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 1 -b 1 --offload chunks --out "$O"
 
 finish "bad-input CLI tests"

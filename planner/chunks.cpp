@@ -1,0 +1,352 @@
+// PatrickStar's chunks planned from the model's costs: layout, the fixed-point eviction plan
+// (Belady: furthest next use first) and its figures. docs/formulas.md, section 9 (chunks).
+#include "planner/chunks.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "common/error.hpp"
+#include "common/format.hpp"
+#include "common/limits.hpp"
+#include "planner/cost_model.hpp"
+
+namespace pw::planner {
+
+namespace {
+
+constexpr const char* kWhat = "offload chunks: bytes";
+std::int64_t mul(std::int64_t a, std::int64_t b) {
+  return common::checked_mul(a, b, kWhat, common::kMaxBytes);
+}
+std::int64_t add(std::int64_t a, std::int64_t b) {
+  return common::checked_add(a, b, kWhat, common::kMaxBytes);
+}
+
+std::string gib(std::int64_t bytes) {
+  return common::human_bytes(double(bytes));
+}
+
+}  // namespace
+
+std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s) {
+  const models::ModelCosts mc = models::derive_costs(s);
+  const std::int64_t C = s.hidden, F = s.ffn, V = models::padded_vocab(s, 1);
+  const std::int64_t hd = C / s.heads, Q = (s.heads + 2 * models::key_value_heads(s)) * hd;
+  const bool layernorm = s.norm == models::Norm::layernorm, bias = s.bias;
+  std::vector<ChunkTensor> out;
+  auto put = [&](int layer, std::string name, std::int64_t n) {
+    if (n > 0) out.push_back({std::move(name), layer, n, -1, 0});
+  };
+  auto norm = [&](int layer, const std::string& name) {
+    put(layer, name + ".w", C);
+    if (layernorm) put(layer, name + ".b", C);
+  };
+  put(0, "wte", V * C);
+  if (s.positions == models::Positions::learned) put(0, "wpe", s.max_positions * C);
+  put(0, "wtt", s.type_vocab * C);
+  if (s.arch == models::Arch::bert) norm(0, "emb_ln");
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    const int layer = int(i + 1);
+    const std::string h = fmt::format("h.{}.", i);
+    norm(layer, h + "ln1");
+    put(layer, h + "qkv.w", C * Q);
+    if (bias) put(layer, h + "qkv.b", Q);
+    put(layer, h + "proj.w", C * C);
+    if (bias) put(layer, h + "proj.b", C);
+    norm(layer, h + "ln2");
+    for (const char* in : s.mlp == models::Mlp::gelu ? std::vector<const char*>{"fc"}
+                                                     : std::vector<const char*>{"gate", "up"}) {
+      put(layer, h + in + ".w", C * F);
+      if (bias) put(layer, h + in + ".b", F);
+    }
+    put(layer, h + "fc2.w", F * C);
+    if (bias) put(layer, h + "fc2.b", C);
+  }
+  const int head = int(s.layers + 1);
+  if (s.arch == models::Arch::bert) {
+    put(head, "mlm.dense.w", C * C);
+    if (bias) put(head, "mlm.dense.b", C);
+    norm(head, "mlm.ln");
+    put(head, "mlm.bias", V);
+  } else {
+    norm(head, "lnf");
+  }
+  if (!s.tied_embeddings) put(head, "lm_head", V * C);
+  // The layer sums are the cost model's parameters (section 1): a mismatch is a bug here.
+  std::vector<std::int64_t> sum(std::size_t(s.layers + 2), 0);
+  for (const ChunkTensor& t : out)
+    sum[std::size_t(t.layer)] += t.elements;
+  for (std::size_t l = 0; l < sum.size(); ++l) {
+    const std::int64_t want = l == 0                ? mc.embedding.parameters
+                              : l + 1 == sum.size() ? mc.head.parameters
+                                                    : mc.block.parameters;
+    if (sum[l] != want)
+      throw std::logic_error(
+          fmt::format("model_tensors: layer {} has {} parameters, costs say {}", l, sum[l], want));
+  }
+  return out;
+}
+
+std::int64_t default_chunk_bytes(const models::ModelSpec& model) {
+  const std::int64_t e = models::dtype_bytes(model.dtype);
+  std::int64_t largest = 0;
+  for (const ChunkTensor& t : model_tensors(model))
+    largest = std::max(largest, t.elements);
+  const std::int64_t mib = std::int64_t{1} << 20;
+  const std::int64_t need = (mul(largest, e) + mib - 1) / mib * mib;
+  return std::max(mul(kDefaultChunkElements, e), need);
+}
+
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
+  const std::int64_t e = models::dtype_bytes(model.dtype);
+  ChunkLayout L;
+  L.chunk_bytes = chunk_bytes;
+  L.move_bytes = chunk_bytes;
+  L.chunk_elements = chunk_bytes / e;
+  L.os_chunk_bytes = mul(L.chunk_elements, optimizer_bytes_per_parameter(model.dtype));
+  L.tensors = model_tensors(model);
+  const ChunkTensor* largest = &L.tensors.front();
+  for (const ChunkTensor& t : L.tensors)
+    if (t.elements > largest->elements) largest = &t;
+  if (largest->elements > L.chunk_elements)
+    throw InputError(fmt::format(
+        "offload chunks: chunk size {} B ({} elements of {} B) is smaller than tensor {} ({} "
+        "elements, {} B) by {} B; use --chunk-size {} or more",
+        chunk_bytes, L.chunk_elements, e, largest->name, largest->elements,
+        mul(largest->elements, e), mul(largest->elements, e) - chunk_bytes,
+        mul(largest->elements, e)));
+  L.layer_names.push_back("embedding");
+  for (std::int64_t i = 0; i < model.layers; ++i)
+    L.layer_names.push_back(fmt::format("block {}", i));
+  L.layer_names.push_back("head");
+  L.layer_chunks.assign(L.layer_names.size(), {});
+  std::int64_t used = L.chunk_elements;  // no chunk open yet
+  for (ChunkTensor& t : L.tensors) {
+    if (used + t.elements > L.chunk_elements) {
+      L.chunk_parameters.push_back(0);
+      used = 0;
+    }
+    t.chunk = L.chunks() - 1;
+    t.offset = used;
+    used += t.elements;
+    L.chunk_parameters.back() += t.elements;
+  }
+  for (const ChunkTensor& t : L.tensors)
+    L.layer_chunks[std::size_t(t.layer)].push_back(t.chunk);
+  // Tied embeddings: the head computes with wte.
+  if (model.tied_embeddings) L.layer_chunks.back().push_back(L.tensors.front().chunk);
+  for (auto& cs : L.layer_chunks) {
+    std::sort(cs.begin(), cs.end());
+    cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
+  }
+  return L;
+}
+
+namespace {
+
+// One step's moments without copies: per compute op of the step (its order for the one rank),
+// its layers, with the non-model bytes (the stashes held: every microbatch in flight, the current
+// one up to its layer) and the compute time.
+std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
+                                      const Plan& p, std::int64_t workspace) {
+  const traces::Entry& e = trace.at(p.b);
+  const int layers = int(model.layers + 2);
+  auto kind = [&](int l) {
+    return l == 0            ? models::LayerKind::embedding
+           : l == layers - 1 ? models::LayerKind::head
+                             : models::LayerKind::block;
+  };
+  std::vector<ChunkMoment> out;
+  std::int64_t held = 0;
+  const std::vector<ComputeSlot> order = step_compute_order(p, 0);
+  for (int i = 0; i < int(order.size()); ++i) {
+    const bool back = order[std::size_t(i)].backward;
+    for (int j = 0; j < layers; ++j) {
+      const int l = back ? layers - 1 - j : j;
+      const traces::LayerTimes& t = e.layers[kind(l)];
+      if (!back) held = add(held, t.activation_bytes);
+      out.push_back({i,
+                     back,
+                     l,
+                     t.activation_bytes,
+                     {},
+                     add(held, workspace),
+                     0,
+                     back ? t.backward_s : t.forward_s});
+      if (back) held -= t.activation_bytes;
+    }
+  }
+  return out;
+}
+
+// Runs one step's eviction plan from `resident` (updated to the step's end). Belady: before
+// moment k, while the resident chunks and the moment's missing ones pass the room left by the
+// non-model memory and the device-resident optimizer state, the resident chunk not needed at k
+// whose next use on the device is furthest (this step's remaining moments, then the next step's,
+// cyclically; device-Adam chunks are used at the optimizer step) goes to the host, the larger
+// chunk index first on a tie. Then the missing chunks come up, ascending.
+void run_step(ChunkSchedule& s, std::set<int>& resident) {
+  const ChunkLayout& L = s.layout;
+  const int n = L.chunks(), moments = int(s.moments.size());
+  const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
+  // uses[c]: the moments (0 .. moments-1, and `moments` for the optimizer step) using c.
+  std::vector<std::vector<int>> uses(static_cast<std::size_t>(n));
+  for (int k = 0; k < moments; ++k)
+    for (int c : L.layer_chunks[std::size_t(s.moments[std::size_t(k)].layer)])
+      uses[std::size_t(c)].push_back(k);
+  for (int c = 0; c < s.device_adam_chunks; ++c)
+    uses[std::size_t(c)].push_back(moments);
+  auto next_use = [&](int c, int k) {  // distance from moment k to c's next use after it
+    for (int u : uses[std::size_t(c)])
+      if (u > k) return u - k;
+    return uses[std::size_t(c)].empty() ? std::numeric_limits<int>::max()
+                                        : uses[std::size_t(c)].front() + moments + 1 - k;
+  };
+  for (int k = 0; k < moments; ++k) {
+    ChunkMoment& m = s.moments[std::size_t(k)];
+    m.copies.clear();
+    const std::vector<int>& need = L.layer_chunks[std::size_t(m.layer)];
+    const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
+    const std::int64_t working = mul(std::int64_t(need.size()), L.move_bytes);
+    if (working > room)
+      throw InputError(fmt::format(
+          "offload chunks: the device's {} is smaller than the working set of the {} of {} "
+          "({} chunks of {} = {}, non-model memory {}{}) by {}",
+          gib(s.budget_bytes), m.backward ? "backward" : "forward",
+          L.layer_names[std::size_t(m.layer)], need.size(), gib(L.move_bytes), gib(working),
+          gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
+          gib(working - room)));
+    std::vector<int> missing;
+    for (int c : need)
+      if (!resident.count(c)) missing.push_back(c);
+    while (mul(std::int64_t(resident.size() + missing.size()), L.move_bytes) > room) {
+      int victim = -1, far = -1;
+      for (int c : resident) {
+        if (std::binary_search(need.begin(), need.end(), c)) continue;
+        const int d = next_use(c, k);
+        if (d >= far) far = d, victim = c;  // ascending: a tie goes to the larger index
+      }
+      m.copies.push_back({false, victim});
+      resident.erase(victim);
+    }
+    for (int c : missing) {
+      m.copies.push_back({true, c});
+      resident.insert(c);
+    }
+    m.resident = int(resident.size());
+  }
+  // The optimizer step: host-Adam chunks on the device go to the host (their gradients are in the
+  // parameters' slots); device-Adam chunks stay (K > 0 only when every chunk fits).
+  s.adam_download.assign(std::size_t(n), false);
+  for (int c = s.device_adam_chunks; c < n; ++c)
+    if (resident.erase(c)) s.adam_download[std::size_t(c)] = true;
+  for (int c = 0; c < s.device_adam_chunks; ++c)
+    if (!resident.count(c))
+      throw std::logic_error("chunk_schedule: a device-Adam chunk is not on the device");
+}
+
+}  // namespace
+
+ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
+                             const clusters::Cluster& cluster, const Plan& p) {
+  if (p.offload != Offload::chunks) throw std::logic_error("chunk_schedule: not a chunks plan");
+  check(p);
+  ChunkSchedule s;
+  s.layout = chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model));
+  if (p.m > 1) s.layout.move_bytes = mul(2, s.layout.chunk_bytes);  // a gradient half beside
+  const ChunkLayout& L = s.layout;
+  const int n = L.chunks();
+  const traces::Entry& e = trace.at(p.b);
+  s.budget_bytes = cluster.device.memory_bytes;
+  for (auto k : {models::LayerKind::embedding, models::LayerKind::block, models::LayerKind::head})
+    s.workspace_bytes = std::max(s.workspace_bytes, e.layers[k].workspace_bytes);
+  s.moments = step_moments(model, trace, p, s.workspace_bytes);
+  std::int64_t non_model_peak = 0;
+  for (const ChunkMoment& m : s.moments)
+    non_model_peak = std::max(non_model_peak, m.non_model_bytes);
+  // K: optimizer state on the device only in the margin left by every parameter chunk and the
+  // peak non-model memory (PatrickStar's device-aware placement of the OS chunks).
+  const std::int64_t margin = s.budget_bytes - mul(n, L.move_bytes) - non_model_peak;
+  s.device_adam_chunks = margin > 0 ? int(std::min<std::int64_t>(n, margin / L.os_chunk_bytes)) : 0;
+  // The fixed point: from every chunk on the host, steps until one ends where it started (two at
+  // most: host-Adam chunks always end on the host, device-Adam ones on the device).
+  std::set<int> start;
+  for (int round = 0;; ++round) {
+    std::set<int> resident = start;
+    run_step(s, resident);
+    if (resident == start) break;
+    if (round == 8) throw std::logic_error("chunk_schedule: no fixed point");
+    start = resident;
+  }
+  s.start_on_device.assign(std::size_t(n), false);
+  for (int c : start)
+    s.start_on_device[std::size_t(c)] = true;
+
+  // Times and figures (docs/formulas.md, section 9, chunks).
+  const HostPath path = host_path(cluster, p, 0);
+  s.copy_s = path.time_s(double(L.move_bytes));
+  const double rate = cluster.host.cpu_adam_params_per_s();
+  s.device_adam_s.assign(std::size_t(n), 0);
+  s.host_adam_s.assign(std::size_t(n), 0);
+  const models::ModelCosts mc = models::derive_costs(model);
+  auto device_rate = [&](int layer) {  // seconds per parameter of Adam on the device
+    const auto kind = layer == 0                ? models::LayerKind::embedding
+                      : layer == L.layers() - 1 ? models::LayerKind::head
+                                                : models::LayerKind::block;
+    const std::int64_t params = mc.layer(kind).parameters;
+    return params > 0 ? trace.statics[kind].optimizer_step_s / double(params) : 0.0;
+  };
+  for (const ChunkTensor& t : L.tensors)
+    s.device_adam_s[std::size_t(t.chunk)] += double(t.elements) * device_rate(t.layer);
+  for (int c = 0; c < n; ++c)
+    s.host_adam_s[std::size_t(c)] = rate > 0 ? double(L.chunk_parameters[std::size_t(c)]) / rate
+                                             : std::numeric_limits<double>::infinity();
+  const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
+  int most_host = 0;
+  for (std::size_t k = 0; k < s.moments.size(); ++k) {
+    const ChunkMoment& m = s.moments[k];
+    int in = 0, out = 0;
+    for (const ChunkCopy& c : m.copies)
+      (c.to_device ? in : out) += 1;
+    s.uploads += in;
+    s.downloads += out;
+    const double t = m.compute_s + (in + out) * s.copy_s;
+    (m.backward ? s.backward_s : s.forward_s) += t;
+    s.compute_s += m.compute_s;
+    const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
+    if (device > s.device_peak_bytes) {
+      s.device_peak_bytes = device;
+      s.peak_moment = int(k);
+    }
+    most_host = std::max(most_host, n - m.resident);
+  }
+  // The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
+  // chunk after the other, each after its download) as a two-stage pipeline, beside Adam on the
+  // device for chunks 0 .. K-1.
+  std::vector<double> down, adam;
+  double device_adam = 0;
+  for (int c = 0; c < n; ++c) {
+    if (s.device_resident(c)) {
+      device_adam += s.device_adam_s[std::size_t(c)];
+      continue;
+    }
+    const bool d = s.adam_download[std::size_t(c)];
+    s.downloads += d ? 1 : 0;
+    down.push_back(d ? s.copy_s : 0.0);
+    adam.push_back(s.host_adam_s[std::size_t(c)]);
+  }
+  most_host = std::max(most_host, n - s.device_adam_chunks);
+  s.optimizer_s = std::max(device_adam, two_stage_pipeline_s(down, adam));
+  s.compute_s += device_adam;
+  s.copy_in_bytes = mul(s.uploads, L.move_bytes);
+  s.copy_out_bytes = mul(s.downloads, L.move_bytes);
+  s.host_chunk_peak_bytes = mul(most_host, L.move_bytes);
+  s.host_peak_bytes = add(mul(n - s.device_adam_chunks, L.os_chunk_bytes), s.host_chunk_peak_bytes);
+  return s;
+}
+
+}  // namespace pw::planner

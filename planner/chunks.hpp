@@ -1,0 +1,114 @@
+// PatrickStar's chunk-based model data (Fang et al., "PatrickStar: Parallel Training of
+// Pre-trained Models via Chunk-based Dynamic Memory Management", arXiv 2108.05818), planned
+// from the model's costs: the chunk layout, and an eviction plan per moment (each layer's forward
+// and backward) that the programs carry as explicit copy ops. Formulas: docs/formulas.md, section
+// 9 (chunks).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "clusters/cluster.hpp"
+#include "models/model.hpp"
+#include "planner/plan.hpp"
+#include "traces/trace.hpp"
+
+namespace pw::planner {
+
+// One parameter tensor of the model, in first-use (forward) order. Layers are numbered in forward
+// order: 0 the embedding, 1 .. L the blocks, L + 1 the head.
+struct ChunkTensor {
+  std::string name;  // "wte", "h.3.qkv.w", "lnf.w", ...
+  int layer = 0;
+  std::int64_t elements = 0;
+  int chunk = -1;           // the chunk it lives in (chunk_layout)
+  std::int64_t offset = 0;  // elements before it in that chunk
+};
+
+// The parameter tensors of a t = 1 model, in first-use order; each layer's sum is its
+// LayerCosts::parameters (tested). Tied embeddings: "wte" once (the head uses it too).
+std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model);
+
+// The chunk size a plan without chunk_bytes gets: kDefaultChunkElements elements of the compute
+// dtype, or, when a tensor is larger, that tensor's bytes rounded up to a MiB.
+std::int64_t default_chunk_bytes(const models::ModelSpec& model);
+
+struct ChunkLayout {
+  std::int64_t chunk_bytes = 0;  // S_p: one parameter chunk in the compute dtype
+  // What one chunk holds on the device and moves: S_p, or 2 S_p with a gradient half beside the
+  // parameters when m > 1 (a gradient cannot reuse its parameter's slot while later microbatches
+  // still need the parameter). Set by chunk_schedule.
+  std::int64_t move_bytes = 0;
+  std::int64_t chunk_elements = 0;  // S_p / e
+  std::int64_t os_chunk_bytes = 0;  // S_os: its fp32 master + Adam m, v (chunk_elements x 12)
+  std::vector<ChunkTensor> tensors;
+  std::vector<std::int64_t> chunk_parameters;  // elements filled, per chunk
+  std::vector<std::vector<int>> layer_chunks;  // per layer: the chunks its tensors use, ascending
+  std::vector<std::string> layer_names;        // "embedding", "block 0", ..., "head"
+  int chunks() const { return int(chunk_parameters.size()); }
+  int layers() const { return int(layer_chunks.size()); }
+};
+
+// Tensors enter chunks in first-use order; one that does not fit in the current chunk's free
+// space opens a new chunk (PatrickStar's chunk list). Throws InputError naming the largest tensor
+// and by how much it passes the chunk when chunk_bytes is too small.
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes);
+
+// A copy of one whole chunk (S_p bytes) between host and device.
+struct ChunkCopy {
+  bool to_device = false;
+  int chunk = 0;
+  bool operator==(const ChunkCopy&) const = default;
+};
+
+// One moment of the step: a layer's forward or backward, with the copies that run before it
+// (evictions to the host first, furthest next use first, then the uploads of its missing chunks).
+struct ChunkMoment {
+  int slot = 0;  // the compute op of the step (step_compute_order) it belongs to
+  bool backward = false;
+  int layer = 0;
+  std::int64_t stash_bytes = 0;  // the layer's stash: held from its forward to its backward
+  std::vector<ChunkCopy> copies;
+  std::int64_t non_model_bytes = 0;  // N_k: stashed activations held + workspace
+  int resident = 0;                  // parameter chunks on the device during the moment
+  double compute_s = 0;              // the layer's forward or backward (trace)
+};
+
+// The eviction plan of one rank for one step (every step the same: it starts from where the step
+// ends, its fixed point).
+struct ChunkSchedule {
+  ChunkLayout layout;
+  std::int64_t budget_bytes = 0;      // B: the device's memory
+  std::int64_t workspace_bytes = 0;   // W: the largest layer workspace, held throughout
+  int device_adam_chunks = 0;         // K: chunks 0 .. K-1 keep their state on the device
+  std::vector<bool> start_on_device;  // per chunk, at each step's start and end
+  // Per compute op of the step (m forwards and m backwards in the schedule's order), its layers:
+  // forward ascending, backward descending.
+  std::vector<ChunkMoment> moments;
+  std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
+  std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)
+  std::vector<double> host_adam_s;    // per chunk: CPU Adam (the node's rate)
+  double copy_s = 0;                  // one chunk copy, one direction: alpha_h + S_p / beta_h
+  // Figures of one step.
+  int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
+  std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;
+  std::int64_t device_peak_bytes = 0;      // max_k (resident_k S_p + N_k) + K S_os
+  int peak_moment = 0;                     // the moment of that peak
+  std::int64_t host_peak_bytes = 0;        // (n - K) S_os + max_k (n - resident_k) S_p
+  std::int64_t host_chunk_peak_bytes = 0;  // its parameter-chunk part (pinned)
+  double forward_s = 0, backward_s = 0;    // compute + the copies before each moment
+  double compute_s = 0;                    // compute only
+  double optimizer_s = 0;  // max(device Adam, host pipeline of downloads and CPU Adam)
+  bool device_resident(int chunk) const { return chunk < device_adam_chunks; }
+};
+
+// The chunk schedule of a placed, resolved plan with offload chunks on `cluster` (its device's
+// memory as the budget, its host link for copies, its CPU Adam rate): layout, K (the optimizer
+// state of as many chunks as fit beside all parameter chunks and the peak non-model memory),
+// and the Belady eviction plan. Throws InputError when a moment's working set (its layer's chunks
+// and the non-model memory) passes the device's memory, naming the layer and by how much.
+ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
+                             const clusters::Cluster& cluster, const Plan& plan);
+
+}  // namespace pw::planner

@@ -1,0 +1,567 @@
+// PatrickStar's chunks (issue 15, --offload chunks): the layout and the Belady eviction plan
+// derived by hand for a tiny model, the programs and their checker, the closed form against the
+// simulator, determinism, the one-line refusals, and the capacity on one V100-32GB workstation.
+// docs/formulas.md, section 9 (chunks).
+#include <algorithm>
+#include <functional>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "tests/test_util.hpp"
+
+#include "planner/checker.hpp"
+#include "planner/chunks.hpp"
+#include "planner/cost_model.hpp"
+#include "planner/program.hpp"
+#include "planner/search.hpp"
+#include "sim/simulator.hpp"
+#include "traces/analytic.hpp"
+
+namespace pw::planner {
+namespace {
+
+using pw::testing::error_of;
+using pw::testing::grid;
+using pw::testing::plan_of;
+using pw::testing::uniform_trace;
+
+// A GPT small enough to lay out by hand: C = 8, F = 32, 2 heads, V = 16, 4 positions, tied.
+models::ModelSpec tiny() {
+  models::ModelSpec s;
+  s.name = "chunky";
+  s.layers = 2;
+  s.hidden = 8;
+  s.heads = 2;
+  s.kv_heads = 2;
+  s.ffn = 32;
+  s.seq_len = 4;
+  s.vocab = 16;
+  s.max_positions = 4;
+  s.dtype = models::DType::fp16;
+  models::validate(s, "tiny");
+  return s;
+}
+
+// uniform_trace's times (a block 1 ms forward, 2 ms backward; nothing else takes time) without
+// activations or workspace: the device holds only chunks.
+traces::Trace no_activations(const models::ModelSpec& m) {
+  traces::Trace t = uniform_trace(m, 1);
+  for (models::LayerKind k : traces::kLayerKinds) {
+    t.entries[0].layers[k].activation_bytes = 0;
+    t.entries[0].layers[k].workspace_bytes = 0;
+  }
+  return t;
+}
+
+Plan chunked(const clusters::Cluster& c, std::int64_t layers, std::int64_t chunk_bytes = 0,
+             int b = 1, int m = 1) {
+  Plan p = plan_of(Schedule::one_f_one_b, 1, 1, b, m, 1, layers, grid(c));
+  p.offload = Offload::chunks;
+  p.chunk_bytes = chunk_bytes;
+  check(p);
+  return p;
+}
+
+clusters::Cluster ws(std::vector<std::string> sets = {}) {
+  return clusters::load_cluster("v100-32gb-ws", {}, sets);
+}
+
+// --- The plan field ---
+
+TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
+  common::Json j = {{"format", "pipewright.plan/1"},
+                    {"schedule", "1f1b"},
+                    {"w", 1},
+                    {"d", 1},
+                    {"b", 4},
+                    {"m", 1},
+                    {"offload", "chunks"},
+                    {"chunk_bytes", 1 << 20}};
+  const Plan p = parse_plan(j, "plan.json");
+  EXPECT_EQ(p.offload, Offload::chunks);
+  EXPECT_EQ(p.chunk_bytes, 1 << 20);
+  EXPECT_EQ(to_json(p)["offload"], "chunks");
+  EXPECT_EQ(to_json(p)["chunk_bytes"], 1 << 20);
+  EXPECT_EQ(parse_plan(to_json(p), "again").chunk_bytes, 1 << 20);
+  auto refused = [&](common::Json k, const std::string& want) {
+    const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  for (const char* combo : {"optimizer,chunks", "chunks,activations"}) {
+    common::Json k = j;
+    k["offload"] = combo;
+    refused(k, "combines with no other mode");
+  }
+  const std::pair<const char*, std::string> one[] = {
+      {"w", "data parallelism (chunk sharding over ranks) (w = 2) is not supported yet"},
+      {"d", "pipeline parallelism (d = 2) is not supported yet"},
+      {"t", "tensor parallelism (t = 2) is not supported yet"}};
+  for (const auto& [field, want] : one) {
+    common::Json k = j;
+    k[field] = 2;
+    refused(k, want);
+  }
+  // Gradient accumulation is there: m > 1 gives each chunk a gradient half.
+  common::Json acc = j;
+  acc["m"] = 4;
+  EXPECT_EQ(parse_plan(acc, "plan.json").m, 4);
+  common::Json k = j;
+  k["recompute"] = "full";
+  refused(k, "offload chunks with recompute full is not supported yet");
+  k = j;
+  k["schedule"] = "2bw";
+  refused(k, "offload chunks with 2bw");
+  k = j;
+  k["offload"] = "optimizer";
+  refused(k, "chunk_bytes: a chunk size needs offload chunks");
+  k = j;
+  k["chunk_bytes"] = 0;
+  refused(k, "/chunk_bytes");
+}
+
+// --- The layout by hand ---
+
+TEST(ChunksLayout, TensorsEnterChunksInFirstUseOrder) {
+  const models::ModelSpec m = tiny();
+  // Per block: ln1 8 + 8, qkv 8 x 24 + 24, proj 64 + 8, ln2 8 + 8, fc 256 + 32, fc2 256 + 8 = 872;
+  // embedding wte 128 + wpe 32; head lnf 8 + 8.
+  const ChunkLayout L = chunk_layout(m, 512);  // 256 fp16 elements
+  EXPECT_EQ(L.chunk_elements, 256);
+  EXPECT_EQ(L.os_chunk_bytes, 256 * 12);
+  const std::vector<std::int64_t> filled = {176, 216, 88, 256, 32, 256, 240, 88, 256, 32, 256, 24};
+  EXPECT_EQ(L.chunk_parameters, filled);
+  const std::vector<std::vector<int>> uses = {
+      {0}, {0, 1, 2, 3, 4, 5, 6}, {6, 7, 8, 9, 10, 11}, {0, 11}};  // the head uses wte (tied)
+  EXPECT_EQ(L.layer_chunks, uses);
+  auto find = [&](const std::string& name) {
+    return *std::find_if(L.tensors.begin(), L.tensors.end(),
+                         [&](const ChunkTensor& t) { return t.name == name; });
+  };
+  EXPECT_EQ(find("h.0.qkv.w").chunk, 1);
+  EXPECT_EQ(find("h.0.qkv.b").offset, 192);
+  EXPECT_EQ(find("h.1.ln1.b").chunk, 6);
+  EXPECT_EQ(find("h.1.ln1.b").offset, 16);
+  EXPECT_EQ(find("lnf.b").chunk, 11);
+  // Every preset's layers sum to the cost model's parameters (model_tensors checks it).
+  for (const std::string& name : models::preset_names())
+    EXPECT_NO_THROW(model_tensors(models::load_model(name))) << name;
+  // The default: 64 Mi elements, or the largest tensor rounded up to a MiB.
+  EXPECT_EQ(default_chunk_bytes(m), std::int64_t{128} << 20);
+  const models::ModelSpec big = models::load_model("gpt-10b");
+  EXPECT_GE(default_chunk_bytes(big), 2 * models::padded_vocab(big) * big.hidden);
+  EXPECT_EQ(default_chunk_bytes(big) % (1 << 20), 0);
+}
+
+TEST(ChunksLayout, AChunkSmallerThanATensorIsNamedWithTheShortfall) {
+  const std::string msg = error_of([] { chunk_layout(tiny(), 510); });
+  EXPECT_NE(msg.find("chunk size 510 B (255 elements of 2 B) is smaller than tensor h.0.fc.w "
+                     "(256 elements, 512 B) by 2 B; use --chunk-size 512 or more"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
+// --- The eviction plan by hand (Belady) ---
+
+TEST(ChunksEviction, FurthestNextUseFirstByHand) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = no_activations(m);
+  clusters::Cluster c = ws();
+  c.device.memory_bytes = 7 * 512;  // seven chunks: block 0's working set exactly
+  const ChunkSchedule s = chunk_schedule(m, trace, c, chunked(c, 2, 512));
+  EXPECT_EQ(s.device_adam_chunks, 0);  // the parameters alone do not fit: Adam on the host
+  EXPECT_EQ(s.start_on_device, std::vector<bool>(12, false));
+  ASSERT_EQ(s.moments.size(), 8u);  // F0 F1 F2 F3, B3 B2 B1 B0
+  auto up = [](int c) { return ChunkCopy{true, c}; };
+  auto down = [](int c) { return ChunkCopy{false, c}; };
+  EXPECT_EQ(s.moments[0].copies, (std::vector<ChunkCopy>{up(0)}));
+  EXPECT_EQ(s.moments[1].copies,
+            (std::vector<ChunkCopy>{up(1), up(2), up(3), up(4), up(5), up(6)}));
+  // Block 1 needs 6..11: five must go. Chunk 0's next use is the head's forward (1 moment on),
+  // chunks 1..5's block 0's backward (4 on): those, the larger index first on the tie.
+  EXPECT_EQ(s.moments[2].copies,
+            (std::vector<ChunkCopy>{down(5), down(4), down(3), down(2), down(1), up(7), up(8),
+                                    up(9), up(10), up(11)}));
+  EXPECT_TRUE(s.moments[3].copies.empty());
+  EXPECT_TRUE(s.moments[4].copies.empty());
+  EXPECT_TRUE(s.moments[5].copies.empty());
+  // Block 0's backward needs 1..5 back: 7..11 (next used by the next step's block 1) go.
+  EXPECT_EQ(s.moments[6].copies,
+            (std::vector<ChunkCopy>{down(11), down(10), down(9), down(8), down(7), up(1), up(2),
+                                    up(3), up(4), up(5)}));
+  EXPECT_TRUE(s.moments[7].copies.empty());
+  // CPU Adam needs the gradients on the host: chunks 0..6 go down at the optimizer step.
+  for (int k = 0; k < 12; ++k)
+    EXPECT_EQ(s.adam_download[std::size_t(k)], k <= 6) << k;
+  EXPECT_EQ(s.uploads, 17);
+  EXPECT_EQ(s.downloads, 17);
+  EXPECT_EQ(s.copy_in_bytes, 17 * 512);
+  EXPECT_EQ(s.copy_out_bytes, 17 * 512);
+  EXPECT_EQ(s.device_peak_bytes, 7 * 512);
+  EXPECT_EQ(s.host_chunk_peak_bytes, 12 * 512);
+  EXPECT_EQ(s.host_peak_bytes, 12 * 512 + 12 * 256 * 12);
+  // Time: every copy exposed; the optimizer step a pipeline of the 7 downloads and CPU Adam.
+  const double copy = 10e-6 + 512 / 15.75e9, rate = 20 * 9.5e7;
+  EXPECT_DOUBLE_EQ(s.copy_s, copy);
+  EXPECT_NEAR(s.forward_s, 2e-3 + 17 * copy, 1e-15);
+  EXPECT_NEAR(s.backward_s, 4e-3 + 10 * copy, 1e-15);
+  std::vector<double> d(12, 0), a;
+  for (int k = 0; k < 12; ++k) {
+    if (k <= 6) d[std::size_t(k)] = copy;
+    a.push_back(double(s.layout.chunk_parameters[std::size_t(k)]) / rate);
+  }
+  EXPECT_NEAR(s.optimizer_s, two_stage_pipeline_s(d, a), 1e-15);
+  const Estimate est = estimate(m, trace, c, chunked(c, 2, 512));
+  EXPECT_NEAR(est.report.iteration_time_s, s.forward_s + s.backward_s + s.optimizer_s, 1e-12);
+  EXPECT_EQ(est.report.devices[0].peak_memory_bytes, 7 * 512);
+  EXPECT_EQ(est.report.extra["offload"]["copy_in_bytes_per_step"], 17 * 512);
+  EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, s.host_peak_bytes);
+}
+
+TEST(ChunksEviction, OptimizerStateOnTheDeviceWhenEverythingFits) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = no_activations(m);
+  clusters::Cluster c = ws();
+  // Twelve parameter chunks and the state of three: K = 3, Adam on the device for chunks 0..2.
+  c.device.memory_bytes = 12 * 512 + 3 * 3072 + 100;
+  const ChunkSchedule s = chunk_schedule(m, trace, c, chunked(c, 2, 512));
+  EXPECT_EQ(s.device_adam_chunks, 3);
+  for (int k = 0; k < 12; ++k)
+    EXPECT_EQ(s.start_on_device[std::size_t(k)], k < 3) << k;
+  // Each step uploads the nine host-Adam chunks as their layers need them and sends them down
+  // for CPU Adam; nothing is evicted.
+  EXPECT_EQ(s.uploads, 9);
+  EXPECT_EQ(s.downloads, 9);
+  EXPECT_EQ(s.device_peak_bytes, 12 * 512 + 3 * 3072);
+  EXPECT_EQ(s.host_peak_bytes, 9 * 3072 + 9 * 512);
+}
+
+TEST(ChunksEviction, GradientHalvesMoveWithTheirChunksUnderAccumulation) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = no_activations(m);
+  clusters::Cluster c = ws();
+  // m = 2: a chunk is 512 B of parameters and 512 B of gradients; all twelve and the state of
+  // three fit.
+  c.device.memory_bytes = 12 * 1024 + 3 * 3072 + 100;
+  const ChunkSchedule s = chunk_schedule(m, trace, c, chunked(c, 2, 512, 1, 2));
+  EXPECT_EQ(s.layout.move_bytes, 1024);
+  ASSERT_EQ(s.moments.size(), 16u);  // F B F B (1f1b, one stage), four layers each
+  EXPECT_EQ(s.moments[4].slot, 1);
+  EXPECT_TRUE(s.moments[4].backward);
+  EXPECT_EQ(s.moments[4].layer, 3);
+  EXPECT_EQ(s.device_adam_chunks, 3);
+  EXPECT_EQ(s.uploads, 9);  // the host-Adam chunks come up once, for the first forward
+  EXPECT_EQ(s.downloads, 9);
+  EXPECT_EQ(s.copy_in_bytes, 9 * 1024);
+  EXPECT_EQ(s.device_peak_bytes, 12 * 1024 + 3 * 3072);
+  EXPECT_EQ(s.host_peak_bytes, 9 * 3072 + 9 * 1024);
+  // Twice the forward and backward compute of m = 1, the copies once.
+  const double copy = 10e-6 + 1024 / 15.75e9;
+  EXPECT_NEAR(s.forward_s + s.backward_s, 2 * 6e-3 + 9 * copy, 1e-15);
+  const Estimate est = estimate(m, trace, c, chunked(c, 2, 512, 1, 2));
+  EXPECT_NEAR(est.report.iteration_time_s, s.forward_s + s.backward_s + s.optimizer_s, 1e-12);
+  EXPECT_EQ(est.report.devices[0].memory.gradients, 12 * 512);
+}
+
+TEST(ChunksEviction, ABudgetBelowALayersWorkingSetIsNamedWithTheShortfall) {
+  const models::ModelSpec m = tiny();
+  clusters::Cluster c = ws();
+  c.device.memory_bytes = 6 * 512;
+  const std::string msg =
+      error_of([&] { chunk_schedule(m, no_activations(m), c, chunked(c, 2, 512)); });
+  EXPECT_NE(msg.find("offload chunks: the device's 3.00 KiB is smaller than the working set of "
+                     "the forward of block 0 (7 chunks of 512 B = 3.50 KiB, non-model memory "
+                     "0 B) by 512 B"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
+// --- Programs and the checker ---
+
+struct ChunkPrograms : ::testing::Test {
+  models::ModelSpec m = tiny();
+  traces::Trace trace = no_activations(m);
+  clusters::Cluster c = [] {
+    clusters::Cluster x = ws();
+    x.device.memory_bytes = 7 * 512;
+    return x;
+  }();
+  Plan p = chunked(c, 2, 512);
+  Programs programs() const {
+    ProgramOptions o;
+    o.steps = 3;
+    o.chunks = std::make_shared<const ChunkSchedule>(chunk_schedule(m, trace, c, p));
+    return generate_programs(p, o);
+  }
+};
+
+TEST_F(ChunkPrograms, TheOpsCarryTheEvictionPlanAndPassTheChecker) {
+  const Programs ps = programs();
+  EXPECT_NO_THROW(check_programs(ps));
+  std::string text;
+  for (const Op& op : ps.devices[0].ops) {
+    if (op.step != 0) break;
+    text += format_op(op, p) + " ";
+  }
+  EXPECT_EQ(text,
+            "C2D0@0 C2D1@1 C2D2@1 C2D3@1 C2D4@1 C2D5@1 C2D6@1 C2H5@2 C2H4@2 C2H3@2 C2H2@2 C2H1@2 "
+            "C2D7@2 C2D8@2 C2D9@2 C2D10@2 C2D11@2 F1 C2H11@1 C2H10@1 C2H9@1 C2H8@1 C2H7@1 C2D1@1 "
+            "C2D2@1 C2D3@1 C2D4@1 C2D5@1 B1 C2H0 hostadam0(v1) C2H1 hostadam1(v1) C2H2 "
+            "hostadam2(v1) C2H3 hostadam3(v1) C2H4 hostadam4(v1) C2H5 hostadam5(v1) C2H6 "
+            "hostadam6(v1) hostadam7(v1) hostadam8(v1) hostadam9(v1) hostadam10(v1) "
+            "hostadam11(v1) free(v0) opt(v1) ");
+  // Generating without the schedule is refused in one line.
+  EXPECT_NE(error_of<PlanError>([&] { generate_programs(p, 3); }).find("need the chunk schedule"),
+            std::string::npos);
+}
+
+TEST_F(ChunkPrograms, TheCheckerCatchesEvictedUsesAndBrokenMoves) {
+  auto broken = [&](const std::function<void(std::vector<Op>&)>& edit, const std::string& want) {
+    Programs ps = programs();
+    edit(ps.devices[0].ops);
+    const std::string msg = error_of<ScheduleError>([&] { check_programs(ps); });
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+  };
+  auto index_of = [](std::vector<Op>& ops, OpKind kind, int chunk, int layer) {
+    return std::find_if(ops.begin(), ops.end(), [&](const Op& o) {
+      return o.kind == kind && o.bucket == chunk && o.layer == layer;
+    });
+  };
+  // An upload left out: block 0's forward uses chunk 3 on the host.
+  broken(
+      [&](std::vector<Op>& ops) { ops.erase(index_of(ops, OpKind::copy_chunk_to_device, 3, 1)); },
+      "forward of block 0 uses chunk 3, which is on the host");
+  // An eviction moved to the moment that uses the chunk, or of a chunk its moment uses.
+  broken([&](std::vector<Op>& ops) { index_of(ops, OpKind::copy_chunk_to_host, 5, 2)->layer = 1; },
+         "evicts chunk 5 before layer 1, which uses it");
+  broken(
+      [&](std::vector<Op>& ops) {
+        auto it = index_of(ops, OpKind::copy_chunk_to_host, 5, 2);
+        it->bucket = 6;
+      },
+      "evicts chunk 6 before layer 2, which uses it");
+  // Uploading a chunk that is there, and a device over its memory.
+  broken(
+      [&](std::vector<Op>& ops) {
+        ops.insert(index_of(ops, OpKind::copy_chunk_to_device, 1, 1),
+                   Op{OpKind::copy_chunk_to_device, 0, 0, 0, -1, -1, 0, 1});
+      },
+      "copy_chunk_to_device of chunk 0, already on the device");
+  broken([&](std::vector<Op>& ops) { ops.erase(index_of(ops, OpKind::copy_chunk_to_host, 1, 2)); },
+         "more than its 3584");
+  // CPU Adam on a chunk still on the device, and a step without one chunk's Adam.
+  broken([&](std::vector<Op>& ops) { ops.erase(index_of(ops, OpKind::copy_chunk_to_host, 0, -1)); },
+         "chunk_step_host of chunk 0 while it is on the device");
+  broken(
+      [&](std::vector<Op>& ops) {
+        ops.erase(std::find_if(ops.begin(), ops.end(), [](const Op& o) {
+          return o.kind == OpKind::chunk_step_host && o.bucket == 11;
+        }));
+      },
+      "optimizer step without chunk 11's Adam step");
+}
+
+TEST(ChunkVariants, EveryOneRankScheduleAndModelKindPassesTheCheckerAndAgrees) {
+  // Untied, SwiGLU + RMSNorm without biases (LLaMA-like), BERT: their tensors, every schedule
+  // that runs one rank with m = 1, a budget that forces evictions.
+  std::vector<models::ModelSpec> models;
+  models::ModelSpec untied = tiny();
+  untied.tied_embeddings = false;
+  models.push_back(untied);
+  models::ModelSpec llama = tiny();
+  llama.mlp = models::Mlp::swiglu;
+  llama.norm = models::Norm::rmsnorm;
+  llama.bias = false;
+  llama.positions = models::Positions::rope;
+  llama.kv_heads = 1;
+  models.push_back(llama);
+  models::ModelSpec bert = tiny();
+  bert.arch = models::Arch::bert;
+  bert.type_vocab = 2;
+  bert.tied_embeddings = false;
+  models.push_back(bert);
+  for (const models::ModelSpec& m : models)
+    for (int mb : {1, 3}) {
+      const traces::Trace trace = uniform_trace(m, 1);
+      clusters::Cluster c = ws();
+      std::int64_t largest = 0;
+      for (const ChunkTensor& t : model_tensors(m))
+        largest = std::max(largest, t.elements);
+      const std::int64_t S = 2 * largest, move = mb > 1 ? 2 * S : S;
+      // Room for the widest layer's chunks, one more, and the stash: not for every chunk.
+      const ChunkLayout L = chunk_layout(m, S);
+      std::size_t widest = 0;
+      for (const auto& u : L.layer_chunks)
+        widest = std::max(widest, u.size());
+      std::int64_t stash = 0;  // every microbatch's (gpipe holds them all), and the workspace
+      for (models::LayerKind k : traces::kLayerKinds)
+        stash += trace.entries[0].layers[k].activation_bytes *
+                     (k == models::LayerKind::block ? m.layers : 1) +
+                 trace.entries[0].layers[k].workspace_bytes;
+      ASSERT_GT(L.chunks(), int(widest + 1));
+      for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::dp}) {
+        SCOPED_TRACE(
+            fmt::format("{} {} {} m={}", to_string(m.arch), int(m.mlp), to_string(sch), mb));
+        if (sch == Schedule::dp && mb > 1) continue;  // dp with d = 1 is 1f1b
+        // gpipe holds every microbatch's stash at once, 1f1b (one stage) one.
+        c.device.memory_bytes =
+            std::int64_t(widest + 1) * move + (sch == Schedule::gpipe ? mb : 1) * stash;
+        Plan p = chunked(c, m.layers, S, 1, mb);
+        p.schedule = sch;
+        const auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(m, trace, c, p));
+        EXPECT_EQ(cs->device_adam_chunks, 0);
+        EXPECT_GT(cs->uploads, L.chunks());  // some chunks come up twice: evicted between uses
+        ProgramOptions o;
+        o.steps = 2;
+        o.chunks = cs;
+        EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
+        const Estimate est = estimate(m, trace, c, p);
+        const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 3});
+        EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.02);
+        EXPECT_EQ(sr.report.devices[0].peak_memory_bytes, est.report.devices[0].peak_memory_bytes);
+        EXPECT_LE(sr.report.devices[0].peak_memory_bytes, c.device.memory_bytes);
+        EXPECT_EQ(sr.report.extra["offload"]["copy_in_bytes_per_step"],
+                  est.report.extra["offload"]["copy_in_bytes_per_step"]);
+      }
+    }
+}
+
+// --- Closed form against the simulator ---
+
+TEST(ChunksSimulate, AgreesWithTheClosedFormInTimePeakAndBytes) {
+  const clusters::Cluster c = ws();
+  // 13B: chunks evicted during the step, Adam on the host; 6.7B: every chunk fits, some state too.
+  // gpt-10b with m = 4: gradient halves, accumulation over four microbatches.
+  for (auto [name, mb] : {std::pair{"gpt3-13b", 1}, {"gpt3-6.7b", 1}, {"gpt-10b", 4}}) {
+    SCOPED_TRACE(name);
+    const models::ModelSpec m = models::load_model(name);
+    const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+    const Plan p = chunked(c, m.layers, 0, 1, mb);
+    const Estimate est = estimate(m, trace, c, p);
+    const sim::SimResult s = sim::simulate(m, trace, c, p, {.steps = 3});
+    EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.02);
+    EXPECT_EQ(s.report.devices[0].peak_memory_bytes, est.report.devices[0].peak_memory_bytes);
+    EXPECT_LE(s.report.devices[0].peak_memory_bytes, c.device.memory_bytes);
+    for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step"})
+      EXPECT_EQ(s.report.extra["offload"][key], est.report.extra["offload"][key]) << key;
+    EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+  }
+}
+
+TEST(ChunksSimulate, SameInputsSameReportWithCopyAndHostTracks) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = uniform_trace(m, 1);
+  clusters::Cluster c = ws();
+  c.device.memory_bytes = 20000;  // every chunk and the state of a few: the others move
+  const Plan p = chunked(c, 2, 512);
+  sim::SimOptions o;
+  o.timeline = true;
+  const sim::SimResult a = sim::simulate(m, trace, c, p, o);
+  const sim::SimResult b = sim::simulate(m, trace, c, p, o);
+  EXPECT_EQ(to_json(a.report).dump(), to_json(b.report).dump());
+  EXPECT_EQ(a.timeline.dump(), b.timeline.dump());
+  const std::string tl = a.timeline.dump();
+  for (const char* track : {"copy_d2h", "copy_h2d", "C2D", "hostadam"})
+    EXPECT_NE(tl.find(track), std::string::npos) << track;
+  EXPECT_EQ(to_json(estimate(m, trace, c, p).report).dump(),
+            to_json(estimate(m, trace, c, p).report).dump());
+}
+
+TEST(ChunksHost, HostMemoryTooSmallDoesNotFit) {
+  const models::ModelSpec m = models::load_model("gpt3-13b");
+  const clusters::Cluster c = ws({"host.memory_bytes=1e11"});
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+  const Estimate est = estimate(m, trace, c, chunked(c, m.layers));
+  ASSERT_EQ(est.report.hosts.size(), 1u);
+  EXPECT_FALSE(est.report.hosts[0].fits());
+  EXPECT_NE(describe_oom(est.report).find("the host memory of node 0: offload needs"),
+            std::string::npos)
+      << describe_oom(est.report);
+}
+
+// --- The planner and the capacity target ---
+
+// A GPT-3-shaped model (C = 4096, 32 heads, T = 2048) of `layers` blocks.
+models::ModelSpec gpt_of(std::int64_t layers) {
+  models::ModelSpec s = models::load_model("gpt3-6.7b");
+  s.layers = layers;
+  s.name = fmt::format("gpt-4096x{}", layers);
+  return s;
+}
+
+// The planner's answer for `m` at global batch B: does anything fit (without offload when not
+// `offload`), and which offload the fitting plans use.
+SearchResult search(const models::ModelSpec& m, const clusters::Cluster& c, std::int64_t B,
+                    bool offload) {
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = B;
+  o.offload_when_nothing_fits = offload;
+  return search_plans(m, trace, c, o);
+}
+
+// The smallest-memory chunks plan the planner tries (1f1b, d = 1, b = 1, m = B, default chunk
+// size) fits device and host.
+bool chunks_fit(const models::ModelSpec& m, const clusters::Cluster& c, int B) {
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+  Plan p = chunked(c, m.layers, default_chunk_bytes(m), 1);
+  p.m = B;
+  try {
+    return estimate(m, trace, c, p).report.fits();
+  } catch (const InputError&) {
+    return false;  // a layer's working set passes the device
+  }
+}
+
+// The deepest C = 4096 GPT (blocks 1 .. 256) for which `ok` holds (monotone in depth).
+std::int64_t deepest(const std::function<bool(const models::ModelSpec&)>& ok) {
+  std::int64_t lo = 0, hi = 256;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi + 1) / 2;
+    if (ok(gpt_of(mid)))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+double billions(std::int64_t layers) {
+  return double(models::derive_costs(gpt_of(layers)).total_parameters) / 1e9;
+}
+
+TEST(ChunksSearch, CapacityOnOneV100) {
+  const clusters::Cluster c = ws();
+  for (int B : {1, 8}) {
+    SCOPED_TRACE(B);
+    const std::int64_t plain = deepest(
+        [&](const models::ModelSpec& m) { return !search(m, c, B, false).fitting.empty(); });
+    const std::int64_t any =
+        deepest([&](const models::ModelSpec& m) { return !search(m, c, B, true).fitting.empty(); });
+    const std::int64_t chunks =
+        deepest([&](const models::ModelSpec& m) { return chunks_fit(m, c, B); });
+    fmt::print(
+        "capacity on v100-32gb-ws, C = 4096 GPT, B = {}: without offload {} blocks "
+        "({:.2f}B), with the planner's offload {} blocks ({:.2f}B, {:.1f}x), chunks "
+        "alone {} blocks ({:.2f}B, {:.1f}x)\n",
+        B, plain, billions(plain), any, billions(any), billions(any) / billions(plain), chunks,
+        billions(chunks), billions(chunks) / billions(plain));
+    ASSERT_GT(plain, 0);
+    // The planner finds the chunks plan where it is the only one that fits.
+    if (chunks > any) ADD_FAILURE() << "the planner misses a fitting chunks plan";
+    const SearchResult r = search(gpt_of(any), c, B, true);
+    ASSERT_FALSE(r.fitting.empty());
+    EXPECT_FALSE(r.offload_reason.empty());
+    // Issue 15's target: at least 3x larger than without offload, with chunks (host memory is
+    // the limit: 14 B per parameter at m = 1, 16 with gradient halves, of 223.5 GiB).
+    EXPECT_GE(billions(chunks) / billions(plain), 3.0);
+    EXPECT_EQ(chunks, any);
+    EXPECT_EQ(r.fitting.front().plan.offload, Offload::chunks);
+  }
+}
+
+}  // namespace
+}  // namespace pw::planner
