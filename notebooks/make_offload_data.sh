@@ -7,7 +7,8 @@
 #                  memory and the offload mode, on 1 and on 8 V100-32GB (v100-32gb-ws: one GPU and
 #                  223.5 GiB per node; 8 GPUs = 8 such nodes on 100 Gb/s in one pipeline, d = 8), with its step time
 #                  and device / host peaks. Plan: 1f1b, b = 1, m = 8 (16 on 8 GPUs), full
-#                  recomputation (activation offload chooses swap or recompute per stage itself).
+#                  recomputation (activation offload chooses swap or recompute per stage itself;
+#                  chunks, one GPU only, run without it).
 #   bandwidth.csv  gpt-10b on one V100-32GB with --offload optimizer: step time against the
 #                  host link's bandwidth (PCIe 5 allowed so the sweep can pass PCIe 3's 15.75 GB/s)
 #   timeline_2bw.json, report_2bw.json  a simulated 2BW plan with optimizer offload: gpt-10b on
@@ -51,9 +52,15 @@ def estimate(layers, gpus, host_gib, mode):
         cmd += ["--set", "network.bandwidth_bytes_per_s=12.5e9"]
     if mode != "none":
         cmd += ["--offload", mode]
-    if "activations" not in mode:
+    if "activations" not in mode and mode != "chunks":  # chunks run without recomputation
         cmd += ["--recompute", "full"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    run = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if run.returncode != 0:
+        # A chunk plan whose eviction cannot make room for a layer is an error, not a report:
+        # that model does not fit. Any other error stops the script.
+        if "offload chunks:" in run.stderr and "smaller than" in run.stderr:
+            return {"fits": False}
+        sys.exit(run.stderr.strip())
     with open(report) as f:
         r = json.load(f)
     hosts = r.get("hosts") or []
@@ -71,7 +78,10 @@ def parameters(layers):
 rows = []
 for gpus in (1, 8):
     for host_gib in (64, 128, 224, 512):
-        for mode in ("none", "optimizer", "activations", "optimizer,activations"):
+        modes = ["none", "optimizer", "activations", "optimizer,activations"]
+        if gpus == 1:  # PatrickStar's chunks: one GPU only so far
+            modes.append("chunks")
+        for mode in modes:
             # The largest L (a multiple of gpus, so stages are even) that fits: fitting is
             # monotone in L, so bisect over [gpus, 800].
             lo, hi, best = 1, 800 // gpus, None
