@@ -339,6 +339,26 @@ TEST(AsyncComm, SameBitsAsInlineCommunication) {
   }
 }
 
+// A rank that fails while the others' communication engines have sends and gradient sums in
+// flight (w = 2, d = 2, 4 buckets): the job ends with the failing rank's one line, no hang (the
+// transport's abort wakes the engines' waits; the workers' waits on them rethrow).
+TEST(AsyncComm, AFailingRankEndsTheJobWithOneLine) {
+  Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 1, 4);
+  TrainOptions o = options(3, "adamw");
+  o.gradient_buckets = 4;
+  const TrainResult free_run = train_cpu(testing::gpt_tiny(4), p, o);
+  std::int64_t peak = 0;
+  for (const RankResult& r : free_run.ranks)
+    peak = std::max(peak, r.peak_memory_bytes);
+  for (std::int64_t short_by : {std::int64_t(1), std::int64_t(4096)}) {
+    o.device_memory = peak - short_by;  // some rank's largest allocation does not fit, mid-run
+    const std::string msg = testing::error_of([&] { train_cpu(testing::gpt_tiny(4), p, o); });
+    EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("transport aborted"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
 // The in-process transport's reduce-scatter and all-gather over three threads with uneven parts
 // and an empty one: each member's part of the reduce-scatter is all_reduce_sum's result bit for
 // bit and the rest of its buffer is untouched; the all-gather hands every member every part; an
