@@ -534,7 +534,7 @@ void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
   for (op_ = 0; op_ < int(ops.size()); ++op_) {
     if (s_.before_op) s_.before_op(device_, op_);
-    step(ops[std::size_t(op_)]);
+    interpret(*this, ops[std::size_t(op_)]);
   }
   // What the engines still run (nothing, in a program whose ops wait for their copies; the last
   // sends and collectives, which no op of the rank waits for).
@@ -590,61 +590,25 @@ void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
                   std::chrono::duration<double>(b - s_.start).count(), op_});
 }
 
-void Worker::step(const Op& op) {
+void Worker::send(const Op& op, Channel channel) {
+  send(op, channel, channel == Channel::activation ? outputs_ : d_inputs_);
+}
+
+void Worker::recv(const Op& op, Channel channel) {
   const Key key{op.step, op.microbatch, op.chunk};
-  switch (op.kind) {
-    case OpKind::forward:
-      return forward(op);
-    case OpKind::recompute:
-      return recompute(op);
-    case OpKind::backward:
-      return backward(op);
-    case OpKind::send_activation:
-      return send(op, Channel::activation, outputs_);
-    case OpKind::send_gradient:
-      return send(op, Channel::gradient, d_inputs_);
-    case OpKind::recv_activation: {
-      if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
-      release_sends(compute_ops_);
-      const auto t0 = Clock::now();
-      inputs_[key] =
-          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::activation));
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    case OpKind::recv_gradient: {
-      if (swaps_) release_downloads(compute_ops_);
-      release_sends(compute_ops_);
-      const auto t0 = Clock::now();
-      d_outputs_[key] =
-          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::gradient));
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    case OpKind::all_reduce:
-      return all_reduce(op);
-    case OpKind::free_version:
-      slots_.free_version(op.version);
-      return;
-    case OpKind::optimizer_step:
-      return optimizer_step(op);
-    case OpKind::send_tied_gradient:
-    case OpKind::recv_tied_gradient:
-    case OpKind::send_tied_weights:
-    case OpKind::recv_tied_weights:
-    case OpKind::gather_tied_gradient:
-    case OpKind::gather_tied_weights:
-      return tied(op);
-    case OpKind::copy_gradient_to_host:
-    case OpKind::host_optimizer_step:
-    case OpKind::copy_parameters_to_device:
-    case OpKind::copy_activation_to_host:
-    case OpKind::copy_activation_to_device:
-      if (!d2h_)
-        throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
-                                planner::to_string(op.kind)));
-      return offload_op(op);
-  }
+  if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
+  release_sends(compute_ops_);
+  const auto t0 = Clock::now();
+  (channel == Channel::activation ? inputs_ : d_outputs_)[key] =
+      to_buffer(s_.transport->recv(device_of(op.peer), device_, channel));
+  record(planner::kRecvStream, t0, Clock::now());
+}
+
+void Worker::offload(const Op& op) {
+  if (!d2h_)
+    throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
+                            planner::to_string(op.kind)));
+  offload_op(op);
 }
 
 Buffer Worker::to_buffer(std::vector<float> data) {
@@ -746,9 +710,8 @@ void Worker::backward(const Op& op) {
 
 void Worker::all_reduce(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
-  const int buckets = s_.programs->buckets;
-  const std::int64_t n = c.grads.size(), per = (n + buckets - 1) / buckets;
-  const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
+  const auto range = bucket_range(c.grads.size(), s_.programs->buckets, op.bucket);
+  const std::int64_t begin = range.first, end = range.second;
   // On the collective engine: the next ops (a backward of another chunk, a send, a receive) run
   // meanwhile; the rank's next use of the gradients waits for it (wait_grads).
   Event& reduced = reduced_[std::size_t(op.chunk)];

@@ -15,6 +15,7 @@
 #include "exec/checkpoint.hpp"
 #include "exec/copy_engine.hpp"
 #include "exec/data.hpp"
+#include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
@@ -121,7 +122,13 @@ class Worker {
   std::vector<Event> reduced_, tied_sent_;  // per chunk: the last collective, tied-gradient send
   Event slot_sent_[2];  // after the last tied-weights send out of each weight slot
 
-  void step(const planner::Op& op);
+  // The program's ops, through the op switch the CUDA worker shares (interpret.hpp).
+  template <class W>
+  friend void interpret(W& w, const planner::Op& op);
+  void send(const planner::Op& op, Channel channel);  // activation: outputs_, gradient: d_inputs_
+  void recv(const planner::Op& op, Channel channel);
+  void free_version(const planner::Op& op) { slots_.free_version(op.version); }
+  void offload(const planner::Op& op);
   void forward(const planner::Op& op);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
