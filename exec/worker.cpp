@@ -836,9 +836,11 @@ void Worker::tied(const Op& op) {
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   float* grad = tied_grad(c);
   const std::vector<int> group = replica_group();
-  // Every tied op reads or writes the tied gradient or a weight slot the rank's gradients' users
-  // wait for: after the chunk's collectives and earlier tied sends.
-  wait_grads(std::size_t(op.chunk));
+  // The tied gradient's ops read or write the chunk's gradients: after its collectives and its
+  // earlier tied-gradient send. (The weights' ops need no wait: a slot's sends only read it.)
+  if (op.kind == OpKind::send_tied_gradient || op.kind == OpKind::recv_tied_gradient ||
+      op.kind == OpKind::gather_tied_gradient)
+    wait_grads(std::size_t(op.chunk));
   const auto t0 = Clock::now();
   const int at = op_, src = device_, dst = device_of(op.peer);
   Worker* self = this;
