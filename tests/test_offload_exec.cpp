@@ -211,9 +211,9 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
 
 // The measured device peak per rank is the planner's plus exactly what the executor holds beyond
 // the planner's figure without offload (the activation-sized messages on their way, received and
-// sent ones held while the next compute op runs: up to three here, docs/performance.md), and the copy engines' bytes are
-// the simulator's exactly (and the closed form's per step, flush schedules); run again inside a
-// budget of that peak, the run fits.
+// sent ones held while the next compute op runs: up to three here, docs/performance.md), and the
+// copy engines' bytes are the simulator's exactly (and the closed form's per step, flush
+// schedules); run again inside a budget of that peak, the run fits.
 TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const std::int64_t message = 2 * model.seq_len * model.hidden * 4;  // b = 2
