@@ -84,6 +84,11 @@ void add_train_command(CLI::App& app) {
                 "CPU backend, one process: run rank r's thread on core r only (with more ranks "
                 "than cores, neighbouring ranks share one); under mpirun, mpirun binds")
       ->capture_default_str();
+  cmd->add_flag("--async-comm,!--no-async-comm", a->options.async_comm,
+                "CPU backend, one process: sends and data-parallel gradient sums on each rank's "
+                "communication threads, beside its compute (--no-async-comm: on the rank's "
+                "thread, as under mpirun; the same losses)")
+      ->capture_default_str();
   cmd->add_option("--device-memory", a->options.device_memory,
                   "CPU backend: bytes of each rank's emulated device (its tensors' arena); a run "
                   "that would exceed it stops with one line naming the rank, what did not fit "

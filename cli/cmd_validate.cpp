@@ -504,7 +504,7 @@ void run_and_compare(const ValidateArgs& a) {
 constexpr const char* kRunOnly =
     "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
     "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
-    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores";
+    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm";
 
 void add_validate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -544,6 +544,10 @@ void add_validate_command(CLI::App& app) {
                   "all-reduce buckets per stage (simulated and trained)")
       ->capture_default_str()
       ->check(count_range());
+  cmd->add_flag("--async-comm,!--no-async-comm", a->train.async_comm,
+                "CPU threads: sends and data-parallel gradient sums on each rank's communication "
+                "threads, beside its compute (--no-async-comm: on the rank's thread)")
+      ->capture_default_str();
   cmd->add_flag("--pin-cores,!--no-pin-cores", a->pin_cores,
                 "CPU threads: run each rank's thread on the core the simulation puts it on "
                 "(under mpirun, mpirun binds)")

@@ -39,6 +39,10 @@ struct TrainOptions {
   // Threads (CPU backend, one process): rank r's thread runs on CPU core cores[r] only (Linux
   // sched_setaffinity); empty: wherever the OS puts it.
   std::vector<int> cores;
+  // Threads (CPU backend, one process): each rank's sends and data-parallel gradient sums run on
+  // communication engines beside its compute (exec/README.md, "The device interface"); false:
+  // inline on the rank's thread, as under MPI. The same losses either way.
+  bool async_comm = true;
   // Checkpoints (exec/checkpoint.hpp): with a directory, every `checkpoint_every` steps and after
   // the last; `resume` continues from the newest complete one there (from step 0 if none).
   std::string checkpoint_dir;

@@ -43,6 +43,10 @@ class Transport {
                           float* data, const std::vector<std::int64_t>& bounds) = 0;
   // Wakes every blocked call, which then throws: a failing worker must not leave the others hung.
   virtual void abort() = 0;
+  // Whether a rank may call it from several threads at once (its worker's communication engines
+  // beside its compute thread: exec/worker.hpp). False: every call on the rank's own thread, in
+  // program order (MPI initialised MPI_THREAD_FUNNELED).
+  virtual bool concurrent() const { return false; }
 };
 
 // Threads in one process.
@@ -57,6 +61,7 @@ class InProcessTransport : public Transport {
   void all_gather(const std::string& key, const std::vector<int>& group, int rank, float* data,
                   const std::vector<std::int64_t>& bounds) override;
   void abort() override;
+  bool concurrent() const override { return true; }  // one mutex; collectives matched by key
 
  private:
   // Where reduce_scatter_sum and all_gather leave the members' data (RS: all of it; AG: the

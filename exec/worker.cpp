@@ -130,6 +130,12 @@ Worker::Worker(Shared& s, int device)
     chunks_[c].stage->set_tp(tp_comms_[c]);
   }
   setup_offload();
+  reduced_.resize(chunks_.size());
+  tied_sent_.resize(chunks_.size());
+  if (s.transport->concurrent() && s.options->async_comm) {
+    send_engine_ = std::make_unique<CopyEngine>();
+    collective_engine_ = std::make_unique<CopyEngine>();
+  }
   if (s.first_step > 0) load_checkpoint(s.first_step);
   // The host's master copy starts as the device's newest version (the checkpoint's, resumed).
   for (std::size_t i = 0; i < host_chunks_.size(); ++i)
@@ -332,6 +338,7 @@ void Worker::offload_op(const Op& op) {
       const std::shared_ptr<Swap> sw = it->second;
       const CopyEngine::Ticket down = sw->down;
       release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
+      release_sends(compute_ops_);
       // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
       while (std::any_of(downloads_.begin(), downloads_.end(),
                          [&](const auto& d) { return d.second == sw; }))
@@ -357,6 +364,7 @@ void Worker::offload_op(const Op& op) {
         return;
       }
       // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
+      wait_grads(std::size_t(op.chunk));
       Chunk& c = chunks_[std::size_t(op.chunk)];
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
       if (c.tied_offset < 0 || h.resident.empty())
@@ -399,6 +407,8 @@ void Worker::offload_op(const Op& op) {
         // more), or the second slot the first time.
         const int newest = slots_.newest();
         upload_slot_ = planner::version_limit(s_.plan()) == 1 ? newest : 1 - newest;
+        slot_sent_[upload_slot_].wait();  // the slot's last tied-weights send has read it
+        slot_sent_[upload_slot_] = {};
         if (!slots_.allocated(upload_slot_))
           for (Chunk& c : chunks_)
             c.slots[upload_slot_] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
@@ -524,11 +534,55 @@ void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
   for (op_ = 0; op_ < int(ops.size()); ++op_) {
     if (s_.before_op) s_.before_op(device_, op_);
-    step(ops[std::size_t(op_)]);
+    interpret(*this, ops[std::size_t(op_)]);
   }
-  // What the copy engines still run (nothing, in a program whose ops wait for their copies).
-  for (CopyEngine* e : {d2h_.get(), h2d_.get(), host_cpu_.get()})
+  // What the engines still run (nothing, in a program whose ops wait for their copies; the last
+  // sends and collectives, which no op of the rank waits for).
+  for (CopyEngine* e :
+       {d2h_.get(), h2d_.get(), host_cpu_.get(), send_engine_.get(), collective_engine_.get()})
     if (e) e->drain();
+  in_flight_.clear();
+}
+
+Worker::Event Worker::issue(CopyEngine* engine, std::function<void()> work) {
+  if (!engine) {
+    work();
+    return {};
+  }
+  return {engine, engine->submit(std::move(work))};
+}
+
+void Worker::send(const Op& op, Channel channel, std::map<Key, Buffer>& from) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  const auto it = from.find(key);
+  if (it == from.end())
+    throw Error(fmt::format("rank {}: {} of a tensor this rank does not hold", rank_,
+                            planner::to_string(op.kind)));
+  Buffer buffer = std::move(it->second);
+  from.erase(it);
+  const float* data = buffer.data();
+  const std::int64_t n = buffer.size();
+  Worker* w = this;
+  const int at = op_, src = device_, dst = device_of(op.peer);
+  const Event sent = issue(send_engine_.get(), [w, data, n, channel, at, src, dst] {
+    const auto t0 = Clock::now();
+    w->s_.transport->send(src, dst, channel, std::vector<float>(data, data + n));
+    w->copy_record(planner::kSendStream, t0, Clock::now(), at);
+  });
+  // Inline (no engine) the send has run: released at once, as before there were engines.
+  if (send_engine_) in_flight_.push_back({compute_ops_ - 1, sent, std::move(buffer)});
+}
+
+void Worker::release_sends(int compute_op) {
+  while (!in_flight_.empty() && in_flight_.front().compute_op + 2 <= compute_op) {
+    in_flight_.front().sent.wait();
+    in_flight_.pop_front();
+  }
+}
+
+void Worker::wait_grads(std::size_t chunk) {
+  reduced_[chunk].wait();
+  tied_sent_[chunk].wait();
 }
 
 void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
@@ -536,74 +590,25 @@ void Worker::record(int stream, Clock::time_point a, Clock::time_point b) {
                   std::chrono::duration<double>(b - s_.start).count(), op_});
 }
 
-void Worker::step(const Op& op) {
+void Worker::send(const Op& op, Channel channel) {
+  send(op, channel, channel == Channel::activation ? outputs_ : d_inputs_);
+}
+
+void Worker::recv(const Op& op, Channel channel) {
   const Key key{op.step, op.microbatch, op.chunk};
-  switch (op.kind) {
-    case OpKind::forward:
-      return forward(op);
-    case OpKind::recompute:
-      return recompute(op);
-    case OpKind::backward:
-      return backward(op);
-    case OpKind::send_activation:
-      record(planner::kSendStream, Clock::now(), Clock::now());
-      s_.transport->send(
-          device_, device_of(op.peer), Channel::activation,
-          std::vector<float>(outputs_[key].data(), outputs_[key].data() + outputs_[key].size()));
-      outputs_.erase(key);
-      return;
-    case OpKind::send_gradient:
-      record(planner::kSendStream, Clock::now(), Clock::now());
-      s_.transport->send(
-          device_, device_of(op.peer), Channel::gradient,
-          std::vector<float>(d_inputs_[key].data(), d_inputs_[key].data() + d_inputs_[key].size()));
-      d_inputs_.erase(key);
-      return;
-    case OpKind::recv_activation: {
-      if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
-      const auto t0 = Clock::now();
-      inputs_[key] =
-          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::activation));
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    case OpKind::recv_gradient: {
-      if (swaps_) release_downloads(compute_ops_);
-      const auto t0 = Clock::now();
-      d_outputs_[key] =
-          to_buffer(s_.transport->recv(device_of(op.peer), device_, Channel::gradient));
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    case OpKind::all_reduce:
-      return all_reduce(op);
-    case OpKind::free_version:
-      slots_.free_version(op.version);
-      return;
-    case OpKind::optimizer_step:
-      return optimizer_step(op);
-    case OpKind::send_tied_gradient:
-    case OpKind::recv_tied_gradient:
-    case OpKind::send_tied_weights:
-    case OpKind::recv_tied_weights:
-    case OpKind::gather_tied_gradient:
-    case OpKind::gather_tied_weights:
-      return tied(op);
-    case OpKind::copy_gradient_to_host:
-    case OpKind::host_optimizer_step:
-    case OpKind::copy_parameters_to_device:
-    case OpKind::copy_activation_to_host:
-    case OpKind::copy_activation_to_device:
-      if (!d2h_)
-        throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
-                                planner::to_string(op.kind)));
-      return offload_op(op);
-    case OpKind::copy_chunk_to_host:  // prepare_run refuses chunks plans before any runs
-    case OpKind::copy_chunk_to_device:
-    case OpKind::chunk_step_host:
-    case OpKind::chunk_step_device:
-      throw InputError("train does not run offload chunks (PatrickStar) yet");
-  }
+  if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
+  release_sends(compute_ops_);
+  const auto t0 = Clock::now();
+  (channel == Channel::activation ? inputs_ : d_outputs_)[key] =
+      to_buffer(s_.transport->recv(device_of(op.peer), device_, channel));
+  record(planner::kRecvStream, t0, Clock::now());
+}
+
+void Worker::offload(const Op& op) {
+  if (!d2h_)
+    throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
+                            planner::to_string(op.kind)));
+  offload_op(op);
 }
 
 Buffer Worker::to_buffer(std::vector<float> data) {
@@ -617,6 +622,7 @@ const float* Worker::params(const Chunk& c, int version) const {
 void Worker::forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   if (swaps_) release_downloads(compute_ops_);
+  release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const bool rc = s_.plan().recomputes(stage_);
@@ -664,7 +670,9 @@ void Worker::backward(const Op& op) {
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
   if (swaps_) release_downloads(compute_ops_);
+  release_sends(compute_ops_);
   ++compute_ops_;
+  wait_grads(std::size_t(op.chunk));  // its gradients accumulate into what a collective may read
   if (const auto it = swaps_by_key_.find(key); it != swaps_by_key_.end()) {
     if (it->second->up == 0)
       throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank_));
@@ -702,13 +710,25 @@ void Worker::backward(const Op& op) {
 
 void Worker::all_reduce(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
-  const int buckets = s_.programs->buckets;
-  const std::int64_t n = c.grads.size(), per = (n + buckets - 1) / buckets;
-  const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
-  if (sharded_) return reduce_scatter(op, begin, end);
-  s_.transport->all_reduce_sum(
-      fmt::format("ar/{}.{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket), replica_group(),
-      device_, c.grads.data() + begin, end - begin);
+  const auto range = bucket_range(c.grads.size(), s_.programs->buckets, op.bucket);
+  const std::int64_t begin = range.first, end = range.second;
+  // On the collective engine: the next ops (a backward of another chunk, a send, a receive) run
+  // meanwhile; the rank's next use of the gradients waits for it (wait_grads).
+  Event& reduced = reduced_[std::size_t(op.chunk)];
+  if (sharded_) {
+    reduced = issue(collective_engine_.get(),
+                    [this, op, begin, end, at = op_] { reduce_scatter(op, begin, end, at); });
+    return;
+  }
+  float* data = c.grads.data() + begin;
+  const std::int64_t count = end - begin;
+  reduced = issue(collective_engine_.get(), [this, op, data, count, at = op_] {
+    const auto t0 = Clock::now();
+    s_.transport->all_reduce_sum(
+        fmt::format("ar/{}.{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket),
+        replica_group(), device_, data, count);
+    copy_record(planner::kCollectiveStream, t0, Clock::now(), at);
+  });
 }
 
 std::vector<int> Worker::replica_group() const {
@@ -760,7 +780,7 @@ std::vector<std::int64_t> clip(const std::vector<std::int64_t>& starts, std::int
 //   tensor, so that replica r holds the shard it sends stage 0 (send_tied_gradient);
 // - both ends on one device (d == 1): all-reduced whole, as without sharding, since each end's
 //   update adds the other's gradient (sum_local_tied) wherever its shard lies.
-void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end) {
+void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, int at) {
   const planner::Plan& p = s_.plan();
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const std::vector<int> group = replica_group();
@@ -785,7 +805,7 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end) 
       s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a,
                                        clip(piece == 1 ? tied_starts : shards, a, b));
   }
-  record(planner::kCollectiveStream, t0, Clock::now());
+  copy_record(planner::kCollectiveStream, t0, Clock::now(), at);
 }
 
 // After the sharded update: every replica's shard of the new version `target` to the others.
@@ -816,13 +836,25 @@ void Worker::tied(const Op& op) {
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   float* grad = tied_grad(c);
   const std::vector<int> group = replica_group();
+  // The tied gradient's ops read or write the chunk's gradients: after its collectives and its
+  // earlier tied-gradient send. (The weights' ops need no wait: a slot's sends only read it.)
+  if (op.kind == OpKind::send_tied_gradient || op.kind == OpKind::recv_tied_gradient ||
+      op.kind == OpKind::gather_tied_gradient)
+    wait_grads(std::size_t(op.chunk));
   const auto t0 = Clock::now();
+  const int at = op_, src = device_, dst = device_of(op.peer);
+  Worker* self = this;
   switch (op.kind) {
     case OpKind::send_tied_gradient:
-      record(planner::kSendStream, t0, t0);
-      s_.transport->send(device_, device_of(op.peer), Channel::tied,
-                         std::vector<float>(grad + sh.begin, grad + sh.end));
-      std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
+      // The gradient's next users (this step's optimizer, the next backward) wait for it.
+      tied_sent_[std::size_t(op.chunk)] =
+          issue(send_engine_.get(), [self, grad, sh, n, at, src, dst] {
+            const auto t1 = Clock::now();
+            self->s_.transport->send(src, dst, Channel::tied,
+                                     std::vector<float>(grad + sh.begin, grad + sh.end));
+            std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
+            self->copy_record(planner::kSendStream, t1, Clock::now(), at);
+          });
       return;
     case OpKind::recv_tied_gradient: {
       const std::vector<float> head =
@@ -846,10 +878,16 @@ void Worker::tied(const Op& op) {
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     case OpKind::send_tied_weights: {
-      const float* w = params(c, op.version) + c.tied_offset;
-      record(planner::kSendStream, t0, t0);
-      s_.transport->send(device_, device_of(op.peer), Channel::tied_weights,
-                         std::vector<float>(w + sh.begin, w + sh.end));
+      // Read out of the version's slot on the send engine: an update or upload that rewrites the
+      // slot waits for it (slot_sent_), the compute thread does not.
+      const float* weights = params(c, op.version) + c.tied_offset;
+      slot_sent_[slots_.slot_of(op.version)] =
+          issue(send_engine_.get(), [self, weights, sh, at, src, dst] {
+            const auto t1 = Clock::now();
+            self->s_.transport->send(src, dst, Channel::tied_weights,
+                                     std::vector<float>(weights + sh.begin, weights + sh.end));
+            self->copy_record(planner::kSendStream, t1, Clock::now(), at);
+          });
       return;
     }
     case OpKind::recv_tied_weights: {
@@ -888,10 +926,14 @@ void Worker::sum_local_tied() {
 
 void Worker::optimizer_step(const Op& op) {
   if (offload_optimizer_) return offload_step(op);
+  for (std::size_t i = 0; i < chunks_.size(); ++i)
+    wait_grads(i);  // the step's gradient sums have arrived
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
   bool allocate = false;
   const int target = slots_.target_for(op.version, allocate);
+  slot_sent_[target].wait();  // the slot's last tied-weights send has read it
+  slot_sent_[target] = {};
   if (allocate)
     for (Chunk& c : chunks_)
       c.slots[target] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);

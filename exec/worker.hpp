@@ -15,6 +15,7 @@
 #include "exec/checkpoint.hpp"
 #include "exec/copy_engine.hpp"
 #include "exec/data.hpp"
+#include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
@@ -91,12 +92,48 @@ class Worker {
   float* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)
   void copy_record(int stream, Clock::time_point a, Clock::time_point b, int op);
 
-  void step(const planner::Op& op);
+  // Communication beside compute (exec/README.md, "The device interface"). An event: done once
+  // its engine has run the work it was issued with (null engine: done). With a transport that
+  // takes calls from several threads (concurrent()), sends run on send_engine_ and the
+  // data-parallel collectives on collective_engine_, FIFOs on their own threads as a GPU's send
+  // and reduce streams; otherwise (MPI, funneled) inline on the rank's thread, in the same order.
+  struct Event {
+    CopyEngine* engine = nullptr;
+    CopyEngine::Ticket ticket = 0;
+    void wait() const {
+      if (engine) engine->wait(ticket);
+    }
+  };
+  Event issue(CopyEngine* engine, std::function<void()> work);
+  // A point-to-point send of from[key]. Its buffer is held (and counted) while the message is in
+  // flight and released, its send waited for, when the second compute slot after the compute op
+  // that produced it begins (release_sends: the rule of an activation download's device buffer),
+  // so a send overlaps the next compute op and the measured peak is deterministic.
+  void send(const planner::Op& op, Channel channel, std::map<Key, Buffer>& from);
+  void release_sends(int compute_op);
+  struct InFlight {
+    int compute_op;  // the last compute op begun when the send was issued
+    Event sent;
+    Buffer buffer;
+  };
+  // Before the rank's thread reads or writes a chunk's gradients: the collectives and the tied
+  // gradient's send over them have run.
+  void wait_grads(std::size_t chunk);
+  std::vector<Event> reduced_, tied_sent_;  // per chunk: the last collective, tied-gradient send
+  Event slot_sent_[2];  // after the last tied-weights send out of each weight slot
+
+  // The program's ops, through the op switch the CUDA worker shares (interpret.hpp).
+  template <class W>
+  friend void interpret(W& w, const planner::Op& op);
+  void send(const planner::Op& op, Channel channel);  // activation: outputs_, gradient: d_inputs_
+  void recv(const planner::Op& op, Channel channel);
+  void free_version(const planner::Op& op) { slots_.free_version(op.version); }
+  void offload(const planner::Op& op);
   void forward(const planner::Op& op);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
-  void reduce_scatter(const planner::Op& op, std::int64_t begin, std::int64_t end);
+  void reduce_scatter(const planner::Op& op, std::int64_t begin, std::int64_t end, int at);
   void all_gather(int step, int target);
   std::vector<int> replica_group() const;
   // The rank's flat parameters [0, P) split into w contiguous shards: where shard i begins
@@ -164,8 +201,9 @@ class Worker {
       activation_bytes_in_{0};
   mutable std::mutex copy_ops_mutex_;
   std::vector<planner::TimedOp> copy_ops_;  // the copy engines' and host CPU's intervals
+  std::deque<InFlight> in_flight_;          // sends' buffers (after pool_: destroyed before it)
   // Last: destroyed first, while what their work touches still lives.
-  std::unique_ptr<CopyEngine> d2h_, h2d_, host_cpu_;
+  std::unique_ptr<CopyEngine> d2h_, h2d_, host_cpu_, send_engine_, collective_engine_;
 };
 
 }  // namespace pw::exec::detail

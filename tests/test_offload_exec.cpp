@@ -210,10 +210,10 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
 }
 
 // The measured device peak per rank is the planner's plus exactly what the executor holds beyond
-// the planner's figure without offload (the activation-sized messages on their way, one on the
-// end stages and two in the middle here, docs/performance.md), and the copy engines' bytes are
-// the simulator's exactly (and the closed form's per step, flush schedules); run again inside a
-// budget of that peak, the run fits.
+// the planner's figure without offload (the activation-sized messages on their way, received and
+// sent ones held while the next compute op runs: up to three here, docs/performance.md), and the
+// copy engines' bytes are the simulator's exactly (and the closed form's per step, flush
+// schedules); run again inside a budget of that peak, the run fits.
 TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const std::int64_t message = 2 * model.seq_len * model.hidden * 4;  // b = 2
@@ -248,7 +248,7 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
             << "rank " << rank;
         EXPECT_GE(got.peak_memory_bytes, total)
             << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
-        EXPECT_LE(got.peak_memory_bytes, total + 2 * message)
+        EXPECT_LE(got.peak_memory_bytes, total + 3 * message)
             << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
         // Bytes: the simulator's, which runs the same programs (2BW's first step fills the
         // pipeline and swaps fewer stashes than its steady state), exactly; for flush schedules

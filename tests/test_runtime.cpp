@@ -291,6 +291,74 @@ TEST(DistributedOptimizer, SameWeightsAndLossesAsThePlainOne) {
     }
 }
 
+// Sends and data-parallel gradient sums on each rank's communication engines (the default with
+// threads) give the bits of running them inline on the rank's thread (as under MPI): losses and
+// every rank's final weights identical, for the schedules, the tied exchange (d = 2), buckets,
+// the distributed optimizer and interleaving; and the collectives are on the timeline.
+TEST(AsyncComm, SameBitsAsInlineCommunication) {
+  struct Case {
+    Schedule schedule;
+    int w, d, m, buckets;
+    bool sharded;
+  };
+  const std::vector<Case> cases = {
+      {Schedule::one_f_one_b, 2, 2, 4, 3, false}, {Schedule::two_bw, 2, 2, 4, 2, false},
+      {Schedule::two_bw, 2, 2, 2, 2, true},       {Schedule::gpipe, 1, 2, 4, 1, false},
+      {Schedule::interleaved, 2, 2, 2, 2, false}, {Schedule::one_f_one_b, 3, 1, 2, 2, true}};
+  for (const Case& c : cases) {
+    Plan p = make_plan(c.schedule, c.w, c.d, 1, c.m);
+    if (c.schedule == Schedule::interleaved) {
+      p.v = 2;
+      p.stage_blocks.clear();
+      planner::resolve_stages(p, testing::gpt_tiny(4).layers);
+    }
+    p.distributed_optimizer = c.sharded;
+    SCOPED_TRACE(to_string(c.schedule) + " w=" + std::to_string(c.w) + " d=" + std::to_string(c.d) +
+                 " buckets=" + std::to_string(c.buckets) +
+                 (c.sharded ? " distributed optimizer" : ""));
+    TrainOptions o = options(3, "adamw");
+    o.gradient_buckets = c.buckets;
+    o.async_comm = false;
+    const TrainResult want = train_cpu(testing::gpt_tiny(4), p, o);
+    o.async_comm = true;
+    const TrainResult got = train_cpu(testing::gpt_tiny(4), p, o);
+    ASSERT_EQ(got.steps.size(), want.steps.size());
+    for (std::size_t i = 0; i < want.steps.size(); ++i)
+      EXPECT_EQ(got.steps[i].loss, want.steps[i].loss) << "step " << i;
+    ASSERT_EQ(got.ranks.size(), want.ranks.size());
+    for (std::size_t r = 0; r < want.ranks.size(); ++r) {
+      EXPECT_EQ(got.ranks[r].weights, want.ranks[r].weights) << "rank " << r;
+      if (c.w > 1) {
+        // Each all-reduce bucket (reduce-scatter: each bucket too) per step is on the timeline.
+        int collectives = 0;
+        for (const planner::TimedOp& t : got.ranks[r].timeline.ops)
+          collectives += t.stream == planner::kCollectiveStream;
+        EXPECT_GE(collectives, o.steps * c.buckets) << "rank " << r;
+      }
+    }
+  }
+}
+
+// A rank that fails while the others' communication engines have sends and gradient sums in
+// flight (w = 2, d = 2, 4 buckets): the job ends with the failing rank's one line, no hang (the
+// transport's abort wakes the engines' waits; the workers' waits on them rethrow).
+TEST(AsyncComm, AFailingRankEndsTheJobWithOneLine) {
+  Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 1, 4);
+  TrainOptions o = options(3, "adamw");
+  o.gradient_buckets = 4;
+  const TrainResult free_run = train_cpu(testing::gpt_tiny(4), p, o);
+  std::int64_t peak = 0;
+  for (const RankResult& r : free_run.ranks)
+    peak = std::max(peak, r.peak_memory_bytes);
+  for (std::int64_t short_by : {std::int64_t(1), std::int64_t(4096)}) {
+    o.device_memory = peak - short_by;  // some rank's largest allocation does not fit, mid-run
+    const std::string msg = testing::error_of([&] { train_cpu(testing::gpt_tiny(4), p, o); });
+    EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("transport aborted"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
 // The in-process transport's reduce-scatter and all-gather over three threads with uneven parts
 // and an empty one: each member's part of the reduce-scatter is all_reduce_sum's result bit for
 // bit and the rest of its buffer is untouched; the all-gather hands every member every part; an

@@ -288,7 +288,7 @@ TEST(TensorParallel, CheckpointResumeIsBitIdenticalAndRefusesAnotherT) {
 }
 
 // The executor's bytes per category on every device equal the planner's closed form for the TP
-// plan (activations within the one message buffer in flight).
+// plan (activations within the two message buffers in flight: one received, one being sent).
 TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
   const clusters::Cluster node = clusters::load_cluster("dgx-h100");
   for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
@@ -317,10 +317,11 @@ TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
           EXPECT_EQ(got.gradients, want.gradients) << "device " << device;
           EXPECT_EQ(got.optimizer, want.optimizer) << "device " << device;
           EXPECT_EQ(got.workspace, want.workspace) << "device " << device;
-          // At most one activation-sized message (b T C floats) on its way between stages,
-          // which the planner's per-stage memory does not count (docs/performance.md).
+          // At most two activation-sized messages (b T C floats) on their way between stages,
+          // which the planner's per-stage memory does not count (docs/performance.md): one
+          // received, one sent and held while the next compute op runs (exec/worker.hpp).
           EXPECT_GE(got.activations, want.activations) << "device " << device;
-          EXPECT_LE(got.activations, want.activations + message) << "device " << device;
+          EXPECT_LE(got.activations, want.activations + 2 * message) << "device " << device;
         }
       }
 }

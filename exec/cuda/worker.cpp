@@ -239,7 +239,7 @@ void CudaWorker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
   for (op_ = 0; op_ < int(ops.size()); ++op_) {
     reclaim(false);
-    step(ops[std::size_t(op_)]);
+    exec::detail::interpret(*this, ops[std::size_t(op_)]);
   }
   for (cudaStream_t* st : all_streams())
     synchronize(*st, "finish the run");
@@ -247,48 +247,20 @@ void CudaWorker::run() {
   resolve_timeline(true);
 }
 
-void CudaWorker::step(const Op& op) {
-  switch (op.kind) {
-    case OpKind::forward:
-      return forward(op);
-    case OpKind::recompute:
-      return recompute(op);
-    case OpKind::backward:
-      return backward(op);
-    case OpKind::send_activation:
-      return send(op, Channel::activation, outputs_);
-    case OpKind::send_gradient:
-      return send(op, Channel::gradient, d_inputs_);
-    case OpKind::recv_activation:
-      return recv(op, Channel::activation, inputs_, chunks_[std::size_t(op.chunk)].sizes.input);
-    case OpKind::recv_gradient:
-      return recv(op, Channel::gradient, d_outputs_, chunks_[std::size_t(op.chunk)].sizes.output);
-    case OpKind::all_reduce:
-      return all_reduce(op);
-    case OpKind::free_version:
-      slots_.free_version(op.version);
-      return;
-    case OpKind::optimizer_step:
-      return optimizer_step(op);
-    case OpKind::send_tied_gradient:
-    case OpKind::recv_tied_gradient:
-    case OpKind::send_tied_weights:
-    case OpKind::recv_tied_weights:
-    case OpKind::gather_tied_gradient:
-    case OpKind::gather_tied_weights:
-      return tied(op);
-    case OpKind::copy_gradient_to_host:  // prepare_run refuses offload plans before any runs
-    case OpKind::host_optimizer_step:
-    case OpKind::copy_parameters_to_device:
-    case OpKind::copy_activation_to_host:
-    case OpKind::copy_activation_to_device:
-      throw InputError("train does not support --offload yet");
-    case OpKind::copy_chunk_to_host:  // prepare_run refuses chunks plans before any runs
-    case OpKind::copy_chunk_to_device:
-    case OpKind::chunk_step_host:
-    case OpKind::chunk_step_device:
-      throw InputError("train does not run offload chunks (PatrickStar) yet");
-  }
+void CudaWorker::send(const Op& op, Channel channel) {
+  send(op, channel, channel == Channel::activation ? outputs_ : d_inputs_);
+}
+
+void CudaWorker::recv(const Op& op, Channel channel) {
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  if (channel == Channel::activation)
+    recv(op, channel, inputs_, c.sizes.input);
+  else
+    recv(op, channel, d_outputs_, c.sizes.output);
+}
+
+void CudaWorker::offload(const Op&) {  // prepare_run refuses offload plans before any runs
+  throw InputError("train does not support --offload yet");
 }
 
 // Takes the tensor of `key` out of `from` and makes `s` wait until it is valid.
@@ -426,9 +398,8 @@ void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
 void CudaWorker::all_reduce(const Op& op) {
   const planner::Plan& p = s_.plan();
   Chunk& c = chunks_[std::size_t(op.chunk)];
-  const int buckets = s_.programs->buckets;
-  const std::int64_t n = c.sizes.parameters, per = (n + buckets - 1) / buckets;
-  const std::int64_t begin = std::min(n, per * op.bucket), end = std::min(n, begin + per);
+  const auto [begin, end] =
+      exec::detail::bucket_range(c.sizes.parameters, s_.programs->buckets, op.bucket);
   std::vector<int> group;
   for (int r = 0; r < p.w; ++r)
     group.push_back(p.rank_of(stage_, r));

@@ -17,6 +17,7 @@
 #include "exec/cuda/arena.hpp"
 #include "exec/cuda/device_transport.hpp"
 #include "exec/cuda/gpt_stage.hpp"
+#include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/run_common.hpp"
 
@@ -94,7 +95,13 @@ class CudaWorker {
     cudaEvent_t begin, end;
   };
 
-  void step(const planner::Op& op);
+  // The program's ops, through the op switch the CPU worker shares (exec/interpret.hpp).
+  template <class W>
+  friend void exec::detail::interpret(W& w, const planner::Op& op);
+  void send(const planner::Op& op, Channel channel);  // activation: outputs_, gradient: d_inputs_
+  void recv(const planner::Op& op, Channel channel);
+  void free_version(const planner::Op& op) { slots_.free_version(op.version); }
+  [[noreturn]] void offload(const planner::Op& op);
   void forward(const planner::Op& op);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
