@@ -84,6 +84,11 @@ void add_train_command(CLI::App& app) {
                 "CPU backend, one process: run rank r's thread on core r only (with more ranks "
                 "than cores, neighbouring ranks share one); under mpirun, mpirun binds")
       ->capture_default_str();
+  cmd->add_flag("--core-turns,!--no-core-turns", a->options.core_turns,
+                "CPU backend, --pin-cores: ranks sharing a core take turns on it op by op, first "
+                "ready first, as the simulator runs them (--no-core-turns: the OS interleaves "
+                "them); not with --tp > 1")
+      ->capture_default_str();
   cmd->add_flag("--async-comm,!--no-async-comm", a->options.async_comm,
                 "CPU backend, one process: sends and data-parallel gradient sums on each rank's "
                 "communication threads, beside its compute (--no-async-comm: on the rank's "

@@ -396,17 +396,23 @@ void run_and_compare(const ValidateArgs& a) {
     per_core =
         std::max<int>(per_core, int(std::count(placed.placement.begin(), placed.placement.end(),
                                                planner::Placement{0, c})));
+  // Ranks sharing a pinned core take turns on it op by op (the executor's --core-turns), and the
+  // simulator runs them so; otherwise it shares the core fairly, as the OS roughly does.
+  const bool turns = !gpu && !job && a.pin_cores && a.train.core_turns && plan.t == 1;
   if (per_core > 1 && !gpu)
-    fmt::print(
-        "note: {} ranks on {} cores: up to {} ranks share a core (the simulator gives "
-        "each a fair share of it, as the OS scheduler roughly does)\n",
-        plan.ranks(), cluster.gpus_per_node, per_core);
+    fmt::print("note: {} ranks on {} cores: up to {} ranks share a core ({})\n", plan.ranks(),
+               cluster.gpus_per_node, per_core,
+               turns ? "they take turns on it op by op, first ready first, in training and in "
+                       "the simulation (--core-turns)"
+                     : "the simulator gives each a fair share of it, as the OS scheduler roughly "
+                       "does");
   fmt::print("simulating {} steps on {} ({} {} as devices)...\n", a.train.steps, cluster.name,
              cluster.gpus_per_node, gpu ? "GPU" : "cores");
   std::fflush(stdout);
   sim::SimOptions so;
   so.steps = a.train.steps;
   so.gradient_buckets = a.train.gradient_buckets;
+  so.device_turns = turns;
   sim::SimResult sim = sim::simulate(model, trace, cluster, placed, so);
   if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
   if (job) exec::wait_for_all(*job, "wait for rank 0's simulation");
@@ -431,7 +437,7 @@ void run_and_compare(const ValidateArgs& a) {
   // 5. Subtract.
   const planner::Validation v = planner::validate(sim.report, measured, "simulated", "measured");
   print_validation(v);
-  if (per_core > 1 && !gpu)
+  if (per_core > 1 && !gpu && !turns)
     fmt::print(
         "  (ranks share cores: the simulator runs their compute at a fair share of the core, so "
         "its busy times stretch; the OS mostly runs one op at a time, so the measured ones do "
@@ -504,7 +510,7 @@ void run_and_compare(const ValidateArgs& a) {
 constexpr const char* kRunOnly =
     "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
     "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
-    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm";
+    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm --core-turns";
 
 void add_validate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -547,6 +553,10 @@ void add_validate_command(CLI::App& app) {
   cmd->add_flag("--async-comm,!--no-async-comm", a->train.async_comm,
                 "CPU threads: sends and data-parallel gradient sums on each rank's communication "
                 "threads, beside its compute (--no-async-comm: on the rank's thread)")
+      ->capture_default_str();
+  cmd->add_flag("--core-turns,!--no-core-turns", a->train.core_turns,
+                "CPU threads, pinned: ranks sharing a core take turns on it op by op, first ready "
+                "first, as the simulator runs them (--no-core-turns: the OS interleaves them)")
       ->capture_default_str();
   cmd->add_flag("--pin-cores,!--no-pin-cores", a->pin_cores,
                 "CPU threads: run each rank's thread on the core the simulation puts it on "

@@ -39,6 +39,10 @@ struct TrainOptions {
   // Threads (CPU backend, one process): rank r's thread runs on CPU core cores[r] only (Linux
   // sched_setaffinity); empty: wherever the OS puts it.
   std::vector<int> cores;
+  // With `cores`, ranks pinned to the same core take turns on it op by op, first ready first
+  // (exec/worker.hpp, CoreQueue); false: the OS scheduler interleaves them. Not with t > 1 (a
+  // TP group's members wait for each other inside their ops).
+  bool core_turns = true;
   // Threads (CPU backend, one process): each rank's sends and data-parallel gradient sums run on
   // communication engines beside its compute (exec/README.md, "The device interface"); false:
   // inline on the rank's thread, as under MPI. The same losses either way.

@@ -2,6 +2,9 @@
 // per rank under mpirun: exec/mpi/train.cpp).
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <map>
+
 #include "exec/checkpoint.hpp"
 #include "exec/machine_load.hpp"
 #include "exec/worker.hpp"
@@ -34,19 +37,32 @@ TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
   for (int r = 0; r < devices; ++r)
     shared.devices[std::size_t(r)].set_budget(options.device_memory, fmt::format("rank {}", r));
   shared.on_step = on_step;
+  if (!options.cores.empty() && int(options.cores.size()) != devices)
+    throw InputError(fmt::format("{} cores to pin {} ranks to", options.cores.size(), devices));
+  if (options.core_turns && plan.t == 1 && !options.cores.empty()) {
+    std::map<int, std::shared_ptr<detail::CoreQueue>> by_core;
+    for (int c : options.cores)
+      if (std::count(options.cores.begin(), options.cores.end(), c) > 1 && !by_core.count(c))
+        by_core[c] = std::make_shared<detail::CoreQueue>();
+    if (!by_core.empty())
+      for (int c : options.cores)
+        shared.core_queues.push_back(by_core.count(c) ? by_core[c] : nullptr);
+  }
   std::vector<std::unique_ptr<detail::Worker>> workers;
   for (int r = 0; r < devices; ++r)
     workers.push_back(std::make_unique<detail::Worker>(shared, r));
   shared.start = detail::Clock::now();
-  if (!options.cores.empty() && int(options.cores.size()) != devices)
-    throw InputError(fmt::format("{} cores to pin {} ranks to", options.cores.size(), devices));
   detail::run_threads(
       devices,
       [&](int r) {
         if (!options.cores.empty()) pin_current_thread(options.cores[std::size_t(r)]);
         workers[std::size_t(r)]->run();
       },
-      [&] { transport.abort(); });
+      [&] {
+        transport.abort();
+        for (const auto& q : shared.core_queues)
+          if (q) q->abort();
+      });
   TrainResult result;
   result.first_step = run.first_step;
   result.programs = programs;

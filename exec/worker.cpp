@@ -23,6 +23,7 @@ Worker::Worker(Shared& s, int device)
       replica_(s.plan().replica_of(rank_)),
       t_(s.plan().t),
       memory_(&s.devices[std::size_t(device)]) {
+  if (!s.core_queues.empty()) core_ = s.core_queues[std::size_t(device)].get();
   const planner::Plan& p = s.plan();
   std::int64_t workspace = 0;
   slots_.set_rank(device);
@@ -530,12 +531,34 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
                      c.slots[slots_.slot_of(version)].data() + c.tied_offset, c.tied_size);
 }
 
+// A rank sharing its core keeps its turn from a compute op through the sends that follow it (so
+// that its output leaves before a neighbour's op takes the core), and gives it up at anything else.
+void Worker::take_core() {
+  if (!core_ || holding_core_) return;
+  core_->take();
+  holding_core_ = true;
+}
+
+void Worker::release_core() {
+  if (!holding_core_) return;
+  holding_core_ = false;
+  core_->release();
+}
+
 void Worker::run() {
   const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
-  for (op_ = 0; op_ < int(ops.size()); ++op_) {
-    if (s_.before_op) s_.before_op(device_, op_);
-    interpret(*this, ops[std::size_t(op_)]);
+  try {
+    for (op_ = 0; op_ < int(ops.size()); ++op_) {
+      if (s_.before_op) s_.before_op(device_, op_);
+      const planner::Op& op = ops[std::size_t(op_)];
+      if (op.kind != OpKind::send_activation && op.kind != OpKind::send_gradient) release_core();
+      interpret(*this, op);
+    }
+  } catch (...) {
+    release_core();
+    throw;
   }
+  release_core();
   // What the engines still run (nothing, in a program whose ops wait for their copies; the last
   // sends and collectives, which no op of the rank waits for).
   for (CopyEngine* e :
@@ -634,6 +657,7 @@ void Worker::forward(const Op& op) {
   Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
   // With recompute the layers run through a scratch as large as one layer's stash, freed at once.
   Buffer scratch(memory_, Category::activations, rc ? c.sizes.scratch : 0, &pool_);
+  take_core();
   const auto t0 = Clock::now();
   const float loss = c.stage->forward(
       params(c, op.version), c.first ? tokens.data() : nullptr,
@@ -654,6 +678,7 @@ void Worker::recompute(const Op& op) {
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
   Buffer full(memory_, Category::activations, c.sizes.stash, &pool_);
+  take_core();
   const auto t0 = Clock::now();
   c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
                      c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
@@ -684,6 +709,7 @@ void Worker::backward(const Op& op) {
   Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
+  take_core();
   const auto t0 = Clock::now();
   if (offload_optimizer_) {
     const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
@@ -937,6 +963,7 @@ void Worker::optimizer_step(const Op& op) {
   if (allocate)
     for (Chunk& c : chunks_)
       c.slots[target] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+  take_core();
   const auto t0 = Clock::now();
   for (Chunk& c : chunks_)
     update(c, slots_.newest(), target);

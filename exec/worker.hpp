@@ -27,8 +27,46 @@ namespace pw::exec::detail {
 
 // The CPU run: the step book plus the transport (in-process between threads, or MPI between
 // processes) and a byte counter per rank (each thread or process is its own device).
+// Ranks whose threads share one CPU core take turns on it op by op, in the order their compute
+// ops became ready (a ticket lock): one op runs to its end before the next starts, as a device
+// runs the kernels queued on it, and as the simulator runs ops that share a device
+// (docs/formulas.md, "Ranks sharing a device"). Without it the OS scheduler interleaves them
+// mid-op in an order the programs do not know.
+class CoreQueue {
+ public:
+  // Waits for the core; throws Error once abort() was called (a rank failed).
+  void take() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t ticket = next_++;
+    ready_.wait(lock, [&] { return aborted_ || serving_ == ticket; });
+    if (aborted_) throw Error("the run was aborted while waiting for a shared core");
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      ++serving_;
+    }
+    ready_.notify_all();
+  }
+  void abort() {
+    {
+      std::lock_guard lock(mutex_);
+      aborted_ = true;
+    }
+    ready_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::uint64_t next_ = 0, serving_ = 0;
+  bool aborted_ = false;
+};
+
 struct Shared : StepBook {
   Transport* transport = nullptr;
+  // Per device: the queue of the core it shares with others, or null (TrainOptions::cores).
+  std::vector<std::shared_ptr<CoreQueue>> core_queues;
   std::vector<MemoryCounter> devices;
   const char* runs_on = "thread";  // in the timeline's labels: "thread" or "process"
   // Called before each op of a rank's program with its index (a test's fault injection); may be
@@ -173,6 +211,10 @@ class Worker {
   int updates_ = 0;
   std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
   double busy_s_ = 0;
+  CoreQueue* core_ = nullptr;  // the core it shares with other ranks' threads, if it does
+  bool holding_core_ = false;  // its turn on core_: from a compute op through the sends after it
+  void take_core();
+  void release_core();
   double tp_wait_s_ = 0;  // inside compute ops: the TP collectives (not counted as busy)
   int op_ = 0;            // index of the op being run
   std::vector<planner::TimedOp> ops_;  // the timeline

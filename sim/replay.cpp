@@ -435,8 +435,18 @@ class Replayer {
 
   // Alone on its GPU a rank replays the duration (sleep_for: no resource to share). Ranks sharing
   // a GPU execute on its host, which SimGrid shares max-min fairly: two busy ranks each run at
-  // half speed, as two streams contending for one GPU.
+  // half speed, as two streams contending for one GPU. With device turns (the CPU executor's
+  // --core-turns) they take the device's mutex instead, first come first served, and run alone.
   void compute(double seconds) {
+    if (me_.turn && seconds > 0) {
+      std::unique_lock<sg4::Mutex> turn(*me_.turn, std::defer_lock);
+      if (!holding_turn_) turn.lock();
+      const double start = sg4::Engine::get_clock();
+      sg4::this_actor::sleep_for(seconds);
+      ++w_.timed_ops;
+      record(kCompute, start, sg4::Engine::get_clock(), op_);
+      return;
+    }
     const double start = sg4::Engine::get_clock();
     if (seconds > 0) {
       if (me_.shares_gpu) {
@@ -499,10 +509,17 @@ class Replayer {
         (me_.recompute == planner::Recompute::selective ? ch.selective_recompute_s : 0.0);
     if (!bucketed_[std::size_t(op_)]) return compute(t);
     const int buckets = w_.programs->buckets;
+    // With device turns the backward holds the device throughout, as the executor's one op does.
+    std::unique_lock<sg4::Mutex> turn;
+    if (me_.turn && t > 0) {
+      turn = std::unique_lock<sg4::Mutex>(*me_.turn);
+      holding_turn_ = true;
+    }
     for (int b = 0; b < buckets; ++b) {
       compute(t / buckets);
       trigger(op.step, op.chunk, b);
     }
+    holding_turn_ = false;
   }
 
   void send(const Op& op) {
@@ -793,6 +810,7 @@ class Replayer {
   std::map<std::string, SendChannel> channels_;  // by mailbox name (map: stable references)
   std::int64_t versions_ = 1;
   int op_ = 0;
+  bool holding_turn_ = false;  // backward(): the device turn is held across its bucket pieces
   OffloadReplay offload_{w_, me_};
   CopyEngine down_, up_;  // activation offload
   sg4::MutexPtr swap_mutex_;

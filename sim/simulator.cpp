@@ -298,6 +298,15 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   w.platform = &platform;
   w.options = options;
   setup_ranks(w, model, trace, cluster, platform);
+  if (options.device_turns) {  // one mutex per shared GPU (SimGrid's mutexes queue FIFO)
+    std::map<std::pair<int, int>, sg4::MutexPtr> turns;
+    for (RankState& rs : w.ranks)
+      if (rs.shares_gpu) {
+        sg4::MutexPtr& m = turns[{rs.node, rs.gpu}];
+        if (!m) m = sg4::Mutex::create();
+        rs.turn = m;
+      }
+  }
   set_transfer_observer(
       [&w](sg4::Host* from, sg4::Host* to, double bytes) { w.links.count(from, to, bytes); });
   for (int r = 0; r < plan.ranks(); ++r)

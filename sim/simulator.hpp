@@ -20,6 +20,9 @@ struct SimOptions {
   int steps = 3;             // optimizer steps simulated; the report gives the steady state
   int gradient_buckets = 4;  // all-reduce buckets per chunk, overlapping the last backward
   bool timeline = false;     // build the Chrome-trace timeline (costs memory on big runs)
+  // Ranks sharing a device run their compute ops one at a time, first ready first (the CPU
+  // executor's --core-turns), instead of sharing it max-min fairly (streams on one GPU).
+  bool device_turns = false;
 };
 
 struct LinkStat {

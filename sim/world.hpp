@@ -64,6 +64,7 @@ struct Collective {
 struct RankState {
   int rank = 0, stage = 0, replica = 0, node = 0, gpu = 0;
   bool shares_gpu = false;  // another rank runs on the same GPU: compute shares it (execute)
+  sg4::MutexPtr turn;       // SimOptions::device_turns: the shared GPU's, held by one op at a time
   sg4::Host* host = nullptr;
   std::vector<planner::ChunkCost> chunks;  // by chunk
   std::int64_t version_bytes = 0;          // one weight version of this rank
