@@ -138,16 +138,16 @@ struct Case {
 };
 
 // The same plan with and without chunks: the same losses and final weights, bit for bit, over
-// several steps, for 1f1b and gpipe, m = 1 and 3, two chunk sizes (the largest tensor, 64 KiB,
-// and twice that), tied and untied, at three budgets; the measured peak is the planner's and the
-// simulator's exactly and inside the budget; the bytes moved are the simulator's exactly.
+// several steps, for 1f1b, gpipe and dp, m = 1, 2 and 3, two chunk sizes (the largest tensor, 64
+// KiB, and twice that), tied and untied, at three budgets; the measured peak is the planner's and
+// the simulator's exactly and inside the budget; the bytes moved are the simulator's exactly.
 TEST(ChunksExec, BitIdenticalPeakAndBytesAreThePlanners) {
   const int steps = 3;
   for (const Case& k :
        {Case{Schedule::one_f_one_b, 2, 1, 65536, false},
         Case{Schedule::one_f_one_b, 1, 3, 131072, false}, Case{Schedule::gpipe, 1, 3, 65536, false},
-        Case{Schedule::gpipe, 2, 2, 131072, true},
-        Case{Schedule::one_f_one_b, 1, 3, 65536, true}}) {
+        Case{Schedule::gpipe, 2, 2, 131072, true}, Case{Schedule::one_f_one_b, 1, 3, 65536, true},
+        Case{Schedule::dp, 2, 2, 65536, false}}) {
     const models::ModelSpec model = k.untied ? untied(testing::gpt_tiny(3)) : testing::gpt_tiny(3);
     const TrainResult plain =
         train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1), options(steps));
