@@ -359,13 +359,17 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
   }
 }
 
-// What the executor does not run: the CUDA backend's offload, optimizer offload with both tied
-// ends on one stage.
+// What the executor does not run: offload on a backend other than cpu and cuda, optimizer
+// offload with both tied ends on one stage. The CUDA backend's checks pass every mode.
 TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kOptimizer);
-  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "cuda"); });
-  EXPECT_NE(msg.find("the cuda executor does not run --offload yet"), std::string::npos) << msg;
+  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "tpu"); });
+  EXPECT_NE(msg.find("the tpu executor does not run --offload yet"), std::string::npos) << msg;
+  for (int mode : {kOptimizer, kActivations, kBoth})
+    EXPECT_NO_THROW(detail::prepare_run(
+        model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
+        << mode_name(mode);
   const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
   msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
