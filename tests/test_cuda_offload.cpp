@@ -11,6 +11,7 @@
 // the GPU cases report themselves skipped.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -255,8 +256,12 @@ TEST(CudaOffload, BytesAndMemoryMatchThePlanner) {
         EXPECT_EQ(got.memory.weight_versions, wm.weight_versions) << "rank " << rank;
         EXPECT_EQ(got.memory.gradients, wm.gradients) << "rank " << rank;
         EXPECT_EQ(got.memory.optimizer, wm.optimizer) << "rank " << rank;
+        // Activations: the planner's within 5% (the runtime's own test) or the activation-sized
+        // messages on their way (at most three, as on the CPU), whichever is larger: with swaps
+        // the planner's figure is small and the messages weigh more.
+        const double message = 2.0 * p.b * kGpu.seq_len * kGpu.hidden;  // bf16 (b, T, C)
         EXPECT_NEAR(double(got.memory.activations), double(wm.activations),
-                    0.05 * double(wm.activations))
+                    std::max(0.05 * double(wm.activations), 3 * message))
             << "rank " << rank;
         if (mode == kOptimizer) {
           EXPECT_EQ(got.host_peak_memory_bytes,
