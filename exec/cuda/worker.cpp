@@ -806,8 +806,10 @@ void CudaWorker::end_of_step(int step) {
 // them when resumed).
 void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
   const planner::Plan& p = s_.plan();
-  // A growth past --device-memory first takes back the buffers of the stashes on their way out.
-  if (swaps_) memory_.set_reclaim([this] { return reclaim_download(); });
+  // A growth past --device-memory first takes back the buffers of the stashes on their way out,
+  // then waits for the oldest block retired on a stream (the CPU worker has none: it releases at
+  // fixed points), before the counter gives up with its one line.
+  memory_.set_reclaim([this] { return (swaps_ && reclaim_download()) || reclaim_retired(); });
   if (!offload_optimizer_) return;
   std::int64_t largest = 0;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
@@ -870,6 +872,14 @@ void CudaWorker::timed(int stream_id, cudaStream_t stream, int op,
 void CudaWorker::release_downloads(int compute_op) {
   while (downloads_.due(compute_op))
     reclaim_download();
+}
+
+bool CudaWorker::reclaim_retired() {
+  if (retired_.empty()) return false;
+  host_wait(retired_.front().done, "free a retired block");
+  pool_.push_back(retired_.front().done);
+  retired_.pop_front();  // the tensor goes back to the arena (and its counter)
+  return true;
 }
 
 bool CudaWorker::reclaim_download() {

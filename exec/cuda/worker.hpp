@@ -1,8 +1,10 @@
 // Internal to exec/cuda: one rank's GPU worker, the CUDA twin of exec/worker.hpp. It interprets
 // its program op by op, enqueueing work on streams of its own: compute (forward, recompute,
-// backward, optimizer), a send and a recv stream per channel, and all-reduce, ordered by events
-// exactly where one op consumes what another stream produced. The host thread waits for the GPU
-// once per step (after the optimizer, for the loss and the step's end) and never between ops.
+// backward, optimizer), a send and a recv stream per channel, and all-reduce (with offload also a
+// device-to-host, a host-to-device and a host stream), ordered by events exactly where one op
+// consumes what another stream produced. The host thread waits for the GPU once per step (after
+// the optimizer, for the loss and the step's end) and never between ops, except for a swapped
+// stash's download at its release point (as the CPU worker waits there).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -180,6 +182,7 @@ class CudaWorker {
   void timed(int stream_id, cudaStream_t stream, int op, const std::function<void()>& enqueue);
   void release_downloads(int compute_op);
   bool reclaim_download();
+  bool reclaim_retired();  // waits for the oldest retired block and frees it; false: none
   // Waits on the host (polled, with the transport's timeout and abort) for `e`.
   void host_wait(cudaEvent_t e, const char* what);
   // Pinned host blocks of swapped stashes, reused by size; each with the event after its last
