@@ -510,7 +510,8 @@ void run_and_compare(const ValidateArgs& a) {
 constexpr const char* kRunOnly =
     "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
     "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
-    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm --core-turns";
+    "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm "
+    "--core-turns";
 
 void add_validate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(

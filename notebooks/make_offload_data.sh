@@ -11,8 +11,9 @@
 #                  chunks, one GPU only, run without it).
 #   bandwidth.csv  gpt-10b on one V100-32GB with --offload optimizer: step time against the
 #                  host link's bandwidth (PCIe 5 allowed so the sweep can pass PCIe 3's 15.75 GB/s)
-#   timeline_2bw.json, report_2bw.json  a simulated 2BW plan with optimizer offload: gpt-10b on
-#                  p3.16xlarge (8 x V100-16GB), d = 8, b = 2, m = 8, full recomputation
+#   timeline_2bw.json, report_2bw.json  a simulated 2BW plan with optimizer and activation
+#                  offload: gpt3-13b on 4 GH200 nodes, d = 4, b = 2, m = 8 (its timeline has
+#                  device and host memory counters per rank)
 # Usage: make_offload_data.sh PATH/TO/pipewright OUT_DIR   (about 30 s on 2 cores)
 set -euo pipefail
 PW=$1
@@ -129,8 +130,10 @@ for name in ("estimate.json", "estimate_bw.json", "simulate_bw.json"):
     os.remove(os.path.join(out, name))
 PY
 
-"$PW" simulate --model gpt-10b --cluster p3.16xlarge -d 8 -b 2 -m 8 --schedule 2bw \
-  --recompute full --offload optimizer --steps 2 --out "$OUT/report_2bw.json" \
-  --timeline "$OUT/timeline_2bw.json" >/dev/null
+# Memory over time: a 2BW pipeline whose stashes go to the host and come back (KARMA) beside
+# the optimizer offload's static host bytes, on four GH200 nodes (NVLink-C2C).
+"$PW" simulate --model gpt3-13b --cluster gh200:4 --set network.bandwidth_bytes_per_s=5e10 -d 4 \
+  -b 2 -m 8 --schedule 2bw --offload optimizer,activations --steps 2 \
+  --out "$OUT/report_2bw.json" --timeline "$OUT/timeline_2bw.json" >/dev/null
 rm -f "$OUT"/gpt-h4096-l*.json
 echo "wrote $(ls "$OUT" | wc -l) files to $OUT"

@@ -425,6 +425,12 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
   return sw;
 }
 
+namespace {
+StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& mc,
+                     const traces::Trace& trace, const clusters::Cluster& cluster, const Plan& p,
+                     int s);  // below
+}  // namespace
+
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
                                                  const clusters::Cluster& cluster, const Plan& plan,
@@ -439,6 +445,23 @@ std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
     const bool hides = sw.units_per_step > 0 && sw.copy_s <= sw.window_s;
     const bool keeps = sw.units_per_step == 0 && keep_unswappable;
     out.push_back(hides || keeps ? ActivationChoice::swap : ActivationChoice::recompute);
+  }
+  // Memory: a stage that would swap but then not fit on the device, where recomputing would
+  // fit (the swap keeps up to three stashes there, recompute one layer's), recomputes.
+  const double capacity = double(cluster.device.memory_bytes);
+  Plan q = plan;
+  set_activations(q, out);
+  for (int s = 0; s < plan.d; ++s) {
+    if (out[std::size_t(s)] != ActivationChoice::swap) continue;
+    if (double(stage_cost(model, mc, trace, cluster, q, s).memory.total()) <= capacity) continue;
+    std::vector<ActivationChoice> alt = out;
+    alt[std::size_t(s)] = ActivationChoice::recompute;
+    Plan r = plan;
+    set_activations(r, alt);
+    if (double(stage_cost(model, mc, trace, cluster, r, s).memory.total()) <= capacity) {
+      out = std::move(alt);
+      q = std::move(r);
+    }
   }
   return out;
 }

@@ -182,7 +182,9 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
 // (copy_s <= window_s); recompute when the copies would not hide. A stage where nothing can swap
 // (1F1B's last stage: each backward right after its forward) gets `swap` when keep_unswappable
 // (it keeps its stash, as without offload: no recompute time) and `recompute` otherwise (less
-// memory); the planner tries both. `plan` placed and resolved, t == 1.
+// memory); the planner tries both. Then memory: a stage whose swap would not fit on the device
+// (its peak above the device's memory) recomputes where that fits. `plan` placed and resolved,
+// t == 1.
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
                                                  const clusters::Cluster& cluster, const Plan& plan,

@@ -58,6 +58,12 @@ common::Json chrome_trace(const Programs& programs, const std::vector<RankTimeli
                         {"pid", r.rank},
                         {"ts", t * kUs},
                         {"args", {{"bytes", bytes}}}});
+    for (const auto& [t, bytes] : r.host_memory)
+      events.push_back({{"ph", "C"},
+                        {"name", "host memory"},
+                        {"pid", r.rank},
+                        {"ts", t * kUs},
+                        {"args", {{"bytes", bytes}}}});
   }
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }

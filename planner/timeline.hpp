@@ -40,6 +40,8 @@ struct RankTimeline {
   std::string label;  // "rank 3 (node 0 gpu 3, stage 3, replica 0)"
   std::vector<TimedOp> ops;
   std::vector<std::pair<double, std::int64_t>> memory;  // (time, bytes) at every change
+  // Offload: the rank's bytes in host memory, (time, bytes) at every change; empty without.
+  std::vector<std::pair<double, std::int64_t>> host_memory;
 };
 
 // Format described in docs/formats.md ("Timeline").

@@ -405,6 +405,9 @@ class Replayer {
   void host_swap(std::int64_t bytes) {
     me_.swap_host_now += bytes;
     me_.swap_host_peak = std::max(me_.swap_host_peak, me_.swap_host_now);
+    if (w_.options.timeline)
+      me_.host_samples.emplace_back(sg4::Engine::get_clock(),
+                                    me_.offload.host_bytes + me_.swap_host_now);
   }
 
   // A backward whose stash went to the host waits for its upload.

@@ -81,6 +81,9 @@ struct RankState {
   std::int64_t copied_out_bytes = 0, copied_in_bytes = 0;
   // Activation offload (plan.swaps(stage)): the swapped bytes on the host now and at their peak.
   std::int64_t swap_host_now = 0, swap_host_peak = 0, swapped_bytes = 0;
+  // With a timeline: (time, the rank's host bytes: offload's static ones plus the swapped stashes)
+  // at every change.
+  std::vector<std::pair<double, std::int64_t>> host_samples;
   // offload chunks: whole-chunk copies the replay ran (all steps).
   std::int64_t chunk_uploads = 0, chunk_downloads = 0;
   std::vector<Event> events;                         // every op that took time

@@ -578,6 +578,45 @@ TEST_F(ActivationWs, CopiesThatHideCostNoTimeAndSaveTheStash) {
   EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
 }
 
+// The rule is memory-aware: on a device too small for the swap's three stashes but large enough
+// for recomputing, a stage whose copies hide recomputes; with a byte more than the swap needs, it
+// swaps.
+TEST_F(ActivationWs, SwapsOnlyWhereTheSwapFits) {
+  clusters::Cluster c = link(4e11);
+  const Plan p = swapping(c, 8);
+  Plan rc = p;
+  set_activations(rc, {ActivationChoice::recompute});
+  const std::int64_t swap_peak = estimate(model, trace, c, p).report.devices[0].peak_memory_bytes;
+  const std::int64_t rc_peak = estimate(model, trace, c, rc).report.devices[0].peak_memory_bytes;
+  ASSERT_LT(rc_peak, swap_peak);
+  Plan chosen = p;
+  chosen.activations.clear();
+  c.device.memory_bytes = swap_peak;
+  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  c.device.memory_bytes = swap_peak - 1;
+  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::recompute);
+  c.device.memory_bytes = rc_peak - 1;  // neither fits: the time rule's choice stands
+  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+}
+
+// The simulated timeline's host memory counter: the swapped stashes come and go on the host; its
+// largest value is the report's host peak (one rank on the node) and it ends where it started.
+TEST_F(ActivationWs, HostMemoryOverTimeInTheTimeline) {
+  const clusters::Cluster c = link(4e11);
+  const Plan p = swapping(c, 8);
+  const sim::SimResult s = sim::simulate(model, trace, c, p, {.steps = 2, .timeline = true});
+  std::vector<std::int64_t> host;
+  for (const auto& e : s.timeline["traceEvents"])
+    if (e.value("name", "") == "host memory")
+      host.push_back(e["args"]["bytes"].get<std::int64_t>());
+  ASSERT_GT(host.size(), 2u);
+  ASSERT_EQ(s.report.hosts.size(), 1u);
+  EXPECT_EQ(*std::max_element(host.begin(), host.end()), s.report.hosts[0].peak_memory_bytes);
+  EXPECT_EQ(host.front(), 0);  // no optimizer offload: nothing on the host before the first swap
+  EXPECT_EQ(host.back(), 0);   // every stash came back
+  EXPECT_EQ(*std::min_element(host.begin(), host.end()), 0);
+}
+
 // A slow link: m = 4, copies c longer than a backward; the step is f + 5c + b (the stall of
 // StallRecurrenceAndRuleByHand) in the closed form and the simulator. The rule picks recompute.
 TEST_F(ActivationWs, CopiesThatDoNotHideStallTheStep) {

@@ -1,6 +1,7 @@
 // exec/ runtime on the CPU backend: the schedules' numerics. Flush schedules (GPipe, 1F1B) train
 // exactly like single-device mini-batch training on the same global batch; 2BW follows
 // W(t+1) = W(t) - lr * step(grad f(W(t-1))) and never holds more than two versions.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "exec/data.hpp"
+#include "exec/machine_load.hpp"
 #include "exec/optimizer.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
@@ -357,6 +359,53 @@ TEST(AsyncComm, AFailingRankEndsTheJobWithOneLine) {
     EXPECT_EQ(msg.find("transport aborted"), std::string::npos) << msg;
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   }
+}
+
+// Ranks pinned to one core take turns on it (--core-turns): the same bits as when the OS
+// interleaves them, and no two ranks' compute ops overlap in time; a rank that fails while the
+// others wait for the core ends the job with its own one line (the queue's abort wakes them).
+TEST(CoreTurns, OneOpAtATimeOnASharedCoreWithTheSameBits) {
+  const std::vector<int> allowed = allowed_cores();
+  ASSERT_FALSE(allowed.empty());
+  struct Case {
+    Schedule schedule;
+    int w, d, m;
+  };
+  for (const Case& c : {Case{Schedule::two_bw, 1, 4, 4}, Case{Schedule::one_f_one_b, 2, 2, 4}}) {
+    SCOPED_TRACE(to_string(c.schedule) + " w=" + std::to_string(c.w));
+    const Plan p = make_plan(c.schedule, c.w, c.d, 1, c.m);
+    TrainOptions o = options(3, "adamw");
+    o.gradient_buckets = 2;
+    o.cores.assign(std::size_t(p.ranks()), allowed.front());
+    o.core_turns = false;
+    const TrainResult os = train_cpu(testing::gpt_tiny(4), p, o);
+    o.core_turns = true;
+    const TrainResult turns = train_cpu(testing::gpt_tiny(4), p, o);
+    ASSERT_EQ(turns.steps.size(), os.steps.size());
+    for (std::size_t i = 0; i < os.steps.size(); ++i)
+      EXPECT_EQ(turns.steps[i].loss, os.steps[i].loss) << "step " << i;
+    std::vector<std::pair<double, double>> compute;
+    for (std::size_t r = 0; r < os.ranks.size(); ++r) {
+      EXPECT_EQ(turns.ranks[r].weights, os.ranks[r].weights) << "rank " << r;
+      for (const planner::TimedOp& t : turns.ranks[r].timeline.ops)
+        if (t.stream == planner::kComputeStream) compute.emplace_back(t.start_s, t.end_s);
+    }
+    std::sort(compute.begin(), compute.end());
+    ASSERT_GT(compute.size(), std::size_t(p.ranks() * c.m));
+    for (std::size_t i = 1; i < compute.size(); ++i)
+      EXPECT_LE(compute[i - 1].second, compute[i].first) << "compute op " << i << " overlaps";
+  }
+  Plan p = make_plan(Schedule::two_bw, 1, 4, 1, 4);
+  TrainOptions o = options(3, "adamw");
+  o.cores.assign(4, allowed.front());
+  std::int64_t peak = 0;
+  for (const RankResult& r : train_cpu(testing::gpt_tiny(4), p, o).ranks)
+    peak = std::max(peak, r.peak_memory_bytes);
+  o.device_memory = peak - 1;  // the rank with the largest peak fails mid-run
+  const std::string msg = testing::error_of([&] { train_cpu(testing::gpt_tiny(4), p, o); });
+  EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("aborted"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // The in-process transport's reduce-scatter and all-gather over three threads with uneven parts

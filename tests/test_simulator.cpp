@@ -257,6 +257,35 @@ TEST_F(Uniform, StagesOnOneGpuShareItsCompute) {
   EXPECT_LT(r.report.iteration_time_s, 8 * stage(12) * 1.05);
 }
 
+// Device turns (the CPU executor's --core-turns): the four stages on one GPU run one op at a
+// time, so no op is stretched: the busy times add up to at most the step (exactly, in 2bw's
+// steady state), where fair sharing stretches each op and they add up to more.
+TEST_F(Uniform, StagesOnOneGpuTakeTurns) {
+  clusters::Cluster one = clusters::load_cluster("h100-x1");
+  Plan p = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, grid(one), 4);
+  const auto busy = [](const SimResult& r) {
+    double sum = 0;
+    for (const auto& d : r.report.devices)
+      sum += d.busy_s;
+    return sum;
+  };
+  const SimResult turns = simulate(model, trace, one, p, {.steps = 4, .device_turns = true});
+  EXPECT_GE(turns.report.iteration_time_s, 8 * stage(12) * (1 - 1e-9));
+  EXPECT_LT(turns.report.iteration_time_s, 8 * stage(12) * 1.05);
+  EXPECT_LE(busy(turns), turns.report.iteration_time_s * (1 + 1e-9));
+  EXPECT_GE(busy(turns), 8 * stage(12) * (1 - 1e-9));
+  for (const auto& d : turns.report.devices)  // 3 blocks a stage, plus its optimizer step
+    EXPECT_GE(d.busy_s, 8 * stage(3) * (1 - 1e-9));
+  const SimResult fair = simulate(model, trace, one, p, {.steps = 4});
+  EXPECT_GT(busy(fair), fair.report.iteration_time_s * 1.5);
+  // Alone on their GPUs the option changes nothing.
+  clusters::Cluster four = node_with_latency(1e-6, 4);
+  Plan q = plan_of(Schedule::two_bw, 1, 4, 2, 8, 1, 12, grid(four));
+  EXPECT_EQ(
+      simulate(model, trace, four, q, {.steps = 2, .device_turns = true}).report.iteration_time_s,
+      simulate(model, trace, four, q, {.steps = 2}).report.iteration_time_s);
+}
+
 // Peak memory per stage equals planner/'s closed form, for each schedule, with and without
 // recomputation (one rank per GPU).
 TEST_F(Uniform, PeakMemoryEqualsTheClosedForm) {
