@@ -45,7 +45,12 @@ void add_train_command(CLI::App& app) {
   a->plan.add(*cmd);
   cmd->add_option("--backend", a->backend,
                   "cpu (a thread per rank; under mpirun -np N, one process per rank), or cuda "
-                  "(every rank on GPU 0; under mpirun -np N, one process per GPU)")
+                  "(every rank on GPU 0; under mpirun -np N, one process per GPU"
+#ifdef PW_HAVE_CUDA
+                  "; --offload optimizer, activations or optimizer,activations on pinned host "
+                  "memory and copy streams, not chunks"
+#endif
+                  ")")
       ->capture_default_str();
   cmd->add_option("--steps", a->options.steps, "optimizer steps")
       ->capture_default_str()
@@ -95,9 +100,10 @@ void add_train_command(CLI::App& app) {
                 "thread, as under mpirun; the same losses)")
       ->capture_default_str();
   cmd->add_option("--device-memory", a->options.device_memory,
-                  "CPU backend: bytes of each rank's emulated device (its tensors' arena); a run "
-                  "that would exceed it stops with one line naming the rank, what did not fit "
-                  "and by how much (default 0: unlimited)")
+                  "bytes of each rank's device: the CPU backend's emulated device (its tensors' "
+                  "arena), the CUDA backend's counted tensors; a run that would exceed it stops "
+                  "with one line naming the rank, what did not fit and by how much (default 0: "
+                  "unlimited)")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t(0), std::int64_t(1) << 50));
   cmd->add_option("--out,-o", a->out, "write the measured run report (JSON) here");

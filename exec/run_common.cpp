@@ -86,12 +86,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         "--offload chunks runs AdamW (each chunk carries Adam's m and v); --optimizer {} with "
         "chunks is not supported",
         options.optimizer));
-  // Offload runs on the CPU backend's emulated device (docs/formats.md, train); other backends
-  // are refused.
-  if (plan.any_offload() && backend != "cpu")
+  // Offload runs on the CPU backend's emulated device and on the CUDA backend (pinned host
+  // memory, copy streams; docs/formats.md, train); other backends are refused.
+  if (plan.any_offload() && backend != "cpu" && backend != "cuda")
     throw InputError(
-        fmt::format("plan: offload: the {} executor does not run --offload yet (the cpu backend "
-                    "does); estimate or simulate it instead",
+        fmt::format("plan: offload: the {} executor does not run --offload yet (the cpu and cuda "
+                    "backends do); estimate or simulate it instead",
                     backend));
   if (plan.offload != planner::Offload::none && plan.offload != planner::Offload::optimizer &&
       plan.offload != planner::Offload::chunks)

@@ -164,27 +164,11 @@ void Worker::setup_offload() {
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     HostChunk h;
-    const std::int64_t n = c.sizes.parameters;
-    // The last stage's copy of the tied tensor (the layout's last slot) is not updated there.
-    h.n = c.last && c.tied_offset >= 0 ? c.tied_offset : n;
-    if (h.n != n && c.tied_offset + c.tied_size != n)
-      throw Error(
-          fmt::format("rank {}: the tied copy is not the last tensor of chunk {}", rank_, i));
-    // Tiles: the embedding (wte, wpe), each block (h<k>.*), the final norm with the head.
-    std::string current;
-    for (const TensorSlot& slot : c.stage->layout()) {
-      if (slot.offset >= h.n) break;
-      const std::size_t dot = slot.name.find('.');
-      const std::string key = slot.name == "wte" || slot.name == "wpe" ? "embedding"
-                              : dot != std::string::npos               ? slot.name.substr(0, dot)
-                                                                       : "head";
-      if (h.tiles.empty() || key != current) h.tiles.push_back({slot.offset, slot.offset});
-      current = key;
-      h.tiles.back().end = slot.offset + slot.size;
-    }
-    if (int(h.tiles.size()) != planner::offload_tiles(p, stage_, int(i)))
-      throw Error(fmt::format("rank {}: chunk {} has {} layers, the program {} CPU Adam tiles",
-                              rank_, i, h.tiles.size(), planner::offload_tiles(p, stage_, int(i))));
+    HostTiles tiles =
+        host_tiles(c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
+                   planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
+    h.n = tiles.host_n;
+    h.tiles = std::move(tiles.tiles);
     for (const Tile& t : h.tiles)
       largest = std::max(largest, t.end - t.begin);
     h.master = Buffer(&host_, Category::weights, h.n);
@@ -209,14 +193,13 @@ void Worker::setup_offload() {
 // the planner's account (a download overlaps the slot after its forward), so the device's peak is
 // the predicted one. Earlier only when an allocation would not fit the budget (reclaim_download).
 void Worker::release_downloads(int compute_op) {
-  while (!downloads_.empty() && downloads_.front().first + 2 <= compute_op)
+  while (downloads_.due(compute_op))
     reclaim_download();
 }
 
 bool Worker::reclaim_download() {
   if (downloads_.empty()) return false;
-  const std::shared_ptr<Swap> sw = downloads_.front().second;
-  downloads_.pop_front();
+  const std::shared_ptr<Swap> sw = downloads_.pop();
   d2h_->wait(sw->down);
   sw->device = Buffer();
   return true;
@@ -245,11 +228,8 @@ class Worker::TileSink : public GradientSink {
     Chunk& c = w_.chunks_[chunk_];
     HostChunk& h = w_.host_chunks_[chunk_];
     if (c.tied_offset >= 0 && offset == c.tied_offset) return h.resident.data();
-    int k = 0;
-    while (k < int(h.tiles.size()) && !(offset >= h.tiles[std::size_t(k)].begin &&
-                                        offset + size <= h.tiles[std::size_t(k)].end))
-      ++k;
-    if (k == int(h.tiles.size()))
+    const int k = tile_of(h.tiles, offset, size);
+    if (k < 0)
       throw Error(fmt::format("rank {}: gradients [{}, {}) of chunk {} are in no layer", w_.rank_,
                               offset, offset + size, chunk_));
     const Tile& t = h.tiles[std::size_t(k)];
@@ -273,11 +253,7 @@ class Worker::TileSink : public GradientSink {
     HostChunk& h = w_.host_chunks_[chunk_];
     const Tile t = h.tiles[std::size_t(open_)];
     // The streamed ranges: the layer less the tied tensor (resident on the device).
-    std::vector<Tile> ranges;
-    const std::int64_t r0 = c.tied_offset >= 0 ? c.tied_offset : t.end;
-    const std::int64_t r1 = c.tied_offset >= 0 ? c.tied_offset + c.tied_size : t.end;
-    if (t.begin < std::min(r0, t.end)) ranges.push_back({t.begin, std::min(r0, t.end)});
-    if (std::max(r1, t.begin) < t.end) ranges.push_back({std::max(r1, t.begin), t.end});
+    const std::vector<Tile> ranges = streamed_ranges(t, c.tied_offset, c.tied_size);
     const float* src = w_.grad_tiles_[buffer_].data();
     float* acc = h.accumulator.data();
     Worker* w = &w_;
@@ -332,7 +308,7 @@ void Worker::offload_op(const Op& op) {
         w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
       });
       // The device buffer goes when the copy is done (release_downloads).
-      downloads_.emplace_back(compute_ops_ - 1, sw);
+      downloads_.push(compute_ops_ - 1, sw);
       swaps_by_key_[key] = sw;
       return;
     }
@@ -346,8 +322,7 @@ void Worker::offload_op(const Op& op) {
       release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
       release_sends(compute_ops_);
       // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
-      while (std::any_of(downloads_.begin(), downloads_.end(),
-                         [&](const auto& d) { return d.second == sw; }))
+      while (downloads_.holds(sw))
         reclaim_download();
       // ...it is on the device again from the upload's issue (before the op preceding its
       // backward).
@@ -408,11 +383,7 @@ void Worker::offload_op(const Op& op) {
     }
     case OpKind::copy_parameters_to_device: {
       if (upload_slot_ < 0) {
-        // The slot the step's new version goes into: in place for flush schedules; for 2BW the
-        // one the shadow version leaves (free_version, after the uploads: no op reads it any
-        // more), or the second slot the first time.
-        const int newest = slots_.newest();
-        upload_slot_ = planner::version_limit(s_.plan()) == 1 ? newest : 1 - newest;
+        upload_slot_ = upload_slot(s_.plan(), slots_.newest());  // exec/offload.hpp
         slot_sent_[upload_slot_].wait();  // the slot's last tied-weights send has read it
         slot_sent_[upload_slot_] = {};
         if (!slots_.allocated(upload_slot_))
@@ -732,12 +703,9 @@ void Worker::backward(const Op& op) {
   take_core();
   const auto t0 = Clock::now();
   if (offload_optimizer_) {
-    const auto& ops = s_.programs->devices[std::size_t(rank_)].ops;
-    int copy_op = op_;  // the copy_gradient_to_host after it, for the timeline
-    while (copy_op + 1 < int(ops.size()) &&
-           ops[std::size_t(copy_op)].kind != OpKind::copy_gradient_to_host)
-      ++copy_op;
-    TileSink sink(*this, std::size_t(op.chunk), copy_op);
+    // The copy_gradient_to_host after it, for the timeline.
+    TileSink sink(*this, std::size_t(op.chunk),
+                  gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
     c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(),
                       p.b, scale, sink, c.first ? nullptr : d_input.data(), workspace_.data());
   } else {

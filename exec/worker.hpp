@@ -17,6 +17,7 @@
 #include "exec/data.hpp"
 #include "exec/interpret.hpp"
 #include "exec/memory.hpp"
+#include "exec/offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
@@ -107,10 +108,8 @@ class Worker {
   // Offload (docs/formulas.md section 9). The optimizer's host side of a chunk: its
   // host-updated parameters [0, n) (all but the last stage's tied copy) as the master copy (the
   // fp32 transfer buffer the new parameters leave from), the gradient accumulator and the
-  // optimizer state, in the host pool; its CPU Adam tiles (one per layer, forward order).
-  struct Tile {
-    std::int64_t begin = 0, end = 0;
-  };
+  // optimizer state, in the host pool; its CPU Adam tiles (one per layer, forward order; shared
+  // with the CUDA worker: exec/offload.hpp).
   struct HostChunk {
     std::int64_t n = 0;
     std::vector<Tile> tiles;
@@ -259,7 +258,7 @@ class Worker {
   std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
   // Downloads whose device buffer is still held, oldest first, with their forward's compute index:
   // released, done, when the second compute slot after that forward begins (or under a budget).
-  std::deque<std::pair<int, std::shared_ptr<Swap>>> downloads_;
+  HeldDownloads<std::shared_ptr<Swap>> downloads_;
   int compute_ops_ = 0;  // forwards and backwards begun
   void release_downloads(int compute_op);
   bool reclaim_download();

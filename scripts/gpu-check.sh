@@ -35,7 +35,13 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  the same global batch on one rank (losses within 1e-3 relative: bf16 sums in
                  another order), interleaved d=2 v=2, 1f1b w=2 d=2 with 3 buckets; and the
                  profiler's spread: the same shape (b=4) profiled 5 times
-  7. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
+  7. offload     the CUDA executor's offload (compile-checked, never run on a GPU before):
+                 tests/test_cuda_offload (when built), then gpt2-124m gpipe d=2 b=4 m=4 (stage 0
+                 swaps) trained 6 steps with --offload none, optimizer, activations and
+                 optimizer,activations, and simulate of the same plans on dgx-h100 for 6 steps:
+                 activations' losses equal to none's bit for bit, optimizer's within 1e-2
+                 relative, bytes moved per step equal to the simulator's, step times printed
+  8. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
 
 Options:
   --quick          gpt2-124m only, fewer steps and repeats, b=8 training, validate at b=4 m=4,
@@ -48,9 +54,9 @@ Options:
   --python PY      interpreter with PyTorch for scripts/torch_reference.py and the summary
                    (default: python3)
   --timeout S      limit for each step in seconds (default 1800; the build: 3600)
-  --only LIST      run only these of tests,profile,train,validate,executor (comma-separated; the
-                   machine, build and summary steps always run), e.g. to split the full check
-                   over two sessions of a time-limited machine
+  --only LIST      run only these of tests,profile,train,validate,executor,offload
+                   (comma-separated; the machine, build and summary steps always run), e.g. to
+                   split the full check over two sessions of a time-limited machine
   --help           this text
 
 Paths given on the command line or in $OUT are taken from the current directory; the
@@ -65,7 +71,7 @@ BUILD=$ROOT/build
 PY=python3
 STEP_TIMEOUT=1800
 OUT_DIR=${OUT:-$ROOT/traces/data}
-ONLY=tests,profile,train,validate,executor
+ONLY=tests,profile,train,validate,executor,offload
 while (($#)); do
   case $1 in
     --quick) QUICK=1 ;;
@@ -101,9 +107,9 @@ if ! [[ $STEP_TIMEOUT =~ ^[0-9]+$ ]] || ((STEP_TIMEOUT < 1)); then
 fi
 for part in ${ONLY//,/ }; do
   case $part in
-    tests | profile | train | validate | executor) ;;
+    tests | profile | train | validate | executor | offload) ;;
     *)
-      echo "gpu-check: --only: unknown step '$part' (tests, profile, train, validate or executor)" >&2
+      echo "gpu-check: --only: unknown step '$part' (tests, profile, train, validate, executor or offload)" >&2
       exit 2
       ;;
   esac
@@ -439,7 +445,79 @@ else
   skip executor "--only $ONLY"
 fi
 
-# --- 7. Summary ---
+# --- 7. Offload in the CUDA executor (docs/formats.md, offload in the CUDA executor) ---
+OFF_DIR=$RUN_DIR/offload
+if wants offload; then
+  mkdir -p "$OFF_DIR"
+  rm -f "$OFF_DIR"/*.json
+  exe=$BUILD/tests/test_cuda_offload
+  if [ -x "$exe" ]; then
+    run_step "offload tests" "$STEP_TIMEOUT" "$exe"
+  else
+    record "offload tests" FAIL 0 "" "not built: $exe"
+  fi
+  # Plan files with the swap choice on both stages (train's default; simulate's rule would pick
+  # recompute where the copies do not hide, and move other bytes).
+  for mode in none optimizer activations optimizer,activations; do
+    name=${mode//,/+}
+    choices=
+    [[ $mode == *activations* ]] && choices=', "activations": ["swap", "swap"]'
+    printf '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 4, "m": 4, "offload": "%s"%s}\n' \
+      "$mode" "$choices" >"$OFF_DIR/plan-$name.json"
+    pw_step "offload train $mode" "$PW" train --backend cuda --model gpt2-124m \
+      --plan "$OFF_DIR/plan-$name.json" --steps 6 -o "$OFF_DIR/train-$name.json"
+    [ "$mode" = none ] && continue
+    pw_step "offload simulate $mode" "$PW" simulate --cluster dgx-h100 --model gpt2-124m \
+      --plan "$OFF_DIR/plan-$name.json" --steps 6 -o "$OFF_DIR/sim-$name.json"
+  done
+  run_step "offload: losses, bytes, times" 60 "$PY" - "$OFF_DIR" <<'EOF'
+import json, os, sys
+d = sys.argv[1]
+def load(name):
+    p = f"{d}/{name}.json"
+    return json.load(open(p)) if os.path.exists(p) else None
+def median_step(run):
+    t = sorted(run["step_times_s"][1:] or run["step_times_s"])
+    return t[len(t) // 2]
+base = load("train-none")
+if base is None:
+    sys.exit("no run without offload")
+ok = True
+t0 = median_step(base)
+print(f"none: losses {base['losses']}, median step {1e3 * t0:.1f} ms")
+for mode in ["optimizer", "activations", "optimizer+activations"]:
+    run, sim = load("train-" + mode), load("sim-" + mode)
+    if run is None:
+        print(mode, ": no run")
+        ok = False
+        continue
+    rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], base["losses"]))
+    same = run["losses"] == base["losses"]
+    good = same if mode == "activations" else rel <= 1e-2
+    t = median_step(run)
+    print(f"{mode}: max relative loss difference {rel:.2e} "
+          f"({'bit-identical' if same else 'differs'}), median step {1e3 * t:.1f} ms "
+          f"({t / t0:.2f}x none)")
+    o = run.get("offload", {})
+    if sim is None or "offload" not in sim:
+        print("  no simulation to compare bytes with")
+        ok = False
+    else:
+        for r, s in zip(o.get("ranks", []), sim["offload"]["ranks"]):
+            for k in ["copy_out_bytes_per_step", "copy_in_bytes_per_step"]:
+                match = r[k] == s[k]
+                print(f"  rank {r['rank']} {k}: run {r[k]}, simulator {s[k]}"
+                      f"{'' if match else '  MISMATCH'}")
+                ok = ok and match
+            print(f"  rank {r['rank']} host bytes {r['host_bytes']}")
+    ok = ok and good
+sys.exit(0 if ok else 1)
+EOF
+else
+  skip offload "--only $ONLY"
+fi
+
+# --- 8. Summary ---
 SUMMARY=$RUN_DIR/summary.txt
 summary_py() {
   "$PY" - "$MANIFEST" "$STEPS_TSV" "$GPU_NAME" "$PW_VERSION" "$GIT_REV" "$VAL_MODEL" <<'EOF'

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "clusters/cluster.hpp"
+#include "exec/offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
@@ -358,17 +359,97 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
   }
 }
 
-// What the executor does not run: the CUDA backend's offload, optimizer offload with both tied
-// ends on one stage.
+// What the executor does not run: offload on a backend other than cpu and cuda, optimizer
+// offload with both tied ends on one stage. The CUDA backend's checks pass every mode.
 TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kOptimizer);
-  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "cuda"); });
-  EXPECT_NE(msg.find("the cuda executor does not run --offload yet"), std::string::npos) << msg;
+  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "tpu"); });
+  EXPECT_NE(msg.find("the tpu executor does not run --offload yet"), std::string::npos) << msg;
+  for (int mode : {kOptimizer, kActivations, kBoth})
+    EXPECT_NO_THROW(detail::prepare_run(
+        model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
+        << mode_name(mode);
   const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
   msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+// The rules both workers share (exec/offload.hpp), on a hand-made layout: stage 0 of a tied model
+// (wte, wpe, two blocks) and the last stage (a block, the final norm, the tied copy last).
+TEST(OffloadRules, TilesRangesSlotsAndReleases) {
+  using detail::Tile;
+  const std::vector<TensorSlot> first = {{"wte", 0, 40},      {"wpe", 40, 8},
+                                         {"h0.ln1_w", 48, 4}, {"h0.qkv_w", 52, 12},
+                                         {"h1.ln1_w", 64, 4}, {"h1.qkv_w", 68, 12}};
+  detail::HostTiles t = detail::host_tiles(first, 80, false, 0, 40, 3, 0, 0);
+  EXPECT_EQ(t.host_n, 80);
+  ASSERT_EQ(t.tiles.size(), 3u);
+  EXPECT_EQ(t.tiles[0].begin, 0);
+  EXPECT_EQ(t.tiles[0].end, 48);  // the embedding: wte and wpe
+  EXPECT_EQ(t.tiles[1].begin, 48);
+  EXPECT_EQ(t.tiles[1].end, 64);
+  EXPECT_EQ(t.tiles[2].size(), 16);
+  EXPECT_EQ(detail::tile_of(t.tiles, 52, 12), 1);
+  EXPECT_EQ(detail::tile_of(t.tiles, 40, 16), -1);  // across two layers
+  // Stage 0's tied wte stays on the device: only wpe streams out of the embedding's tile.
+  std::vector<Tile> r = detail::streamed_ranges(t.tiles[0], 0, 40);
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].begin, 40);
+  EXPECT_EQ(r[0].end, 48);
+  r = detail::streamed_ranges(t.tiles[1], 0, 40);
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].size(), 16);
+  r = detail::streamed_ranges(t.tiles[1], -1, 0);
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].size(), 16);
+  const std::vector<TensorSlot> last = {{"h2.ln1_w", 0, 4},
+                                        {"h2.qkv_w", 4, 12},
+                                        {"lnf_w", 16, 4},
+                                        {"lnf_b", 20, 4},
+                                        {"lm_head", 24, 40}};
+  t = detail::host_tiles(last, 64, true, 24, 40, 2, 1, 0);
+  EXPECT_EQ(t.host_n, 24);  // the tied copy is not updated on the last stage
+  ASSERT_EQ(t.tiles.size(), 2u);
+  EXPECT_EQ(t.tiles[1].begin, 16);
+  EXPECT_EQ(t.tiles[1].end, 24);
+  std::string msg =
+      testing::error_of<Error>([&] { detail::host_tiles(last, 64, true, 24, 40, 3, 1, 0); });
+  EXPECT_NE(msg.find("rank 1: chunk 0 has 2 layers, the program 3 CPU Adam tiles"),
+            std::string::npos)
+      << msg;
+  msg = testing::error_of<Error>([&] { detail::host_tiles(last, 64, true, 16, 4, 2, 1, 0); });
+  EXPECT_NE(msg.find("the tied copy is not the last tensor"), std::string::npos) << msg;
+
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  EXPECT_EQ(detail::upload_slot(make_plan(model, Schedule::one_f_one_b, 2, 1, 4, kOptimizer), 0),
+            0);
+  EXPECT_EQ(detail::upload_slot(make_plan(model, Schedule::two_bw, 2, 1, 4, kOptimizer), 0), 1);
+  EXPECT_EQ(detail::upload_slot(make_plan(model, Schedule::two_bw, 2, 1, 4, kOptimizer), 1), 0);
+
+  std::vector<planner::Op> ops(4);
+  ops[0].kind = planner::OpKind::backward;
+  ops[1].kind = planner::OpKind::send_gradient;
+  ops[2].kind = planner::OpKind::copy_gradient_to_host;
+  ops[3].kind = planner::OpKind::forward;
+  EXPECT_EQ(detail::gradient_copy_op(ops, 0), 2);
+  EXPECT_EQ(detail::gradient_copy_op(ops, 3), 3);
+
+  // A download after compute op 4 is due when compute slot 6 begins, not before.
+  detail::HeldDownloads<int> held;
+  EXPECT_FALSE(held.due(100));
+  held.push(4, 7);
+  held.push(5, 8);
+  EXPECT_FALSE(held.due(5));
+  EXPECT_TRUE(held.due(6));
+  EXPECT_TRUE(held.holds(8));
+  EXPECT_EQ(held.pop(), 7);
+  EXPECT_FALSE(held.due(6));
+  EXPECT_TRUE(held.due(7));
+  EXPECT_EQ(held.pop(), 8);
+  EXPECT_TRUE(held.empty());
+  EXPECT_FALSE(held.holds(8));
 }
 
 }  // namespace

@@ -204,51 +204,85 @@ void CudaGptStage::head_forward(const bf16* params, const HeadActs<false>& h,
   mean_loss(loss ? loss : &status->loss, h.losses, BT, stream_);
 }
 
+namespace {
+// The whole stage's gradients in one buffer, in the layout's order.
+class FlatSink : public DeviceGradientSink {
+ public:
+  explicit FlatSink(bf16* grads) : grads_(grads) {}
+  bf16* at(std::int64_t offset, std::int64_t) override { return grads_ + offset; }
+  void layer_done(std::int64_t, std::int64_t) override {}
+
+ private:
+  bf16* grads_;
+};
+}  // namespace
+
+void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
+                            float loss_scale, bf16* grads, bf16* d_input, bf16* workspace) {
+  if (!grads) throw Error("cuda stage backward: missing grads");
+  FlatSink sink(grads);
+  backward(params, full_stash, d_output, b, loss_scale, sink, d_input, workspace);
+}
+
 // Workspace use: on the first stage the residual-stream gradient dres takes its first B*T*C
 // elements (elsewhere dres is d_input); the rest is the scratch of the layers' backward.
 void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
-                            float loss_scale, bf16* grads, bf16* d_input, bf16* workspace) {
+                            float loss_scale, DeviceGradientSink& grads, bf16* d_input,
+                            bf16* workspace) {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T, BTC = BT * layout_.C;
   const bool has_layers = s.blocks > 0 || s.has_head;
-  if (b < 1 || !params || !full_stash || !grads || (!s.has_head && !d_output) ||
+  if (b < 1 || !params || !full_stash || (!s.has_head && !d_output) ||
       (!s.has_embedding && !d_input))
-    throw Error("cuda stage backward: b < 1 or missing params, stash, grads, d_output or d_input");
+    throw Error("cuda stage backward: b < 1 or missing params, stash, d_output or d_input");
   Carver ws(workspace, sizes(b).workspace * int64_t(sizeof(bf16)), "cuda stage backward workspace");
   bf16* dres = d_input;
   if (s.has_embedding && has_layers) dres = ws.take<bf16>(BTC);
   if (!s.has_head && has_layers) copy(dres, d_output, BTC * int64_t(sizeof(bf16)));
   const bf16* cur = full_stash + (s.has_embedding ? layout_.embedding_elements(BT) : 0);
-  if (s.has_head)
+  if (s.has_head) {
     head_backward(params, grads, carve_head<true>(cur + s.blocks * layout_.block_elements(BT), BT),
                   b, loss_scale, dres, ws);
+    grads.layer_done(layout_.lnf_w, layout_.parameters);
+  }
   for (int64_t i = s.blocks - 1; i >= 0; --i) {
     const int64_t base = layout_.block_base[std::size_t(i)];
-    block_backward(params + base, grads + base,
+    const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
+                                         : (s.has_head ? layout_.lnf_w : layout_.parameters);
+    block_backward(params + base, grads.at(base, end - base),
                    carve_block<true>(cur + i * layout_.block_elements(BT), BT), b, dres, ws);
+    grads.layer_done(base, end);
   }
-  if (s.has_embedding)
-    embedding_backward(grads + layout_.wte, grads + layout_.wpe, has_layers ? dres : d_output,
+  if (s.has_embedding) {
+    const int64_t wte_size = layout_.V * layout_.C,
+                  wpe_size = layout_.spec.model.max_positions * layout_.C;
+    bf16* dwte = grads.at(layout_.wte, wte_size);
+    bf16* dwpe = grads.at(layout_.wpe, wpe_size);
+    embedding_backward(dwte, dwpe, has_layers ? dres : d_output,
                        reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
                        int(layout_.C), int(layout_.V), stream_);
+    grads.layer_done(layout_.wte, layout_.wpe + wpe_size);
+  }
 }
 
 // dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the final
 // norm's backward turns it, in place, into d(head input).
-void CudaGptStage::head_backward(const bf16* params, bf16* grads, const HeadActs<true>& h, int b,
-                                 float loss_scale, bf16* dres, Carver ws) {
+void CudaGptStage::head_backward(const bf16* params, DeviceGradientSink& grads,
+                                 const HeadActs<true>& h, int b, float loss_scale, bf16* dres,
+                                 Carver ws) {
   const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
   const int rows = int(std::min<int64_t>(BT, ws.left() / (int64_t(V) * int64_t(sizeof(bf16)))));
   if (rows < 1) throw Error("cuda stage backward: workspace smaller than one row of logits");
   bf16* dlogits = ws.take<bf16>(int64_t(rows) * V);  // (rows, V)
+  bf16* dhead = grads.at(layout_.head_w, int64_t(V) * C);
   for (int r0 = 0; r0 < BT; r0 += rows) {
     const int n = std::min(rows, BT - r0);
     crossentropy_backward(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
                           stream_);
-    linear_backward(*gemm_, dres + int64_t(r0) * C, grads + layout_.head_w, nullptr, dlogits,
+    linear_backward(*gemm_, dres + int64_t(r0) * C, dhead, nullptr, dlogits,
                     h.lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
   }
-  layernorm_backward(dres, grads + layout_.lnf_w, grads + layout_.lnf_b, dres, h.x,
+  layernorm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
                      params + layout_.lnf_w, h.mean, h.rstd, BT, C, false, stream_);
 }
 

@@ -19,6 +19,19 @@ namespace pw::exec::cuda {
 // stash have exec/cpu's layout (same slot names and offsets, fp32 statistics and int32 ids in two
 // elements each), so weights copy over slot by slot. Every call only enqueues work on `stream`;
 // the loss, the id checks and upload_parameters synchronise.
+// Where a backward adds each layer's parameter gradients (exec/stage_compute.hpp's GradientSink
+// on the device, for optimizer offload): device pointers, the layers in backward order, a layer's
+// tensors asked for, added into on the stage's stream, then the layer said done (its work enqueued,
+// not finished: a sink that copies the gradients out orders its copy after the stream's work).
+class DeviceGradientSink {
+ public:
+  virtual ~DeviceGradientSink() = default;
+  // Device bf16 gradients of parameters [offset, offset + size) of the layout, added into.
+  virtual bf16* at(std::int64_t offset, std::int64_t size) = 0;
+  // The layer whose own parameters are [begin, end) has enqueued all of its gradients.
+  virtual void layer_done(std::int64_t begin, std::int64_t end) = 0;
+};
+
 class CudaGptStage {
  public:
   // Takes its own blocks from `arena` (category workspace): the cuBLASLt workspace and a status
@@ -59,6 +72,11 @@ class CudaGptStage {
   // sizes().workspace elements.
   void backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
                 float loss_scale, bf16* grads, bf16* d_input, bf16* workspace);
+  // The same with the gradients where `grads` says, layer by layer (the same kernels on the same
+  // values: each layer's gradients equal the flat call's when its sink buffer starts at zero as
+  // the flat buffer does).
+  void backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
+                float loss_scale, DeviceGradientSink& grads, bf16* d_input, bf16* workspace);
 
   // Synchronises; throws pw::InputError when a token or target id outside [0, V) was seen since
   // the last check (the device gave it a zero row and zero loss), then clears the count.
@@ -86,7 +104,7 @@ class CudaGptStage {
                     int b, float* loss);
   void block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b, bf16* dres,
                       Carver ws);
-  void head_backward(const bf16* params, bf16* grads, const HeadActs<true>& h, int b,
+  void head_backward(const bf16* params, DeviceGradientSink& grads, const HeadActs<true>& h, int b,
                      float loss_scale, bf16* dres, Carver ws);
 
   struct Status {

@@ -122,6 +122,10 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   shared.transport = transport.get();
   shared.device = device;
   shared.counters = std::vector<MemoryCounter>(here.size());
+  // --device-memory: each rank's counted tensors (the planner's per-rank figure) inside a budget,
+  // as the CPU backend's emulated device; the arena bounds the whole GPU.
+  for (std::size_t i = 0; i < here.size(); ++i)
+    shared.counters[i].set_budget(options.device_memory, fmt::format("rank {}", here[i]));
   if (run.mpi) {
     shared.write_manifests = run.mpi->rank() == 0;
     shared.before_manifest = [&] { run.mpi->barrier(); };

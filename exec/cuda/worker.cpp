@@ -10,6 +10,7 @@
 #include "exec/checkpoint.hpp"
 #include "exec/cuda/kernels.cuh"
 #include "exec/cuda/optimizer.cuh"
+#include "exec/optimizer.hpp"
 
 namespace pw::exec::cuda::detail {
 
@@ -42,6 +43,37 @@ void Tensor::release() {
   block_ = DeviceBuffer();
 }
 
+PinnedBuffer::PinnedBuffer(MemoryCounter& counter, Category category, std::int64_t bytes)
+    : bytes_(bytes), category_(category) {
+  if (bytes > 0) CUDA_CHECK(cudaHostAlloc(&data_, std::size_t(bytes), cudaHostAllocDefault));
+  counter_ = &counter;
+  counter_->add(category_, bytes_);
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    counter_ = o.counter_;
+    category_ = o.category_;
+    o.data_ = nullptr;
+    o.counter_ = nullptr;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  release();
+}
+
+void PinnedBuffer::release() {
+  if (counter_ && bytes_ > 0) counter_->add(category_, -bytes_);
+  counter_ = nullptr;
+  if (data_) (void)cudaFreeHost(data_);
+  data_ = nullptr;
+}
+
 CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
     : s_(s),
       transport_(*s.transport),
@@ -54,7 +86,13 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
     CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
   slots_.set_rank(rank);
   const planner::Plan& p = s.plan();
+  offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  swaps_ = p.swaps(stage_);
+  if (offload_optimizer_ && p.w > 1)  // planner::check refuses it; the all-reduce needs grads
+    throw Error(
+        fmt::format("rank {}: optimizer offload with w = {} (data parallelism)", rank, p.w));
   std::int64_t workspace = 0;
+  std::vector<std::vector<float>> initial;  // each chunk's fp32 initial weights (optimizer offload)
   for (int c = 0; c < p.v; ++c) {
     const StageSpec spec = exec::detail::chunk_spec(*s.model, p, stage_, c);
     Chunk ch;
@@ -66,18 +104,27 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
     ch.last = spec.has_head;
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = tensor(Category::weights, 2 * n);
-    ch.grads = tensor(Category::gradients, 2 * n);
-    ch.master = tensor(Category::optimizer, 4 * n);
-    ch.m = tensor(Category::optimizer, 4 * n);
-    if (s.options->optimizer == "adamw") ch.v = tensor(Category::optimizer, 4 * n);
+    // Optimizer offload: gradients leave the device layer by layer and the master weights and
+    // the optimizer state live on the host (setup_offload).
+    if (!offload_optimizer_) {
+      ch.grads = tensor(Category::gradients, 2 * n);
+      ch.master = tensor(Category::optimizer, 4 * n);
+      ch.m = tensor(Category::optimizer, 4 * n);
+      if (s.options->optimizer == "adamw") ch.v = tensor(Category::optimizer, 4 * n);
+    }
     // The CPU backend's initialisation (fp32, deterministic in seed and tensor name), rounded.
     std::vector<float> host(std::size_t(n), 0.0f);
     make_cpu_stage(spec)->init_parameters(host.data(), s.options->seed);
-    ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(), ch.master.as<float>());
-    CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
-    CUDA_CHECK(cudaMemsetAsync(ch.m.as<void>(), 0, std::size_t(4 * n), compute_));
-    if (ch.v.bytes() > 0)
-      CUDA_CHECK(cudaMemsetAsync(ch.v.as<void>(), 0, std::size_t(4 * n), compute_));
+    ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(),
+                                offload_optimizer_ ? nullptr : ch.master.as<float>());
+    if (!offload_optimizer_) {
+      CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
+      CUDA_CHECK(cudaMemsetAsync(ch.m.as<void>(), 0, std::size_t(4 * n), compute_));
+      if (ch.v.bytes() > 0)
+        CUDA_CHECK(cudaMemsetAsync(ch.v.as<void>(), 0, std::size_t(4 * n), compute_));
+    } else {
+      initial.push_back(std::move(host));
+    }
     if (s.model->tied_embeddings && ch.first != ch.last)
       for (const auto& slot : ch.stage->layout())
         if (slot.name == (ch.first ? "wte" : "lm_head")) {
@@ -89,6 +136,7 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
   }
   workspace_ = tensor(Category::workspace, 2 * workspace);
   if (chunks_.back().last) losses_ = tensor(Category::workspace, 4 * 2 * std::int64_t(p.m));
+  setup_offload(initial);
   // The memsets above run on compute_; the checkpoint's copies go through the legacy stream, which
   // does not order with it, and a pageable copy may return before its DMA ends: wait for both.
   synchronize(compute_, "set up the weights");
@@ -112,6 +160,22 @@ CudaWorker::~CudaWorker() {
   d_inputs_.clear();
   to_self_.clear();
   retired_.clear();
+  swaps_by_key_.clear();
+  while (!downloads_.empty())
+    downloads_.pop();
+  for (Tensor& t : grad_tiles_)
+    t = Tensor();
+  for (HostChunk& h : host_chunks_)
+    h.resident = Tensor();
+  // After an abort host functions may still wait behind stuck streams: their work stays (leaked),
+  // never freed under them. Otherwise every stream was synchronised above.
+  if (transport_.aborted())
+    for (HostWork& w : host_work_)
+      (void)w.work.release();
+  host_work_.clear();
+  if (!transport_.aborted())
+    for (void* block : pinned_all_)
+      (void)cudaFreeHost(block);
   for (cudaEvent_t e : all_events_)
     (void)cudaEventDestroy(e);
   for (cudaStream_t* st : all_streams())
@@ -120,7 +184,7 @@ CudaWorker::~CudaWorker() {
 }
 
 std::vector<cudaStream_t*> CudaWorker::all_streams() {
-  std::vector<cudaStream_t*> out = {&compute_, &reduce_};
+  std::vector<cudaStream_t*> out = {&compute_, &reduce_, &d2h_, &h2d_, &host_stream_};
   for (int c = 0; c < kChannels; ++c) {
     out.push_back(&send_[c]);
     out.push_back(&recv_[c]);
@@ -158,8 +222,8 @@ void CudaWorker::wait(cudaStream_t s, cudaEvent_t e) {
   if (e) CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
 }
 
-void CudaWorker::begin_timed(int stream_id, cudaStream_t s) {
-  open_ = {stream_id, op_, record(s), nullptr};
+void CudaWorker::begin_timed(int stream_id, cudaStream_t s, int op) {
+  open_ = {stream_id, op < 0 ? op_ : op, record(s), nullptr};
 }
 
 void CudaWorker::end_timed(cudaStream_t s) {
@@ -183,6 +247,18 @@ void CudaWorker::reclaim(bool all) {
     pool_.push_back(it->done);
     it = retired_.erase(it);  // the tensor goes back to the arena
   }
+  // Host functions that have run (their stream passed the event after them): in order per
+  // stream, so the front ones first.
+  for (auto it = host_work_.begin(); it != host_work_.end();) {
+    const cudaError_t q = all ? cudaEventSynchronize(it->done) : cudaEventQuery(it->done);
+    if (q == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    if (q != cudaSuccess) CUDA_CHECK(q);
+    pool_.push_back(it->done);
+    it = host_work_.erase(it);
+  }
 }
 
 void CudaWorker::drain_compute(const char* what) {
@@ -190,9 +266,15 @@ void CudaWorker::drain_compute(const char* what) {
   for (const Retired& r : retired_)
     if (r.stream == compute_) newest = r.done;  // compute runs in order: the newest covers all
   if (!newest) return;
+  host_wait(newest, what);
+  reclaim(false);
+}
+
+void CudaWorker::host_wait(cudaEvent_t e, const char* what) {
+  if (!e) return;
   const auto start = Clock::now();
   for (int spins = 0;; ++spins) {
-    const cudaError_t q = cudaEventQuery(newest);
+    const cudaError_t q = cudaEventQuery(e);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) CUDA_CHECK(q);
     if (transport_.aborted()) throw Error(aborted_message(rank_, what));
@@ -203,7 +285,6 @@ void CudaWorker::drain_compute(const char* what) {
     }
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  reclaim(false);
 }
 
 void CudaWorker::synchronize(cudaStream_t s, const std::string& what) {
@@ -252,15 +333,12 @@ void CudaWorker::send(const Op& op, Channel channel) {
 }
 
 void CudaWorker::recv(const Op& op, Channel channel) {
+  if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
   const Chunk& c = chunks_[std::size_t(op.chunk)];
   if (channel == Channel::activation)
     recv(op, channel, inputs_, c.sizes.input);
   else
     recv(op, channel, d_outputs_, c.sizes.output);
-}
-
-void CudaWorker::offload(const Op&) {  // prepare_run refuses offload plans before any runs
-  throw InputError("train does not support --offload yet");
 }
 
 // Takes the tensor of `key` out of `from` and makes `s` wait until it is valid.
@@ -275,11 +353,84 @@ static Held take(std::map<std::tuple<int, int, int>, Held>& from,
   return h;
 }
 
+// Optimizer offload's gradient sink for one backward (the CPU worker's TileSink on the GPU): a
+// layer's gradients go into the free one of the two device tile buffers, zeroed on the compute
+// stream once its previous layer's copy is done; the tied tensor's into its resident buffer. When
+// the layer is done the device-to-host stream waits for it, copies the streamed ranges into the
+// pinned transfer buffer and adds them into the host's fp32 accumulator (a host function, in
+// stream order: the next copy into the same range waits for the add).
+class CudaWorker::TileSink : public DeviceGradientSink {
+ public:
+  TileSink(CudaWorker& w, std::size_t chunk, int op) : w_(w), chunk_(chunk), op_(op) {}
+  bf16* at(std::int64_t offset, std::int64_t size) override {
+    Chunk& c = w_.chunks_[chunk_];
+    HostChunk& h = w_.host_chunks_[chunk_];
+    if (c.tied_offset >= 0 && offset == c.tied_offset) return h.resident.as<bf16>();
+    const int k = exec::detail::tile_of(h.tiles, offset, size);
+    if (k < 0)
+      throw Error(fmt::format("rank {}: gradients [{}, {}) of chunk {} are in no layer", w_.rank_,
+                              offset, offset + size, chunk_));
+    const exec::detail::Tile& t = h.tiles[std::size_t(k)];
+    if (k != open_) {
+      if (open_ >= 0)
+        throw Error(fmt::format(
+            "rank {}: a layer's gradients began before the previous layer's were done", w_.rank_));
+      buffer_ = w_.next_grad_tile_;
+      w_.next_grad_tile_ ^= 1;
+      w_.wait(w_.compute_, w_.grad_tile_copied_[buffer_]);  // its previous layer has left
+      CUDA_CHECK(cudaMemsetAsync(w_.grad_tiles_[buffer_].as<void>(), 0, std::size_t(2 * t.size()),
+                                 w_.compute_));
+      open_ = k;
+    }
+    return w_.grad_tiles_[buffer_].as<bf16>() + (offset - t.begin);
+  }
+  void layer_done(std::int64_t, std::int64_t) override {
+    if (open_ < 0) return;  // every gradient of the layer stays on the device
+    Chunk& c = w_.chunks_[chunk_];
+    HostChunk& h = w_.host_chunks_[chunk_];
+    const exec::detail::Tile t = h.tiles[std::size_t(open_)];
+    const std::vector<exec::detail::Tile> ranges =
+        exec::detail::streamed_ranges(t, c.tied_offset, c.tied_size);
+    const bf16* src = w_.grad_tiles_[buffer_].as<bf16>();
+    bf16* transfer = h.transfer.as<bf16>();
+    float* acc = h.accumulator.data();
+    const cudaEvent_t produced = w_.record(w_.compute_);
+    w_.wait(w_.d2h_, produced);
+    w_.pool_.push_back(produced);
+    w_.timed(planner::kCopyOutStream, w_.d2h_, op_, [&] {
+      for (const exec::detail::Tile& r : ranges) {
+        CUDA_CHECK(cudaMemcpyAsync(transfer + r.begin, src + (r.begin - t.begin),
+                                   std::size_t(2 * r.size()), cudaMemcpyDeviceToHost, w_.d2h_));
+        w_.bytes_out_ += 2 * r.size();
+      }
+      w_.host_function(w_.d2h_, [ranges, transfer, acc] {
+        for (const exec::detail::Tile& r : ranges)
+          for (std::int64_t i = r.begin; i < r.end; ++i)
+            acc[i] = acc[i] + __bfloat162float(transfer[i]);
+      });
+    });
+    cudaEvent_t& copied = w_.grad_tile_copied_[buffer_];
+    if (copied) w_.pool_.push_back(copied);
+    copied = w_.record(w_.d2h_);
+    // Pooled events are re-recorded only by later calls: the copy stream's newest record.
+    w_.last_gradient_copy_ = copied;
+    open_ = -1;
+  }
+
+ private:
+  CudaWorker& w_;
+  std::size_t chunk_;
+  int op_;  // the program's copy_gradient_to_host op of this backward
+  int open_ = -1, buffer_ = 0;
+};
+
 void CudaWorker::forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
+  if (swaps_) release_downloads(compute_ops_);
+  ++compute_ops_;
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last)
     exec::detail::microbatch_samples(s_, replica_, op.step, op.microbatch, tokens, targets);
@@ -330,6 +481,20 @@ void CudaWorker::backward(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
+  if (swaps_) release_downloads(compute_ops_);
+  ++compute_ops_;
+  if (const auto it = swaps_by_key_.find(key); it != swaps_by_key_.end()) {
+    const std::shared_ptr<Swap> sw = it->second;
+    swaps_by_key_.erase(it);
+    if (!sw->up)
+      throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank_));
+    wait(compute_, sw->up);  // the stash is back on the device
+    stash_[key] = Held{std::move(sw->device), nullptr};
+    // The host block is free once the upload has read it: the next download into it waits.
+    give_pinned(sw->host, sw->bytes, sw->up);
+    sw->up = nullptr;
+    host_.add(Category::activations, -sw->bytes);
+  }
   Held stash = take(stash_, key, "stash", rank_);
   Held full;
   if (rc) full = take(full_, key, "recomputed stash", rank_);
@@ -344,9 +509,20 @@ void CudaWorker::backward(const Op& op) {
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   begin_timed(planner::kComputeStream, compute_);
-  c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
-                    c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, c.grads.as<bf16>(),
-                    c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
+  if (offload_optimizer_) {
+    // Each layer's gradients to the host as it is done, timed as the copy_gradient_to_host after
+    // the backward.
+    TileSink sink(
+        *this, std::size_t(op.chunk),
+        exec::detail::gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
+    c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
+                      c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, sink,
+                      c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
+  } else {
+    c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
+                      c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, c.grads.as<bf16>(),
+                      c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
+  }
   end_timed(compute_);
   retire(std::move(stash), compute_);
   retire(std::move(full), compute_);
@@ -426,7 +602,7 @@ void CudaWorker::tied(const Op& op) {
   const std::int64_t n = c.tied_size, bytes = 2 * n;
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   const std::int64_t shard_bytes = 2 * (sh.end - sh.begin);
-  bf16* grad = c.grads.as<bf16>() + c.tied_offset;
+  bf16* grad = tied_grad(c);
   std::vector<int> group;
   for (int r = 0; r < p.w; ++r)
     group.push_back(p.rank_of(stage_, r));
@@ -554,6 +730,7 @@ void CudaWorker::sum_local_tied() {
 }
 
 void CudaWorker::optimizer_step(const Op& op) {
+  if (offload_optimizer_) return offload_step(op);
   wait(compute_, reduced_);
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = nullptr;
@@ -622,6 +799,291 @@ void CudaWorker::end_of_step(int step) {
   s_.finish_step(step);
 }
 
+// ---- offload (docs/formulas.md section 9; the CPU worker's rules: exec/offload.hpp) ----------
+
+// The host side of optimizer offload and the device's tile buffers; the pool's reclaim for swaps.
+// `initial`: each chunk's fp32 initial weights (the master copy's start; a checkpoint's replace
+// them when resumed).
+void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
+  const planner::Plan& p = s_.plan();
+  // A growth past --device-memory first takes back the buffers of the stashes on their way out,
+  // then waits for the oldest block retired on a stream (the CPU worker has none: it releases at
+  // fixed points), before the counter gives up with its one line.
+  memory_.set_reclaim([this] { return (swaps_ && reclaim_download()) || reclaim_retired(); });
+  if (!offload_optimizer_) return;
+  std::int64_t largest = 0;
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    HostChunk h;
+    exec::detail::HostTiles tiles = exec::detail::host_tiles(
+        c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
+        planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
+    h.n = tiles.host_n;
+    h.tiles = std::move(tiles.tiles);
+    for (const exec::detail::Tile& t : h.tiles)
+      largest = std::max(largest, t.size());
+    // The planner's (12 + 4 + e) bytes per host-updated parameter: fp32 master, m, v, the fp32
+    // accumulator and the bf16 transfer buffer (pinned).
+    h.master = Buffer(&host_, Category::optimizer, h.n);
+    std::copy_n(initial.at(i).data(), h.n, h.master.data());
+    h.accumulator = Buffer(&host_, Category::gradients, h.n);
+    h.m = Buffer(&host_, Category::optimizer, h.n);
+    if (s_.options->optimizer == "adamw") h.v = Buffer(&host_, Category::optimizer, h.n);
+    h.transfer = PinnedBuffer(host_, Category::weights, 2 * h.n);
+    if (c.tied_offset >= 0) {
+      h.resident = tensor(Category::gradients, 2 * c.tied_size);
+      CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * c.tied_size), compute_));
+    }
+    h.adam.assign(h.tiles.size(), nullptr);
+    host_chunks_.push_back(std::move(h));
+  }
+  // Double-buffered: one layer's gradients fill while the previous one's are on the copy stream.
+  for (Tensor& t : grad_tiles_)
+    t = tensor(Category::gradients, 2 * largest);
+}
+
+bf16* CudaWorker::tied_grad(Chunk& c) {
+  if (!offload_optimizer_) return c.grads.as<bf16>() + c.tied_offset;
+  return host_chunks_[std::size_t(&c - chunks_.data())].resident.as<bf16>();
+}
+
+namespace {
+void CUDART_CB run_host_work(void* work) {
+  (*static_cast<std::function<void()>*>(work))();
+}
+}  // namespace
+
+void CudaWorker::host_function(cudaStream_t stream, std::function<void()> work) {
+  auto owned = std::make_unique<std::function<void()>>(std::move(work));
+  CUDA_CHECK(cudaLaunchHostFunc(stream, run_host_work, owned.get()));
+  host_work_.push_back({std::move(owned), record(stream)});
+}
+
+void CudaWorker::timed(int stream_id, cudaStream_t stream, int op,
+                       const std::function<void()>& enqueue) {
+  const cudaEvent_t begin = record(stream);
+  enqueue();
+  pending_.push_back({stream_id, op, begin, record(stream)});
+}
+
+// A swapped stash's device buffer goes when the second compute slot after its forward begins, its
+// download done (exec/offload.hpp, HeldDownloads; the host waits for it if it is still running),
+// or earlier when an allocation would not fit --device-memory (reclaim_download).
+void CudaWorker::release_downloads(int compute_op) {
+  while (downloads_.due(compute_op))
+    reclaim_download();
+}
+
+bool CudaWorker::reclaim_retired() {
+  if (retired_.empty()) return false;
+  host_wait(retired_.front().done, "free a retired block");
+  pool_.push_back(retired_.front().done);
+  retired_.pop_front();  // the tensor goes back to the arena (and its counter)
+  return true;
+}
+
+bool CudaWorker::reclaim_download() {
+  if (downloads_.empty()) return false;
+  const std::shared_ptr<Swap> sw = downloads_.pop();
+  host_wait(sw->down, "copy a stash to the host");
+  // The download has read it and the forward that wrote it is done: free at once.
+  sw->device = Tensor();
+  return true;
+}
+
+void* CudaWorker::take_pinned(std::int64_t bytes, cudaStream_t writer) {
+  std::vector<PinnedBlock>& free = pinned_free_[bytes];
+  if (free.empty()) {
+    void* block = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&block, std::size_t(bytes), cudaHostAllocDefault));
+    pinned_all_.push_back(block);
+    return block;
+  }
+  const PinnedBlock b = free.back();
+  free.pop_back();
+  wait(writer, b.last_read);  // its last upload has read it
+  if (b.last_read) pool_.push_back(b.last_read);
+  return b.data;
+}
+
+void CudaWorker::give_pinned(void* block, std::int64_t bytes, cudaEvent_t last_read) {
+  pinned_free_[bytes].push_back({block, last_read});
+}
+
+// The copies and the host's CPU Adam (docs/formats.md, program ops), issued in program order on
+// their streams; every dependency an event: an upload after its tile's Adam, Adam after the
+// step's gradient copies, a backward after its stash's upload, the optimizer step after the last
+// parameter upload.
+void CudaWorker::offload(const Op& op) {
+  if (!offload_optimizer_ && !swaps_)
+    throw Error(fmt::format("rank {}: {} in a program that does not offload", rank_,
+                            planner::to_string(op.kind)));
+  const Key key{op.step, op.microbatch, op.chunk};
+  switch (op.kind) {
+    case OpKind::copy_activation_to_host: {
+      Held stash = take(stash_, key, "stash to swap", rank_);
+      auto sw = std::make_shared<Swap>();
+      sw->device = std::move(stash.tensor);
+      sw->bytes = sw->device.bytes();
+      sw->host = take_pinned(sw->bytes, d2h_);
+      host_.add(Category::activations, sw->bytes);
+      const cudaEvent_t produced = record(compute_);  // the forward wrote it
+      wait(d2h_, produced);
+      pool_.push_back(produced);
+      timed(planner::kCopyOutStream, d2h_, op_, [&] {
+        CUDA_CHECK(cudaMemcpyAsync(sw->host, sw->device.as<void>(), std::size_t(sw->bytes),
+                                   cudaMemcpyDeviceToHost, d2h_));
+      });
+      sw->down = record(d2h_);
+      bytes_out_ += sw->bytes;
+      activation_bytes_out_ += sw->bytes;
+      // The device buffer goes when the copy is done (release_downloads).
+      downloads_.push(compute_ops_ - 1, sw);
+      swaps_by_key_[key] = sw;
+      return;
+    }
+    case OpKind::copy_activation_to_device: {
+      const auto it = swaps_by_key_.find(key);
+      if (it == swaps_by_key_.end())
+        throw Error(fmt::format("rank {}: {} of a stash that never went to the host", rank_,
+                                planner::to_string(op.kind)));
+      const std::shared_ptr<Swap> sw = it->second;
+      release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
+      // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
+      while (downloads_.holds(sw))
+        reclaim_download();
+      // ...it is on the device again from the upload's issue.
+      sw->device = tensor(Category::activations, sw->bytes);
+      wait(h2d_, sw->down);
+      pool_.push_back(sw->down);
+      sw->down = nullptr;
+      timed(planner::kCopyInStream, h2d_, op_, [&] {
+        CUDA_CHECK(cudaMemcpyAsync(sw->device.as<void>(), sw->host, std::size_t(sw->bytes),
+                                   cudaMemcpyHostToDevice, h2d_));
+      });
+      sw->up = record(h2d_);
+      bytes_in_ += sw->bytes;
+      activation_bytes_in_ += sw->bytes;
+      return;
+    }
+    case OpKind::copy_gradient_to_host: {
+      if (!offload_optimizer_) break;
+      if (op.microbatch >= 0) {  // the backward's layers: the next compute waits for the last
+        wait(compute_, last_gradient_copy_);
+        return;
+      }
+      // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
+      Chunk& c = chunks_[std::size_t(op.chunk)];
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      if (c.tied_offset < 0 || h.resident.bytes() == 0)
+        throw Error(fmt::format("rank {}: tied gradient copy on chunk {}, which keeps none", rank_,
+                                op.chunk));
+      wait(compute_, reduced_);  // the tied exchange's sums (on compute or reduce) are done
+      const cudaEvent_t summed = record(compute_);
+      wait(d2h_, summed);
+      pool_.push_back(summed);
+      bf16* transfer = h.transfer.as<bf16>() + c.tied_offset;
+      float* acc = h.accumulator.data() + c.tied_offset;
+      const std::int64_t n = c.tied_size;
+      timed(planner::kCopyOutStream, d2h_, op_, [&] {
+        CUDA_CHECK(cudaMemcpyAsync(transfer, h.resident.as<void>(), std::size_t(2 * n),
+                                   cudaMemcpyDeviceToHost, d2h_));
+        // The next step accumulates from zero (its backward waits for this step's uploads).
+        CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * n), d2h_));
+        host_function(d2h_, [transfer, acc, n] {
+          for (std::int64_t i = 0; i < n; ++i)
+            acc[i] = __bfloat162float(transfer[i]);
+        });
+      });
+      bytes_out_ += 2 * n;
+      return;
+    }
+    case OpKind::host_optimizer_step: {
+      if (!offload_optimizer_) break;
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      const exec::detail::Tile t = h.tiles.at(std::size_t(op.bucket));
+      const cudaEvent_t copied = record(d2h_);  // the step's gradients, all of them, added
+      wait(host_stream_, copied);
+      pool_.push_back(copied);
+      const int update = op.step + 1;
+      const TrainOptions* options = s_.options;
+      float* master = h.master.data() + t.begin;
+      float* acc = h.accumulator.data() + t.begin;
+      float* m = h.m.data() + t.begin;
+      float* v = h.v.empty() ? nullptr : h.v.data() + t.begin;
+      bf16* transfer = h.transfer.as<bf16>() + t.begin;
+      const std::int64_t n = t.size();
+      timed(planner::kHostStream, host_stream_, op_, [&] {
+        host_function(host_stream_, [options, update, master, acc, m, v, transfer, n] {
+          // The CPU worker's optimizer on the fp32 master (zeroes the accumulator), then the new
+          // bf16 parameters, rounded to nearest even as the device's update writes them.
+          optimizer_update(*options, update, master, master, acc, m, v, n);
+          for (std::int64_t i = 0; i < n; ++i)
+            transfer[i] = __float2bfloat16(master[i]);
+        });
+      });
+      cudaEvent_t& done = h.adam[std::size_t(op.bucket)];
+      if (done) pool_.push_back(done);
+      done = record(host_stream_);
+      return;
+    }
+    case OpKind::copy_parameters_to_device: {
+      if (!offload_optimizer_) break;
+      if (upload_slot_ < 0) {
+        upload_slot_ = exec::detail::upload_slot(s_.plan(), slots_.newest());
+        // Every op enqueued so far that reads the slot (compute, and the last tied-weights send
+        // out of it) is done before the first upload writes it.
+        const cudaEvent_t before = record(compute_);
+        wait(h2d_, before);
+        pool_.push_back(before);
+        if (slot_sent_[upload_slot_]) {
+          wait(h2d_, slot_sent_[upload_slot_]);
+          pool_.push_back(slot_sent_[upload_slot_]);
+          slot_sent_[upload_slot_] = nullptr;
+        }
+        if (!slots_.allocated(upload_slot_))
+          for (Chunk& c : chunks_)
+            c.slots[upload_slot_] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
+      }
+      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      const exec::detail::Tile t = h.tiles.at(std::size_t(op.bucket));
+      wait(h2d_, h.adam[std::size_t(op.bucket)]);
+      bf16* dst = chunks_[std::size_t(op.chunk)].slots[upload_slot_].as<bf16>() + t.begin;
+      const bf16* src = h.transfer.as<bf16>() + t.begin;
+      timed(planner::kCopyInStream, h2d_, op_, [&] {
+        CUDA_CHECK(
+            cudaMemcpyAsync(dst, src, std::size_t(2 * t.size()), cudaMemcpyHostToDevice, h2d_));
+      });
+      bytes_in_ += 2 * t.size();
+      if (last_upload_) pool_.push_back(last_upload_);
+      last_upload_ = record(h2d_);
+      return;
+    }
+    default:
+      break;
+  }
+  throw Error(fmt::format("rank {}: {} is not an offload op of this program", rank_,
+                          planner::to_string(op.kind)));
+}
+
+// The device's optimizer step under optimizer offload: the uploads have written the new version
+// (CPU Adam ran on the host); the compute stream waits for them, then the step ends as usual.
+void CudaWorker::offload_step(const Op& op) {
+  if (upload_slot_ < 0)
+    throw Error(fmt::format("rank {}: optimizer step of version {} without its uploads", rank_,
+                            op.version));
+  wait(compute_, last_upload_);
+  const cudaEvent_t copied = record(d2h_);  // and for every copy out (the tied one's zeroing)
+  wait(compute_, copied);
+  pool_.push_back(copied);
+  if (reduced_) pool_.push_back(reduced_);
+  reduced_ = nullptr;
+  ++updates_;
+  slots_.place(op.version, upload_slot_);
+  upload_slot_ = -1;
+  end_of_step(op.step);
+}
+
 // Every weight version held (bf16 values as fp32, exact), then the fp32 master and moments.
 std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versions,
                                                    std::vector<std::vector<float>>& host) {
@@ -635,10 +1097,12 @@ std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versi
       host.emplace_back(std::size_t(n));
       tensors.push_back({fmt::format("c{}.w{}", i, version), host.back().data(), n});
     }
+    // Under optimizer offload the host's: its host-updated parameters [0, n_h).
+    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n : n;
     for (const char* name : {"master", "m", "v"}) {
-      if (std::string(name) == "v" && c.v.bytes() == 0) continue;
-      host.emplace_back(std::size_t(n));
-      tensors.push_back({fmt::format("c{}.{}", i, name), host.back().data(), n});
+      if (std::string(name) == "v" && s_.options->optimizer != "adamw") continue;
+      host.emplace_back(std::size_t(n_h));
+      tensors.push_back({fmt::format("c{}.{}", i, name), host.back().data(), n_h});
     }
   }
   return tensors;
@@ -663,6 +1127,15 @@ void CudaWorker::save_checkpoint(int step) {
       if (s_.plan().d > 1 && c.last && c.tied_offset >= 0)
         std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
       ++k;
+    }
+    if (offload_optimizer_) {  // the host's (every host function of the step has run)
+      const HostChunk& h = host_chunks_[i];
+      for (const Buffer* b : {&h.master, &h.m, &h.v}) {
+        if (b->empty()) continue;
+        std::copy_n(b->data(), h.n, tensors[k].data);
+        ++k;
+      }
+      continue;
     }
     for (const Tensor* t : {&c.master, &c.m, &c.v}) {
       if (t->bytes() == 0) continue;
@@ -700,13 +1173,15 @@ void CudaWorker::load_checkpoint(int step) {
     const exec::GptLayout first(exec::detail::chunk_spec(*s_.model, p, 0, 0), models::DType::bf16,
                                 "cuda");
     const std::string shard = shard_path(dir, p.rank_of(0, replica_));
-    const std::size_t base = (chunks_.size() - 1) * (versions.size() + (last.v.bytes() ? 3 : 2));
+    const std::size_t base =
+        (chunks_.size() - 1) * (versions.size() + (s_.options->optimizer == "adamw" ? 3 : 2));
     for (std::size_t j = 0; j < versions.size(); ++j)
       read_shard_slice(shard, fmt::format("c0.w{}", versions[j]), first.wte,
                        tensors[base + j].data + last.tied_offset, last.tied_size);
   }
   std::size_t k = 0;
-  for (Chunk& c : chunks_) {
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
     const std::int64_t n = c.sizes.parameters;
     for (int version : versions) {
       // bf16 values stored as fp32: rounding them back is exact.
@@ -714,6 +1189,15 @@ void CudaWorker::load_checkpoint(int step) {
       CUDA_CHECK(
           cudaMemcpy(params(c, version), w.data(), std::size_t(2 * n), cudaMemcpyHostToDevice));
       ++k;
+    }
+    if (offload_optimizer_) {
+      HostChunk& h = host_chunks_[i];
+      for (Buffer* b : {&h.master, &h.m, &h.v}) {
+        if (b->empty()) continue;
+        std::copy_n(tensors[k].data, h.n, b->data());
+        ++k;
+      }
+      continue;
     }
     for (Tensor* t : {&c.master, &c.m, &c.v}) {
       if (t->bytes() == 0) continue;
@@ -730,6 +1214,11 @@ RankResult CudaWorker::result() {
   r.peak_memory_bytes = memory_.peak();
   r.memory = memory_.at_peak();
   r.busy_s = busy_s_;
+  r.host_peak_memory_bytes = host_.peak();
+  r.copy_out_bytes = bytes_out_;
+  r.copy_in_bytes = bytes_in_;
+  r.activation_out_bytes = activation_bytes_out_;
+  r.activation_in_bytes = activation_bytes_in_;
   for (const Chunk& c : chunks_) {
     const std::int64_t n = c.sizes.parameters;
     std::vector<bf16> w(static_cast<std::size_t>(n));

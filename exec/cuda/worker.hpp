@@ -1,13 +1,16 @@
 // Internal to exec/cuda: one rank's GPU worker, the CUDA twin of exec/worker.hpp. It interprets
 // its program op by op, enqueueing work on streams of its own: compute (forward, recompute,
-// backward, optimizer), a send and a recv stream per channel, and all-reduce, ordered by events
-// exactly where one op consumes what another stream produced. The host thread waits for the GPU
-// once per step (after the optimizer, for the loss and the step's end) and never between ops.
+// backward, optimizer), a send and a recv stream per channel, and all-reduce (with offload also a
+// device-to-host, a host-to-device and a host stream), ordered by events exactly where one op
+// consumes what another stream produced. The host thread waits for the GPU once per step (after
+// the optimizer, for the loss and the step's end) and never between ops, except for a swapped
+// stash's download at its release point (as the CPU worker waits there).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -19,6 +22,7 @@
 #include "exec/cuda/gpt_stage.hpp"
 #include "exec/interpret.hpp"
 #include "exec/memory.hpp"
+#include "exec/offload.hpp"
 #include "exec/run_common.hpp"
 
 namespace pw::exec::cuda::detail {
@@ -49,6 +53,36 @@ class Tensor {
  private:
   void release();
   DeviceBuffer block_;
+  MemoryCounter* counter_ = nullptr;
+  Category category_ = Category::activations;
+};
+
+// Pinned host memory (cudaHostAlloc: the copy engines' DMA reads and writes it while the host goes
+// on), counted in a MemoryCounter (the rank's host pool) while it lives.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(MemoryCounter& counter, Category category, std::int64_t bytes);
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : data_(o.data_), bytes_(o.bytes_), counter_(o.counter_), category_(o.category_) {
+    o.data_ = nullptr;
+    o.counter_ = nullptr;
+  }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  std::int64_t bytes() const { return bytes_; }
+
+ private:
+  void release();
+  void* data_ = nullptr;
+  std::int64_t bytes_ = 0;
   MemoryCounter* counter_ = nullptr;
   Category category_ = Category::activations;
 };
@@ -101,7 +135,7 @@ class CudaWorker {
   void send(const planner::Op& op, Channel channel);  // activation: outputs_, gradient: d_inputs_
   void recv(const planner::Op& op, Channel channel);
   void free_version(const planner::Op& op) { slots_.free_version(op.version); }
-  [[noreturn]] void offload(const planner::Op& op);
+  void offload(const planner::Op& op);
   void forward(const planner::Op& op);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
@@ -115,6 +149,47 @@ class CudaWorker {
   void update(Chunk& c, bf16* target);
   void end_of_step(int step);
 
+  // Offload (docs/formulas.md section 9; the CPU worker's rules, exec/offload.hpp): gradients
+  // leave the device layer by layer on the device-to-host stream into the pinned transfer buffer
+  // and are added into the host's fp32 accumulator there (a host function on that stream, in
+  // stream order); CPU Adam (exec/optimizer.cpp, the CPU worker's code) runs tile by tile as host
+  // functions on the host stream after the step's gradient copies, rounding the new master
+  // weights into the transfer buffer; each tile goes back on the host-to-device stream after its
+  // Adam; swapped stashes go out and back on the same two streams. Every dependency is an event.
+  struct HostChunk {
+    std::int64_t n = 0;  // host-updated parameters [0, n)
+    std::vector<exec::detail::Tile> tiles;
+    Buffer master, accumulator, m, v;  // host fp32 (exec/memory.hpp's counted buffers)
+    PinnedBuffer transfer;             // pinned bf16: gradients arrive, new parameters leave
+    Tensor resident;  // device: the tied tensor's bf16 gradient at a tied end, summed there
+    std::vector<cudaEvent_t> adam;  // per tile: after its CPU Adam this step (null: none yet)
+  };
+  // A swapped stash: on the host between its download and its upload.
+  struct Swap {
+    Tensor device;
+    void* host = nullptr;  // from pinned_free_
+    std::int64_t bytes = 0;
+    cudaEvent_t down = nullptr, up = nullptr;
+  };
+  class TileSink;
+  void setup_offload(const std::vector<std::vector<float>>& initial);
+  void offload_step(const planner::Op& op);
+  bf16* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)
+  // Runs `work` on the host, in `stream`'s order (cudaLaunchHostFunc); it must not call CUDA.
+  void host_function(cudaStream_t stream, std::function<void()> work);
+  // Enqueues on `stream` between two events, timed as program op `op` on the timeline's
+  // `stream_id` (beside an open compute interval).
+  void timed(int stream_id, cudaStream_t stream, int op, const std::function<void()>& enqueue);
+  void release_downloads(int compute_op);
+  bool reclaim_download();
+  bool reclaim_retired();  // waits for the oldest retired block and frees it; false: none
+  // Waits on the host (polled, with the transport's timeout and abort) for `e`.
+  void host_wait(cudaEvent_t e, const char* what);
+  // Pinned host blocks of swapped stashes, reused by size; each with the event after its last
+  // reader (an upload), which a download into it waits for.
+  void* take_pinned(std::int64_t bytes, cudaStream_t writer);
+  void give_pinned(void* block, std::int64_t bytes, cudaEvent_t last_read);
+
   std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions,
                                          std::vector<std::vector<float>>& host);
   void save_checkpoint(int step);
@@ -124,8 +199,8 @@ class CudaWorker {
   bf16* params(const Chunk& c, int version) const;
   cudaEvent_t event();  // from the pool (timing enabled)
   cudaEvent_t record(cudaStream_t s);
-  void wait(cudaStream_t s, cudaEvent_t e);  // no-op for null
-  void begin_timed(int stream_id, cudaStream_t s);
+  void wait(cudaStream_t s, cudaEvent_t e);                      // no-op for null
+  void begin_timed(int stream_id, cudaStream_t s, int op = -1);  // op -1: the current op
   void end_timed(cudaStream_t s);
   // Gives a tensor back once `last_use` has passed the work enqueued so far.
   void retire(Tensor&& t, cudaStream_t last_use);
@@ -147,6 +222,8 @@ class CudaWorker {
   // buffered model does not have; per channel both ends see the same FIFO sequence.
   static constexpr int kChannels = 4;  // activation, gradient, tied, tied_weights
   cudaStream_t compute_ = nullptr, reduce_ = nullptr;
+  // Offload's copy streams (device to host, host to device) and the host stream of CPU Adam.
+  cudaStream_t d2h_ = nullptr, h2d_ = nullptr, host_stream_ = nullptr;
   cudaStream_t send_[kChannels] = {}, recv_[kChannels] = {};
   std::vector<cudaStream_t*> all_streams();
   std::vector<Chunk> chunks_;
@@ -177,6 +254,32 @@ class CudaWorker {
   std::vector<planner::TimedOp> ops_;
   double busy_s_ = 0;
   int op_ = 0;
+
+  // Offload's state (above). Host work waiting to run, freed once its event has passed.
+  bool offload_optimizer_ = false, swaps_ = false;
+  MemoryCounter host_;  // the host pool: optimizer state, accumulator, transfer, swapped stashes
+  std::vector<HostChunk> host_chunks_;
+  Tensor grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy stream
+  cudaEvent_t grad_tile_copied_[2] = {nullptr, nullptr};
+  int next_grad_tile_ = 0;
+  cudaEvent_t last_gradient_copy_ = nullptr;  // after the last backward's last tile
+  cudaEvent_t last_upload_ = nullptr;
+  int upload_slot_ = -1;  // the weight slot this step's uploads write
+  std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
+  exec::detail::HeldDownloads<std::shared_ptr<Swap>> downloads_;
+  int compute_ops_ = 0;  // forwards and backwards begun
+  struct PinnedBlock {
+    void* data;
+    cudaEvent_t last_read;
+  };
+  std::map<std::int64_t, std::vector<PinnedBlock>> pinned_free_;
+  std::vector<void*> pinned_all_;  // every swap block, freed at the end
+  struct HostWork {
+    std::unique_ptr<std::function<void()>> work;
+    cudaEvent_t done;
+  };
+  std::deque<HostWork> host_work_;
+  std::int64_t bytes_out_ = 0, bytes_in_ = 0, activation_bytes_out_ = 0, activation_bytes_in_ = 0;
 };
 
 }  // namespace pw::exec::cuda::detail

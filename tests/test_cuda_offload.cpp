@@ -1,0 +1,324 @@
+// The CUDA executor with offload (issue 15, docs/formulas.md section 9; exec/cuda/worker.cpp):
+// the programs and rules the CPU executor runs (tests/test_offload_exec.cpp), on a GPU with pinned
+// host memory and copy streams. On a GPU: activation offload gives the run without offload's
+// losses bit for bit (the same kernels on the same values; only copies between them); optimizer
+// offload (gradients summed in fp32 on the host instead of bf16 on the device, CPU Adam instead of
+// the device's) within the tolerance the CUDA runtime's own tests use for the same kernels in
+// another order; the bytes moved are the simulator's exactly; the per-rank device memory is the
+// planner's in every category but activations, and a run inside a --device-memory of its own
+// peak stays inside with the same losses; a resumed run equals an unbroken one. Without a GPU the
+// expectations themselves are computed (so a GPU run does not fail on the test's own setup) and
+// the GPU cases report themselves skipped.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "clusters/cluster.hpp"
+#include "common/error.hpp"
+#include "cuda_test_util.hpp"
+#include "exec/cuda/runtime.hpp"
+#include "exec/run_common.hpp"
+#include "exec/runtime.hpp"
+#include "planner/cost_model.hpp"
+#include "planner/plan.hpp"
+#include "sim/simulator.hpp"
+#include "test_util.hpp"
+#include "traces/analytic.hpp"
+
+namespace {
+
+using pw::exec::RankResult;
+using pw::exec::TrainOptions;
+using pw::exec::TrainResult;
+using pw::planner::ActivationChoice;
+using pw::planner::Offload;
+using pw::planner::Plan;
+using pw::planner::Schedule;
+namespace fs = std::filesystem;
+
+// gpt-tiny with 4 blocks in bf16 (the CUDA backend's dtype).
+const pw::models::ModelSpec kGpu = pw::testing::gpt_tiny(4, pw::models::DType::bf16);
+
+enum Mode { kNone = 0, kOptimizer = 1, kActivations = 2, kBoth = 3 };
+
+std::string mode_name(int mode) {
+  const char* names[] = {"none", "optimizer", "activations", "optimizer,activations"};
+  return names[mode];
+}
+
+Plan make_plan(Schedule s, int d, int b, int m, int mode) {
+  Plan p;
+  p.schedule = s;
+  p.d = d;
+  p.b = b;
+  p.m = m;
+  pw::planner::resolve_stages(p, kGpu.layers);
+  if (mode & kOptimizer) p.offload = Offload::optimizer;
+  if (mode & kActivations) {
+    p.offload_activations = true;
+    pw::planner::set_activations(
+        p, std::vector<ActivationChoice>(std::size_t(d), ActivationChoice::swap));
+  }
+  pw::planner::check(p);
+  return p;
+}
+
+TrainOptions options(int steps) {
+  TrainOptions o;
+  o.steps = steps;
+  o.optimizer = "adamw";
+  o.lr = 3e-3f;
+  o.weight_decay = 0.01f;
+  o.seed = 11;
+  return o;
+}
+
+std::vector<double> losses(const TrainResult& r) {
+  std::vector<double> out;
+  for (const auto& s : r.steps)
+    out.push_back(s.loss);
+  return out;
+}
+
+struct Case {
+  Schedule schedule;
+  int d, b, m;
+};
+
+// Activation offload swaps only where a stash waits 3 compute ops (kSwapGap): 1f1b and 2bw at
+// d = 4 on their first stages, gpipe at d = 2 (as the CPU executor's tests).
+const Case kCases[] = {
+    {Schedule::one_f_one_b, 4, 1, 4}, {Schedule::two_bw, 4, 1, 4}, {Schedule::gpipe, 2, 2, 4}};
+
+// The planner's and the simulator's figures of a plan of bf16 gpt-tiny on one H100 node (host
+// link, CPU Adam rate), every rank on one GPU as the CUDA runtime runs them.
+const pw::clusters::Cluster& node() {
+  static const pw::clusters::Cluster c = pw::clusters::load_cluster("dgx-h100");
+  return c;
+}
+
+Plan placed(const Plan& p) {
+  Plan q = p;
+  pw::planner::place(q, {1, 1}, p.ranks());
+  return q;
+}
+
+pw::planner::Estimate predicted(const Plan& p) {
+  const pw::traces::Trace t = pw::traces::analytic_trace(kGpu, node().device, {p.b});
+  return pw::planner::estimate(kGpu, t, node(), placed(p));
+}
+
+pw::planner::RunReport simulated(const Plan& p, int steps) {
+  const pw::traces::Trace t = pw::traces::analytic_trace(kGpu, node().device, {p.b});
+  return pw::sim::simulate(kGpu, t, node(), placed(p), {.steps = steps}).report;
+}
+
+// What a rank of a run of `steps` steps must have moved: the simulator's bytes of the same
+// programs (its per-step figures are the run's / steps).
+struct Moved {
+  std::int64_t out = 0, in = 0, activations_out = 0;
+};
+
+std::vector<Moved> expected_bytes(const Plan& p, int steps) {
+  const pw::planner::RunReport sim = simulated(p, steps);
+  const pw::common::Json& so = sim.extra["offload"];
+  std::vector<Moved> out;
+  for (int rank = 0; rank < p.ranks(); ++rank) {
+    const pw::common::Json& r = so["ranks"][std::size_t(rank)];
+    Moved m;
+    m.out = steps * r["copy_out_bytes_per_step"].get<std::int64_t>();
+    m.in = steps * r["copy_in_bytes_per_step"].get<std::int64_t>();
+    if (p.offload_activations)
+      m.activations_out = steps * r["activations"]["swapped_bytes_per_step"].get<std::int64_t>();
+    out.push_back(m);
+  }
+  return out;
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("pw-cuda-offload-" + name);
+  fs::remove_all(p);
+  return p;
+}
+
+// ---- everywhere ------------------------------------------------------------------------------
+
+// The CUDA backend's checks let every mode but chunks through; chunks stay one line.
+TEST(CudaOffload, ChecksPassEveryModeButChunks) {
+  for (int mode : {kOptimizer, kActivations, kBoth})
+    EXPECT_NO_THROW(pw::exec::detail::prepare_run(
+        kGpu, make_plan(Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
+        << mode_name(mode);
+  Plan chunks;
+  chunks.schedule = Schedule::one_f_one_b;
+  chunks.b = 1;
+  chunks.m = 4;
+  pw::planner::resolve_stages(chunks, kGpu.layers);
+  chunks.offload = Offload::chunks;
+  const std::string msg = pw::testing::error_of(
+      [&] { pw::exec::detail::prepare_run(kGpu, chunks, options(2), "cuda"); });
+  EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+// The GPU cases' expectations, computed here so that a GPU session does not fail on them: the
+// simulator's bytes (bf16: 2 bytes per element) and the planner's memory of every case and mode.
+TEST(CudaOffload, ExpectationsAreComputable) {
+  for (const Case& k : kCases)
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(pw::planner::to_string(k.schedule) + " " + mode_name(mode));
+      const Plan p = make_plan(k.schedule, k.d, k.b, k.m, mode);
+      const std::vector<Moved> moved = expected_bytes(p, 3);
+      ASSERT_EQ(moved.size(), std::size_t(p.ranks()));
+      if (mode & kOptimizer) {
+        for (const Moved& m : moved) {
+          EXPECT_GT(m.out, 0);
+          EXPECT_GT(m.in, 0);
+        }
+      }
+      if (mode & kActivations) {
+        EXPECT_GT(moved[0].activations_out, 0);
+      }
+      const pw::planner::Estimate e = predicted(p);
+      ASSERT_EQ(e.report.devices.size(), std::size_t(p.ranks()));
+      if (mode & kOptimizer) {
+        EXPECT_EQ(e.report.devices[0].memory.optimizer, 0);
+      }
+    }
+}
+
+// ---- on a GPU --------------------------------------------------------------------------------
+
+// Every mode against the same plan without offload on the GPU. Activation offload: the same bits
+// (copies only). Optimizer offload: the fp32 host sum of each microbatch's bf16 gradients and CPU
+// Adam against the device's bf16 sum and GPU Adam: within 5e-3 relative, the runtime's tolerance
+// for the same kernels summed in another order (CudaRuntime.PipelineSplitsTrainLikeOneStage).
+TEST(CudaOffload, LossesMatchNoOffload) {
+  PW_SKIP_WITHOUT_GPU();
+  for (const Case& k : kCases) {
+    const auto plain = losses(
+        pw::exec::cuda::train_cuda(kGpu, make_plan(k.schedule, k.d, k.b, k.m, kNone), options(3)));
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(pw::planner::to_string(k.schedule) + " " + mode_name(mode));
+      const TrainResult r =
+          pw::exec::cuda::train_cuda(kGpu, make_plan(k.schedule, k.d, k.b, k.m, mode), options(3));
+      const auto got = losses(r);
+      ASSERT_EQ(got.size(), plain.size());
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        if (mode == kActivations) {
+          EXPECT_EQ(got[i], plain[i]) << "step " << i;
+        } else {
+          EXPECT_NEAR(got[i], plain[i], 5e-3 * plain[i]) << "step " << i;
+        }
+      }
+      if (mode & kActivations) {
+        EXPECT_GT(r.ranks[0].activation_out_bytes, 0);
+        EXPECT_EQ(r.ranks[0].activation_out_bytes, r.ranks[0].activation_in_bytes);
+      }
+      if (mode & kOptimizer) {
+        EXPECT_EQ(r.ranks[0].memory.optimizer, 0);  // on the host
+        EXPECT_GT(r.ranks[0].host_peak_memory_bytes, 0);
+      }
+    }
+  }
+}
+
+// Bytes moved: the simulator's exactly; device memory: the planner's in every category but
+// activations (within 5% or three messages); the host pool of optimizer offload: the planner's
+// (12 + 4 + 2) bytes per host-updated parameter; inside a budget of its own peak (plus three
+// messages) the run stays inside it with the same losses, bit for bit.
+TEST(CudaOffload, BytesAndMemoryMatchThePlanner) {
+  PW_SKIP_WITHOUT_GPU();
+  const int steps = 3;
+  for (const Case& k : kCases)
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(pw::planner::to_string(k.schedule) + " " + mode_name(mode));
+      const Plan p = make_plan(k.schedule, k.d, k.b, k.m, mode);
+      const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, options(steps));
+      const std::vector<Moved> moved = expected_bytes(p, steps);
+      const pw::planner::Estimate e = predicted(p);
+      const pw::common::Json& o = e.report.extra["offload"];
+      std::int64_t peak = 0;
+      for (int rank = 0; rank < p.ranks(); ++rank) {
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        const Moved& want = moved[std::size_t(rank)];
+        EXPECT_EQ(got.copy_out_bytes, want.out) << "rank " << rank;
+        EXPECT_EQ(got.copy_in_bytes, want.in) << "rank " << rank;
+        if (mode & kActivations) {
+          EXPECT_EQ(got.activation_out_bytes, want.activations_out) << "rank " << rank;
+        }
+        const auto& wm = e.report.devices[std::size_t(rank)].memory;
+        EXPECT_EQ(got.memory.weights, wm.weights) << "rank " << rank;
+        EXPECT_EQ(got.memory.weight_versions, wm.weight_versions) << "rank " << rank;
+        EXPECT_EQ(got.memory.gradients, wm.gradients) << "rank " << rank;
+        EXPECT_EQ(got.memory.optimizer, wm.optimizer) << "rank " << rank;
+        // Activations: the planner's within 5% (the runtime's own test) or the activation-sized
+        // messages on their way (at most three, as on the CPU), whichever is larger: with swaps
+        // the planner's figure is small and the messages weigh more.
+        const double message = 2.0 * p.b * kGpu.seq_len * kGpu.hidden;  // bf16 (b, T, C)
+        EXPECT_NEAR(double(got.memory.activations), double(wm.activations),
+                    std::max(0.05 * double(wm.activations), 3 * message))
+            << "rank " << rank;
+        if (mode == kOptimizer) {
+          EXPECT_EQ(got.host_peak_memory_bytes,
+                    o["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>())
+              << "rank " << rank;
+        }
+        peak = std::max(peak, got.peak_memory_bytes);
+      }
+      // Blocks retired on a stream are freed when their event has passed, so a GPU run's peak
+      // may vary by a message or two between runs: the budget leaves three.
+      const std::int64_t limit =
+          peak + 3 * std::int64_t(2) * p.b * kGpu.seq_len * kGpu.hidden;  // bf16 (b, T, C)
+      TrainOptions budget = options(steps);
+      budget.device_memory = limit;
+      const TrainResult fitted = pw::exec::cuda::train_cuda(kGpu, p, budget);
+      for (const RankResult& rank : fitted.ranks)
+        EXPECT_LE(rank.peak_memory_bytes, limit) << "rank " << rank.rank;
+      EXPECT_EQ(losses(fitted), losses(r));
+    }
+}
+
+// The host's optimizer state is in the checkpoint: stopped after 2 of 4 steps and resumed, the
+// later losses and the final weights are the unbroken run's, bit for bit.
+TEST(CudaOffload, ResumeIsExact) {
+  PW_SKIP_WITHOUT_GPU();
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(pw::planner::to_string(s));
+    const Plan p = make_plan(s, 4, 1, 4, kBoth);
+    TrainOptions o = options(4);
+    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.checkpoint_dir = temp_dir(pw::planner::to_string(s)).string();
+    o.steps = 2;
+    pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.steps = 4;
+    o.resume = true;
+    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
+    ASSERT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(resumed.steps.size(), 2u);
+    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
+    fs::remove_all(o.checkpoint_dir);
+  }
+}
+
+// A budget far below a rank's weights: the one-line error of the CPU backend.
+TEST(CudaOffload, DeviceTooSmallIsOneLine) {
+  PW_SKIP_WITHOUT_GPU();
+  TrainOptions o = options(2);
+  o.device_memory = 1000;
+  const std::string msg = pw::testing::error_of([&] {
+    pw::exec::cuda::train_cuda(kGpu, make_plan(Schedule::one_f_one_b, 2, 2, 4, kBoth), o);
+  });
+  EXPECT_NE(msg.find("--device-memory 1000 B"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+}  // namespace
