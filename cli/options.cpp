@@ -128,6 +128,9 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
                          ? int(std::clamp<std::int64_t>(groups / p.d, 1, common::kMaxCount + 1))
                          : 1);
+    // Optimizer offload over w > 1 replicas shards the host optimizer (ZeRO-Offload): the
+    // distributed optimizer, implied here (a plan file says it).
+    if (p.offload == planner::Offload::optimizer && p.w > 1) p.distributed_optimizer = true;
     if (recompute) {
       const auto mode =
           recompute->empty() ? planner::Recompute::full : planner::parse_recompute(*recompute);
