@@ -389,6 +389,36 @@ TEST(OffloadData, ProgramsPassTheCheckerAndSameInputsSameReport) {
             to_json(sim::simulate(model, trace, c, p).report).dump());
 }
 
+// A model that fits nowhere without offload on more GPUs than it has layers: 64 GPUs of 4 GB
+// (p3.16xlarge x 8, device memory set down), gpt-10b's 50 blocks. Pipelines alone use at most 32
+// of them; optimizer offload sharded over w = 2 replicas uses all 64 and is the fastest.
+TEST(OffloadSearch, PicksShardedOptimizerOffloadWithDataParallelism) {
+  const models::ModelSpec model = models::load_model("gpt-10b");
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 8, {"device.memory_bytes=4e9"});
+  ASSERT_EQ(c.devices(), 64);
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 128;
+  o.tensor_parallel = {1};
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_NE(r.offload_reason.find("nothing fits in memory"), std::string::npos) << r.offload_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Plan& best = r.fitting.front().plan;
+  EXPECT_EQ(best.offload, Offload::optimizer);
+  EXPECT_GT(best.w, 1);
+  EXPECT_TRUE(best.distributed_optimizer);
+  EXPECT_TRUE(best.offload_sharded());
+  // Its host bytes: 14 B per shard parameter, per node the sum over the node's ranks.
+  const RunReport& rep = r.fitting.front().estimate.report;
+  std::int64_t hosts = 0, ranks = 0;
+  for (const HostReport& h : rep.hosts)
+    hosts += h.peak_memory_bytes;
+  for (const auto& rank : rep.extra.at("offload").at("ranks"))
+    ranks += rank["host_bytes"].get<std::int64_t>();
+  EXPECT_EQ(hosts, ranks);
+  EXPECT_TRUE(rep.fits());
+}
+
 // --- Bad inputs ---
 
 TEST_F(Workstation, HostMemoryTooSmallIsNamedWithTheShortfall) {
