@@ -928,6 +928,7 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
         {"copy_in_bytes_per_step", bytes_add(o.copy_in_bytes_per_step, swap_bytes)}};
     if (p.offload == Offload::optimizer) {
       rank["copy_out_s_per_microbatch"] = o.copy_out_s;
+      if (p.offload_sharded()) rank["shard_copy_out_s"] = o.shard_copy_out_s;
       rank["cpu_adam_s"] = o.cpu_adam_s;
       rank["upload_s"] = o.upload_s;
       rank["host_step_s"] = o.host_step_s;

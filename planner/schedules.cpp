@@ -164,7 +164,8 @@ std::string format_op(const Op& op, const Plan& plan) {
     case OpKind::gather_tied_weights:
       return "AGTW(v" + std::to_string(op.version) + ")";
     case OpKind::copy_gradient_to_host:
-      return op.microbatch >= 0 ? "D2H" + mb + chunk : "D2H(tied)";
+      if (op.microbatch >= 0) return "D2H" + mb + chunk;
+      return plan.offload_sharded() ? "D2H(shard" + chunk + ")" : "D2H(tied)";
     case OpKind::host_optimizer_step:
       return "hostopt" + std::to_string(op.bucket) + chunk + "(v" + std::to_string(op.version) +
              ")";

@@ -207,6 +207,7 @@ expect_code "cpu cores -1" 1 "/host/cpu_cores" $PW estimate $WS --set host.cpu_c
 expect_code "gpus_per_uplink 3 of 8" 1 "/host/gpus_per_uplink: must divide" $PW estimate --model gpt2-124m --cluster dgx-a100 --set host.gpus_per_uplink=3 --out "$O"
 expect_code "pcie3 at 64 GB/s" 1 "more than a pcie3 link" $PW estimate $WS --set host.pcie_bandwidth_bytes_per_s=64e9 --out "$O"
 expect_code "train --offload optimizer, tied ends on one stage" 1 "needs the tied embedding and LM head on different stages" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 2 -b 1 --offload optimizer --out "$O"
+expect_code "train --offload optimizer with w > 1" 1 "the executor runs optimizer offload with w = 1 only (here w = 2" $PW train --backend cpu --model gpt-tiny --steps 1 -w 2 -d 2 -m 2 -b 1 --offload optimizer --out "$O"
 expect_code "train --device-memory too small" 1 "rank 0: --device-memory 1000 B: weights of .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 -b 1 --offload optimizer,activations --device-memory 1000 --out "$O"
 expect_code "train --device-memory just short" 1 "rank 0: --device-memory .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 2 -d 2 -m 4 -b 2 --offload optimizer,activations --device-memory 2300000 --out "$O"
 expect_code "train --device-memory -5" 2 "device-memory" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 --device-memory -5 --out "$O"
