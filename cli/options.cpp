@@ -85,8 +85,9 @@ void PlanOptions::add(CLI::App& app) {
          "that move between host and device; t = w = d = 1)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
-                 "with --offload chunks: bytes of one fp16 parameter chunk (default: 64 Mi "
-                 "elements, 128 MiB, or the largest tensor rounded up to a MiB)")
+                 "with --offload chunks: bytes of one parameter chunk in the model's dtype "
+                 "(default: 64 Mi elements, 128 MiB for fp16, or the largest tensor rounded up "
+                 "to a MiB)")
       ->check(CLI::Range(std::int64_t{1}, common::kMaxBytes));
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")

@@ -2,8 +2,8 @@
 // worker's call for it, so which ops exist and how they group (the tied exchange, offload's
 // copies) is written once for the CPU and the CUDA worker. A worker W provides, for an op:
 //   forward, recompute, backward, all_reduce, optimizer_step, free_version, tied (the six tied-
-//   embedding ops), offload (the five offload ops), send(op, Channel), recv(op, Channel). The
-//   chunk ops (PatrickStar) are refused: no executor runs them yet.
+//   embedding ops), offload (the five offload ops), send(op, Channel), recv(op, Channel), and
+//   where it runs them chunk (the four chunk ops, PatrickStar: the CPU worker).
 // Both are friends of it; it holds no state.
 #pragma once
 
@@ -54,11 +54,15 @@ void interpret(W& w, const planner::Op& op) {
     case OpKind::copy_activation_to_host:
     case OpKind::copy_activation_to_device:
       return w.offload(op);
-    case OpKind::copy_chunk_to_host:  // prepare_run refuses chunks plans before any runs
+    case OpKind::copy_chunk_to_host:
     case OpKind::copy_chunk_to_device:
     case OpKind::chunk_step_host:
     case OpKind::chunk_step_device:
-      throw InputError("train does not run offload chunks (PatrickStar) yet");
+      // The CPU worker runs them; prepare_run refuses chunks plans for the other backends.
+      if constexpr (requires { w.chunk(op); })
+        return w.chunk(op);
+      else
+        throw InputError("this executor does not run offload chunks (PatrickStar) yet");
   }
 }
 

@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 
 #include "exec/checkpoint.hpp"
+#include "planner/chunks.hpp"
+#include "traces/analytic.hpp"
 
 namespace pw::exec {
 
@@ -31,6 +33,12 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
           {"optimizer", optimizer},
           {"seed", o.seed},
           {"data", o.data}};
+}
+
+clusters::Cluster chunk_cluster(std::int64_t device_memory) {
+  clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
+  node.device.memory_bytes = device_memory;
+  return node;
 }
 
 namespace detail {
@@ -64,11 +72,20 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
                     "optimizer yet (the cpu backend does); simulate or estimate it instead",
                     backend));
-  if (plan.offload == planner::Offload::chunks)
+  if (plan.offload == planner::Offload::chunks && backend != "cpu")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
-                    "yet; estimate or simulate it instead",
+                    "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
+  if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
+    throw InputError(
+        "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "
+        "chunks' eviction plan fills");
+  if (plan.offload == planner::Offload::chunks && options.optimizer != "adamw")
+    throw InputError(fmt::format(
+        "--offload chunks runs AdamW (each chunk carries Adam's m and v); --optimizer {} with "
+        "chunks is not supported",
+        options.optimizer));
   // Offload runs on the CPU backend's emulated device (docs/formats.md, train); other backends
   // are refused.
   if (plan.any_offload() && backend != "cpu")
@@ -76,7 +93,8 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run --offload yet (the cpu backend "
                     "does); estimate or simulate it instead",
                     backend));
-  if (plan.offload != planner::Offload::none && plan.offload != planner::Offload::optimizer)
+  if (plan.offload != planner::Offload::none && plan.offload != planner::Offload::optimizer &&
+      plan.offload != planner::Offload::chunks)
     throw InputError(fmt::format(
         "plan: offload: the executor does not run --offload {} yet (optimizer and activations it "
         "does); estimate or simulate it instead",
@@ -100,6 +118,17 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: recompute: the {} executor recomputes whole stages "
                     "(full) or nothing, not selective",
                     backend));
+  // Offload chunks: the eviction plan the programs carry, made before anything is written (a chunk
+  // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
+  std::shared_ptr<const planner::ChunkSchedule> chunks;
+  if (plan.offload == planner::Offload::chunks) {
+    const clusters::Cluster node = chunk_cluster(options.device_memory);
+    planner::Plan placed = plan;
+    planner::place(placed, {1, 1}, placed.ranks());
+    const traces::Trace trace = traces::analytic_trace(model, node.device, {plan.b});
+    chunks = std::make_shared<const planner::ChunkSchedule>(
+        planner::chunk_schedule(model, trace, node, placed));
+  }
   PreparedRun run;
   run.identity = run_identity(model, plan, options, backend);
   if (!options.checkpoint_dir.empty()) remove_incomplete_checkpoints(options.checkpoint_dir);
@@ -153,6 +182,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   po.gradient_buckets = options.gradient_buckets;
   po.first_step = run.first_step;
   po.tied_embeddings = model.tied_embeddings;
+  po.chunks = chunks;
   run.programs = planner::generate_programs(plan, po);
   return run;
 }
@@ -395,6 +425,15 @@ void StageCompute::backward(const float*, const float*, const float*, int, float
   throw Error(
       "this backend's stage does not stream its gradients layer by layer (optimizer "
       "offload)");
+}
+
+float StageCompute::forward(LayerMemory&, const std::int32_t*, const float*, const std::int32_t*,
+                            int, float*, float*) {
+  throw Error("this backend's stage does not run layer by layer (offload chunks)");
+}
+
+void StageCompute::backward(LayerMemory&, const float*, const float*, int, float, float*, float*) {
+  throw Error("this backend's stage does not run layer by layer (offload chunks)");
 }
 
 }  // namespace pw::exec

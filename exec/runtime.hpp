@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "clusters/cluster.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
 #include "planner/program.hpp"
@@ -102,6 +103,14 @@ struct TrainResult {
 // settings, seed, data (the manifest's "run" object).
 common::Json run_identity(const models::ModelSpec& model, const planner::Plan& plan,
                           const TrainOptions& options, const std::string& backend = "cpu");
+
+// Offload chunks (CPU backend, docs/formats.md): the node the executor makes its chunk schedule
+// on, one device of `device_memory` bytes (the emulated device's --device-memory) on the
+// v100-32gb-ws preset's node (its host link and CPU Adam rate; the moves depend only on the budget,
+// the chunk layout and the layers' stash and workspace bytes, not on times), with the plan placed
+// on its one GPU. estimate and simulate of the model's analytic trace at b on this node predict
+// the run's moves, device peak and bytes exactly.
+clusters::Cluster chunk_cluster(std::int64_t device_memory);
 
 TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
                       const TrainOptions& options,

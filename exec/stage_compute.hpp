@@ -79,6 +79,24 @@ class GradientSink {
   virtual void layer_done(std::int64_t begin, std::int64_t end) = 0;
 };
 
+// A stage whose parameters and gradients live in pieces that move between its layers (offload
+// chunks, PatrickStar; docs/formulas.md section 9, chunks): before each layer of a forward or
+// backward the runtime runs that moment's copies, then says where the layer's tensors are. Layers
+// are the stage's own, in forward order: the embedding (if it has one), each block, the head
+// (final norm and LM head, if it has one); a forward visits them ascending, a backward descending.
+class LayerMemory {
+ public:
+  virtual ~LayerMemory() = default;
+  // Layer `layer` is about to run its forward (backward false) or backward: from here to its
+  // end_layer the addresses below hold for its tensors.
+  virtual void begin_layer(int layer, bool backward) = 0;
+  virtual void end_layer(int layer, bool backward) = 0;
+  // The parameters of the layout's tensor that begins at `offset` (a TensorSlot's offset), and
+  // its gradients (added into, as a backward adds into `grads`).
+  virtual const float* parameters(std::int64_t offset) = 0;
+  virtual float* gradients(std::int64_t offset) = 0;
+};
+
 class StageCompute {
  public:
   virtual ~StageCompute() = default;
@@ -122,6 +140,13 @@ class StageCompute {
   // that do not stream gradients refuse it (Error).
   virtual void backward(const float* params, const float* full_stash, const float* d_output, int b,
                         float loss_scale, GradientSink& grads, float* d_input, float* workspace);
+  // Forward (without recompute) and backward with the tensors where `memory` says, layer by layer
+  // (the same arithmetic, so the same bits). Backends that do not run layer by layer refuse them
+  // (Error).
+  virtual float forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                        const std::int32_t* targets, int b, float* stash, float* output);
+  virtual void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
+                        float loss_scale, float* d_input, float* workspace);
 };
 
 std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);

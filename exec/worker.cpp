@@ -35,6 +35,10 @@ Worker::Worker(Shared& s, int device)
   sharded_ = p.distributed_optimizer && p.w > 1;
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
   swaps_ = p.swaps(stage_);
+  chunked_ = p.offload == planner::Offload::chunks;
+  // Offload chunks: the weights and Adam state are staged here uncounted (initialised or read from
+  // the checkpoint), then go into the chunks (setup_chunks).
+  MemoryCounter* counted = chunked_ ? nullptr : memory_;
   std::int64_t flat = 0;  // the rank's parameters so far
   for (int c = 0; c < p.v; ++c) {
     StageSpec spec = chunk_spec(*s.model, p, stage_, c);
@@ -79,14 +83,14 @@ Worker::Worker(Shared& s, int device)
     ch.first = spec.has_embedding;
     ch.last = spec.has_head;
     const std::int64_t n = ch.sizes.parameters;
-    ch.slots[0] = Buffer(memory_, Category::weights, n);
+    ch.slots[0] = Buffer(counted, Category::weights, n);
     ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
     // Optimizer offload: gradients leave the device layer by layer and the optimizer state lives
-    // on the host (setup_offload).
-    if (!offload_optimizer_) ch.grads = Buffer(memory_, Category::gradients, n);
+    // on the host (setup_offload); offload chunks: in the chunks.
+    if (!offload_optimizer_ && !chunked_) ch.grads = Buffer(memory_, Category::gradients, n);
     if (!sharded_ && !offload_optimizer_) {
-      ch.m = Buffer(memory_, Category::optimizer, n);
-      if (s.options->optimizer == "adamw") ch.v = Buffer(memory_, Category::optimizer, n);
+      ch.m = Buffer(counted, Category::optimizer, n);
+      if (s.options->optimizer == "adamw") ch.v = Buffer(counted, Category::optimizer, n);
     }
     if (s.model->tied_embeddings && ch.first != ch.last)
       for (const auto& slot : ch.stage->layout())
@@ -138,6 +142,7 @@ Worker::Worker(Shared& s, int device)
     collective_engine_ = std::make_unique<CopyEngine>();
   }
   if (s.first_step > 0) load_checkpoint(s.first_step);
+  if (chunked_) setup_chunks();
   // The host's master copy starts as the device's newest version (the checkpoint's, resumed).
   for (std::size_t i = 0; i < host_chunks_.size(); ++i)
     std::copy_n(chunks_[i].slots[slots_.newest()].data(), host_chunks_[i].n,
@@ -479,7 +484,20 @@ void Worker::save_checkpoint(int step) {
                          {"tp", tp_},
                          {"step", updates},
                          {"versions", versions}};
-  std::vector<ShardTensor> tensors = shard_tensors(versions);
+  std::vector<ShardTensor> tensors;
+  // Offload chunks: the same tensors as without (the stage's flat weights, m and v), gathered.
+  std::vector<std::vector<float>> gathered;
+  if (chunked_) {
+    for (int which = 0; which < 3; ++which)
+      gathered.push_back(gather_chunks(which));
+    const std::int64_t n = chunks_.front().sizes.parameters;
+    for (int version : versions)
+      tensors.push_back({fmt::format("c0.w{}", version), gathered[0].data(), n});
+    tensors.push_back({"c0.m", gathered[1].data(), n});
+    tensors.push_back({"c0.v", gathered[2].data(), n});
+  } else {
+    tensors = shard_tensors(versions);
+  }
   // The last stage's copy of the tied tensor may not have arrived yet for these versions, and what
   // its slot holds until then depends on the run's history. Resume takes the copy from stage 0's
   // shard, so this shard stores it as zeros: the same bytes however the run got here.
@@ -643,6 +661,7 @@ const float* Worker::params(const Chunk& c, int version) const {
 }
 
 void Worker::forward(const Op& op) {
+  if (chunked_) return chunk_forward(op);
   const Key key{op.step, op.microbatch, op.chunk};
   if (swaps_) release_downloads(compute_ops_);
   release_sends(compute_ops_);
@@ -690,6 +709,7 @@ void Worker::recompute(const Op& op) {
 }
 
 void Worker::backward(const Op& op) {
+  if (chunked_) return chunk_backward(op);
   const Key key{op.step, op.microbatch, op.chunk};
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
@@ -952,6 +972,7 @@ void Worker::sum_local_tied() {
 
 void Worker::optimizer_step(const Op& op) {
   if (offload_optimizer_) return offload_step(op);
+  if (chunked_) return chunk_optimizer_step(op);
   for (std::size_t i = 0; i < chunks_.size(); ++i)
     wait_grads(i);  // the step's gradient sums have arrived
   if (s_.plan().d == 1) sum_local_tied();
@@ -999,15 +1020,18 @@ RankResult Worker::result() const {
   r.rank = device_;
   r.peak_memory_bytes = memory_->peak();
   r.memory = memory_->at_peak();
-  r.busy_s = busy_s_ - tp_wait_s_;
+  r.busy_s = busy_s_ - tp_wait_s_ - copy_wait_s_;
   r.host_peak_memory_bytes = host_.peak();
   r.copy_out_bytes = bytes_out_;
   r.copy_in_bytes = bytes_in_;
   r.activation_out_bytes = activation_bytes_out_;
   r.activation_in_bytes = activation_bytes_in_;
-  for (const Chunk& c : chunks_)
+  if (chunked_) r.weights.push_back(gather_chunks(0));
+  for (const Chunk& c : chunks_) {
+    if (chunked_) break;
     r.weights.emplace_back(c.slots[slots_.newest()].data(),
                            c.slots[slots_.newest()].data() + c.slots[slots_.newest()].size());
+  }
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
   r.timeline.rank = device_;

@@ -125,6 +125,30 @@ class Worker {
   };
   class TileSink;
   void setup_offload();
+
+  // Offload chunks (PatrickStar; docs/formulas.md section 9, chunks): the stage's parameters and
+  // gradients (a gradient half beside the parameters) in the schedule's fixed-size chunks, each
+  // on the device (counted by memory_) or in the host pool, and each chunk's Adam state where its
+  // optimizer runs (chunks 0 .. K-1 on the device, the rest on the host).
+  struct DataChunk {
+    Buffer params, grads;  // chunk_elements each, where the chunk is now
+    Buffer m, v;           // Adam's state of its chunk_elements
+    bool on_device = false;
+    CopyEngine::Ticket down = 0, up = 0, adam = 0;  // its last download, upload, CPU Adam
+  };
+  class ChunkMemory;
+  void setup_chunks();
+  void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
+  void chunk_moment(int layer);       // the pending copies of the next compute op's `layer`
+  CopyEngine::Ticket download_chunk(int c, int op);
+  void upload_chunk(int c, int op);
+  void chunk_forward(const planner::Op& op);
+  void chunk_backward(const planner::Op& op);
+  void chunk_optimizer_step(const planner::Op& op);
+  // The stage's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and back.
+  std::vector<float> gather_chunks(int which) const;
+  void scatter_chunks(int which, const float* flat);
+  bool chunked_ = false;
   void offload_op(const planner::Op& op);
   void offload_step(const planner::Op& op);
   float* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)
@@ -243,7 +267,15 @@ class Worker {
       activation_bytes_in_{0};
   mutable std::mutex copy_ops_mutex_;
   std::vector<planner::TimedOp> copy_ops_;  // the copy engines' and host CPU's intervals
-  std::deque<InFlight> in_flight_;          // sends' buffers (after pool_: destroyed before it)
+  // Offload chunks (after pool_, host_ and host_buffers_: destroyed before them).
+  std::shared_ptr<const planner::ChunkSchedule> schedule_;
+  std::vector<DataChunk> data_chunks_;
+  std::map<std::int64_t, std::pair<int, std::int64_t>> tensor_at_;  // layout offset -> chunk, at
+  // The next compute op's copies (with their op index), in its layers' order.
+  std::deque<std::pair<planner::Op, int>> pending_copies_;
+  std::vector<std::int64_t> layer_stash_bytes_;  // per layer: its stash (counted as it fills)
+  double copy_wait_s_ = 0;  // inside compute ops: waiting for the moments' copies (not busy)
+  std::deque<InFlight> in_flight_;  // sends' buffers (after pool_: destroyed before it)
   // Last: destroyed first, while what their work touches still lives.
   std::unique_ptr<CopyEngine> d2h_, h2d_, host_cpu_, send_engine_, collective_engine_;
 };

@@ -257,7 +257,11 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   check(p);
   ChunkSchedule s;
   s.layout = chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model));
-  if (p.m > 1) s.layout.move_bytes = mul(2, s.layout.chunk_bytes);  // a gradient half beside
+  // A gradient half beside the parameters when m > 1 (later microbatches still need them), and
+  // always for fp32: no separate fp32 master keeps the weights, so a gradient written over its
+  // parameter would lose them (the optimizer state is m and v only, 8 B).
+  if (p.m > 1 || model.dtype == models::DType::fp32)
+    s.layout.move_bytes = mul(2, s.layout.chunk_bytes);
   const ChunkLayout& L = s.layout;
   const int n = L.chunks();
   const traces::Entry& e = trace.at(p.b);

@@ -38,7 +38,8 @@ struct ChunkLayout {
   std::int64_t chunk_bytes = 0;  // S_p: one parameter chunk in the compute dtype
   // What one chunk holds on the device and moves: S_p, or 2 S_p with a gradient half beside the
   // parameters when m > 1 (a gradient cannot reuse its parameter's slot while later microbatches
-  // still need the parameter). Set by chunk_schedule.
+  // still need the parameter) or the model is fp32 (no fp32 master beside the parameters to keep
+  // the weights a gradient would overwrite). Set by chunk_schedule.
   std::int64_t move_bytes = 0;
   std::int64_t chunk_elements = 0;  // S_p / e
   std::int64_t os_chunk_bytes = 0;  // S_os: its fp32 master + Adam m, v (chunk_elements x 12)

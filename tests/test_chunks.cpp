@@ -265,6 +265,23 @@ TEST(ChunksEviction, GradientHalvesMoveWithTheirChunksUnderAccumulation) {
   EXPECT_EQ(est.report.devices[0].memory.gradients, 12 * 512);
 }
 
+// fp32 has no master copy beside its parameters (the optimizer state is Adam's m and v, 8 B): a
+// gradient written over its parameter would lose the weights, so an fp32 chunk always carries a
+// gradient half, also with m = 1 (4 + 4 + 8 = 16 B per parameter).
+TEST(ChunksEviction, Fp32ChunksAlwaysCarryAGradientHalf) {
+  models::ModelSpec m = tiny();
+  m.dtype = models::DType::fp32;
+  const traces::Trace trace = no_activations(m);
+  clusters::Cluster c = ws();
+  c.device.memory_bytes = std::int64_t(1) << 30;
+  const ChunkSchedule s = chunk_schedule(m, trace, c, chunked(c, 2, 1024, 1, 1));
+  EXPECT_EQ(s.layout.chunk_bytes, 1024);
+  EXPECT_EQ(s.layout.move_bytes, 2048);
+  EXPECT_EQ(s.layout.os_chunk_bytes, 256 * 8);
+  const Estimate est = estimate(m, trace, c, chunked(c, 2, 1024, 1, 1));
+  EXPECT_EQ(est.report.devices[0].memory.gradients, est.report.devices[0].memory.weights);
+}
+
 TEST(ChunksEviction, ABudgetBelowALayersWorkingSetIsNamedWithTheShortfall) {
   const models::ModelSpec m = tiny();
   clusters::Cluster c = ws();

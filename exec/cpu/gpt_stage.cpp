@@ -92,21 +92,52 @@ class CpuGptStage final : public StageCompute {
                 float loss_scale, float* grads, float* d_input, float* workspace) override;
   void backward(const float* params, const float* full_stash, const float* d_output, int b,
                 float loss_scale, GradientSink& grads, float* d_input, float* workspace) override;
+  float forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                const std::int32_t* targets, int b, float* stash, float* output) override;
+  void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
+                float loss_scale, float* d_input, float* workspace) override;
 
  private:
+  // Where the tensors are during one call: one flat blob (`params`; gradients through a sink), or
+  // layer by layer wherever a LayerMemory says (offload chunks).
+  struct At {
+    const float* params = nullptr;
+    GradientSink* grads = nullptr;
+    LayerMemory* memory = nullptr;
+    const float* p(int64_t offset) const {
+      return memory ? memory->parameters(offset) : params + offset;
+    }
+    float* g(int64_t offset, int64_t size) const {
+      return memory ? memory->gradients(offset) : grads->at(offset, size);
+    }
+    void begin(int layer, bool backward) const {
+      if (memory) memory->begin_layer(layer, backward);
+    }
+    void end(int layer, bool backward) const {
+      if (memory) memory->end_layer(layer, backward);
+    }
+  };
+  // The stage's layers in forward order (LayerMemory's numbering).
+  int block_layer(int64_t i) const { return int(i) + (layout_.spec.has_embedding ? 1 : 0); }
+  int head_layer() const { return block_layer(layout_.spec.blocks); }
+  void backward(const At& at, const float* full_stash, const float* d_output, int b,
+                float loss_scale, float* d_input, float* workspace);
   template <class F>
   BlockActs<F> carve_block(F* base, int64_t BT) const;
   template <class F>
   HeadActs<F> carve_head(F* base, int64_t BT) const;
-  float run(const float* params, const std::int32_t* tokens, const float* input,
+  float run(const At& at, const std::int32_t* tokens, const float* input,
             const std::int32_t* targets, int b, float* acts, bool rolling, float* output) const;
-  void block_forward(const float* w, const BlockActs<float>& a, int b, float* out) const;
-  void block_backward(const float* w, float* g, const BlockActs<const float>& a, int b, float* dres,
-                      float* ws, int64_t ws_floats) const;
-  float head_forward(const float* params, const HeadActs<float>& h, const std::int32_t* targets,
+  void block_forward(const At& at, int64_t base, const BlockActs<float>& a, int b,
+                     float* out) const;
+  void block_backward(const At& at, int64_t base, const BlockActs<const float>& a, int b,
+                      float* dres, float* ws, int64_t ws_floats) const;
+  float head_forward(const At& at, const HeadActs<float>& h, const std::int32_t* targets,
                      int b) const;
-  void head_backward(const float* params, GradientSink& grads, const HeadActs<const float>& h,
-                     int b, float loss_scale, float* dres, float* ws, int64_t ws_floats) const;
+  void head_backward(const At& at, const HeadActs<const float>& h, int b, float loss_scale,
+                     float* dres, float* ws, int64_t ws_floats) const;
+  void embedding_backward(const At& at, const float* full_stash, const float* demb, int b,
+                          float* ws, int64_t ws_floats) const;
 
   // Tensor parallelism: the TP group's sum (nothing at t = 1); the row-parallel GEMM's output
   // summed over the group, then `residual` + bias added (as matmul_forward fuses them at t = 1).
@@ -123,18 +154,24 @@ class CpuGptStage final : public StageCompute {
   void row_parallel_forward(float* out, const float* inp, const float* weight, const float* bias,
                             const float* residual, int N, int C_in) const;
   // The embedding and cross-entropy over this rank's vocabulary rows (t > 1 or padding).
-  void embedding_forward_vp(float* out, const std::int32_t* tokens, const float* params,
-                            int b) const;
+  void embedding_forward_vp(float* out, const std::int32_t* tokens, const At& at, int b) const;
   double crossentropy_forward_vp(float* probs, float* losses, const std::int32_t* targets,
                                  int N) const;
   bool vocab_parallel() const { return layout_.t > 1 || layout_.V_pad != layout_.V; }
 
-  GptLayout layout_;  // in fp32 elements
+  GptLayout layout_;                     // in fp32 elements
+  int64_t block_size_[kBlockTensors]{};  // a block's tensors' elements
   TpComm tp_;
 };
 
 // The CPU backend computes in fp32 whatever the model says.
-CpuGptStage::CpuGptStage(const StageSpec& spec) : layout_(spec, models::DType::fp32, "cpu") {}
+CpuGptStage::CpuGptStage(const StageSpec& spec) : layout_(spec, models::DType::fp32, "cpu") {
+  if (layout_.block_base.empty()) return;
+  for (const TensorSlot& slot : layout_.slots)
+    for (int k = 0; k < kBlockTensors; ++k)
+      if (slot.offset == layout_.block_base.front() + layout_.block_rel[k])
+        block_size_[k] = slot.size;
+}
 
 void CpuGptStage::init_parameters(float* params, std::uint64_t seed) const {
   const float proj_std = 0.02f / std::sqrt(2.0f * float(layout_.spec.model.layers));
@@ -235,10 +272,10 @@ void CpuGptStage::row_parallel_forward(float* out, const float* inp, const float
 }
 
 // Rows of this rank's vocabulary range, zeros elsewhere, summed over the group; then positions.
-void CpuGptStage::embedding_forward_vp(float* out, const std::int32_t* tokens, const float* params,
+void CpuGptStage::embedding_forward_vp(float* out, const std::int32_t* tokens, const At& at,
                                        int b) const {
   const int64_t T = layout_.T, C = layout_.C, BT = int64_t(b) * T;
-  const float* wte = params + layout_.wte;
+  const float* wte = at.p(layout_.wte);
   // With SP the lookups full-width in the scratch, this rank's rows of their sum into out.
   float* looked = layout_.sp ? scratch(BT * C) : out;
   for (int64_t i = 0; i < BT; ++i) {
@@ -254,7 +291,7 @@ void CpuGptStage::embedding_forward_vp(float* out, const std::int32_t* tokens, c
     scatter(looked, out, BT);
   else
     tp_sum(out, BT * C);
-  const float* wpe = params + layout_.wpe;
+  const float* wpe = at.p(layout_.wpe);
   const int64_t rows = layout_.rows(BT), first = layout_.sp ? layout_.tp * rows : 0;
   for (int64_t i = 0; i < rows; ++i) {
     float* o = out + i * C;
@@ -346,13 +383,22 @@ float CpuGptStage::forward(const float* params, const std::int32_t* tokens, cons
     throw Error("cpu stage forward: missing tokens, input, targets or output");
   if (recompute && !scratch)
     throw Error("cpu stage forward with recompute needs scratch (sizes().scratch floats)");
-  if (!recompute) return run(params, tokens, input, targets, b, stash, false, output);
+  const At at{params};
+  if (!recompute) return run(at, tokens, input, targets, b, stash, false, output);
   const int64_t BT = int64_t(b) * layout_.T;
   if (s.has_embedding)
     std::memcpy(stash, tokens, std::size_t(BT) * sizeof(float));
   else
     std::memcpy(stash, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
-  return run(params, tokens, input, targets, b, scratch, true, output);
+  return run(at, tokens, input, targets, b, scratch, true, output);
+}
+
+float CpuGptStage::forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                           const std::int32_t* targets, int b, float* stash, float* output) {
+  const StageSpec& s = layout_.spec;
+  if ((s.has_embedding ? !tokens : !input) || (s.has_head ? !targets : !output))
+    throw Error("cpu stage forward: missing tokens, input, targets or output");
+  return run(At{nullptr, nullptr, &memory}, tokens, input, targets, b, stash, false, output);
 }
 
 void CpuGptStage::recompute(const float* params, const std::int32_t*, const std::int32_t* targets,
@@ -360,13 +406,13 @@ void CpuGptStage::recompute(const float* params, const std::int32_t*, const std:
   // The kept stash is the stage input: token ids (bit-cast) on the first stage, else (B, T, C).
   const bool first = layout_.spec.has_embedding;
   const auto* tokens = first ? reinterpret_cast<const std::int32_t*>(kept) : nullptr;
-  run(params, tokens, first ? nullptr : kept, targets, b, full_stash, false, nullptr);
+  run(At{params}, tokens, first ? nullptr : kept, targets, b, full_stash, false, nullptr);
 }
 
 // Runs the stage's layers. Without `rolling`, `acts` is the full stash and each layer writes the
 // next one's input slot; with it, every layer reuses `acts` (scratch) in place. A null `output`
 // skips the last block's output, which no backward needs (recompute).
-float CpuGptStage::run(const float* params, const std::int32_t* tokens, const float* input,
+float CpuGptStage::run(const At& at, const std::int32_t* tokens, const float* input,
                        const std::int32_t* targets, int b, float* acts, bool rolling,
                        float* output) const {
   const StageSpec& s = layout_.spec;
@@ -374,58 +420,67 @@ float CpuGptStage::run(const float* params, const std::int32_t* tokens, const fl
   float* cur = acts;
   const bool has_layers = s.blocks > 0 || s.has_head;
   if (s.has_embedding) {
+    at.begin(0, false);
     if (!rolling) {
       std::memcpy(acts, tokens, std::size_t(BT) * sizeof(float));
       cur += layout_.embedding_elements(BT);
     }
     float* dst = has_layers ? cur : output;
     if (dst && vocab_parallel())
-      embedding_forward_vp(dst, tokens, params, b);
+      embedding_forward_vp(dst, tokens, at, b);
     else if (dst)
-      cpu::embedding_forward(dst, tokens, params + layout_.wte, params + layout_.wpe, b,
-                             int(layout_.T), int(layout_.C), int(layout_.V));
+      cpu::embedding_forward(dst, tokens, at.p(layout_.wte), at.p(layout_.wpe), b, int(layout_.T),
+                             int(layout_.C), int(layout_.V));
+    at.end(0, false);
   } else {
     std::memcpy(cur, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
   }
   for (int64_t i = 0; i < s.blocks; ++i) {
     float* next = rolling ? cur : cur + layout_.block_elements(BT);
     const bool last = i + 1 == s.blocks && !s.has_head;
-    block_forward(params + layout_.block_base[std::size_t(i)], carve_block(cur, BT), b,
+    at.begin(block_layer(i), false);
+    block_forward(at, layout_.block_base[std::size_t(i)], carve_block(cur, BT), b,
                   last ? output : next);
+    at.end(block_layer(i), false);
     cur = next;
   }
-  return s.has_head ? head_forward(params, carve_head(cur, BT), targets, b) : 0.0f;
+  if (!s.has_head) return 0.0f;
+  at.begin(head_layer(), false);
+  const float loss = head_forward(at, carve_head(cur, BT), targets, b);
+  at.end(head_layer(), false);
+  return loss;
 }
 
-void CpuGptStage::block_forward(const float* w, const BlockActs<float>& a, int b,
+void CpuGptStage::block_forward(const At& at, int64_t base, const BlockActs<float>& a, int b,
                                 float* out) const {
   // With t > 1: this rank's heads and FFN columns (C_t, F_t), the projections row-parallel.
   const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
             F_t = int(layout_.F_t);
   const int64_t* r = layout_.block_rel;
+  const auto w = [&](int k) { return at.p(base + r[k]); };
   // With SP the norms run on this rank's rows, gathered full-width (scratch) for the GEMMs.
   const int R = int(layout_.rows(BT));
   const auto full = [&](const float* mine) {
     return layout_.sp ? gather(mine, scratch(int64_t(BT) * C), BT) : mine;
   };
-  cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], R, C);
-  cpu::matmul_forward(a.qkv, full(a.ln1), w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
+  cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w(ln1_w), w(ln1_b), R, C);
+  cpu::matmul_forward(a.qkv, full(a.ln1), w(qkv_w), w(qkv_b), nullptr, BT, C, 3 * C_t);
   cpu::attention_forward(a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
-  row_parallel_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C_t);
-  cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], R, C);
-  cpu::matmul_forward(a.fc, full(a.ln2), w + r[fc_w], w + r[fc_b], nullptr, BT, C, F_t);
+  row_parallel_forward(a.resid1, a.atty, w(attproj_w), w(attproj_b), a.x, BT, C_t);
+  cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w(ln2_w), w(ln2_b), R, C);
+  cpu::matmul_forward(a.fc, full(a.ln2), w(fc_w), w(fc_b), nullptr, BT, C, F_t);
   cpu::gelu_forward(a.gelu, a.fc, int64_t(BT) * F_t);
   // out may alias a.x (rolling): x is dead once resid1 exists.
-  if (out) row_parallel_forward(out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F_t);
+  if (out) row_parallel_forward(out, a.gelu, w(fcproj_w), w(fcproj_b), a.resid1, BT, F_t);
 }
 
-float CpuGptStage::head_forward(const float* params, const HeadActs<float>& h,
-                                const std::int32_t* targets, int b) const {
+float CpuGptStage::head_forward(const At& at, const HeadActs<float>& h, const std::int32_t* targets,
+                                int b) const {
   const int BT = int(b * layout_.T);
-  cpu::layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b,
+  cpu::layernorm_forward(h.lnf, h.mean, h.rstd, h.x, at.p(layout_.lnf_w), at.p(layout_.lnf_b),
                          int(layout_.rows(BT)), int(layout_.C));
   const float* lnf = layout_.sp ? gather(h.lnf, scratch(BT * layout_.C), BT) : h.lnf;
-  cpu::matmul_forward(h.probs, lnf, params + layout_.head_w, nullptr, nullptr, BT, int(layout_.C),
+  cpu::matmul_forward(h.probs, lnf, at.p(layout_.head_w), nullptr, nullptr, BT, int(layout_.C),
                       int(layout_.V_t));
   std::memcpy(h.targets, targets, std::size_t(BT) * sizeof(float));
   const double sum = vocab_parallel() ? crossentropy_forward_vp(h.probs, h.losses, targets, BT)
@@ -459,6 +514,18 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
 void CpuGptStage::backward(const float* params, const float* full_stash, const float* d_output,
                            int b, float loss_scale, GradientSink& grads, float* d_input,
                            float* workspace) {
+  backward(At{params, &grads}, full_stash, d_output, b, loss_scale, d_input, workspace);
+}
+
+void CpuGptStage::backward(LayerMemory& memory, const float* full_stash, const float* d_output,
+                           int b, float loss_scale, float* d_input, float* workspace) {
+  backward(At{nullptr, nullptr, &memory}, full_stash, d_output, b, loss_scale, d_input, workspace);
+}
+
+// A flat call's sink hears of each layer's end (layer_done); a LayerMemory of each layer's
+// beginning and end.
+void CpuGptStage::backward(const At& at, const float* full_stash, const float* d_output, int b,
+                           float loss_scale, float* d_input, float* workspace) {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;  // this rank's
   const bool has_layers = s.blocks > 0 || s.has_head;
@@ -475,24 +542,35 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
   if (!s.has_head && has_layers) std::memcpy(dres, d_output, std::size_t(BTC) * sizeof(float));
   const float* cur = full_stash + (s.has_embedding ? layout_.embedding_elements(BT) : 0);
   if (s.has_head) {
-    head_backward(params, grads, carve_head(cur + s.blocks * layout_.block_elements(BT), BT), b,
-                  loss_scale, dres, ws, ws_floats);
-    grads.layer_done(layout_.lnf_w, layout_.parameters);
+    at.begin(head_layer(), true);
+    head_backward(at, carve_head(cur + s.blocks * layout_.block_elements(BT), BT), b, loss_scale,
+                  dres, ws, ws_floats);
+    if (at.grads) at.grads->layer_done(layout_.lnf_w, layout_.parameters);
+    at.end(head_layer(), true);
   }
   for (int64_t i = s.blocks - 1; i >= 0; --i) {
     const int64_t base = layout_.block_base[std::size_t(i)];
     const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
-    block_backward(params + base, grads.at(base, end - base),
-                   carve_block(cur + i * layout_.block_elements(BT), BT), b, dres, ws, ws_floats);
-    grads.layer_done(base, end);
+    at.begin(block_layer(i), true);
+    block_backward(at, base, carve_block(cur + i * layout_.block_elements(BT), BT), b, dres, ws,
+                   ws_floats);
+    if (at.grads) at.grads->layer_done(base, end);
+    at.end(block_layer(i), true);
   }
   if (!s.has_embedding) return;
+  at.begin(0, true);
+  embedding_backward(at, full_stash, has_layers ? dres : d_output, b, ws, ws_floats);
+  at.end(0, true);
+}
+
+void CpuGptStage::embedding_backward(const At& at, const float* full_stash, const float* demb,
+                                     int b, float* ws, int64_t ws_floats) const {
+  const int64_t BT = int64_t(b) * layout_.T;
   const int64_t wte_size = layout_.V_t * layout_.C,
                 wpe_size = layout_.spec.model.max_positions * layout_.C;
-  float* dwte = grads.at(layout_.wte, wte_size);
-  float* dwpe = grads.at(layout_.wpe, wpe_size);
-  const float* demb = has_layers ? dres : d_output;
+  float* dwte = at.g(layout_.wte, wte_size);
+  float* dwpe = at.g(layout_.wpe, wpe_size);
   if (layout_.sp) {  // every token's gradient (ws: past dres)
     if (ws_floats < BT * layout_.C)
       throw Error("cpu stage backward: workspace too small for the embedding");
@@ -501,7 +579,8 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
   const auto* tokens = reinterpret_cast<const std::int32_t*>(full_stash);
   if (!vocab_parallel()) {
     cpu::embedding_backward(dwte, dwpe, demb, tokens, b, int(layout_.T), int(layout_.C));
-    return grads.layer_done(layout_.wte, layout_.wpe + wpe_size);
+    if (at.grads) at.grads->layer_done(layout_.wte, layout_.wpe + wpe_size);
+    return;
   }
   // This rank's vocabulary rows only; the position table (replicated) takes every token's.
   const int64_t C = layout_.C;
@@ -519,9 +598,8 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
 
 // dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the
 // final norm's backward turns it, in place, into d(head input).
-void CpuGptStage::head_backward(const float* params, GradientSink& grads,
-                                const HeadActs<const float>& h, int b, float loss_scale,
-                                float* dres, float* ws, int64_t ws_floats) const {
+void CpuGptStage::head_backward(const At& at, const HeadActs<const float>& h, int b,
+                                float loss_scale, float* dres, float* ws, int64_t ws_floats) const {
   const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
   const int64_t BTC = int64_t(BT) * C;
   // With SP: d(lnf out) full-width and the gathered norm output first in the workspace.
@@ -537,7 +615,8 @@ void CpuGptStage::head_backward(const float* params, GradientSink& grads,
   const int rows = int(std::min<int64_t>(BT, ws_floats / V));
   if (rows < 1) throw Error("cpu stage backward: workspace smaller than one row of logits");
   const auto* targets = reinterpret_cast<const std::int32_t*>(h.targets);
-  float* dhead = grads.at(layout_.head_w, int64_t(V) * C);
+  float* dhead = at.g(layout_.head_w, int64_t(V) * C);
+  const float* head = at.p(layout_.head_w);
   // The logits' gradient does not fit the workspace whole (a stage with the embedding, whose
   // gradient takes part of it): vocabulary column blocks over every row, so that each element of
   // the head's weight gradient is added to once (one sgemm over all rows per block; the gradient
@@ -555,8 +634,8 @@ void CpuGptStage::head_backward(const float* params, GradientSink& grads,
         const int target = targets[r] - v0;
         if (target >= 0 && target < nv) d[target] -= loss_scale;
       }
-      cpu::matmul_backward(dlnf, dhead + int64_t(v0) * C, nullptr, ws, lnf,
-                           params + layout_.head_w + int64_t(v0) * C, BT, C, nv, v0 > 0);
+      cpu::matmul_backward(dlnf, dhead + int64_t(v0) * C, nullptr, ws, lnf, head + int64_t(v0) * C,
+                           BT, C, nv, v0 > 0);
     }
   }
   for (int r0 = 0; r0 < BT && !columns; r0 += rows) {
@@ -573,22 +652,22 @@ void CpuGptStage::head_backward(const float* params, GradientSink& grads,
       cpu::softmax_crossentropy_backward(ws, h.probs + int64_t(r0) * V, targets + r0, loss_scale, n,
                                          V);
     }
-    cpu::matmul_backward(dlnf + int64_t(r0) * C, dhead, nullptr, ws, lnf + int64_t(r0) * C,
-                         params + layout_.head_w, n, C, V);
+    cpu::matmul_backward(dlnf + int64_t(r0) * C, dhead, nullptr, ws, lnf + int64_t(r0) * C, head, n,
+                         C, V);
   }
   // The vocabulary shards' parts of d(lnf out) summed (SP: this rank's rows of the sum).
   if (layout_.sp)
     scatter(dlnf, dres, BT);
   else
     tp_sum(dres, BTC);
-  norm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
-                params + layout_.lnf_w, h.mean, h.rstd, int(layout_.rows(BT)), false);
+  norm_backward(dres, at.g(layout_.lnf_w, C), at.g(layout_.lnf_b, C), dres, h.x,
+                at.p(layout_.lnf_w), h.mean, h.rstd, int(layout_.rows(BT)), false);
 }
 
 // dres holds d(block output) and leaves holding d(block input). Scratch: the MLP phase uses
 // [dgelu (BT F/t) | dln2 (BT C)], the attention phase [dqkv (BT 3C/t) | datty (BT C/t) | dS rows],
 // then [dqkv | dln1 (BT C)].
-void CpuGptStage::block_backward(const float* w, float* g, const BlockActs<const float>& a, int b,
+void CpuGptStage::block_backward(const At& at, int64_t base, const BlockActs<const float>& a, int b,
                                  float* dres, float* ws, int64_t ws_floats) const {
   // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
   // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
@@ -609,36 +688,36 @@ void CpuGptStage::block_backward(const float* w, float* g, const BlockActs<const
       ws_floats < 3 * BTC_t + BTC)
     throw Error("cpu stage backward: workspace too small for a block");
   const int64_t* r = layout_.block_rel;
+  const auto w = [&](int k) { return at.p(base + r[k]); };
+  const auto g = [&](int k) { return at.g(base + r[k], block_size_[k]); };
   float* dgelu = ws;
   float* dln2 = ws + int64_t(BT) * F_t;
   const float* dout = sp ? gather(dres, A, BT) : dres;
-  cpu::matmul_backward(dgelu, g + r[fcproj_w], g + r[fcproj_b], dout, a.gelu, w + r[fcproj_w], BT,
-                       F_t, C);
+  cpu::matmul_backward(dgelu, g(fcproj_w), g(fcproj_b), dout, a.gelu, w(fcproj_w), BT, F_t, C);
   cpu::gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F_t);
-  cpu::matmul_backward(dln2, g + r[fc_w], g + r[fc_b], dgelu, sp ? gather(a.ln2, A, BT) : a.ln2,
-                       w + r[fc_w], BT, C, F_t);
+  cpu::matmul_backward(dln2, g(fc_w), g(fc_b), dgelu, sp ? gather(a.ln2, A, BT) : a.ln2, w(fc_w),
+                       BT, C, F_t);
   if (sp)
     scatter(dln2, A, BT);
   else
     tp_sum(dln2, BTC);
-  norm_backward(dres, g + r[ln2_w], g + r[ln2_b], sp ? A : dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
-                a.ln2_rstd, R, true);
+  norm_backward(dres, g(ln2_w), g(ln2_b), sp ? A : dln2, a.resid1, w(ln2_w), a.ln2_mean, a.ln2_rstd,
+                R, true);
   float* dqkv = ws;
   float* datty = ws + 3 * BTC_t;
   dout = sp ? gather(dres, A, BT) : dres;
-  cpu::matmul_backward(datty, g + r[attproj_w], g + r[attproj_b], dout, a.atty, w + r[attproj_w],
-                       BT, C_t, C);
+  cpu::matmul_backward(datty, g(attproj_w), g(attproj_b), dout, a.atty, w(attproj_w), BT, C_t, C);
   cpu::attention_backward(dqkv, datty, a.qkv, a.att, ws + 4 * BTC_t, ws_floats - 4 * BTC_t, b,
                           int(layout_.T), C_t, int(layout_.NH_t));
   float* dln1 = datty;  // datty is dead once dqkv exists (C wide from there on)
-  cpu::matmul_backward(dln1, g + r[qkv_w], g + r[qkv_b], dqkv, sp ? gather(a.ln1, A, BT) : a.ln1,
-                       w + r[qkv_w], BT, C, 3 * C_t);
+  cpu::matmul_backward(dln1, g(qkv_w), g(qkv_b), dqkv, sp ? gather(a.ln1, A, BT) : a.ln1, w(qkv_w),
+                       BT, C, 3 * C_t);
   if (sp)
     scatter(dln1, A, BT);
   else
     tp_sum(dln1, BTC);
-  norm_backward(dres, g + r[ln1_w], g + r[ln1_b], sp ? A : dln1, a.x, w + r[ln1_w], a.ln1_mean,
-                a.ln1_rstd, R, true);
+  norm_backward(dres, g(ln1_w), g(ln1_b), sp ? A : dln1, a.x, w(ln1_w), a.ln1_mean, a.ln1_rstd, R,
+                true);
 }
 
 }  // namespace

@@ -211,6 +211,17 @@ expect_code "train --offload optimizer with w > 1" 1 "the executor runs optimize
 expect_code "train --device-memory too small" 1 "rank 0: --device-memory 1000 B: weights of .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 -b 1 --offload optimizer,activations --device-memory 1000 --out "$O"
 expect_code "train --device-memory just short" 1 "rank 0: --device-memory .* do not fit .*short by" $PW train --backend cpu --model gpt-tiny --steps 2 -d 2 -m 4 -b 2 --offload optimizer,activations --device-memory 2300000 --out "$O"
 expect_code "train --device-memory -5" 2 "device-memory" $PW train --backend cpu --model gpt-tiny --steps 1 -d 2 -m 2 --device-memory -5 --out "$O"
-expect_code "train --offload chunks: not yet" 1 "does not run offload chunks (PatrickStar) yet" $PW train --backend cpu --model gpt-tiny --steps 1 -d 1 -m 1 -b 1 --offload chunks --out "$O"
+TC="train --backend cpu --model gpt-tiny -d 1 -b 1 --offload chunks"
+expect_code "train --offload chunks without --device-memory" 1 "offload chunks needs --device-memory BYTES" $PW $TC -m 1 --steps 1 --chunk-size 65536 --out "$O"
+expect_code "train --offload chunks: device below a layer's working set" 1 "offload chunks: the device's 1.43 MiB is smaller than the working set of the forward of block 1 (6 chunks of 128.00 KiB = 768.00 KiB, non-model memory 770.25 KiB) by 73.41 KiB" $PW $TC -m 1 --steps 1 --chunk-size 65536 --device-memory 1500000 --out "$O"
+expect_code "train --offload chunks: chunk below a tensor" 1 "chunk size 65532 B (16383 elements of 4 B) is smaller than tensor wte (16384 elements, 65536 B) by 4 B; use --chunk-size 65536 or more" $PW $TC -m 1 --steps 1 --chunk-size 65532 --device-memory 4000000 --out "$O"
+expect_code "train --offload chunks -d 2" 1 "offload chunks with pipeline parallelism (d = 2) is not supported yet" $PW train --backend cpu --model gpt-tiny -d 2 -b 1 -m 2 --steps 1 --offload chunks --device-memory 4000000 --out "$O"
+expect_code "train --offload chunks --optimizer sgd" 1 "offload chunks runs AdamW" $PW $TC -m 1 --steps 1 --chunk-size 65536 --optimizer sgd --device-memory 4000000 --out "$O"
+expect_ok "train --offload chunks" $PW $TC -m 1 --steps 2 --chunk-size 65536 --device-memory 2000000 --out "$TMP/tc.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/tc.json'))
+o = r['offload']
+assert r['plan']['offload'] == 'chunks' and o['copy_in_bytes_per_step'] > 0 and r['devices'][0]['peak_memory_bytes'] <= 2000000, o" && ok || bad "train chunks report: plan.offload, offload bytes, peak inside the budget"
 
 finish "bad-input CLI tests"

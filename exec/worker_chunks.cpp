@@ -1,0 +1,323 @@
+// Offload chunks (PatrickStar) in the CPU worker: the stage's model data in the chunk schedule's
+// fixed-size chunks, moved whole between the emulated device and the host pool by the copy
+// engines as the program's chunk ops say, Adam per chunk on the device (rank thread) or on the
+// host CPU engine. docs/formulas.md section 9 (chunks); docs/formats.md, offload in the CPU
+// executor.
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "exec/optimizer.hpp"
+#include "exec/worker.hpp"
+#include "planner/chunks.hpp"
+
+namespace pw::exec::detail {
+
+using planner::Op;
+using planner::OpKind;
+
+// The stage's view of the chunks during a compute op: before each layer that moment's copies run
+// (chunk_moment) and the layer's stash is counted (a forward fills it layer by layer, a backward
+// empties it), as the planner's moments count the non-model memory (N_k). Tensors are where their
+// chunk is now; a layer's chunks are on the device (its uploads waited for).
+class Worker::ChunkMemory : public LayerMemory {
+ public:
+  explicit ChunkMemory(Worker& w) : w_(w) {}
+  void begin_layer(int layer, bool backward) override {
+    w_.chunk_moment(layer);
+    if (!backward) w_.memory_->add(Category::activations, w_.layer_stash_bytes_.at(layer));
+  }
+  void end_layer(int layer, bool backward) override {
+    if (backward) w_.memory_->add(Category::activations, -w_.layer_stash_bytes_.at(layer));
+  }
+  const float* parameters(std::int64_t offset) override {
+    const auto [c, at] = find(offset);
+    return w_.data_chunks_[std::size_t(c)].params.data() + at;
+  }
+  float* gradients(std::int64_t offset) override {
+    const auto [c, at] = find(offset);
+    return w_.data_chunks_[std::size_t(c)].grads.data() + at;
+  }
+
+ private:
+  std::pair<int, std::int64_t> find(std::int64_t offset) const {
+    const auto it = w_.tensor_at_.find(offset);
+    if (it == w_.tensor_at_.end())
+      throw Error(fmt::format("rank {}: no chunk holds the tensor at {}", w_.rank_, offset));
+    if (!w_.data_chunks_[std::size_t(it->second.first)].on_device)
+      throw Error(fmt::format("rank {}: a layer uses chunk {}, which is on the host", w_.rank_,
+                              it->second.first));
+    return it->second;
+  }
+  Worker& w_;
+};
+
+// The chunks as the schedule starts a step (its fixed point): each on the device or the host, its
+// Adam state on the device for chunks 0 .. K-1, else on the host. The stage's initial (or resumed)
+// parameters and Adam state come from the staging buffers the constructor filled, then those go.
+void Worker::setup_chunks() {
+  schedule_ = s_.programs->chunks;
+  if (!schedule_)
+    throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
+  const planner::ChunkLayout& L = schedule_->layout;
+  if (chunks_.size() != 1)
+    throw Error(fmt::format("rank {}: offload chunks with {} model chunks", rank_, chunks_.size()));
+  Chunk& c = chunks_.front();
+  // The schedule's tensors are the stage's, one to one, in the same order (planner/chunks.hpp).
+  const std::vector<TensorSlot>& slots = c.stage->layout();
+  if (slots.size() != L.tensors.size())
+    throw Error(fmt::format("rank {}: the stage has {} tensors, the chunk layout {}", rank_,
+                            slots.size(), L.tensors.size()));
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const planner::ChunkTensor& t = L.tensors[i];
+    if (slots[i].size != t.elements || t.offset + t.elements > L.chunk_elements)
+      throw Error(fmt::format("rank {}: tensor {} has {} elements, the chunk layout's {} {}", rank_,
+                              slots[i].name, slots[i].size, t.name, t.elements));
+    tensor_at_[slots[i].offset] = {t.chunk, t.offset};
+  }
+  // Each layer's stash in bytes (fp32: the stage's carving is exactly models::derive_costs).
+  const models::ModelCosts mc = models::derive_costs(*s_.model);
+  const std::int64_t b = s_.plan().b;
+  layer_stash_bytes_.push_back(b * mc.embedding.activation_bytes);
+  for (std::int64_t i = 0; i < s_.model->layers; ++i)
+    layer_stash_bytes_.push_back(b * mc.block.activation_bytes);
+  layer_stash_bytes_.push_back(b * mc.head.activation_bytes);
+  std::int64_t stash = 0;
+  for (std::int64_t bytes : layer_stash_bytes_)
+    stash += bytes;
+  if (stash != c.sizes.stash * std::int64_t(sizeof(float)))
+    throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
+                            stash, c.sizes.stash * std::int64_t(sizeof(float))));
+  d2h_ = std::make_unique<CopyEngine>();
+  h2d_ = std::make_unique<CopyEngine>();
+  host_cpu_ = std::make_unique<CopyEngine>();
+  const std::int64_t e = L.chunk_elements;
+  data_chunks_.resize(std::size_t(L.chunks()));
+  for (int k = 0; k < L.chunks(); ++k) {
+    DataChunk& d = data_chunks_[std::size_t(k)];
+    d.on_device = schedule_->start_on_device[std::size_t(k)];
+    MemoryCounter* where = d.on_device ? memory_ : &host_;
+    d.params = Buffer(where, Category::weights, e);
+    d.grads = Buffer(where, Category::gradients, e);
+    MemoryCounter* state = schedule_->device_resident(k) ? memory_ : &host_;
+    d.m = Buffer(state, Category::optimizer, e);
+    d.v = Buffer(state, Category::optimizer, e);
+  }
+  scatter_chunks(0, c.slots[0].data());
+  scatter_chunks(1, c.m.data());
+  scatter_chunks(2, c.v.data());
+  c.slots[0] = Buffer();
+  c.m = Buffer();
+  c.v = Buffer();
+  c.m_at = c.v_at = nullptr;
+}
+
+std::vector<float> Worker::gather_chunks(int which) const {
+  const Chunk& c = chunks_.front();
+  std::vector<float> flat(std::size_t(c.sizes.parameters), 0.0f);
+  for (const TensorSlot& slot : c.stage->layout()) {
+    const auto [k, at] = tensor_at_.at(slot.offset);
+    const DataChunk& d = data_chunks_[std::size_t(k)];
+    const Buffer& from = which == 0 ? d.params : which == 1 ? d.m : d.v;
+    std::copy_n(from.data() + at, slot.size, flat.data() + slot.offset);
+  }
+  return flat;
+}
+
+void Worker::scatter_chunks(int which, const float* flat) {
+  for (const TensorSlot& slot : chunks_.front().stage->layout()) {
+    const auto [k, at] = tensor_at_.at(slot.offset);
+    DataChunk& d = data_chunks_[std::size_t(k)];
+    Buffer& to = which == 0 ? d.params : which == 1 ? d.m : d.v;
+    std::copy_n(flat + slot.offset, slot.size, to.data() + at);
+  }
+}
+
+// A chunk (its parameters and gradient half) to the host on the device-to-host engine: the host
+// buffers are taken now, the device's given back when the copy has ended.
+CopyEngine::Ticket Worker::download_chunk(int k, int op) {
+  DataChunk& d = data_chunks_.at(std::size_t(k));
+  if (!d.on_device)
+    throw Error(fmt::format("rank {}: chunk {} to the host, where it is already", rank_, k));
+  const std::int64_t e = schedule_->layout.chunk_elements;
+  auto host = std::make_shared<std::pair<Buffer, Buffer>>(
+      Buffer(&host_, Category::weights, e, &host_buffers_),
+      Buffer(&host_, Category::gradients, e, &host_buffers_));
+  d.on_device = false;
+  DataChunk* dc = &d;
+  Worker* w = this;
+  d.down = d2h_->submit([w, dc, host, e, op] {
+    const auto t0 = Clock::now();
+    std::copy_n(dc->params.data(), e, host->first.data());
+    std::copy_n(dc->grads.data(), e, host->second.data());
+    dc->params = std::move(host->first);  // the device's buffers go back to the arena
+    dc->grads = std::move(host->second);
+    w->bytes_out_ += 2 * e * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
+  return d.down;
+}
+
+// A chunk back to the device on the host-to-device engine, after its download and its CPU Adam:
+// the device's buffers are taken now (the moment's evictions have made room), the host's given
+// back when the copy has ended.
+void Worker::upload_chunk(int k, int op) {
+  DataChunk& d = data_chunks_.at(std::size_t(k));
+  if (d.on_device)
+    throw Error(fmt::format("rank {}: chunk {} to the device, where it is already", rank_, k));
+  const std::int64_t e = schedule_->layout.chunk_elements;
+  auto device =
+      std::make_shared<std::pair<Buffer, Buffer>>(Buffer(memory_, Category::weights, e, &pool_),
+                                                  Buffer(memory_, Category::gradients, e, &pool_));
+  d.on_device = true;
+  DataChunk* dc = &d;
+  Worker* w = this;
+  const CopyEngine::Ticket down = d.down, adam = d.adam;
+  d.up = h2d_->submit([w, dc, device, e, down, adam, op] {
+    w->d2h_->wait(down);
+    w->host_cpu_->wait(adam);
+    const auto t0 = Clock::now();
+    std::copy_n(dc->params.data(), e, device->first.data());
+    std::copy_n(dc->grads.data(), e, device->second.data());
+    dc->params = std::move(device->first);  // the host's buffers go back to the host pool
+    dc->grads = std::move(device->second);
+    w->bytes_in_ += 2 * e * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
+  });
+}
+
+// Before layer `layer` of the compute op under way: its moment's evictions (all of them ended:
+// they make the room), then its uploads (ended: the layer reads them). Exposed, as the planner
+// and the simulator run them.
+void Worker::chunk_moment(int layer) {
+  const auto t0 = Clock::now();
+  std::vector<std::pair<Op, int>> out, in;
+  while (!pending_copies_.empty() && pending_copies_.front().first.layer == layer) {
+    auto& next = pending_copies_.front();
+    (next.first.kind == OpKind::copy_chunk_to_host ? out : in).push_back(next);
+    pending_copies_.pop_front();
+  }
+  for (const auto& [op, at] : out)
+    download_chunk(op.bucket, at);
+  d2h_->drain();
+  for (const auto& [op, at] : in)
+    upload_chunk(op.bucket, at);
+  h2d_->drain();
+  copy_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Worker::chunk(const Op& op) {
+  if (!chunked_)
+    throw Error(fmt::format("rank {}: {} in a program without offload chunks", rank_,
+                            planner::to_string(op.kind)));
+  const int k = op.bucket;
+  if (k < 0 || k >= int(data_chunks_.size()))
+    throw Error(fmt::format("rank {}: {} of chunk {}, which does not exist", rank_,
+                            planner::to_string(op.kind), k));
+  DataChunk& d = data_chunks_[std::size_t(k)];
+  switch (op.kind) {
+    case OpKind::copy_chunk_to_host:
+    case OpKind::copy_chunk_to_device:
+      if (op.layer >= 0) {  // runs right before that layer of the next compute op
+        pending_copies_.emplace_back(op, op_);
+        return;
+      }
+      if (op.kind == OpKind::copy_chunk_to_device)
+        throw Error(fmt::format("rank {}: an upload of chunk {} at the optimizer step", rank_, k));
+      download_chunk(k, op_);  // for CPU Adam
+      return;
+    case OpKind::chunk_step_host: {
+      if (d.on_device)
+        throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank_, k));
+      DataChunk* dc = &d;
+      Worker* w = this;
+      const std::int64_t n = schedule_->layout.chunk_parameters[std::size_t(k)];
+      const CopyEngine::Ticket down = d.down;
+      const int update = op.step + 1, at = op_;
+      d.adam = host_cpu_->submit([w, dc, n, down, update, at] {
+        w->d2h_->wait(down);
+        const auto t0 = Clock::now();
+        optimizer_update(*w->s_.options, update, dc->params.data(), dc->params.data(),
+                         dc->grads.data(), dc->m.data(), dc->v.data(), n);
+        w->copy_record(planner::kHostStream, t0, Clock::now(), at);
+      });
+      return;
+    }
+    case OpKind::chunk_step_device: {
+      if (!d.on_device)
+        throw Error(
+            fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
+      const std::int64_t n = schedule_->layout.chunk_parameters[std::size_t(k)];
+      take_core();
+      const auto t0 = Clock::now();
+      optimizer_update(*s_.options, op.step + 1, d.params.data(), d.params.data(), d.grads.data(),
+                       d.m.data(), d.v.data(), n);
+      const auto t1 = Clock::now();
+      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+      record(planner::kComputeStream, t0, t1);
+      return;
+    }
+    default:
+      throw Error(fmt::format("rank {}: {} is not a chunk op", rank_, planner::to_string(op.kind)));
+  }
+}
+
+void Worker::chunk_forward(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  ++compute_ops_;
+  Chunk& c = chunks_.front();
+  std::vector<std::int32_t> tokens, targets;
+  samples(op, tokens, targets);
+  // One stash buffer per microbatch (the stage's carving), its bytes counted layer by layer as
+  // the forward fills it (ChunkMemory) and the backward empties it.
+  Buffer stash(nullptr, Category::activations, c.sizes.stash, &pool_);
+  ChunkMemory memory(*this);
+  take_core();
+  const auto t0 = Clock::now();
+  const float loss = c.stage->forward(memory, tokens.data(), nullptr, targets.data(), s_.plan().b,
+                                      stash.data(), nullptr);
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  if (!pending_copies_.empty())
+    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the forward did not run",
+                            rank_, pending_copies_.front().first.layer));
+  s_.add_loss(op.step, loss);
+  stash_[key] = std::move(stash);
+}
+
+void Worker::chunk_backward(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  ++compute_ops_;
+  Chunk& c = chunks_.front();
+  const planner::Plan& p = s_.plan();
+  const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
+  ChunkMemory memory(*this);
+  take_core();
+  const auto t0 = Clock::now();
+  c.stage->backward(memory, stash_.at(key).data(), nullptr, p.b, scale, nullptr, workspace_.data());
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  if (!pending_copies_.empty())
+    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the backward did not run",
+                            rank_, pending_copies_.front().first.layer));
+  stash_.erase(key);
+}
+
+// The step's Adam has run on the device (chunk_step_device) and is running on the host: the
+// optimizer step waits for the host's, and the chunks are where the next step starts.
+void Worker::chunk_optimizer_step(const Op& op) {
+  if (!pending_copies_.empty())
+    throw Error(fmt::format("rank {}: chunk copies left before the optimizer step", rank_));
+  d2h_->drain();
+  host_cpu_->drain();
+  ++updates_;
+  bool allocate = false;
+  slots_.place(op.version, slots_.target_for(op.version, allocate));
+  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
+  s_.finish_step(op.step);
+}
+
+}  // namespace pw::exec::detail
