@@ -269,7 +269,8 @@ void add_plan_command(CLI::App& app) {
           "so the search tried --offload activations (KARMA: per stage, stashed activations "
           "swapped to host memory where the copies hide behind compute, recomputed elsewhere; "
           "t = 1), optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and "
-          "CPU Adam in host memory; w = t = 1), both, and chunks (PatrickStar: all model data "
+          "CPU Adam in host memory; t = 1, sharded over the replicas where w > 1), both, and "
+          "chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
           "the host for the chunks whose state does not fit; t = w = d = 1): {} fit\n",
           res.fitting.size());

@@ -78,7 +78,8 @@ void PlanOptions::add(CLI::App& app) {
   app.add_option(
          "--offload", offload,
          "what lives in host memory: none; optimizer (ZeRO-Offload: gradients to host "
-         "memory, CPU Adam, fp16 parameters back; w = t = 1); activations (KARMA: per "
+         "memory, CPU Adam, fp16 parameters back; t = 1; with w > 1 sharded over the replicas, "
+         "implying --distributed-optimizer); activations (KARMA: per "
          "stage, stashed activations swapped to the host or recomputed; t = 1); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
          "that move between host and device; t = w = d = 1)")
@@ -129,6 +130,9 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
                          ? int(std::clamp<std::int64_t>(groups / p.d, 1, common::kMaxCount + 1))
                          : 1);
+    // Optimizer offload over w > 1 replicas shards the host optimizer (ZeRO-Offload): the
+    // distributed optimizer, implied here (a plan file says it).
+    if (p.offload == planner::Offload::optimizer && p.w > 1) p.distributed_optimizer = true;
     if (recompute) {
       const auto mode =
           recompute->empty() ? planner::Recompute::full : planner::parse_recompute(*recompute);

@@ -99,6 +99,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         "plan: offload: the executor does not run --offload {} yet (optimizer and activations it "
         "does); estimate or simulate it instead",
         planner::offload_name(plan)));
+  if (plan.offload_sharded())
+    throw InputError(fmt::format(
+        "plan: offload: the executor runs optimizer offload with w = 1 only (here w = {}: "
+        "ZeRO-Offload's sharding over replicas); estimate or simulate it instead",
+        plan.w));
   if (plan.offload == planner::Offload::optimizer && model.tied_embeddings && plan.d == 1)
     throw InputError(
         "plan: offload: the executor's optimizer offload needs the tied embedding and LM head on "

@@ -266,6 +266,21 @@ class DeviceChecker {
     if (!offload()) bad(name + " in a plan without offload");
     const std::size_t step = local(op.step);
     if (op.kind == OpKind::copy_gradient_to_host) {
+      if (plan_.offload_sharded()) {  // w > 1: each chunk's shard, once, after the collectives
+        if (op.microbatch != -1) bad(name + " of a microbatch with w > 1 (the shard goes once)");
+        if (!in_range(op.chunk, plan_.v)) bad("chunk out of range");
+        if (op.step != p_.first_step + steps_done_) bad(name + " out of step order");
+        if (copied_out_[step] != op.chunk)
+          bad(name + " of chunk " + std::to_string(op.chunk) + " out of order");
+        for (int c = 0; c < plan_.v; ++c)
+          if (backwards_of(op.step, c) != plan_.m) bad(name + " before the step's last backward");
+        if (all_reduces_[step] != p_.buckets * plan_.v)
+          bad(name + " before the step's reduce-scatters (all_reduce)");
+        if (tied_first() && tied_gradient_[step] != tied_complete_at(true))
+          bad(name + " before the tied gradient is received and gathered");
+        ++copied_out_[step];
+        return;
+      }
       if (op.microbatch == -1) {
         if (!tied_first() || op.chunk != 0)
           bad(name + " of a tied gradient off stage 0's tied embedding");
@@ -289,10 +304,12 @@ class DeviceChecker {
     if (op.bucket < 0 || op.bucket >= offload_tiles(plan_, prog_.stage, op.chunk))
       bad(name + " of tile " + std::to_string(op.bucket) + ", out of range");
     if (op.kind == OpKind::host_optimizer_step) {
-      if (copied_out_[step] != plan_.m * plan_.v)
+      const int copies = plan_.offload_sharded() ? plan_.v : plan_.m * plan_.v;
+      if (copied_out_[step] != copies)
         bad(name + " after " + std::to_string(copied_out_[step]) + " gradient copies, expected " +
-            std::to_string(plan_.m * plan_.v));
-      if (tied_first() && !tied_copied_[step]) bad(name + " before the tied gradient is copied");
+            std::to_string(copies));
+      if (tied_first() && !plan_.offload_sharded() && !tied_copied_[step])
+        bad(name + " before the tied gradient is copied");
       if (flat != host_steps_ || uploads_ != host_steps_)
         bad(name + " of tile " + std::to_string(flat) + " out of order");
       ++host_steps_;
@@ -529,7 +546,7 @@ class DeviceChecker {
     if (!first(op)) need |= kRecvA | kSentG;
     if (!last(op)) need |= kSentA | kRecvG;
     if (plan_.recomputes(prog_.stage)) need |= kRecompute;
-    if (offload()) need |= kCopiedOut;
+    if (offload() && !plan_.offload_sharded()) need |= kCopiedOut;
     if ((flags_[slot(op)] & need) != need) {
       throw ScheduleError("rank " + std::to_string(prog_.rank) + ": step " +
                           std::to_string(op.step) + " microbatch " + std::to_string(op.microbatch) +

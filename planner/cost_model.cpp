@@ -244,8 +244,8 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   return ch;
 }
 
-std::int64_t offload_host_bytes_per_parameter(models::DType dtype) {
-  return optimizer_bytes_per_parameter(dtype) + 4 + models::dtype_bytes(dtype);
+std::int64_t offload_host_bytes_per_parameter(models::DType dtype, bool sharded) {
+  return optimizer_bytes_per_parameter(dtype) + (sharded ? 0 : 4) + models::dtype_bytes(dtype);
 }
 
 std::int64_t ChunkOffload::host_parameters() const {
@@ -259,11 +259,22 @@ std::int64_t ChunkOffload::largest_tile() const {
   return tiles.empty() ? 0 : *std::max_element(tiles.begin(), tiles.end());
 }
 
-ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch) {
+ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch,
+                           int replica) {
   ChunkOffload o;
   if (ch.has_embedding) o.tiles.push_back(mc.embedding.parameters);
   o.tiles.insert(o.tiles.end(), std::size_t(ch.blocks), mc.block.parameters);
   if (ch.has_head) o.tiles.push_back(mc.head.parameters);
+  if (p.offload_sharded()) {
+    // ZeRO-Offload over w replicas: the backward keeps its gradients on the device (summed over
+    // the microbatches); after the reduce-scatter the replica copies out and updates its shard of
+    // each tile (the tied tensor's gradient, summed by the exchange on stage 0, is in stage 0's
+    // embedding tile as for w = 1).
+    for (std::int64_t& t : o.tiles)
+      t = t / p.w + (replica < t % p.w ? 1 : 0);
+    o.shard_copy_out_parameters = o.host_parameters();
+    return o;
+  }
   // The tied tensor (d > 1): the embedding's on stage 0 (updated there), the head's copy on the
   // last stage (not updated there: it receives stage 0's new weights).
   const bool tied_end = p.d > 1 && mc.tied_copy_parameters > 0 && ch.has_embedding != ch.has_head;
@@ -296,7 +307,8 @@ std::vector<std::int64_t> host_parameters_by_rank(const models::ModelCosts& mc,
     std::int64_t n = 0;
     for (int c = 0; c < p.v; ++c)
       n = bytes_add(
-          n, chunk_offload(mc, p, chunk_cost(mc, trace, p, p.stage_of(r), c)).host_parameters());
+          n, chunk_offload(mc, p, chunk_cost(mc, trace, p, p.stage_of(r), c), p.replica_of(r))
+                 .host_parameters());
     out.push_back(n);
   }
   return out;
@@ -488,7 +500,8 @@ void time_host_step(RankOffload& r, double rate) {
     adam.push_back(t / rate);
     r.cpu_adam_s += adam.back();
   }
-  r.host_step_s = r.tied_copy_out_s + two_stage_pipeline_s(adam, r.tile_upload_s);
+  r.host_step_s =
+      r.tied_copy_out_s + r.shard_copy_out_s + two_stage_pipeline_s(adam, r.tile_upload_s);
 }
 
 std::vector<double> processor_sharing_finish(const std::vector<double>& work,
@@ -539,9 +552,16 @@ RankOffload rank_offload(const models::ModelSpec& model, const models::ModelCost
   const double rate = cpu_adam_rate(cluster, p, rank, host_parameters);
   RankOffload r;
   std::int64_t updated = 0, largest = 0, resident = 0, streamed = 0;
+  const bool sharded = p.offload_sharded();
   for (const ChunkCost& ch : chunks) {
-    ChunkOffload o = chunk_offload(mc, p, ch);
-    r.copy_out_s.push_back(path.time_s(double(bytes_mul(o.streamed_parameters, e))));
+    ChunkOffload o = chunk_offload(mc, p, ch, p.replica_of(rank));
+    r.copy_out_s.push_back(sharded ? 0.0
+                                   : path.time_s(double(bytes_mul(o.streamed_parameters, e))));
+    if (sharded) {  // the shard, once per step, on the copy engine the uploads use later
+      r.shard_copy_out_s += up.time_s(double(bytes_mul(o.shard_copy_out_parameters, e)));
+      r.copy_out_bytes_per_step =
+          bytes_add(r.copy_out_bytes_per_step, bytes_mul(o.shard_copy_out_parameters, e));
+    }
     if (o.tied_copy_out_parameters > 0)
       r.tied_copy_out_s = path.time_s(double(bytes_mul(o.tied_copy_out_parameters, e)));
     for (std::int64_t t : o.tiles) {
@@ -561,7 +581,13 @@ RankOffload rank_offload(const models::ModelSpec& model, const models::ModelCost
   time_host_step(r, rate);
   // Gradients leave in layer-sized pieces, double-buffered: one filling, one on the copy engine.
   r.device_gradient_bytes = bytes_add(bytes_mul(bytes_mul(largest, 2), e), bytes_mul(resident, e));
-  r.host_bytes = bytes_mul(updated, offload_host_bytes_per_parameter(model.dtype));
+  if (sharded) {  // the whole gradient, accumulated over the microbatches for the reduce-scatter
+    std::int64_t parameters = 0;
+    for (const ChunkCost& ch : chunks)
+      parameters = bytes_add(parameters, ch.parameters);
+    r.device_gradient_bytes = bytes_mul(parameters, e);
+  }
+  r.host_bytes = bytes_mul(updated, offload_host_bytes_per_parameter(model.dtype, sharded));
   r.pinned_bytes = bytes_mul(updated, e);
   r.copy_out_bytes_per_step =
       bytes_add(r.copy_out_bytes_per_step, bytes_mul(bytes_mul(streamed, e), p.m));
@@ -621,6 +647,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     // front). Optimizer state lives on the host; the step is the host's.
     st.offload = rank_offload(model, mc, cluster, p, p.rank_of(s, 0), chunks,
                               host_parameters_by_rank(mc, trace, p));
+    // Sharded (w > 1): nothing leaves during the backward; the shard's copy is in the host step.
     st.backward_s = 0;
     for (std::size_t c = 0; c < std::size_t(p.v); ++c)
       st.backward_s += chunk_recompute[c] +
@@ -783,11 +810,13 @@ void share_host_cpus(std::vector<StageCost>& stages, const clusters::Cluster& cl
     double offset = 0;
     for (int j = 0; j < p.stage_of(r); ++j)
       offset += (stages[std::size_t(j)].backward_s + stages[std::size_t(j)].send_s) / p.v;
-    release[std::size_t(r)] = -offset + stages[std::size_t(p.stage_of(r))].offload.tied_copy_out_s;
+    const RankOffload& o = stages[std::size_t(p.stage_of(r))].offload;
+    release[std::size_t(r)] = -offset + o.tied_copy_out_s + o.shard_copy_out_s;
   }
   std::map<int, std::vector<int>> by_node;
   for (int r = 0; r < p.ranks(); ++r)
     by_node[p.placement[std::size_t(r)].node].push_back(r);
+  std::vector<RankOffload> timed(std::size_t(p.ranks()));
   for (const auto& [node, ranks] : by_node) {
     std::vector<double> work, rel;
     for (int r : ranks) {
@@ -800,10 +829,21 @@ void share_host_cpus(std::vector<StageCost>& stages, const clusters::Cluster& cl
     const std::vector<double> end =
         processor_sharing_finish(work, rel, cluster.host.cpu_adam_params_per_s());
     for (std::size_t i = 0; i < ranks.size(); ++i) {
-      StageCost& st = stages[std::size_t(p.stage_of(ranks[i]))];
-      if (work[i] > 0 && end[i] > rel[i]) time_host_step(st.offload, work[i] / (end[i] - rel[i]));
-      st.optimizer_s = st.offload.host_step_s;
+      RankOffload o = stages[std::size_t(p.stage_of(ranks[i]))].offload;
+      if (work[i] > 0 && end[i] > rel[i]) time_host_step(o, work[i] / (end[i] - rel[i]));
+      timed[std::size_t(ranks[i])] = std::move(o);
     }
+  }
+  // A stage's host step is its slowest replica's (w > 1: replicas on different nodes may share
+  // their CPUs differently).
+  for (StageCost& st : stages) {
+    const RankOffload* slowest = nullptr;
+    for (int r = 0; r < p.ranks(); ++r)
+      if (p.stage_of(r) == st.stage &&
+          (!slowest || timed[std::size_t(r)].host_step_s > slowest->host_step_s))
+        slowest = &timed[std::size_t(r)];
+    if (slowest) st.offload = *slowest;
+    st.optimizer_s = st.offload.host_step_s;
   }
 }
 
@@ -888,6 +928,7 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
         {"copy_in_bytes_per_step", bytes_add(o.copy_in_bytes_per_step, swap_bytes)}};
     if (p.offload == Offload::optimizer) {
       rank["copy_out_s_per_microbatch"] = o.copy_out_s;
+      if (p.offload_sharded()) rank["shard_copy_out_s"] = o.shard_copy_out_s;
       rank["cpu_adam_s"] = o.cpu_adam_s;
       rank["upload_s"] = o.upload_s;
       rank["host_step_s"] = o.host_step_s;

@@ -78,7 +78,9 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
 // (optimizer_bytes_per_parameter: fp32 master + Adam m, v), an fp32 gradient accumulator (4) and
 // the transfer buffer in the compute dtype (the fp16 gradient arrives there; the new fp16
 // parameters leave from it). 18 for fp16/bf16, 16 for fp32.
-std::int64_t offload_host_bytes_per_parameter(models::DType dtype);
+// Sharded (w > 1): no fp32 accumulator (the microbatches' gradients are summed on the device,
+// before the reduce-scatter): 14 for fp16/bf16, 12 for fp32.
+std::int64_t offload_host_bytes_per_parameter(models::DType dtype, bool sharded = false);
 
 // One chunk's offload: the gradients its backward streams to the host, the parameters CPU Adam
 // updates there, in tiles of one layer each (forward order) that pipeline with their upload.
@@ -89,10 +91,16 @@ struct ChunkOffload {
   std::int64_t resident_parameters = 0;
   std::int64_t tied_copy_out_parameters = 0;
   std::vector<std::int64_t> tiles;  // parameters CPU Adam updates, one tile per layer
+  // Sharded (w > 1): the replica's shard of the chunk's reduce-scattered gradient, copied to the
+  // host once per step (streamed_parameters is 0 then: the backward keeps its gradients).
+  std::int64_t shard_copy_out_parameters = 0;
   std::int64_t host_parameters() const;
   std::int64_t largest_tile() const;
 };
-ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch);
+// With w > 1 (Plan::offload_sharded) `replica`'s shard: each layer's tile split over the w
+// replicas, replica r taking floor(n / w) + (r < n mod w ? 1 : 0) of a tile of n parameters.
+ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const ChunkCost& ch,
+                           int replica = 0);
 
 // A rank's path to host memory for its gradient copies, with every rank copying at once: its
 // GPU's link shared by the ranks on that GPU, the uplink shared by the ranks behind it (cluster
@@ -125,9 +133,10 @@ struct RankOffload {
   std::vector<double> tile_parameters;  // CPU Adam tiles in order (all chunks)
   std::vector<double> tile_upload_s;    // their uploads
   double tied_copy_out_s = 0;           // stage 0's tied gradient, once per step
+  double shard_copy_out_s = 0;          // sharded (w > 1): the gradient shards, once per step
   double cpu_adam_s = 0;                // sum over the tiles
   double upload_s = 0;                  // sum over the tiles (each with its latency)
-  double host_step_s = 0;               // tied copy + the tiles' two-stage pipeline (Adam, upload)
+  double host_step_s = 0;  // tied or shard copy + the tiles' two-stage pipeline (Adam, upload)
   std::int64_t device_gradient_bytes = 0;  // staging (2 x largest tile) + resident tied gradient
   std::int64_t host_bytes = 0;
   std::int64_t pinned_bytes = 0;

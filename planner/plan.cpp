@@ -163,16 +163,21 @@ void check(const Plan& p) {
   if (p.overlap_param_gather && !p.distributed_optimizer)
     reject("overlap_param_gather", "needs the distributed optimizer (distributed_optimizer: true)");
   if (p.offload == Offload::optimizer) {
-    if (p.w > 1)
-      reject("offload", fmt::format("optimizer offload with data parallelism (w = {}) is not "
-                                    "supported yet; use w = 1",
+    // With w > 1 ZeRO-Offload shards CPU Adam over the replicas (docs/formulas.md section 9,
+    // data parallelism): the distributed optimizer, its shards on the host.
+    if (p.w > 1 && !p.distributed_optimizer)
+      reject("offload", fmt::format("optimizer offload with data parallelism (w = {}) shards the "
+                                    "host optimizer over the replicas (ZeRO-Offload): it needs "
+                                    "the distributed optimizer (--distributed-optimizer)",
                                     p.w));
     if (p.t > 1)
       reject("offload", fmt::format("optimizer offload with tensor parallelism (t = {}) is not "
                                     "supported yet; use t = 1",
                                     p.t));
-    if (p.distributed_optimizer)
-      reject("offload", "optimizer offload with the distributed optimizer is not supported yet");
+    if (p.distributed_optimizer && p.w == 1)
+      reject("offload",
+             "optimizer offload with the distributed optimizer needs w > 1 (it shards the host "
+             "optimizer over the data-parallel replicas)");
   }
   if (p.chunk_bytes != 0 && p.offload != Offload::chunks)
     reject("chunk_bytes", "a chunk size needs offload chunks");

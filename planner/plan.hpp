@@ -116,6 +116,10 @@ struct Plan {
            activations[std::size_t(stage)] == ActivationChoice::swap;
   }
   bool any_offload() const { return offload != Offload::none || offload_activations; }
+  // Optimizer offload over w > 1 replicas (ZeRO-Offload's data parallelism, docs/formulas.md
+  // section 9): the gradients accumulate on the device, are reduce-scattered, and each replica
+  // copies out, updates on the host and uploads only its 1/w shard; an all-gather follows.
+  bool offload_sharded() const { return offload == Offload::optimizer && w > 1; }
 };
 
 inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d

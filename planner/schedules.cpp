@@ -164,7 +164,8 @@ std::string format_op(const Op& op, const Plan& plan) {
     case OpKind::gather_tied_weights:
       return "AGTW(v" + std::to_string(op.version) + ")";
     case OpKind::copy_gradient_to_host:
-      return op.microbatch >= 0 ? "D2H" + mb + chunk : "D2H(tied)";
+      if (op.microbatch >= 0) return "D2H" + mb + chunk;
+      return plan.offload_sharded() ? "D2H(shard" + chunk + ")" : "D2H(tied)";
     case OpKind::host_optimizer_step:
       return "hostopt" + std::to_string(op.bucket) + chunk + "(v" + std::to_string(op.version) +
              ")";
@@ -285,7 +286,7 @@ class ProgramBuilder {
     if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
-    if (offload()) add(OpKind::copy_gradient_to_host, slot, -1);
+    if (offload() && !plan_.offload_sharded()) add(OpKind::copy_gradient_to_host, slot, -1);
   }
 
   // Gradient all-reduce (w > 1), then the weight update creating version step+1. Flush schedules
@@ -363,10 +364,17 @@ class ProgramBuilder {
   }
 
   // Optimizer offload: stage 0's tied gradient (summed on the device by the tied exchange) goes
-  // out too; then CPU Adam tile by tile, each tile's new parameters copied back behind it.
+  // out too; then CPU Adam tile by tile, each tile's new parameters copied back behind it. With
+  // w > 1 (sharded) the backwards copied nothing: each chunk's shard of the reduce-scattered
+  // gradient goes out now (stage 0's holds the tied tensor's share), and the device's
+  // optimizer_step all-gathers the new parameters.
   void host_step(int step) {
-    if (tied_first())
+    if (plan_.offload_sharded()) {
+      for (int chunk = 0; chunk < plan_.v; ++chunk)
+        program_.ops.push_back(Op{OpKind::copy_gradient_to_host, step, -1, chunk, -1, -1, -1});
+    } else if (tied_first()) {
       program_.ops.push_back(Op{OpKind::copy_gradient_to_host, step, -1, 0, -1, -1, -1});
+    }
     for (int chunk = 0; chunk < plan_.v; ++chunk)
       for (int tile = 0; tile < offload_tiles(plan_, program_.stage, chunk); ++tile) {
         program_.ops.push_back(

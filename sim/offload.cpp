@@ -23,6 +23,7 @@ sg4::CommPtr OffloadReplay::flow(sg4::Host* from, sg4::Host* to, std::int64_t by
 }
 
 void OffloadReplay::begin_backward(const Op& op) {
+  if (w_.plan().offload_sharded()) return;  // w > 1: the gradients stay for the reduce-scatter
   const std::int64_t e = w_.dtype_bytes;
   const std::int64_t bytes = me_.offload.chunks[std::size_t(op.chunk)].streamed_parameters * e;
   me_.copied_out_bytes += bytes;
@@ -34,8 +35,14 @@ void OffloadReplay::run(const Op& op, int index) {
   switch (op.kind) {
     case OpKind::copy_gradient_to_host: {
       sg4::CommPtr c = out_;
-      if (op.microbatch < 0) {  // stage 0's tied gradient, summed on the device: copied now
-        const std::int64_t bytes = me_.offload.chunks[0].tied_copy_out_parameters * e;
+      if (op.microbatch < 0) {  // stage 0's tied gradient, summed on the device: copied now;
+        // with w > 1 the chunk's shard of the reduce-scattered gradient (the replay waited for
+        // the step's collectives)
+        const planner::ChunkOffload& o = me_.offload.chunks[std::size_t(op.chunk)];
+        const std::int64_t bytes =
+            (w_.plan().offload_sharded() ? o.shard_copy_out_parameters
+                                         : me_.offload.chunks[0].tied_copy_out_parameters) *
+            e;
         me_.copied_out_bytes += bytes;
         c = flow(me_.host, me_.cpu, bytes);
       }

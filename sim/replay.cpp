@@ -182,6 +182,10 @@ class Replayer {
         optimizer_step(op);
         break;
       case OpKind::copy_gradient_to_host:
+        // w > 1: the shard is there once the step's reduce-scatters are done
+        if (op.microbatch < 0 && w_.plan().offload_sharded()) wait_collectives(op.step);
+        offload_.run(op, op_);  // sim/offload.cpp
+        break;
       case OpKind::host_optimizer_step:
       case OpKind::copy_parameters_to_device:
         offload_.run(op, op_);  // sim/offload.cpp

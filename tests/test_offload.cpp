@@ -54,14 +54,27 @@ TEST(OffloadPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   j["offload"] = "gpu";
   EXPECT_NE(error_of([&] { parse_plan(j, "plan.json"); }).find("unknown offload mode"),
             std::string::npos);
-  // What optimizer offload does not combine with yet.
+  // With w > 1 optimizer offload is sharded over the replicas (ZeRO-Offload): the distributed
+  // optimizer says so; without it, and with it at w = 1, one line each.
   j["offload"] = "optimizer";
   j["w"] = 2;
-  EXPECT_NE(error_of<PlanError>([&] { parse_plan(j, "plan.json"); })
-                .find("data parallelism (w = 2) is not "
-                      "supported yet"),
-            std::string::npos);
+  {
+    const std::string msg = error_of<PlanError>([&] { parse_plan(j, "plan.json"); });
+    EXPECT_NE(msg.find("data parallelism (w = 2) shards the host optimizer over the replicas "
+                       "(ZeRO-Offload): it needs the distributed optimizer"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos);
+  }
+  j["distributed_optimizer"] = true;
+  EXPECT_TRUE(parse_plan(j, "plan.json").offload_sharded());
+  j["offload"] = "optimizer,activations";
+  EXPECT_TRUE(parse_plan(j, "plan.json").offload_sharded());
+  j["offload"] = "optimizer";
   j["w"] = 1;
+  EXPECT_NE(error_of<PlanError>([&] { parse_plan(j, "plan.json"); }).find("needs w > 1"),
+            std::string::npos);
+  j.erase("distributed_optimizer");
   j["t"] = 2;
   EXPECT_NE(error_of<PlanError>([&] { parse_plan(j, "plan.json"); }).find("tensor parallelism"),
             std::string::npos);
@@ -212,6 +225,198 @@ TEST(OffloadTied, TheTiedTensorStaysForTheExchange) {
             2 * (4 * (est.stages[0].parameters - tied) + tied));
   // Host memory of the node: both ranks' host parameters, 18 B each: the model once.
   EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, 18 * mc.total_parameters);
+}
+
+// --- Data parallelism (w > 1): ZeRO-Offload's shards (docs/formulas.md section 9) ---
+
+// Replica r's shard of a tile of n parameters: floor(n / w), one more for the first n mod w.
+std::int64_t shard_of(std::int64_t n, int w, int r) {
+  return n / w + (r < n % w ? 1 : 0);
+}
+
+Plan sharded(Schedule s, int w, int d, int m, std::int64_t layers, const DeviceGrid& g) {
+  Plan p = plan_of(s, w, d, 1, m, 1, layers, g);
+  p.offload = Offload::optimizer;
+  p.distributed_optimizer = true;
+  check(p);
+  return p;
+}
+
+// One stage, w = 2 and 4 replicas on one p3.16xlarge (two GPUs per uplink, 32 cores): each
+// replica keeps the whole fp16 gradient on the device (2 + 2 B per parameter), its 1/w shard's
+// 14 B per parameter on the host, and moves 2 B per shard parameter each way per step. The host
+// step by hand: the shard's copy out, then the tiles' two-stage pipeline, the uplink and the CPU
+// shared with the node's other replicas.
+TEST(OffloadData, ShardBytesAndHostStepByHand) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const models::ModelCosts mc = models::derive_costs(model);
+  const traces::Trace trace = uniform_trace(model, 1);
+  for (double bw : {15.75e9, 1e9}) {  // compute-bound, then copy-bound
+    const clusters::Cluster c =
+        clusters::load_cluster("p3.16xlarge", {},
+                               {fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
+                                fmt::format("host.uplink_bandwidth_bytes_per_s={}", bw)});
+    for (int w : {2, 4}) {
+      SCOPED_TRACE(fmt::format("w = {}, bw = {}", w, bw));
+      const Plan p = sharded(Schedule::one_f_one_b, w, 1, 4, 12, grid(c));
+      const Estimate est = estimate(model, trace, c, p);
+      const std::int64_t P = mc.total_parameters;
+      std::vector<std::int64_t> tiles = {mc.embedding.parameters};
+      tiles.insert(tiles.end(), 12, mc.block.parameters);
+      tiles.push_back(mc.head.parameters);
+      std::int64_t all = 0;
+      for (int r = 0; r < w; ++r) {
+        std::int64_t shard = 0;
+        for (std::int64_t t : tiles)
+          shard += shard_of(t, w, r);
+        all += shard;
+        const auto& rank = est.report.extra["offload"]["ranks"][std::size_t(r)];
+        EXPECT_EQ(rank["host_bytes"].get<std::int64_t>(), 14 * shard);
+        EXPECT_EQ(rank["pinned_bytes"].get<std::int64_t>(), 2 * shard);
+        EXPECT_EQ(rank["copy_out_bytes_per_step"].get<std::int64_t>(), 2 * shard);
+        EXPECT_EQ(rank["copy_in_bytes_per_step"].get<std::int64_t>(), 2 * shard);
+        EXPECT_LE(std::abs(double(shard) - double(P) / w), double(tiles.size()));
+        const MemoryBreakdown& m = est.report.devices[std::size_t(r)].memory;
+        EXPECT_EQ(m.weights, 2 * P);
+        EXPECT_EQ(m.gradients, 2 * P);
+        EXPECT_EQ(m.optimizer, 0);
+      }
+      EXPECT_EQ(all, P);  // the shards cover the model once
+      ASSERT_EQ(est.report.hosts.size(), 1u);
+      EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, 14 * P);
+      // Replica 0's host step (its shards are the largest): uplink shared with the other GPU
+      // behind it, by processor sharing over the two shards; the CPU w ways (same release).
+      std::int64_t s0 = 0, s1 = 0;
+      for (std::int64_t t : tiles) {
+        s0 += shard_of(t, w, 0);
+        s1 += shard_of(t, w, 1);
+      }
+      const double beta = bw * double(s0) / double(s0 + s1), lat = 10e-6;
+      const double rate = 32 * 9.5e7 / w;
+      std::vector<double> a, u;
+      for (std::int64_t t : tiles) {
+        a.push_back(double(shard_of(t, w, 0)) / rate);
+        u.push_back(lat + 2.0 * double(shard_of(t, w, 0)) / beta);
+      }
+      const double host = lat + 2.0 * double(s0) / beta + two_stage_pipeline_s(a, u);
+      EXPECT_NEAR(est.stages[0].offload.host_step_s, host, 1e-12);
+      // Nothing leaves during the backward: its slot is the backward's.
+      EXPECT_NEAR(est.stages[0].backward_s, 12 * 2e-3, 1e-12);
+      // The step: the pipeline, the exposed reduce-scatter and the all-gather (section 4), the
+      // host step.
+      EXPECT_NEAR(est.report.iteration_time_s, 4 * 12 * 3e-3 + est.allreduce_s + host, 1e-12);
+      EXPECT_GE(est.allreduce_s, est.stages[0].allreduce_s / 2);
+    }
+  }
+}
+
+// The simulator runs the same ops: reduce-scatter behind the last backward, the shard's copy, CPU
+// Adam on the node's CPU shared by its ranks, the uploads, the all-gather. One and two stages,
+// w = 2 and 4, compute-bound and copy-bound: within 5%; bytes and memory exactly the closed
+// form's.
+TEST(OffloadData, SimulateAgreesWithEstimate) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  for (double bw : {15.75e9, 1e9})
+    for (int d : {1, 2})
+      for (int w : {2, 4}) {
+        SCOPED_TRACE(fmt::format("d = {}, w = {}, bw = {}", d, w, bw));
+        const clusters::Cluster c =
+            clusters::load_cluster("p3.16xlarge", {},
+                                   {fmt::format("host.pcie_bandwidth_bytes_per_s={}", bw),
+                                    fmt::format("host.uplink_bandwidth_bytes_per_s={}", bw)});
+        const Plan p = sharded(Schedule::one_f_one_b, w, d, 8, 12, grid(c));
+        const RunReport est = estimate(model, trace, c, p).report;
+        const RunReport sim = sim::simulate(model, trace, c, p, {.steps = 3}).report;
+        EXPECT_NEAR(sim.iteration_time_s / est.iteration_time_s, 1.0, 0.05);
+        for (int r = 0; r < p.ranks(); ++r)
+          EXPECT_EQ(sim.devices[std::size_t(r)].peak_memory_bytes,
+                    est.devices[std::size_t(r)].peak_memory_bytes);
+        ASSERT_EQ(sim.hosts.size(), est.hosts.size());
+        EXPECT_EQ(sim.hosts[0].peak_memory_bytes, est.hosts[0].peak_memory_bytes);
+        EXPECT_EQ(sim.extra["offload"]["copy_out_bytes_per_step"],
+                  est.extra["offload"]["copy_out_bytes_per_step"]);
+        EXPECT_EQ(sim.extra["offload"]["copy_in_bytes_per_step"],
+                  est.extra["offload"]["copy_in_bytes_per_step"]);
+      }
+}
+
+TEST(OffloadData, ProgramsPassTheCheckerAndSameInputsSameReport) {
+  for (bool tied : {false, true})
+    for (auto [s, d, v] : {std::tuple{Schedule::one_f_one_b, 2, 1},
+                           {Schedule::two_bw, 4, 1},
+                           {Schedule::interleaved, 2, 2}}) {
+      SCOPED_TRACE(fmt::format("{} d={} tied={}", to_string(s), d, tied));
+      Plan p = plan_of(s, 2, d, 1, 4, v, 12, {1, 8});
+      p.offload = Offload::optimizer;
+      p.distributed_optimizer = true;
+      ProgramOptions o;
+      o.steps = 3;
+      o.tied_embeddings = tied;
+      const Programs pr = generate_programs(p, o);
+      EXPECT_NO_THROW(check_programs(pr));
+      for (const Program& prog : pr.devices) {
+        // One shard copy per chunk and step, none per microbatch.
+        for (const Op& op : prog.ops)
+          if (op.kind == OpKind::copy_gradient_to_host) {
+            EXPECT_EQ(op.microbatch, -1);
+          }
+        EXPECT_EQ(
+            std::count_if(prog.ops.begin(), prog.ops.end(),
+                          [](const Op& op) { return op.kind == OpKind::copy_gradient_to_host; }),
+            3 * v);
+      }
+      // The shard copied before the step's reduce-scatters: refused.
+      Programs bad = pr;
+      auto& ops = bad.devices[0].ops;
+      const auto copy = std::find_if(ops.begin(), ops.end(), [](const Op& op) {
+        return op.kind == OpKind::copy_gradient_to_host;
+      });
+      const auto reduce = std::find_if(ops.begin(), ops.end(),
+                                       [](const Op& op) { return op.kind == OpKind::all_reduce; });
+      ASSERT_TRUE(copy != ops.end() && reduce != ops.end());
+      const Op moved = *copy;
+      ops.erase(copy);
+      ops.insert(reduce, moved);
+      EXPECT_NE(error_of<ScheduleError>([&] { check_programs(bad); }).find("before the step's"),
+                std::string::npos);
+    }
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge");
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const Plan p = sharded(Schedule::two_bw, 2, 4, 8, 12, grid(c));
+  EXPECT_EQ(to_json(sim::simulate(model, trace, c, p).report).dump(),
+            to_json(sim::simulate(model, trace, c, p).report).dump());
+}
+
+// A model that fits nowhere without offload on more GPUs than it has layers: 64 GPUs of 4 GB
+// (p3.16xlarge x 8, device memory set down), gpt-10b's 50 blocks. Pipelines alone use at most 32
+// of them; optimizer offload sharded over w = 2 replicas uses all 64 and is the fastest.
+TEST(OffloadSearch, PicksShardedOptimizerOffloadWithDataParallelism) {
+  const models::ModelSpec model = models::load_model("gpt-10b");
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge", 8, {"device.memory_bytes=4e9"});
+  ASSERT_EQ(c.devices(), 64);
+  const traces::Trace trace = traces::analytic_trace(model, c.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 128;
+  o.tensor_parallel = {1};
+  const SearchResult r = search_plans(model, trace, c, o);
+  EXPECT_NE(r.offload_reason.find("nothing fits in memory"), std::string::npos) << r.offload_reason;
+  ASSERT_FALSE(r.fitting.empty());
+  const Plan& best = r.fitting.front().plan;
+  EXPECT_EQ(best.offload, Offload::optimizer);
+  EXPECT_GT(best.w, 1);
+  EXPECT_TRUE(best.distributed_optimizer);
+  EXPECT_TRUE(best.offload_sharded());
+  // Its host bytes: 14 B per shard parameter, per node the sum over the node's ranks.
+  const RunReport& rep = r.fitting.front().estimate.report;
+  std::int64_t hosts = 0, ranks = 0;
+  for (const HostReport& h : rep.hosts)
+    hosts += h.peak_memory_bytes;
+  for (const auto& rank : rep.extra.at("offload").at("ranks"))
+    ranks += rank["host_bytes"].get<std::int64_t>();
+  EXPECT_EQ(hosts, ranks);
+  EXPECT_TRUE(rep.fits());
 }
 
 // --- Bad inputs ---
