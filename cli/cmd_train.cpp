@@ -91,8 +91,8 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--core-turns,!--no-core-turns", a->options.core_turns,
                 "CPU backend, --pin-cores: ranks sharing a core take turns on it op by op, first "
-                "ready first, as the simulator runs them (--no-core-turns: the OS interleaves "
-                "them); not with --tp > 1")
+                "ready first, as the simulator runs them, and send inline within their turn "
+                "(--no-core-turns: the OS interleaves them); not with --tp > 1")
       ->capture_default_str();
   cmd->add_flag("--async-comm,!--no-async-comm", a->options.async_comm,
                 "CPU backend, one process: sends and data-parallel gradient sums on each rank's "

@@ -46,7 +46,8 @@ struct TrainOptions {
   bool core_turns = true;
   // Threads (CPU backend, one process): each rank's sends and data-parallel gradient sums run on
   // communication engines beside its compute (exec/README.md, "The device interface"); false:
-  // inline on the rank's thread, as under MPI. The same losses either way.
+  // inline on the rank's thread, as under MPI (and for ranks taking turns on a shared core,
+  // core_turns). The same losses either way.
   bool async_comm = true;
   // Checkpoints (exec/checkpoint.hpp): with a directory, every `checkpoint_every` steps and after
   // the last; `resume` continues from the newest complete one there (from step 0 if none).

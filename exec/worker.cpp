@@ -137,7 +137,10 @@ Worker::Worker(Shared& s, int device)
   setup_offload();
   reduced_.resize(chunks_.size());
   tied_sent_.resize(chunks_.size());
-  if (s.transport->concurrent() && s.options->async_comm) {
+  // A rank taking turns on a shared core sends inline, inside its turn: with more busy threads
+  // than cores an engine thread would only wait for a core (docs/performance.md, "Ranks sharing a
+  // core take turns on it").
+  if (s.transport->concurrent() && s.options->async_comm && !core_) {
     send_engine_ = std::make_unique<CopyEngine>();
     collective_engine_ = std::make_unique<CopyEngine>();
   }
