@@ -446,7 +446,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
                                                  const clusters::Cluster& cluster, const Plan& plan,
-                                                 bool keep_unswappable) {
+                                                 bool keep_unswappable, double capacity_bytes) {
   const models::ModelCosts mc = models::derive_costs(model, {plan.t, plan.sp});
   std::vector<ActivationChoice> out;
   for (int s = 0; s < plan.d; ++s) {
@@ -460,7 +460,7 @@ std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
   }
   // Memory: a stage that would swap but then not fit on the device, where recomputing would
   // fit (the swap keeps up to three stashes there, recompute one layer's), recomputes.
-  const double capacity = double(cluster.device.memory_bytes);
+  const double capacity = capacity_bytes > 0 ? capacity_bytes : double(cluster.device.memory_bytes);
   Plan q = plan;
   set_activations(q, out);
   for (int s = 0; s < plan.d; ++s) {

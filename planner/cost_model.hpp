@@ -192,12 +192,13 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
 // (1F1B's last stage: each backward right after its forward) gets `swap` when keep_unswappable
 // (it keeps its stash, as without offload: no recompute time) and `recompute` otherwise (less
 // memory); the planner tries both. Then memory: a stage whose swap would not fit on the device
-// (its peak above the device's memory) recomputes where that fits. `plan` placed and resolved,
-// t == 1.
+// (its peak above capacity_bytes; 0: the device's memory) recomputes where that fits. `plan` placed
+// and resolved, t == 1.
 std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
                                                  const traces::Trace& trace,
                                                  const clusters::Cluster& cluster, const Plan& plan,
-                                                 bool keep_unswappable = true);
+                                                 bool keep_unswappable = true,
+                                                 double capacity_bytes = 0);
 
 // The "chunks" object of a report's offload rank (docs/formats.md): the schedule's figures.
 common::Json chunk_report(const ChunkSchedule& cs);

@@ -248,8 +248,9 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                     continue;
                   }
                   x.offload_activations = true;
-                  const auto keep = choose_activations(model, trace, cluster, x, true);
-                  const auto small = choose_activations(model, trace, cluster, x, false);
+                  // Swaps that would pass the usable memory (--memory-headroom) recompute.
+                  const auto keep = choose_activations(model, trace, cluster, x, true, usable);
+                  const auto small = choose_activations(model, trace, cluster, x, false, usable);
                   set_activations(x, keep);
                   splits.push_back(x);
                   if (small != keep) {

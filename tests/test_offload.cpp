@@ -802,6 +802,12 @@ TEST_F(ActivationWs, SwapsOnlyWhereTheSwapFits) {
   EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::recompute);
   c.device.memory_bytes = rc_peak - 1;  // neither fits: the time rule's choice stands
   EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  // A capacity below the device's (plan's --memory-headroom) counts the same way.
+  c.device.memory_bytes = 2 * swap_peak;
+  EXPECT_EQ(choose_activations(model, trace, c, chosen, true, double(swap_peak))[0],
+            ActivationChoice::swap);
+  EXPECT_EQ(choose_activations(model, trace, c, chosen, true, double(swap_peak - 1))[0],
+            ActivationChoice::recompute);
 }
 
 // The simulated timeline's host memory counter: the swapped stashes come and go on the host; its
