@@ -48,6 +48,7 @@ struct ValidateArgs {
   std::string out, trace_out, simulated_out, measured_out, cluster_out;
   std::string predicted, measured;  // file mode
   bool pin_cores = true;            // threads: rank r's thread on the core it is simulated on
+  int blocks = 3;                   // profile + train rounds, taking turns
 };
 
 std::string percent(double error) {
@@ -268,18 +269,83 @@ common::Json load_json(const PhaseLoad& p) {
 // Above this share of the machine taken by others, validate warns that its error includes them.
 constexpr double kBusyMachine = 0.05;
 
+// The phases of several blocks as one: others' and steal's shares weighted by each phase's wall
+// time, the resolution that of the summed wall time, the busiest machine's name.
+PhaseLoad combined(const std::vector<PhaseLoad>& phases) {
+  PhaseLoad out;
+  double wall = 0, others = 0, steal = 0;
+  bool known = !phases.empty();
+  for (const PhaseLoad& p : phases) {
+    known = known && p.load.known;
+    wall += p.load.wall_s;
+    others += p.load.others * p.load.wall_s;
+    steal += p.load.steal * p.load.wall_s;
+    if (out.host.empty() || p.load.others > out.load.others) out.host = p.host;
+  }
+  out.load.known = known;
+  if (!known || wall <= 0) return out;
+  out.load.wall_s = wall;
+  out.load.others = others / wall;
+  out.load.steal = steal / wall;
+  double inverse = 0;  // resolution = tick / wall, so 1 / resolution adds up
+  for (const PhaseLoad& p : phases)
+    if (p.load.resolution > 0) inverse += 1 / p.load.resolution;
+  out.load.resolution = inverse > 0 ? 1 / inverse : 0;
+  return out;
+}
+
+// Appends one block's training run to the runs before it: its steps (the first marked as a
+// warm-up, left out of the steady state as the first step of the first run is), the ranks' busy
+// time and bytes moved summed, peaks the highest, weights and timeline the last block's.
+void append_block(exec::TrainResult& all, exec::TrainResult&& block) {
+  if (all.steps.empty()) {
+    all = std::move(block);
+    return;
+  }
+  for (std::size_t i = 0; i < block.steps.size(); ++i) {
+    exec::StepLog s = block.steps[i];
+    s.warm_up = i == 0;
+    all.steps.push_back(std::move(s));
+  }
+  for (std::size_t r = 0; r < all.ranks.size() && r < block.ranks.size(); ++r) {
+    exec::RankResult& to = all.ranks[r];
+    exec::RankResult& from = block.ranks[r];
+    if (from.peak_memory_bytes > to.peak_memory_bytes) {
+      to.peak_memory_bytes = from.peak_memory_bytes;
+      to.memory = from.memory;
+    }
+    to.busy_s += from.busy_s;
+    to.host_peak_memory_bytes = std::max(to.host_peak_memory_bytes, from.host_peak_memory_bytes);
+    to.copy_out_bytes += from.copy_out_bytes;
+    to.copy_in_bytes += from.copy_in_bytes;
+    to.activation_out_bytes += from.activation_out_bytes;
+    to.activation_in_bytes += from.activation_in_bytes;
+    to.weights = std::move(from.weights);
+    to.timeline = std::move(from.timeline);
+  }
+  all.wall_s += block.wall_s;
+}
+
+// validate under mpirun, ranks other than 0: the phases of rank 0 in the same order (profile of
+// the first block, the ping-pong, then each block's training and the next block's profile);
+// rank 0 simulates and compares alone at the end.
 void follow_validate(const ValidateArgs& a, const exec::MpiSession& job,
                      const models::ModelSpec& model, const planner::Plan& plan) {
-  const exec::CpuCounters profile_start = exec::read_cpu_counters();
-  exec::wait_for_all(job, "wait for rank 0's profile");
-  phase_load(profile_start, &job);
+  auto wait_profile = [&] {
+    const exec::CpuCounters profile_start = exec::read_cpu_counters();
+    exec::wait_for_all(job, "wait for rank 0's profile");
+    phase_load(profile_start, &job);
+  };
+  wait_profile();
   std::int64_t sizes[4] = {};
   job.broadcast(sizes, int(sizeof sizes), 0);
   exec::measure_mpi_transport(job, {sizes[0], sizes[1], sizes[2], sizes[3]}, a.round_trips);
-  exec::wait_for_all(job, "wait for rank 0's simulation");
-  const exec::CpuCounters train_start = exec::read_cpu_counters();
-  train_on(a.backend, model, plan, a.train, print_step);
-  phase_load(train_start, &job);
+  for (int k = 0; k < a.blocks; ++k) {
+    if (k > 0) wait_profile();
+    const exec::CpuCounters train_start = exec::read_cpu_counters();
+    train_on(a.backend, model, plan, a.train, print_step);
+    phase_load(train_start, &job);
+  }
 }
 
 #ifdef PW_HAVE_CUDA
@@ -349,30 +415,41 @@ void run_and_compare(const ValidateArgs& a) {
              : job ? fmt::format("{} processes (mpirun)", job->size())
                    : fmt::format("{} cores", exec::hardware_threads()));
 
-  // 1. Profile the per-layer trace (or use the one given).
-  const exec::CpuCounters profile_start = exec::read_cpu_counters();
-  if (a.trace.empty()) {
-    fmt::print("profiling {} at b={} ({} of {} round-robin runs)...\n", model.name,
-               fmt::join(sizes, ","), a.statistic, a.repeats);
-    std::fflush(stdout);
-    const exec::ProfileStatistic statistic =
-        a.statistic == "mean" ? exec::ProfileStatistic::mean : exec::ProfileStatistic::median;
+  // 1. Profile the per-layer trace (or use the one given): the first of the blocks' profiles.
+  const int blocks = a.blocks;
+  const exec::ProfileStatistic statistic =
+      a.statistic == "mean" ? exec::ProfileStatistic::mean : exec::ProfileStatistic::median;
+  std::vector<traces::Trace> profiles;
+  std::vector<PhaseLoad> profile_loads, train_loads;
+  auto profile_block = [&](int k) {
+    const exec::CpuCounters start = exec::read_cpu_counters();
+    if (a.trace.empty()) {
+      fmt::print("profiling {} at b={} ({} of {} round-robin runs{})...\n", model.name,
+                 fmt::join(sizes, ","), a.statistic, a.repeats,
+                 blocks > 1 ? fmt::format(", block {} of {}", k + 1, blocks) : "");
+      std::fflush(stdout);
 #ifdef PW_HAVE_CUDA
-    if (gpu)
-      trace = exec::cuda::profile_cuda(model, sizes, a.repeats, statistic);
-    else
+      if (gpu)
+        profiles.push_back(exec::cuda::profile_cuda(model, sizes, a.repeats, statistic));
+      else
 #endif
-      trace = exec::profile_cpu(model, sizes, a.repeats, statistic);
+        profiles.push_back(exec::profile_cpu(model, sizes, a.repeats, statistic));
+    }
+    if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
+    profile_loads.push_back(phase_load(start, job));
+  };
+  profile_block(0);
+  if (a.trace.empty()) trace = profiles.front();
+  {
+    const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
+    fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
+               human_seconds(block.backward_s), human_seconds(block.recompute_s));
   }
-  if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
-  const PhaseLoad profile_load = phase_load(profile_start, job);
-  const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
-  fmt::print("  block forward {}, backward {}, recompute {}\n", human_seconds(block.forward_s),
-             human_seconds(block.backward_s), human_seconds(block.recompute_s));
 
   // 2. This machine as a cluster: the transport's latency and bandwidth at the plan's message
   // sizes, and its devices.
-  const std::int64_t message = std::max<std::int64_t>(block.output_bytes, 4096);
+  const std::int64_t message =
+      std::max<std::int64_t>(trace.at(plan.b).layers[models::LayerKind::block].output_bytes, 4096);
   const std::vector<std::int64_t> probe_sizes = {4, message / 4, message, 4 * message};
   std::int64_t shared_sizes[4] = {probe_sizes[0], probe_sizes[1], probe_sizes[2], probe_sizes[3]};
   if (job) job->broadcast(shared_sizes, int(sizeof shared_sizes), 0);
@@ -387,7 +464,7 @@ void run_and_compare(const ValidateArgs& a) {
   const clusters::Cluster& cluster = machine_probe.cluster;
   const exec::TransportFit& link = machine_probe.link;
 
-  // 3. Simulate on it.
+  // 3. Place the plan on it.
   planner::Plan placed = plan;
   placed.placement = machine_probe.placement;
   planner::place(placed, {cluster.nodes, cluster.gpus_per_node});
@@ -406,6 +483,42 @@ void run_and_compare(const ValidateArgs& a) {
                        "the simulation (--core-turns)"
                      : "the simulator gives each a fair share of it, as the OS scheduler roughly "
                        "does");
+
+  // 4. Train for real (threads: each rank on the core the simulation puts it on), block after
+  // block with a profile between them, so that a slow spell of the machine falls on the profile
+  // and on the run alike; the trace is the mean of the blocks' profiles and the measured steps
+  // those of every block after its first (docs/formulas.md, section 10).
+  exec::TrainOptions train = a.train;
+  if (!gpu && !job && a.pin_cores) {
+    const std::vector<int> cores = exec::allowed_cores();
+    for (const planner::Placement& p : placed.placement)
+      train.cores.push_back(cores[std::size_t(p.gpu) % cores.size()]);
+  }
+  exec::TrainResult r;
+  for (int k = 0; k < blocks; ++k) {
+    if (k > 0) profile_block(k);
+    fmt::print("training {} steps on {} ranks{}{}...\n", a.train.steps, plan.ranks(),
+               train.cores.empty()
+                   ? ""
+                   : fmt::format(" (threads on cores {})", fmt::join(train.cores, ",")),
+               blocks > 1 ? fmt::format(", block {} of {}", k + 1, blocks) : "");
+    std::fflush(stdout);
+    const exec::CpuCounters train_start = exec::read_cpu_counters();
+    exec::TrainResult block = train_on(a.backend, model, plan, train, print_step);
+    train_loads.push_back(phase_load(train_start, job));
+    append_block(r, std::move(block));
+  }
+  if (a.trace.empty()) trace = traces::mean_of(profiles);
+  const PhaseLoad profile_load = combined(profile_loads), train_load = combined(train_loads);
+  if (blocks > 1 && a.trace.empty()) {
+    const auto& block = trace.at(plan.b).layers[models::LayerKind::block];
+    fmt::print("  the mean of the {} profiles: block forward {}, backward {}, recompute {}\n",
+               blocks, human_seconds(block.forward_s), human_seconds(block.backward_s),
+               human_seconds(block.recompute_s));
+  }
+  const planner::RunReport measured = measured_report(model, plan, r, on);
+
+  // 5. Simulate on this machine's cluster.
   fmt::print("simulating {} steps on {} ({} {} as devices)...\n", a.train.steps, cluster.name,
              cluster.gpus_per_node, gpu ? "GPU" : "cores");
   std::fflush(stdout);
@@ -415,26 +528,8 @@ void run_and_compare(const ValidateArgs& a) {
   so.device_turns = turns;
   sim::SimResult sim = sim::simulate(model, trace, cluster, placed, so);
   if (!sim.report.fits()) throw PlanError(oom_message(sim.report));
-  if (job) exec::wait_for_all(*job, "wait for rank 0's simulation");
 
-  // 4. Train for real (threads: each rank on the core the simulation put it on).
-  exec::TrainOptions train = a.train;
-  if (!gpu && !job && a.pin_cores) {
-    const std::vector<int> cores = exec::allowed_cores();
-    for (const planner::Placement& p : placed.placement)
-      train.cores.push_back(cores[std::size_t(p.gpu) % cores.size()]);
-  }
-  fmt::print("training {} steps on {} ranks{}...\n", a.train.steps, plan.ranks(),
-             train.cores.empty()
-                 ? ""
-                 : fmt::format(" (threads on cores {})", fmt::join(train.cores, ",")));
-  std::fflush(stdout);
-  const exec::CpuCounters train_start = exec::read_cpu_counters();
-  const exec::TrainResult r = train_on(a.backend, model, plan, train, print_step);
-  const PhaseLoad train_load = phase_load(train_start, job);
-  const planner::RunReport measured = measured_report(model, plan, r, on);
-
-  // 5. Subtract.
+  // 6. Subtract.
   const planner::Validation v = planner::validate(sim.report, measured, "simulated", "measured");
   print_validation(v);
   if (per_core > 1 && !gpu && !turns)
@@ -473,8 +568,10 @@ void run_and_compare(const ValidateArgs& a) {
   machine["trace"] = a.trace.empty() ? common::Json({{"profiled", true},
                                                      {"microbatch_sizes", sizes},
                                                      {"repeats", a.repeats},
+                                                     {"blocks", a.blocks},
                                                      {"statistic", a.statistic}})
                                      : common::Json({{"profiled", false}, {"file", a.trace}});
+  machine["blocks"] = a.blocks;
   machine["cluster"] = clusters::to_json(cluster);
   machine["other_load"] = {{"profile", load_json(profile_load)}, {"train", load_json(train_load)}};
   const common::Json files = {{"trace", or_null(a.trace_out.empty() ? a.trace : a.trace_out)},
@@ -511,7 +608,7 @@ constexpr const char* kRunOnly =
     "--plan --schedule -w -d -m -b -v --recompute --stage-blocks --ranks-per-gpu --model "
     "--backend --steps --microbatch --repeats --profile-statistic --round-trips --trace --seed "
     "--buckets --trace-out --simulated-out --measured-out --cluster-out --pin-cores --async-comm "
-    "--core-turns";
+    "--core-turns --blocks";
 
 void add_validate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -526,10 +623,17 @@ void add_validate_command(CLI::App& app) {
   cmd->add_option("--backend", a->backend, "cpu, or cuda (see --help of the CUDA build)")
       ->capture_default_str();
   cmd->add_option("--steps", a->train.steps,
-                  "optimizer steps, simulated and trained (the first is left out of the "
-                  "measured step time)")
+                  "optimizer steps, simulated, and trained in each block (each block's first is "
+                  "left out of the measured step time)")
       ->capture_default_str()
       ->check(CLI::Range(2, 1000000));
+  cmd->add_option("--blocks", a->blocks,
+                  "profile and train in this many blocks taking turns (each profiling --repeats "
+                  "runs and training --steps steps), so that a slow spell of the machine falls "
+                  "on both alike; the trace is the mean of the profiles, the measured step the "
+                  "mean of every block's steps after its first")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   cmd->add_option("--microbatch", a->microbatch,
                   "microbatch sizes to profile, comma-separated (default: the plan's b; b is "
                   "always profiled)");

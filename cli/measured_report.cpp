@@ -14,12 +14,16 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.model = model.name;
   rep.cluster = on.cluster.empty() ? fmt::format("cpu:{}", plan.gpus()) : on.cluster;
   rep.plan = plan;
-  // Steady state: the mean step after the first (which includes the pipeline's warm-up).
-  const std::size_t skip = r.steps.size() > 1 ? 1 : 0;
+  // Steady state: the mean step after the first (which includes the pipeline's warm-up), leaving
+  // out the first step of every later run appended (validate's blocks) too.
+  std::vector<const exec::StepLog*> steady;  // the first step, then the steady ones
+  for (std::size_t i = 0; i < r.steps.size(); ++i)
+    if (i == 0 || !r.steps[i].warm_up) steady.push_back(&r.steps[i]);
+  const std::size_t skip = steady.size() > 1 ? 1 : 0;
   double sum = 0;
-  for (std::size_t i = skip; i < r.steps.size(); ++i)
-    sum += r.steps[i].seconds;
-  rep.iteration_time_s = sum / double(r.steps.size() - skip);
+  for (std::size_t i = skip; i < steady.size(); ++i)
+    sum += steady[i]->seconds;
+  rep.iteration_time_s = sum / double(steady.size() - skip);
   rep.samples_per_s = double(plan.global_batch()) / rep.iteration_time_s;
   rep.tokens_per_s = rep.samples_per_s * double(model.seq_len);
   rep.model_flops_per_s = rep.samples_per_s * models::derive_costs(model).flops_per_sample;
@@ -37,12 +41,18 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
     rep.devices.push_back(d);
   }
   common::Json losses = common::Json::array(), times = common::Json::array();
-  for (const auto& s : r.steps) {
-    losses.push_back(s.loss);
-    times.push_back(s.seconds);
+  for (const exec::StepLog* s : steady) {
+    losses.push_back(s->loss);
+    times.push_back(s->seconds);
   }
   rep.extra["losses"] = losses;
   rep.extra["step_times_s"] = times;
+  if (steady.size() < r.steps.size()) {
+    common::Json warm = common::Json::array();
+    for (const auto& s : r.steps)
+      if (s.warm_up) warm.push_back(s.seconds);
+    rep.extra["warm_up_step_times_s"] = warm;
+  }
   rep.extra["backend"] = on.backend;
   if (!on.device.empty()) rep.extra["device"] = on.device;
   rep.extra["first_step"] = r.first_step;

@@ -67,6 +67,9 @@ struct StepLog {
   double seconds = 0;  // wall time from the previous step's end on every rank to this one's
   double tokens_per_s = 0;
   std::string checkpoint;  // the checkpoint completed after this step, if any
+  // The first step of a later training run whose steps were appended to an earlier run's
+  // (validate's blocks): left out of the steady state like the first step of a run.
+  bool warm_up = false;
 };
 
 struct RankResult {

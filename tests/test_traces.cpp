@@ -45,6 +45,40 @@ double hand_gemm_s(double m, double n, double k, double batch = 1) {
   return 2 * m * n * k * batch / (kH100Peak * eff);
 }
 
+// validate's blocks: the mean of several profiles of one model is the mean of each time, and
+// traces that differ in anything but their times are refused.
+TEST(TraceMean, EveryTimeIsTheMeanOfTheTraces) {
+  const Trace a = analytic_trace(wide_gpt(), clusters::load_device("H100-SXM"), {1, 2});
+  Trace b = a;
+  b.origin = "second";
+  for (Entry& e : b.entries) {
+    e.layers.block.forward_s *= 3;
+    e.layers.head.recompute_s += 1;
+  }
+  b.statics.embedding.optimizer_step_s = 2 + a.statics.embedding.optimizer_step_s;
+  const Trace m = mean_of({a, b});
+  EXPECT_DOUBLE_EQ(m.at(2).layers.block.forward_s, 2 * a.at(2).layers.block.forward_s);
+  EXPECT_DOUBLE_EQ(m.at(1).layers.head.recompute_s, a.at(1).layers.head.recompute_s + 0.5);
+  EXPECT_DOUBLE_EQ(m.statics.embedding.optimizer_step_s, a.statics.embedding.optimizer_step_s + 1);
+  EXPECT_EQ(m.at(1).layers.block.backward_s, a.at(1).layers.block.backward_s);
+  EXPECT_EQ(m.at(1).layers.block.activation_bytes, a.at(1).layers.block.activation_bytes);
+  EXPECT_EQ(mean_of({a}), a);
+
+  Trace bytes = a;
+  bytes.origin = "bytes";
+  bytes.entries[0].layers.block.output_bytes += 4;
+  EXPECT_EQ(error_of([&] {
+              mean_of({a, bytes});
+            }),
+            "trace bytes: differs from trace " + a.origin + " in more than its times");
+  Trace sizes = analytic_trace(wide_gpt(), clusters::load_device("H100-SXM"), {1});
+  EXPECT_NE(error_of([&] {
+              mean_of({a, sizes});
+            }).find("in more than its times"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { mean_of({}); }), "the mean of no traces");
+}
+
 TEST(Roofline, LargeGemmRunsAtTheMeasuredFractionOfPeak) {
   auto h100 = clusters::load_device("H100-SXM");
   models::Gemm g{"big", 8192, 8192, 8192, 1};

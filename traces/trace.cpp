@@ -131,6 +131,54 @@ std::vector<std::int64_t> Trace::microbatch_sizes() const {
   return out;
 }
 
+Trace mean_of(const std::vector<Trace>& traces) {
+  if (traces.empty()) throw InputError("the mean of no traces");
+  Trace out = traces.front();
+  // Same shape: the traces with their times set to the first's must equal the first.
+  auto times_of = [](Trace t, const Trace& from) {
+    for (models::LayerKind k : kLayerKinds)
+      t.statics[k].optimizer_step_s = from.statics[k].optimizer_step_s;
+    for (std::size_t e = 0; e < t.entries.size() && e < from.entries.size(); ++e)
+      for (models::LayerKind k : kLayerKinds) {
+        LayerTimes& l = t.entries[e].layers[k];
+        const LayerTimes& f = from.entries[e].layers[k];
+        l.forward_s = f.forward_s;
+        l.backward_s = f.backward_s;
+        l.backward_input_s = f.backward_input_s;
+        l.backward_weight_s = f.backward_weight_s;
+        l.recompute_s = f.recompute_s;
+        l.selective_recompute_s = f.selective_recompute_s;
+      }
+    return t;
+  };
+  for (std::size_t i = 1; i < traces.size(); ++i)
+    if (!(times_of(traces[i], out) == out))
+      throw InputError(fmt::format("trace {}: differs from trace {} in more than its times",
+                                   traces[i].origin, out.origin));
+  const double n = double(traces.size());
+  auto mean = [&](auto&& field) {
+    double sum = 0;
+    for (const Trace& t : traces)
+      sum += field(t);
+    return sum / n;
+  };
+  for (models::LayerKind k : kLayerKinds) {
+    out.statics[k].optimizer_step_s =
+        mean([&](const Trace& t) { return t.statics[k].optimizer_step_s; });
+    for (std::size_t e = 0; e < out.entries.size(); ++e) {
+      LayerTimes& l = out.entries[e].layers[k];
+      auto of = [&](const Trace& t) -> const LayerTimes& { return t.entries[e].layers[k]; };
+      l.forward_s = mean([&](const Trace& t) { return of(t).forward_s; });
+      l.backward_s = mean([&](const Trace& t) { return of(t).backward_s; });
+      l.backward_input_s = mean([&](const Trace& t) { return of(t).backward_input_s; });
+      l.backward_weight_s = mean([&](const Trace& t) { return of(t).backward_weight_s; });
+      l.recompute_s = mean([&](const Trace& t) { return of(t).recompute_s; });
+      l.selective_recompute_s = mean([&](const Trace& t) { return of(t).selective_recompute_s; });
+    }
+  }
+  return out;
+}
+
 void check_sharding(const Trace& t, const models::Sharding& sharding) {
   if (t.sharding == sharding) return;
   auto shape = [](const models::Sharding& s) {

@@ -92,6 +92,13 @@ struct Trace {
 // t = 2" unless the trace's times are those of a TP group of `sharding`'s shape.
 void check_sharding(const Trace& t, const models::Sharding& sharding);
 
+// The mean of traces of one model measured alike (validate's blocks: the same profile taken
+// several times, between training runs): every time (the layers' forward, backward, recompute
+// times and the statics' optimizer step) is the mean of the traces' times, the rest is the first
+// trace's. Throws InputError unless the traces (at least one) have the same model, device, dtype,
+// sharding, microbatch sizes, parameters and memory sizes.
+Trace mean_of(const std::vector<Trace>& traces);
+
 Trace parse_trace(const common::Json& json, const std::string& source);
 common::Json to_json(const Trace& t);
 Trace read_trace(const std::string& path);

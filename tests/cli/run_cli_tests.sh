@@ -301,10 +301,12 @@ expect_error "unwritable output" "cannot write" - $PW estimate --model gpt-tiny 
 # same comparison from the report files. Timing accuracy is never asserted (docs/performance.md
 # records what this machine gives); only that every figure is there and the errors add up.
 expect_ok "help validate" $PW validate --help
-expect_ok "validate" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 2 --steps 3 --repeats 2 --round-trips 20 \
+expect_ok "validate" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 2 --steps 3 --repeats 2 --round-trips 20 --blocks 2 \
   --out "$TMP/val.json" --simulated-out "$TMP/val-sim.json" --measured-out "$TMP/val-meas.json" \
   --cluster-out "$TMP/cpu-host.json" --trace-out "$TMP/val-trace.json"
-grep -q "^  step time " "$TMP/out" && grep -q "busy pred" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 3 ] \
+grep -q "^  step time " "$TMP/out" && grep -q "busy pred" "$TMP/out" && [ "$(grep -c '^step ' "$TMP/out")" -eq 6 ] \
+  && [ "$(grep -c '^profiling gpt-tiny at b=2 (mean of 2 round-robin runs, block [12] of 2)' "$TMP/out")" -eq 2 ] \
+  && grep -q "^  the mean of the 2 profiles: block forward" "$TMP/out" \
   && grep -Eq "^  machine: other processes used ([0-9]+%|unknown)" "$TMP/out" \
   && grep -q "^training 3 steps on 2 ranks (threads on cores [0-9]*,[0-9]*)" "$TMP/out" \
   && ok || bad "validate prints the step lines and the error table"
@@ -314,7 +316,10 @@ v = json.load(open('$TMP/val.json'))
 assert v['format'] == 'pipewright.validation/1' and v['model'] == 'gpt-tiny'
 assert v['plan']['d'] == 2 and v['plan']['schedule'] == '1f1b' and len(v['plan']['placement']) == 2
 assert v['predicted']['source'] == 'simulated' and v['measured']['source'] == 'measured'
-assert len(v['measured']['step_times_s']) == 3
+# Two blocks of 3 steps: the first block's steps, then the second's after its first (a warm-up).
+assert len(v['measured']['step_times_s']) == 5
+assert len(json.load(open('$TMP/val-meas.json'))['warm_up_step_times_s']) == 1
+assert v['machine']['blocks'] == 2 and v['machine']['trace']['blocks'] == 2
 t = v['iteration_time_s']
 assert t['predicted'] > 0 and t['measured'] > 0
 assert math.isclose(t['error'], (t['predicted'] - t['measured']) / t['measured'], rel_tol=1e-9)
@@ -362,6 +367,8 @@ expect_error "validate fp16 model" "fp32" "$O" $PW validate --model gpt2-124m --
 expect_error "validate ranks per gpu" "places the ranks" "$O" $PW validate -d 2 --ranks-per-gpu 2 --out "$O"
 expect_error "validate trace lacks b" "microbatch size 8" "$O" $PW validate --trace "$TMP/val-trace.json" -d 2 -m 2 -b 8 --out "$O"
 expect_error "validate bad plan" "m >= d" "$O" $PW validate --schedule 2bw -d 2 -m 1 --out "$O"
+expect_error "validate --blocks 0" "--blocks: Value 0 not in range 1 to 100" "$O" $PW validate --blocks 0 --out "$O"
+expect_error "validate files with --blocks" "--blocks: comparing --predicted" "$O" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas.json" --blocks 2 --out "$O"
 # ---- validate (end) ------------------------------------------------------------------------
 
 # ---- calibrate -----------------------------------------------------------------------------

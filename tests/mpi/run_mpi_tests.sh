@@ -123,7 +123,7 @@ EOF
     # validate under mpirun: rank 0 profiles, ranks 0 and 1 ping-pong over MPI, rank 0 simulates
     # on N one-core nodes joined by that link, every rank trains, rank 0 compares and writes.
     "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --schedule 1f1b -d 2 -m 4 -b 2 --steps 3 \
-      --repeats 3 --round-trips 20 --out "$TMP/v.json" >"$TMP/out" 2>"$TMP/err" ||
+      --repeats 3 --round-trips 20 --blocks 2 --out "$TMP/v.json" >"$TMP/out" 2>"$TMP/err" ||
       { echo "FAIL: mpirun validate: $(tail -5 "$TMP/err")"; exit 1; }
     cat "$TMP/out"
     python3 - "$TMP/v.json" <<'EOF' || exit 1
@@ -134,6 +134,8 @@ assert m['transport']['kind'] == 'MPI (ranks 0 and 1)' and m['processes'] == 2, 
 c = m['cluster']
 assert c['nodes'] == 2 and c['gpus_per_node'] == 1 and c['network']['bandwidth_bytes_per_s'] > 0, c
 assert len(v['devices']) == 2
+# Two blocks of 3 steps, every rank taking part in both: 3 steps, then 2 after the second's first.
+assert m['blocks'] == 2 and len(v['measured']['step_times_s']) == 5, v['measured']
 # Both ranks' CPU time is the job's: what is left of the host's busy time is others'.
 for phase in ('profile', 'train'):
     l = m['other_load'][phase]
