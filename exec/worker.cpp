@@ -1021,6 +1021,10 @@ RankResult Worker::result() const {
   for (const auto& [t, bytes] : memory_->samples())
     r.timeline.memory.emplace_back(
         std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);
+  if (host_.peak() > 0)  // offload: the host pool over time, as the simulator's timeline has it
+    for (const auto& [t, bytes] : host_.samples())
+      r.timeline.host_memory.emplace_back(
+          std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);
   return r;
 }
 

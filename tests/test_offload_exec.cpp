@@ -3,6 +3,7 @@
 // and activation offload (stashes swapped to the host and back) train bit-identically to the same
 // plan without offload; the measured device peak equals the planner's and stays inside
 // --device-memory; the bytes the copy engines moved per step are the planner's exactly.
+#include <algorithm>
 #include <cstring>
 #include <functional>
 
@@ -374,6 +375,47 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+// The timeline's host memory track (as the simulator's): the host pool's bytes at every change,
+// in time order, peaking at the rank's host peak; swapped stashes come and go, so with
+// activation offload it falls again after each rise. No track without offload.
+TEST(OffloadExec, HostMemoryOverTimeInTheTimeline) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  for (int mode : {kNone, kOptimizer, kActivations, kBoth}) {
+    SCOPED_TRACE(mode_name(mode));
+    const TrainResult r =
+        train_cpu(model, make_plan(model, Schedule::one_f_one_b, 4, 2, 4, mode), options(2));
+    int tracks = 0;
+    for (const RankResult& rank : r.ranks) {
+      const auto& host = rank.timeline.host_memory;
+      // The last stage of 1F1B runs each backward right after its forward: nothing to swap.
+      if (mode == kNone || rank.host_peak_memory_bytes == 0) {
+        EXPECT_TRUE(host.empty()) << "rank " << rank.rank;
+        continue;
+      }
+      ++tracks;
+      ASSERT_FALSE(host.empty());
+      std::int64_t peak = 0;
+      for (std::size_t i = 0; i < host.size(); ++i) {
+        if (i > 0) {
+          EXPECT_GE(host[i].first, host[i - 1].first);
+        }
+        EXPECT_GE(host[i].second, 0);
+        peak = std::max(peak, host[i].second);
+      }
+      EXPECT_EQ(peak, rank.host_peak_memory_bytes) << "rank " << rank.rank;
+      if (rank.activation_out_bytes > 0) {  // a stage that swapped (stages near the end may not)
+        const auto falls = std::adjacent_find(host.begin(), host.end(),
+                                              [](auto& a, auto& b) { return b.second < a.second; });
+        EXPECT_NE(falls, host.end()) << "rank " << rank.rank << ": the swapped stashes never left";
+      }
+    }
+    EXPECT_GE(tracks, mode == kNone ? 0 : 1);
+    if (mode & kActivations) {
+      EXPECT_GT(r.ranks[0].activation_out_bytes, 0);
+    }
+  }
 }
 
 // The rules both workers share (exec/offload.hpp), on a hand-made layout: stage 0 of a tied model

@@ -1237,6 +1237,10 @@ RankResult CudaWorker::result() {
   for (const auto& [t, bytes] : memory_.samples())
     r.timeline.memory.emplace_back(
         std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);
+  if (host_.peak() > 0)  // offload: the pinned host pool over time (the simulator's track)
+    for (const auto& [t, bytes] : host_.samples())
+      r.timeline.host_memory.emplace_back(
+          std::max(0.0, std::chrono::duration<double>(t - s_.start).count()), bytes);
   return r;
 }
 
