@@ -786,5 +786,42 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
   }
 }
 
+// Issue 15's capacity question with a pipeline: the deepest C = 4096 GPT (gpt3-6.7b's shape)
+// whose chunks plan fits on one V100-32GB (d = 1) and on eight of them as an 8-stage pipeline
+// (p3.16xlarge's node with V100-32GB: 488 GiB of host memory shared by its stages), 1f1b, b = 1,
+// m = 8, the default chunk size; and what `plan` picks for the latter.
+TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
+  const clusters::Cluster one = clusters::load_cluster(
+      "p3.16xlarge", {}, {"device=V100-32GB", "gpus_per_node=1", "host.gpus_per_uplink=1"});
+  const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
+  auto fits = [](const models::ModelSpec& m, const clusters::Cluster& c, int d, int mb) {
+    const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+    Plan p = plan_of(Schedule::one_f_one_b, 1, d, 1, mb, 1, m.layers, grid(c));
+    p.offload = Offload::chunks;
+    p.chunk_bytes = default_chunk_bytes(m);
+    try {
+      return estimate(m, trace, c, p).report.fits();
+    } catch (const InputError&) {
+      return false;
+    }
+  };
+  for (int mb : {1, 8}) {
+    const std::int64_t d1 =
+        deepest([&](const models::ModelSpec& m) { return fits(m, one, 1, mb); });
+    const std::int64_t d8 =
+        deepest([&](const models::ModelSpec& m) { return fits(m, eight, 8, mb); });
+    const SearchResult r = search(gpt_of(d8), eight, mb, true);
+    fmt::print(
+        "capacity with chunks, C = 4096 GPT, 1f1b b = 1 m = {}: one V100-32GB {} blocks "
+        "({:.2f}B), eight as a d = 8 pipeline {} blocks ({:.2f}B, {:.2f}x); plan at B = {} for "
+        "it: {} fit, the first {} d = {}\n",
+        mb, d1, billions(d1), d8, billions(d8), billions(d8) / billions(d1), mb, r.fitting.size(),
+        r.fitting.empty() ? "-" : offload_name(r.fitting.front().plan),
+        r.fitting.empty() ? 0 : r.fitting.front().plan.d);
+    EXPECT_GE(d8, d1);
+    EXPECT_FALSE(r.fitting.empty());
+  }
+}
+
 }  // namespace
 }  // namespace pw::planner
