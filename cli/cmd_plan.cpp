@@ -272,7 +272,8 @@ void add_plan_command(CLI::App& app) {
           "CPU Adam in host memory; t = 1, sharded over the replicas where w > 1), both, and "
           "chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
-          "the host for the chunks whose state does not fit; t = w = d = 1): {} fit\n",
+          "the host for the chunks whose state does not fit; t = w = 1, each pipeline stage its "
+          "own chunks): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())
         fmt::print("the fastest that fits offloads {}\n",

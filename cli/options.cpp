@@ -82,7 +82,7 @@ void PlanOptions::add(CLI::App& app) {
          "implying --distributed-optimizer); activations (KARMA: per "
          "stage, stashed activations swapped to the host or recomputed; t = 1); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
-         "that move between host and device; t = w = d = 1)")
+         "that move between host and device; t = w = 1, each pipeline stage its own chunks)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "
@@ -226,15 +226,17 @@ std::string offload_summary(const planner::RunReport& r) {
                                        human_bytes(o["activation_bytes_per_step"].get<double>()))
                          : "");
   // Chunks (PatrickStar): the schedule's figures (docs/formulas.md section 9, chunks).
-  if (o.contains("ranks") && !o["ranks"].empty() && o["ranks"][0].contains("chunks")) {
-    const common::Json& c = o["ranks"][0]["chunks"];
+  // With d > 1 ranks, a line per rank (each stage its own chunks).
+  for (std::size_t r = 0; o.contains("ranks") && r < o["ranks"].size(); ++r) {
+    if (!o["ranks"][r].contains("chunks")) break;
+    const common::Json& c = o["ranks"][r]["chunks"];
     out += fmt::format(
-        "  chunks: {} x {} (the optimizer state of {} of them on the device); {} up and {} down "
+        "  {}chunks: {} x {} (the optimizer state of {} of them on the device); {} up and {} down "
         "per step "
         "({} s of copies exposed), CPU Adam {} s, optimizer step {} s\n",
-        c["chunks"].get<int>(), human_bytes(c["chunk_bytes"].get<double>()),
-        c["device_adam_chunks"].get<int>(), c["uploads_per_step"].get<std::int64_t>(),
-        c["downloads_per_step"].get<std::int64_t>(),
+        o["ranks"].size() > 1 ? fmt::format("rank {} ", r) : "", c["chunks"].get<int>(),
+        human_bytes(c["chunk_bytes"].get<double>()), c["device_adam_chunks"].get<int>(),
+        c["uploads_per_step"].get<std::int64_t>(), c["downloads_per_step"].get<std::int64_t>(),
         fmt::format("{:.3f}", c["copy_stall_s"].get<double>()),
         fmt::format("{:.3f}", c["cpu_adam_s"].get<double>()),
         fmt::format("{:.3f}", c["optimizer_s"].get<double>()));

@@ -77,6 +77,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
+  if (plan.offload == planner::Offload::chunks && plan.d > 1)
+    throw InputError(fmt::format(
+        "plan: d: the {} executor runs offload chunks on one stage only yet (d = 1, found d = "
+        "{}); estimate or simulate the pipeline instead",
+        backend, plan.d));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "
@@ -120,14 +125,14 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
                     backend));
   // Offload chunks: the eviction plan the programs carry, made before anything is written (a chunk
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
-  std::shared_ptr<const planner::ChunkSchedule> chunks;
+  std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
   if (plan.offload == planner::Offload::chunks) {
     const clusters::Cluster node = chunk_cluster(options.device_memory);
     planner::Plan placed = plan;
     planner::place(placed, {1, 1}, placed.ranks());
     const traces::Trace trace = traces::analytic_trace(model, node.device, {plan.b});
-    chunks = std::make_shared<const planner::ChunkSchedule>(
-        planner::chunk_schedule(model, trace, node, placed));
+    chunks = std::make_shared<const std::vector<planner::ChunkSchedule>>(
+        planner::chunk_schedules(model, trace, node, placed));
   }
   PreparedRun run;
   run.identity = run_identity(model, plan, options, backend);

@@ -57,7 +57,9 @@ class Worker::ChunkMemory : public LayerMemory {
 // Adam state on the device for chunks 0 .. K-1, else on the host. The stage's initial (or resumed)
 // parameters and Adam state come from the staging buffers the constructor filled, then those go.
 void Worker::setup_chunks() {
-  schedule_ = s_.programs->chunks;
+  if (s_.programs->chunks && int(s_.programs->chunks->size()) > stage_)
+    schedule_ = std::shared_ptr<const planner::ChunkSchedule>(
+        s_.programs->chunks, &(*s_.programs->chunks)[std::size_t(stage_)]);
   if (!schedule_)
     throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
   const planner::ChunkLayout& L = schedule_->layout;

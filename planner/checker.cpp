@@ -67,7 +67,9 @@ class DeviceChecker {
     }
     if (plan_.offload == Offload::chunks) {
       if (!p.chunks) throw ScheduleError("offload chunks programs without their chunk schedule");
-      chunks_ = p.chunks.get();
+      if (int(p.chunks->size()) != plan_.d)
+        throw ScheduleError("offload chunks programs without a chunk schedule per stage");
+      chunks_ = &(*p.chunks)[std::size_t(prog_.stage)];
       on_device_ = chunks_->start_on_device;
       stepped_.assign(std::size_t(chunks_->layout.chunks()), 0);
     }

@@ -101,14 +101,24 @@ std::int64_t default_chunk_bytes(const models::ModelSpec& model) {
   return std::max(mul(kDefaultChunkElements, e), need);
 }
 
-ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
+namespace {
+
+// The layout of `tensors` (model layers first_layer .. first_layer + names.size() - 1, in
+// first-use order), renumbered from 0. `tied_head`: the head computes with the embedding's wte
+// (the whole model on one stage).
+ChunkLayout layout_of(const models::ModelSpec& model, std::int64_t chunk_bytes,
+                      std::vector<ChunkTensor> tensors, int first_layer,
+                      std::vector<std::string> names, bool tied_head) {
   const std::int64_t e = models::dtype_bytes(model.dtype);
   ChunkLayout L;
+  L.first_layer = first_layer;
   L.chunk_bytes = chunk_bytes;
   L.move_bytes = chunk_bytes;
   L.chunk_elements = chunk_bytes / e;
   L.os_chunk_bytes = mul(L.chunk_elements, optimizer_bytes_per_parameter(model.dtype));
-  L.tensors = model_tensors(model);
+  L.tensors = std::move(tensors);
+  for (ChunkTensor& t : L.tensors)
+    t.layer -= first_layer;
   const ChunkTensor* largest = &L.tensors.front();
   for (const ChunkTensor& t : L.tensors)
     if (t.elements > largest->elements) largest = &t;
@@ -119,26 +129,25 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
         chunk_bytes, L.chunk_elements, e, largest->name, largest->elements,
         mul(largest->elements, e), mul(largest->elements, e) - chunk_bytes,
         mul(largest->elements, e)));
-  L.layer_names.push_back("embedding");
-  for (std::int64_t i = 0; i < model.layers; ++i)
-    L.layer_names.push_back(fmt::format("block {}", i));
-  L.layer_names.push_back("head");
+  L.layer_names = std::move(names);
   L.layer_chunks.assign(L.layer_names.size(), {});
   std::int64_t used = L.chunk_elements;  // no chunk open yet
   for (ChunkTensor& t : L.tensors) {
     if (used + t.elements > L.chunk_elements) {
       L.chunk_parameters.push_back(0);
+      L.chunk_owned.push_back(0);
       used = 0;
     }
     t.chunk = L.chunks() - 1;
     t.offset = used;
     used += t.elements;
     L.chunk_parameters.back() += t.elements;
+    if (!t.tied_copy) L.chunk_owned.back() += t.elements;
   }
   for (const ChunkTensor& t : L.tensors)
     L.layer_chunks[std::size_t(t.layer)].push_back(t.chunk);
   // Tied embeddings: the head computes with wte.
-  if (model.tied_embeddings) L.layer_chunks.back().push_back(L.tensors.front().chunk);
+  if (tied_head) L.layer_chunks.back().push_back(L.tensors.front().chunk);
   for (auto& cs : L.layer_chunks) {
     std::sort(cs.begin(), cs.end());
     cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
@@ -146,23 +155,71 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
   return L;
 }
 
+std::string layer_name(const models::ModelSpec& model, int layer) {
+  return layer == 0                       ? std::string("embedding")
+         : layer == int(model.layers + 1) ? std::string("head")
+                                          : fmt::format("block {}", layer - 1);
+}
+
+}  // namespace
+
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
+  std::vector<std::string> names;
+  for (int l = 0; l < int(model.layers + 2); ++l)
+    names.push_back(layer_name(model, l));
+  return layout_of(model, chunk_bytes, model_tensors(model), 0, std::move(names),
+                   model.tied_embeddings);
+}
+
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
+                         int stage) {
+  if (p.d == 1) return chunk_layout(model, chunk_bytes);
+  if (int(p.stage_blocks.size()) != p.virtual_stages() || stage < 0 || stage >= p.d)
+    throw std::logic_error("chunk_layout: the plan's stages are not resolved");
+  std::int64_t before = 0;
+  for (int s = 0; s < stage; ++s)
+    before += p.stage_blocks[std::size_t(s)];
+  const bool first = stage == 0, last = stage == p.d - 1;
+  // Model layers lo .. hi: the stage's blocks, with the embedding before and the head after.
+  const int lo = first ? 0 : int(before + 1);
+  const int hi = int(before + p.stage_blocks[std::size_t(stage)]) + (last ? 1 : 0);
+  std::vector<ChunkTensor> tensors;
+  for (const ChunkTensor& t : model_tensors(model))
+    if (t.layer >= lo && t.layer <= hi) tensors.push_back(t);
+  if (last && model.tied_embeddings) {
+    ChunkTensor copy = model_tensors(model).front();  // wte
+    copy.layer = hi;
+    copy.tied_copy = true;
+    tensors.push_back(copy);
+  }
+  std::vector<std::string> names;
+  for (int l = lo; l <= hi; ++l)
+    names.push_back(layer_name(model, l));
+  ChunkLayout L = layout_of(model, chunk_bytes, std::move(tensors), lo, std::move(names), false);
+  L.stage = stage;
+  return L;
+}
+
 namespace {
 
-// One step's moments without copies: per compute op of the step (its order for the one rank),
-// its layers, with the non-model bytes (the stashes held: every microbatch in flight, the current
-// one up to its layer) and the compute time.
+models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& L, int layer) {
+  const int g = L.first_layer + layer;
+  return g == 0                       ? models::LayerKind::embedding
+         : g == int(model.layers + 1) ? models::LayerKind::head
+                                      : models::LayerKind::block;
+}
+
+// One step's moments without copies: per compute op of the stage's step (its order: gpipe all
+// forwards then all backwards, 1f1b interleaved), its layers, with the non-model bytes (the
+// stashes held: every microbatch in flight, the current one up to its layer) and the compute time.
 std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
-                                      const Plan& p, std::int64_t workspace) {
+                                      const Plan& p, const ChunkLayout& L, std::int64_t workspace) {
   const traces::Entry& e = trace.at(p.b);
-  const int layers = int(model.layers + 2);
-  auto kind = [&](int l) {
-    return l == 0            ? models::LayerKind::embedding
-           : l == layers - 1 ? models::LayerKind::head
-                             : models::LayerKind::block;
-  };
+  const int layers = L.layers();
+  auto kind = [&](int l) { return layer_kind(model, L, l); };
   std::vector<ChunkMoment> out;
   std::int64_t held = 0;
-  const std::vector<ComputeSlot> order = step_compute_order(p, 0);
+  const std::vector<ComputeSlot> order = step_compute_order(p, L.stage);
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
     for (int j = 0; j < layers; ++j) {
@@ -252,11 +309,12 @@ void run_step(ChunkSchedule& s, std::set<int>& resident) {
 }  // namespace
 
 ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
-                             const clusters::Cluster& cluster, const Plan& p) {
+                             const clusters::Cluster& cluster, const Plan& p, int stage) {
   if (p.offload != Offload::chunks) throw std::logic_error("chunk_schedule: not a chunks plan");
   check(p);
   ChunkSchedule s;
-  s.layout = chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model));
+  s.layout =
+      chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model), p, stage);
   // A gradient half beside the parameters when m > 1 (later microbatches still need them), and
   // always for fp32: no separate fp32 master keeps the weights, so a gradient written over its
   // parameter would lose them (the optimizer state is m and v only, 8 B).
@@ -266,9 +324,10 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   const int n = L.chunks();
   const traces::Entry& e = trace.at(p.b);
   s.budget_bytes = cluster.device.memory_bytes;
-  for (auto k : {models::LayerKind::embedding, models::LayerKind::block, models::LayerKind::head})
-    s.workspace_bytes = std::max(s.workspace_bytes, e.layers[k].workspace_bytes);
-  s.moments = step_moments(model, trace, p, s.workspace_bytes);
+  for (int l = 0; l < s.layout.layers(); ++l)  // the stage's own layers
+    s.workspace_bytes =
+        std::max(s.workspace_bytes, e.layers[layer_kind(model, s.layout, l)].workspace_bytes);
+  s.moments = step_moments(model, trace, p, s.layout, s.workspace_bytes);
   std::int64_t non_model_peak = 0;
   for (const ChunkMoment& m : s.moments)
     non_model_peak = std::max(non_model_peak, m.non_model_bytes);
@@ -291,23 +350,28 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     s.start_on_device[std::size_t(c)] = true;
 
   // Times and figures (docs/formulas.md, section 9, chunks).
-  const HostPath path = host_path(cluster, p, 0);
+  const HostPath path = host_path(cluster, p, p.rank_of(stage, 0));
   s.copy_s = path.time_s(double(L.move_bytes));
-  const double rate = cluster.host.cpu_adam_params_per_s();
+  // The node's CPU Adam rate, shared by the ranks (stages) it holds: their optimizer steps run
+  // at about the same time (every stage's starts at its last backward).
+  int sharing = 0;
+  const int node = p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(stage, 0))].node;
+  for (const Placement& at : p.placement)
+    sharing += at.node == node ? 1 : 0;
+  const double rate = cluster.host.cpu_adam_params_per_s() / std::max(1, sharing);
   s.device_adam_s.assign(std::size_t(n), 0);
   s.host_adam_s.assign(std::size_t(n), 0);
   const models::ModelCosts mc = models::derive_costs(model);
   auto device_rate = [&](int layer) {  // seconds per parameter of Adam on the device
-    const auto kind = layer == 0                ? models::LayerKind::embedding
-                      : layer == L.layers() - 1 ? models::LayerKind::head
-                                                : models::LayerKind::block;
+    const auto kind = layer_kind(model, L, layer);
     const std::int64_t params = mc.layer(kind).parameters;
     return params > 0 ? trace.statics[kind].optimizer_step_s / double(params) : 0.0;
   };
   for (const ChunkTensor& t : L.tensors)
-    s.device_adam_s[std::size_t(t.chunk)] += double(t.elements) * device_rate(t.layer);
+    if (!t.tied_copy)
+      s.device_adam_s[std::size_t(t.chunk)] += double(t.elements) * device_rate(t.layer);
   for (int c = 0; c < n; ++c)
-    s.host_adam_s[std::size_t(c)] = rate > 0 ? double(L.chunk_parameters[std::size_t(c)]) / rate
+    s.host_adam_s[std::size_t(c)] = rate > 0 ? double(L.chunk_owned[std::size_t(c)]) / rate
                                              : std::numeric_limits<double>::infinity();
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   int most_host = 0;
@@ -351,6 +415,15 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   s.host_chunk_peak_bytes = mul(most_host, L.move_bytes);
   s.host_peak_bytes = add(mul(n - s.device_adam_chunks, L.os_chunk_bytes), s.host_chunk_peak_bytes);
   return s;
+}
+
+std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
+                                           const traces::Trace& trace,
+                                           const clusters::Cluster& cluster, const Plan& p) {
+  std::vector<ChunkSchedule> out;
+  for (int s = 0; s < p.d; ++s)
+    out.push_back(chunk_schedule(model, trace, cluster, p, s));
+  return out;
 }
 
 }  // namespace pw::planner

@@ -24,6 +24,9 @@ struct ChunkTensor {
   std::int64_t elements = 0;
   int chunk = -1;           // the chunk it lives in (chunk_layout)
   std::int64_t offset = 0;  // elements before it in that chunk
+  // d > 1 with tied embeddings: the last stage's copy of "wte" (in its head layer). Stage 0 owns
+  // the update; this copy gets no Adam step here (the tied exchange brings its new weights).
+  bool tied_copy = false;
 };
 
 // The parameter tensors of a t = 1 model, in first-use order; each layer's sum is its
@@ -35,6 +38,8 @@ std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model);
 std::int64_t default_chunk_bytes(const models::ModelSpec& model);
 
 struct ChunkLayout {
+  int stage = 0;        // the pipeline stage whose layers these are
+  int first_layer = 0;  // the model layer (0 embedding, 1 .. L blocks, L + 1 head) of layer 0
   std::int64_t chunk_bytes = 0;  // S_p: one parameter chunk in the compute dtype
   // What one chunk holds on the device and moves: S_p, or 2 S_p with a gradient half beside the
   // parameters when m > 1 (a gradient cannot reuse its parameter's slot while later microbatches
@@ -45,8 +50,11 @@ struct ChunkLayout {
   std::int64_t os_chunk_bytes = 0;  // S_os: its fp32 master + Adam m, v (chunk_elements x 12)
   std::vector<ChunkTensor> tensors;
   std::vector<std::int64_t> chunk_parameters;  // elements filled, per chunk
-  std::vector<std::vector<int>> layer_chunks;  // per layer: the chunks its tensors use, ascending
-  std::vector<std::string> layer_names;        // "embedding", "block 0", ..., "head"
+  // Per layer of the stage (layer k is model layer first_layer + k): the chunks its tensors use,
+  // ascending, and its name ("embedding", "block 0", ..., "head").
+  std::vector<std::vector<int>> layer_chunks;
+  std::vector<std::string> layer_names;
+  std::vector<std::int64_t> chunk_owned;  // per chunk: parameters Adam steps here (no tied copy)
   int chunks() const { return int(chunk_parameters.size()); }
   int layers() const { return int(layer_chunks.size()); }
 };
@@ -55,6 +63,12 @@ struct ChunkLayout {
 // space opens a new chunk (PatrickStar's chunk list). Throws InputError naming the largest tensor
 // and by how much it passes the chunk when chunk_bytes is too small.
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes);
+
+// The layout of one pipeline stage of a resolved plan: its layers only (its blocks, the embedding
+// on stage 0, the head on stage d-1), renumbered from 0, with, when the model ties its
+// embeddings and d > 1, the last stage's copy of "wte" after the head's own tensors.
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& plan,
+                         int stage);
 
 // A copy of one whole chunk (S_p bytes) between host and device.
 struct ChunkCopy {
@@ -76,16 +90,16 @@ struct ChunkMoment {
   double compute_s = 0;              // the layer's forward or backward (trace)
 };
 
-// The eviction plan of one rank for one step (every step the same: it starts from where the step
-// ends, its fixed point).
+// The eviction plan of one rank (one pipeline stage: each stage has its own) for one step (every
+// step the same: it starts from where the step ends, its fixed point).
 struct ChunkSchedule {
   ChunkLayout layout;
   std::int64_t budget_bytes = 0;      // B: the device's memory
   std::int64_t workspace_bytes = 0;   // W: the largest layer workspace, held throughout
   int device_adam_chunks = 0;         // K: chunks 0 .. K-1 keep their state on the device
   std::vector<bool> start_on_device;  // per chunk, at each step's start and end
-  // Per compute op of the step (m forwards and m backwards in the schedule's order), its layers:
-  // forward ascending, backward descending.
+  // Per compute op of the stage's step (m forwards and m backwards in its order,
+  // step_compute_order: 1f1b interleaves them), its layers: forward ascending, backward descending.
   std::vector<ChunkMoment> moments;
   std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
   std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)
@@ -104,12 +118,17 @@ struct ChunkSchedule {
   bool device_resident(int chunk) const { return chunk < device_adam_chunks; }
 };
 
-// The chunk schedule of a placed, resolved plan with offload chunks on `cluster` (its device's
-// memory as the budget, its host link for copies, its CPU Adam rate): layout, K (the optimizer
-// state of as many chunks as fit beside all parameter chunks and the peak non-model memory),
-// and the Belady eviction plan. Throws InputError when a moment's working set (its layer's chunks
-// and the non-model memory) passes the device's memory, naming the layer and by how much.
+// The chunk schedule of stage `stage` of a placed, resolved plan with offload chunks on `cluster`
+// (its device's memory as the budget, its host link for copies, its CPU Adam rate): layout, K (the
+// optimizer state of as many chunks as fit beside all parameter chunks and the peak non-model
+// memory), and the Belady eviction plan. Throws InputError when a moment's working set (its layer's
+// chunks and the non-model memory) passes the device's memory, naming the layer and by how much.
 ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
-                             const clusters::Cluster& cluster, const Plan& plan);
+                             const clusters::Cluster& cluster, const Plan& plan, int stage = 0);
+
+// Every stage's schedule, indexed by stage (what Programs::chunks holds).
+std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
+                                           const traces::Trace& trace,
+                                           const clusters::Cluster& cluster, const Plan& plan);
 
 }  // namespace pw::planner

@@ -877,27 +877,37 @@ common::Json chunk_report(const ChunkSchedule& cs) {
 
 namespace {
 
-// offload chunks (one rank, d = w = 1): the schedule's host memory and copy volumes.
-void add_chunk_report(RunReport& rep, const ChunkSchedule& cs, const clusters::Cluster& cluster,
-                      const Plan& p) {
-  HostReport h;
-  h.node = p.placement[0].node;
-  h.peak_memory_bytes = cs.host_peak_bytes;
-  h.pinned_bytes = cs.host_chunk_peak_bytes;
-  h.capacity_bytes = cluster.host.memory_bytes;
-  h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-  rep.hosts.push_back(h);
-  common::Json rank = {{"rank", 0},
-                       {"host_bytes", cs.host_peak_bytes},
-                       {"pinned_bytes", cs.host_chunk_peak_bytes},
-                       {"copy_out_bytes_per_step", cs.copy_out_bytes},
-                       {"copy_in_bytes_per_step", cs.copy_in_bytes},
-                       {"chunks", chunk_report(cs)}};
+// offload chunks (w = 1; one rank per stage): each stage's schedule's host memory (the stages on
+// one node share its host memory: their peaks add) and copy volumes.
+void add_chunk_report(RunReport& rep, const std::vector<ChunkSchedule>& all,
+                      const clusters::Cluster& cluster, const Plan& p) {
+  std::map<int, HostReport> hosts;
+  common::Json ranks = common::Json::array();
+  std::int64_t out = 0, in = 0;
+  for (int r = 0; r < p.ranks(); ++r) {
+    const ChunkSchedule& cs = all[std::size_t(p.stage_of(r))];
+    HostReport& h = hosts[p.placement[std::size_t(r)].node];
+    h.node = p.placement[std::size_t(r)].node;
+    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, cs.host_peak_bytes);
+    h.pinned_bytes = bytes_add(h.pinned_bytes, cs.host_chunk_peak_bytes);
+    h.capacity_bytes = cluster.host.memory_bytes;
+    h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
+    out = bytes_add(out, cs.copy_out_bytes);
+    in = bytes_add(in, cs.copy_in_bytes);
+    ranks.push_back({{"rank", r},
+                     {"host_bytes", cs.host_peak_bytes},
+                     {"pinned_bytes", cs.host_chunk_peak_bytes},
+                     {"copy_out_bytes_per_step", cs.copy_out_bytes},
+                     {"copy_in_bytes_per_step", cs.copy_in_bytes},
+                     {"chunks", chunk_report(cs)}});
+  }
+  for (const auto& [node, h] : hosts)
+    rep.hosts.push_back(h);
   rep.extra["offload"] = {{"mode", offload_name(p)},
-                          {"copy_out_bytes_per_step", cs.copy_out_bytes},
-                          {"copy_in_bytes_per_step", cs.copy_in_bytes},
+                          {"copy_out_bytes_per_step", out},
+                          {"copy_in_bytes_per_step", in},
                           {"activation_bytes_per_step", 0},
-                          {"ranks", common::Json::array({rank})}};
+                          {"ranks", ranks}};
 }
 
 void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
@@ -1009,25 +1019,29 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));
-  // offload chunks (docs/formulas.md section 9, chunks): one rank; its moments' copies are
-  // exposed (each layer waits for its uploads, each upload for its moment's evictions), the
-  // optimizer step is the schedule's, the memory its peak moment's.
+  // offload chunks (docs/formulas.md section 9, chunks): each stage its own schedule; its
+  // moments' copies are exposed (each layer waits for its uploads, each upload for its moment's
+  // evictions), the optimizer step is the schedule's, the memory its peak moment's.
   if (p.offload == Offload::chunks) {
-    auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(model, trace, cluster, p));
-    StageCost& st = est.stages[0];
-    const ChunkMoment& peak = cs->moments[std::size_t(cs->peak_moment)];
-    // Per microbatch (the step's m forwards and backwards, d = 1: the pipeline formulas give m
-    // times these back).
-    st.forward_s = cs->forward_s / p.m;
-    st.backward_s = cs->backward_s / p.m;
-    st.optimizer_s = cs->optimizer_s;
-    st.memory = MemoryBreakdown{};
-    st.memory.weights = bytes_mul(peak.resident, cs->layout.chunk_bytes);
-    st.memory.gradients = bytes_mul(peak.resident, cs->layout.move_bytes - cs->layout.chunk_bytes);
-    st.memory.optimizer = bytes_mul(cs->device_adam_chunks, cs->layout.os_chunk_bytes);
-    st.memory.workspace = cs->workspace_bytes;
-    st.memory.activations = peak.non_model_bytes - cs->workspace_bytes;
-    est.chunks = std::move(cs);
+    auto all = std::make_shared<const std::vector<ChunkSchedule>>(
+        chunk_schedules(model, trace, cluster, p));
+    for (int s = 0; s < p.d; ++s) {
+      const ChunkSchedule& cs = (*all)[std::size_t(s)];
+      StageCost& st = est.stages[std::size_t(s)];
+      const ChunkMoment& peak = cs.moments[std::size_t(cs.peak_moment)];
+      // Per microbatch (the stage's m forwards and backwards: the pipeline formulas give m times
+      // these back).
+      st.forward_s = cs.forward_s / p.m;
+      st.backward_s = cs.backward_s / p.m;
+      st.optimizer_s = cs.optimizer_s;
+      st.memory = MemoryBreakdown{};
+      st.memory.weights = bytes_mul(peak.resident, cs.layout.chunk_bytes);
+      st.memory.gradients = bytes_mul(peak.resident, cs.layout.move_bytes - cs.layout.chunk_bytes);
+      st.memory.optimizer = bytes_mul(cs.device_adam_chunks, cs.layout.os_chunk_bytes);
+      st.memory.workspace = cs.workspace_bytes;
+      st.memory.activations = peak.non_model_bytes - cs.workspace_bytes;
+    }
+    est.chunks = std::move(all);
   }
 
   // Ranks sharing a GPU serialize their work: a GPU can finish no sooner than its summed compute.
@@ -1071,7 +1085,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     // With offload the optimizer step runs on the host: the device is not busy then.
     d.busy_s =
         p.m * (st.forward_s + st.backward_s) + (p.offload == Offload::none ? st.optimizer_s : 0.0);
-    if (est.chunks) d.busy_s = est.chunks->compute_s;  // layers and device Adam, no copies
+    if (est.chunks)  // layers and device Adam, no copies
+      d.busy_s = (*est.chunks)[std::size_t(d.stage)].compute_s;
     d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
     rep.devices.push_back(d);
   }

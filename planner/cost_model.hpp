@@ -234,8 +234,8 @@ struct Estimate {
   double tied_s = 0;       // exposed tied-embedding exchange (gradient, then new weights)
   double optimizer_s = 0;  // slowest stage's optimizer step
   RunReport report;        // source "analytic", with "estimate" details in report.extra
-  // offload chunks: the layout and eviction plan of the one rank (planner/chunks.hpp).
-  std::shared_ptr<const ChunkSchedule> chunks;
+  // offload chunks: per stage, its layout and eviction plan (planner/chunks.hpp).
+  std::shared_ptr<const std::vector<ChunkSchedule>> chunks;
 };
 
 // Pieces of the data-parallel collectives that overlap compute in the closed form (gradient

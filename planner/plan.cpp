@@ -186,10 +186,11 @@ void check(const Plan& p) {
            fmt::format("must be in 1 .. {}, found {}", common::kMaxBytes, p.chunk_bytes));
   if (p.offload == Offload::chunks) {
     // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.
-    const std::pair<const char*, int> one[] = {{"t", p.t}, {"w", p.w}, {"d", p.d}, {"v", p.v}};
+    // Pipeline stages (d > 1, gpipe or 1f1b) each manage their own chunks.
+    const std::pair<const char*, int> one[] = {{"t", p.t}, {"w", p.w}, {"v", p.v}};
     const char* why[] = {"tensor parallelism", "data parallelism (chunk sharding over ranks)",
-                         "pipeline parallelism", "interleaving"};
-    for (std::size_t i = 0; i < 4; ++i)
+                         "interleaving"};
+    for (std::size_t i = 0; i < 3; ++i)
       if (one[i].second != 1)
         reject(one[i].first,
                fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",

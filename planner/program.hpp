@@ -130,9 +130,10 @@ struct Programs {
   bool tied_embeddings = false;  // the model ties its LM head to the token embedding
   int buckets = 0;               // gradient buckets per chunk
   std::vector<Program> devices;  // indexed by rank
-  // offload chunks: the layout and eviction plan the chunk ops were written from (the checker
-  // and the simulator read the layers' chunks, sizes and non-model memory from it).
-  std::shared_ptr<const ChunkSchedule> chunks;
+  // offload chunks: per stage, the layout and eviction plan the chunk ops were written from (the
+  // checker, the simulator and the executor read the layers' chunks, sizes and non-model memory
+  // from it).
+  std::shared_ptr<const std::vector<ChunkSchedule>> chunks;
 };
 
 // Global 1-based microbatch number k = step*m + microbatch + 1 (the 2BW version rule uses it).
@@ -173,8 +174,9 @@ struct ProgramOptions {
   // the segment uses (2BW: the last two; flush: the last one) after its last optimizer step, so
   // every send has its receive and the final weights of both copies agree.
   bool tied_embeddings = false;
-  // offload chunks (needed then): the schedule whose copies and Adam steps the programs carry.
-  std::shared_ptr<const ChunkSchedule> chunks;
+  // offload chunks (needed then): per stage (chunk_schedules), the schedule whose copies and Adam
+  // steps the programs carry.
+  std::shared_ptr<const std::vector<ChunkSchedule>> chunks;
 };
 Programs generate_programs(const Plan& plan, const ProgramOptions& options);
 

@@ -273,10 +273,10 @@ class ProgramBuilder {
     const bool first = vs == 0, last = vs == plan_.virtual_stages() - 1;
     const int prev = peer((s - 1 + d) % d), next = peer((s + 1) % d);
     const int version = expected_version(plan_, slot.step, slot.microbatch);
-    if (chunks_) chunk_copies(slot);
     if (!slot.backward) {
       if (!first) add(OpKind::recv_activation, slot, prev);
       if (tied_last() && slot.chunk == plan_.v - 1) receive_tied_weights(slot.step, version);
+      if (chunks_) chunk_copies(slot);  // right before the compute op they serve
       add(OpKind::forward, slot, -1, version);
       if (!last) add(OpKind::send_activation, slot, next);
       if (out) add(OpKind::copy_activation_to_host, slot, -1);
@@ -284,6 +284,7 @@ class ProgramBuilder {
     }
     if (!last) add(OpKind::recv_gradient, slot, next);
     if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
+    if (chunks_) chunk_copies(slot);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
     if (offload() && !plan_.offload_sharded()) add(OpKind::copy_gradient_to_host, slot, -1);
@@ -329,8 +330,9 @@ class ProgramBuilder {
   int peer(int stage) const { return plan_.rank_of(stage, program_.replica); }
   bool offload() const { return plan_.offload == Offload::optimizer; }
 
-  // Chunks (d = 1: each compute op holds every layer): the copies of each of its moments (the
-  // op's index in the step, its layers in order), tagged with the moment's layer.
+  // Chunks (the stage's own schedule: each compute op holds the stage's layers): the copies of
+  // each of its moments (the op's index in the stage's step, its layers in order), tagged with
+  // the moment's layer.
   void chunk_copies(const Slot& slot) {
     const int index = chunk_slot_++;
     for (const ChunkMoment& m : chunks_->moments) {
@@ -534,12 +536,21 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
       throw PlanError(
           "plan: offload chunks: programs need the chunk schedule, made from a model and a "
           "cluster (estimate and simulate make it; schedule cannot)");
-    const ChunkSchedule& cs = *options.chunks;
-    if (cs.layout.layers() != int(plan.stage_blocks.empty() ? -1 : plan.stage_blocks[0] + 2))
-      throw PlanError("plan: offload chunks: the chunk schedule is of another model");
-    // Per step: the moments' copies (at most one per chunk and moment each way) and two ops per
-    // chunk at the optimizer step.
-    offload_ops += (cs.uploads + cs.downloads) + 2.0 * cs.layout.chunks();
+    if (int(options.chunks->size()) != plan.d ||
+        int(plan.stage_blocks.size()) != plan.virtual_stages())
+      throw PlanError("plan: offload chunks: the chunk schedule is of another plan");
+    double most = 0;
+    for (int s = 0; s < plan.d; ++s) {
+      const ChunkSchedule& cs = (*options.chunks)[std::size_t(s)];
+      const std::int64_t layers =
+          plan.stage_blocks[std::size_t(s)] + (s == 0 ? 1 : 0) + (s == plan.d - 1 ? 1 : 0);
+      if (cs.layout.layers() != int(layers) || cs.layout.stage != s)
+        throw PlanError("plan: offload chunks: the chunk schedule is of another model");
+      // Per step: the moments' copies (at most one per chunk and moment each way) and two ops
+      // per chunk at the optimizer step.
+      most = std::max(most, (cs.uploads + cs.downloads) + 2.0 * cs.layout.chunks());
+    }
+    offload_ops += most;
   }
   const double ops_bound =
       double(plan.ranks()) * double(steps) *
@@ -558,8 +569,9 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
     program.rank = rank;
     program.stage = plan.stage_of(rank);
     program.replica = plan.replica_of(rank);
-    generate_device(plan, first_step, steps, gradient_buckets, options.tied_embeddings, program,
-                    plan.offload == Offload::chunks ? options.chunks.get() : nullptr);
+    generate_device(
+        plan, first_step, steps, gradient_buckets, options.tied_embeddings, program,
+        plan.offload == Offload::chunks ? &(*options.chunks)[std::size_t(program.stage)] : nullptr);
   }
   return programs;
 }

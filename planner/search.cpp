@@ -205,7 +205,6 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
             if (!traced.count(b)) continue;
             if (offload != Offload::none && t > 1) continue;
             if (offload == Offload::chunks && w > 1) continue;
-            if (offload == Offload::chunks && d > 1) continue;
             if (modes.activations && t > 1) continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
@@ -215,7 +214,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: one rank, no recompute, no 2bw.
+                // Chunks: w = 1, gpipe or 1f1b (each stage its own chunks), no recompute.
                 if (offload == Offload::chunks &&
                     (any_recompute(shape) || shape.schedule == Schedule::two_bw ||
                      shape.schedule == Schedule::interleaved))

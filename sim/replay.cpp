@@ -90,6 +90,10 @@ class Replayer {
 
  private:
   const planner::ChunkCost& chunk(const Op& op) const { return me_.chunks[std::size_t(op.chunk)]; }
+  // offload chunks: this rank's stage's schedule.
+  const planner::ChunkSchedule& schedule() const {
+    return (*w_.programs->chunks)[std::size_t(me_.stage)];
+  }
 
   // Mailboxes this rank receives on are eager: a send starts at once, as into a posted buffer.
   void claim_mailboxes(bool claim) {
@@ -201,7 +205,7 @@ class Replayer {
         chunk_enqueue(op, op_);
         break;
       case OpKind::chunk_step_device:
-        compute(w_.programs->chunks->device_adam_s[std::size_t(op.bucket)]);
+        compute(schedule().device_adam_s[std::size_t(op.bucket)]);
         break;
     }
   }
@@ -248,7 +252,7 @@ class Replayer {
   }
 
   void chunk_loop(int kind) {
-    const planner::ChunkSchedule& cs = *w_.programs->chunks;
+    const planner::ChunkSchedule& cs = schedule();
     // A chunk's parameters and, with m > 1, its gradient half (docs/formulas.md section 9, chunks).
     const std::int64_t bytes = cs.layout.move_bytes, params = cs.layout.chunk_bytes;
     for (;;) {
@@ -307,7 +311,7 @@ class Replayer {
   // A forward or backward with chunks: its layers in the schedule's moment order, each after the
   // copies tagged with it (in program order) are done: evictions and uploads.
   void chunk_compute(const Op& op) {
-    const planner::ChunkSchedule& cs = *w_.programs->chunks;
+    const planner::ChunkSchedule& cs = schedule();
     const bool back = op.kind == OpKind::backward;
     const int index = chunk_slot_++;
     std::size_t next = 0;

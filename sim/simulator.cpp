@@ -69,7 +69,7 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     fixed = planner::static_memory(model, p, parameters);
     fixed.workspace = workspace;
     if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
-      const planner::ChunkSchedule& cs = *w.programs->chunks;
+      const planner::ChunkSchedule& cs = (*w.programs->chunks)[std::size_t(rs.stage)];
       // The chunks a step starts with on the device (each step ends with them there): their
       // parameters and, with m > 1, their gradient halves.
       const std::int64_t resident =
@@ -180,7 +180,7 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
                          {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
                          {"copy_in_bytes_per_step", r.copied_in_bytes / steps}};
     if (w.programs->chunks) {  // the schedule's figures; the bytes above are the flows'
-      rank["chunks"] = planner::chunk_report(*w.programs->chunks);
+      rank["chunks"] = planner::chunk_report((*w.programs->chunks)[std::size_t(r.stage)]);
       rank["chunks"]["uploads_per_step"] = r.chunk_uploads / steps;
       rank["chunks"]["downloads_per_step"] = r.chunk_downloads / steps;
     }
@@ -285,8 +285,8 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
     check_simulable(model, trace, cluster, plan, options);
   planner::ProgramOptions po;
   if (plan.offload == planner::Offload::chunks)  // the eviction plan the programs carry
-    po.chunks = std::make_shared<const planner::ChunkSchedule>(
-        planner::chunk_schedule(model, trace, cluster, plan));
+    po.chunks = std::make_shared<const std::vector<planner::ChunkSchedule>>(
+        planner::chunk_schedules(model, trace, cluster, plan));
   po.steps = options.steps;
   po.gradient_buckets = options.gradient_buckets;
   po.tied_embeddings = model.tied_embeddings;

@@ -96,14 +96,21 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   }
   const std::pair<const char*, std::string> one[] = {
       {"w", "data parallelism (chunk sharding over ranks) (w = 2) is not supported yet"},
-      {"d", "pipeline parallelism (d = 2) is not supported yet"},
       {"t", "tensor parallelism (t = 2) is not supported yet"}};
   for (const auto& [field, want] : one) {
     common::Json k = j;
     k[field] = 2;
     refused(k, want);
   }
-  // Gradient accumulation is there: m > 1 gives each chunk a gradient half.
+  // Pipelines are there (each stage its own chunks), and gradient accumulation: m > 1 gives each
+  // chunk a gradient half.
+  common::Json pipe = j;
+  pipe["d"] = 2;
+  pipe["m"] = 2;
+  EXPECT_EQ(parse_plan(pipe, "plan.json").d, 2);
+  pipe["schedule"] = "interleaved";
+  pipe["v"] = 2;
+  refused(pipe, "offload chunks with interleaving (v = 2) is not supported yet");
   common::Json acc = j;
   acc["m"] = 4;
   EXPECT_EQ(parse_plan(acc, "plan.json").m, 4);
@@ -310,7 +317,8 @@ struct ChunkPrograms : ::testing::Test {
   Programs programs() const {
     ProgramOptions o;
     o.steps = 3;
-    o.chunks = std::make_shared<const ChunkSchedule>(chunk_schedule(m, trace, c, p));
+    o.chunks =
+        std::make_shared<const std::vector<ChunkSchedule>>(1, chunk_schedule(m, trace, c, p));
     return generate_programs(p, o);
   }
 };
@@ -429,11 +437,12 @@ TEST(ChunkVariants, EveryOneRankScheduleAndModelKindPassesTheCheckerAndAgrees) {
         Plan p = chunked(c, m.layers, S, 1, mb);
         p.schedule = sch;
         const auto cs = std::make_shared<const ChunkSchedule>(chunk_schedule(m, trace, c, p));
+        const auto all = std::make_shared<const std::vector<ChunkSchedule>>(1, *cs);
         EXPECT_EQ(cs->device_adam_chunks, 0);
         EXPECT_GT(cs->uploads, L.chunks());  // some chunks come up twice: evicted between uses
         ProgramOptions o;
         o.steps = 2;
-        o.chunks = cs;
+        o.chunks = all;
         EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
         const Estimate est = estimate(m, trace, c, p);
         const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 3});
@@ -577,6 +586,240 @@ TEST(ChunksSearch, CapacityOnOneV100) {
     EXPECT_GE(billions(chunks) / billions(plain), 3.0);
     EXPECT_EQ(chunks, any);
     EXPECT_EQ(r.fitting.front().plan.offload, Offload::chunks);
+  }
+}
+
+// --- Pipeline stages (d > 1): each stage its own chunks ---
+
+Plan piped(const clusters::Cluster& c, Schedule sch, int m, std::int64_t layers,
+           std::int64_t chunk_bytes) {
+  Plan p = plan_of(sch, 1, 2, 1, m, 1, layers, grid(c));
+  p.offload = Offload::chunks;
+  p.chunk_bytes = chunk_bytes;
+  check(p);
+  return p;
+}
+
+clusters::Cluster eight() {
+  return clusters::load_cluster("p3.16xlarge", {}, {});
+}
+
+TEST(ChunksPipeline, EachStageLaysOutItsOwnLayersWithTheTiedCopyOnTheLast) {
+  const models::ModelSpec m = tiny();
+  const Plan p = piped(eight(), Schedule::gpipe, 1, 2, 512);
+  // Stage 0: the embedding (wte 128 + wpe 32) and block 0, as the one-rank layout's first chunks
+  // (chunk 6 holds only fc2.b here).
+  const ChunkLayout a = chunk_layout(m, 512, p, 0);
+  EXPECT_EQ(a.first_layer, 0);
+  EXPECT_EQ(a.layer_names, (std::vector<std::string>{"embedding", "block 0"}));
+  EXPECT_EQ(a.chunk_parameters, (std::vector<std::int64_t>{176, 216, 88, 256, 32, 256, 8}));
+  EXPECT_EQ(a.chunk_owned, a.chunk_parameters);
+  EXPECT_EQ(a.layer_chunks, (std::vector<std::vector<int>>{{0}, {0, 1, 2, 3, 4, 5, 6}}));
+  // Stage 1: block 1 (ln1 16 + qkv 216 | proj 72 + ln2 16 | fc.w | fc.b | fc2.w | fc2.b 8), the
+  // head's lnf 16 and the tied copy of wte 128 after it, owned by stage 0 (no Adam here).
+  const ChunkLayout b = chunk_layout(m, 512, p, 1);
+  EXPECT_EQ(b.stage, 1);
+  EXPECT_EQ(b.first_layer, 2);
+  EXPECT_EQ(b.layer_names, (std::vector<std::string>{"block 1", "head"}));
+  EXPECT_EQ(b.chunk_parameters, (std::vector<std::int64_t>{232, 88, 256, 32, 256, 152}));
+  EXPECT_EQ(b.chunk_owned, (std::vector<std::int64_t>{232, 88, 256, 32, 256, 24}));
+  EXPECT_EQ(b.layer_chunks, (std::vector<std::vector<int>>{{0, 1, 2, 3, 4, 5}, {5}}));
+  EXPECT_EQ(b.tensors.back().name, "wte");
+  EXPECT_TRUE(b.tensors.back().tied_copy);
+  EXPECT_EQ(b.tensors.back().offset, 24);
+  // Untied: the head's own lm_head instead, and Adam for all of it.
+  models::ModelSpec untied = m;
+  untied.tied_embeddings = false;
+  const ChunkLayout u = chunk_layout(untied, 512, p, 1);
+  EXPECT_EQ(u.tensors.back().name, "lm_head");
+  EXPECT_EQ(u.chunk_owned, u.chunk_parameters);
+}
+
+TEST(ChunksPipeline, MomentsFollowEachStagesOwnOrderWithItsInFlightStashes) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = uniform_trace(m, 1);
+  const traces::Entry& e = trace.entries[0];
+  const std::int64_t ae = e.layers[models::LayerKind::embedding].activation_bytes,
+                     ab = e.layers[models::LayerKind::block].activation_bytes,
+                     ah = e.layers[models::LayerKind::head].activation_bytes;
+  // Each stage's workspace is its own layers' largest.
+  const std::int64_t W0 = std::max(e.layers[models::LayerKind::embedding].workspace_bytes,
+                                   e.layers[models::LayerKind::block].workspace_bytes),
+                     W1 = std::max(e.layers[models::LayerKind::block].workspace_bytes,
+                                   e.layers[models::LayerKind::head].workspace_bytes);
+  ASSERT_GT(ab, 0);
+  const clusters::Cluster c = eight();
+  auto order = [](const ChunkSchedule& s) {
+    std::string out;
+    for (const ChunkMoment& k : s.moments)
+      out += fmt::format("{}{}:{} ", k.backward ? 'B' : 'F', k.slot, k.layer);
+    return out;
+  };
+  // 1f1b, m = 3: stage 0 warms up with one forward (d - 1), stage 1 alternates from the start.
+  const Plan p = piped(c, Schedule::one_f_one_b, 3, 2, 512);
+  const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
+  const ChunkSchedule s1 = chunk_schedule(m, trace, c, p, 1);
+  EXPECT_EQ(order(s0), "F0:0 F0:1 F1:0 F1:1 B2:1 B2:0 F3:0 F3:1 B4:1 B4:0 B5:1 B5:0 ");
+  EXPECT_EQ(order(s1), "F0:0 F0:1 B1:1 B1:0 F2:0 F2:1 B3:1 B3:0 F4:0 F4:1 B5:1 B5:0 ");
+  // Stage 0 holds two microbatches' stashes at its peak, stage 1 one.
+  std::int64_t most0 = 0, most1 = 0;
+  for (const ChunkMoment& k : s0.moments)
+    most0 = std::max(most0, k.non_model_bytes);
+  for (const ChunkMoment& k : s1.moments)
+    most1 = std::max(most1, k.non_model_bytes);
+  EXPECT_EQ(most0, 2 * (ae + ab) + W0);
+  EXPECT_EQ(s0.workspace_bytes, W0);
+  EXPECT_EQ(most1, ab + ah + W1);
+  EXPECT_EQ(s1.workspace_bytes, W1);
+  // gpipe holds all three on both.
+  const Plan g = piped(c, Schedule::gpipe, 3, 2, 512);
+  const ChunkSchedule g0 = chunk_schedule(m, trace, c, g, 0);
+  EXPECT_EQ(order(g0), "F0:0 F0:1 F1:0 F1:1 F2:0 F2:1 B3:1 B3:0 B4:1 B4:0 B5:1 B5:0 ");
+  EXPECT_EQ(g0.moments[5].non_model_bytes, 3 * (ae + ab) + W0);
+  // Everything fits (a V100's 16 GB): each chunk comes up once and goes down for CPU Adam or
+  // stays with its state on the device; the tied copy's chunk on stage 1 runs Adam on 24
+  // parameters (lnf), not on wte's 128.
+  EXPECT_EQ(s1.layout.chunks(), 6);
+  EXPECT_EQ(s1.device_adam_chunks, 6);
+  EXPECT_EQ(s1.uploads, 0);
+  EXPECT_EQ(s1.downloads, 0);
+  EXPECT_EQ(s1.start_on_device, std::vector<bool>(6, true));
+}
+
+TEST(ChunksPipeline, PerStageEvictionPlansInTheProgramsPassTheChecker) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = no_activations(m);
+  clusters::Cluster c = eight();
+  c.device.memory_bytes = 7 * 512;  // stage 0's block 0 exactly; stage 1 one chunk spare
+  for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b}) {
+    SCOPED_TRACE(to_string(sch));
+    const Plan p = piped(c, sch, 1, 2, 512);
+    const auto all =
+        std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m, trace, c, p));
+    ASSERT_EQ(all->size(), 2u);
+    const ChunkSchedule& a = (*all)[0];
+    const ChunkSchedule& b = (*all)[1];
+    // Stage 0: F emb (up 0), F block 0 (up 1..6), B block 0, B emb; all seven go down for CPU
+    // Adam. Stage 1: block 1 brings 0..5 up; the head uses 5; six down.
+    EXPECT_EQ(a.device_adam_chunks, 0);
+    EXPECT_EQ(a.uploads, 7);
+    EXPECT_EQ(a.downloads, 7);
+    EXPECT_EQ(a.device_peak_bytes, 7 * 512);
+    EXPECT_EQ(b.device_adam_chunks, 0);
+    EXPECT_EQ(b.uploads, 6);
+    EXPECT_EQ(b.downloads, 6);
+    EXPECT_EQ(b.device_peak_bytes, 6 * 512);
+    const double rate = 32 * 9.5e7 / 2;  // the node's CPU Adam, shared by its two stages
+    EXPECT_DOUBLE_EQ(b.host_adam_s[5], 24 / rate);
+    ProgramOptions o;
+    o.steps = 2;
+    o.tied_embeddings = true;
+    o.chunks = all;
+    const Programs ps = generate_programs(p, o);
+    EXPECT_NO_THROW(check_programs(ps));
+    std::string text;
+    for (const Op& op : ps.devices[1].ops) {
+      if (op.step != 0) break;
+      text += format_op(op, p) + " ";
+    }
+    // The copies come right before the compute op they serve, after its receives.
+    EXPECT_EQ(text.rfind("recvA1<-0 C2D0@0 C2D1@0 C2D2@0 C2D3@0 C2D4@0 C2D5@0 F1 B1 sendG1->0 ", 0),
+              0u)
+        << text;
+    // A schedule for one stage only is refused.
+    ProgramOptions one = o;
+    one.chunks = std::make_shared<const std::vector<ChunkSchedule>>(1, a);
+    EXPECT_THROW(generate_programs(p, one), PlanError);
+  }
+}
+
+TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
+  const models::ModelSpec tinym = tiny();
+  for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b}) {
+    // The tiny model with CPU Adam for every chunk (no room for state), and GPT-3 13B over two
+    // V100-32GB stages with m = 4.
+    clusters::Cluster c = eight();
+    const traces::Trace trace = uniform_trace(tinym, 1);
+    std::int64_t stash = 0;
+    for (models::LayerKind k : traces::kLayerKinds)
+      stash += 4 * trace.entries[0].layers[k].activation_bytes *
+                   (k == models::LayerKind::block ? 2 : 1) +
+               trace.entries[0].layers[k].workspace_bytes;
+    c.device.memory_bytes = 8 * 1024 + stash;
+    const models::ModelSpec big = models::load_model("gpt3-13b");
+    // Each GPU its own PCIe uplink: the closed form's copy time is a shared uplink's share
+    // whether or not the other stage copies then (pessimistic, as for optimizer offload).
+    const clusters::Cluster c2 =
+        clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB", "host.gpus_per_uplink=1"});
+    const traces::Trace t2 = traces::analytic_trace(big, c2.device, {1});
+    struct Case {
+      const models::ModelSpec& m;
+      const traces::Trace& t;
+      const clusters::Cluster& c;
+      Plan p;
+    };
+    for (const Case& k : {Case{tinym, trace, c, piped(c, sch, 4, 2, 512)},
+                          Case{big, t2, c2, piped(c2, sch, 4, big.layers, 0)}}) {
+      SCOPED_TRACE(fmt::format("{} {}", k.m.name, to_string(sch)));
+      const Estimate est = estimate(k.m, k.t, k.c, k.p);
+      const sim::SimResult s = sim::simulate(k.m, k.t, k.c, k.p, {.steps = 3});
+      // The closed form shares the node's CPU Adam between the stages for the whole optimizer
+      // step, the simulator only while both run: up to 5% pessimistic.
+      EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.05);
+      EXPECT_LE(s.report.iteration_time_s, est.report.iteration_time_s * 1.005);
+      ASSERT_EQ(s.report.devices.size(), 2u);
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(s.report.devices[std::size_t(r)].peak_memory_bytes,
+                  est.report.devices[std::size_t(r)].peak_memory_bytes)
+            << r;
+        EXPECT_LE(s.report.devices[std::size_t(r)].peak_memory_bytes, k.c.device.memory_bytes);
+        for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+          EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)][key],
+                    est.report.extra["offload"]["ranks"][std::size_t(r)][key])
+              << key << r;
+      }
+      EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+      EXPECT_EQ(est.report.hosts.size(), 1u);  // one node: the two stages' host peaks add
+      EXPECT_EQ(est.report.hosts[0].peak_memory_bytes,
+                est.chunks->at(0).host_peak_bytes + est.chunks->at(1).host_peak_bytes);
+    }
+  }
+}
+
+// Issue 15's capacity question with a pipeline: the deepest C = 4096 GPT (gpt3-6.7b's shape)
+// whose chunks plan fits on one V100-32GB (d = 1) and on eight of them as an 8-stage pipeline
+// (p3.16xlarge's node with V100-32GB: 488 GiB of host memory shared by its stages), 1f1b, b = 1,
+// m = 8, the default chunk size; and what `plan` picks for the latter.
+TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
+  const clusters::Cluster one = clusters::load_cluster(
+      "p3.16xlarge", {}, {"device=V100-32GB", "gpus_per_node=1", "host.gpus_per_uplink=1"});
+  const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
+  auto fits = [](const models::ModelSpec& m, const clusters::Cluster& c, int d, int mb) {
+    const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+    Plan p = plan_of(Schedule::one_f_one_b, 1, d, 1, mb, 1, m.layers, grid(c));
+    p.offload = Offload::chunks;
+    p.chunk_bytes = default_chunk_bytes(m);
+    try {
+      return estimate(m, trace, c, p).report.fits();
+    } catch (const InputError&) {
+      return false;
+    }
+  };
+  for (int mb : {1, 8}) {
+    const std::int64_t d1 =
+        deepest([&](const models::ModelSpec& m) { return fits(m, one, 1, mb); });
+    const std::int64_t d8 =
+        deepest([&](const models::ModelSpec& m) { return fits(m, eight, 8, mb); });
+    const SearchResult r = search(gpt_of(d8), eight, mb, true);
+    fmt::print(
+        "capacity with chunks, C = 4096 GPT, 1f1b b = 1 m = {}: one V100-32GB {} blocks "
+        "({:.2f}B), eight as a d = 8 pipeline {} blocks ({:.2f}B, {:.2f}x); plan at B = {} for "
+        "it: {} fit, the first {} d = {}\n",
+        mb, d1, billions(d1), d8, billions(d8), billions(d8) / billions(d1), mb, r.fitting.size(),
+        r.fitting.empty() ? "-" : offload_name(r.fitting.front().plan),
+        r.fitting.empty() ? 0 : r.fitting.front().plan.d);
+    EXPECT_GE(d8, d1);
+    EXPECT_FALSE(r.fitting.empty());
   }
 }
 

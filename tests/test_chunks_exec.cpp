@@ -248,6 +248,19 @@ TEST(ChunksExec, BadInputIsOneLine) {
   EXPECT_NE(msg.find("--offload chunks runs AdamW"), std::string::npos) << msg;
   msg = testing::error_of([&] { detail::prepare_run(model, p, options(2, low), "cuda"); });
   EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
+  // Pipelines with chunks are planned and simulated, not run yet: one line.
+  Plan piped = p;
+  piped.d = 2;
+  piped.m = 2;
+  piped.stage_blocks.clear();
+  planner::resolve_stages(piped, model.layers);
+  planner::check(piped);
+  msg = testing::error_of([&] { train_cpu(model, piped, options(2, low)); });
+  EXPECT_NE(msg.find("plan: d: the cpu executor runs offload chunks on one stage only yet (d = 1, "
+                     "found d = 2)"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // Checkpoints hold the same tensors as without chunks (the stage's weights, m and v, gathered

@@ -174,7 +174,12 @@ python3 -c "
 import json
 r = json.load(open('$TMP/off.json'))
 assert r['plan']['offload'] == 'optimizer' and r['hosts'][0]['fits'] and r['offload']['copy_in_bytes_per_step'] > 0, r.get('hosts')" && ok || bad "offload report: plan.offload, hosts, offload section"
-expect_code "--offload chunks with d > 1" 1 "offload chunks with pipeline parallelism (d = 2) is not supported yet" $PW estimate $WS -d 2 --ranks-per-gpu 2 --offload chunks --out "$O"
+expect_ok "--offload chunks with d = 2" $PW estimate $WS -d 2 --ranks-per-gpu 2 --offload chunks --out "$TMP/ckd2.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/ckd2.json'))
+assert len(r['offload']['ranks']) == 2 and all(x['chunks']['chunks'] > 0 for x in r['offload']['ranks']), r.get('offload')" && ok || bad "chunks d = 2 report: offload.ranks per stage"
+expect_code "--offload chunks with w > 1" 1 "offload chunks with data parallelism (chunk sharding over ranks) (w = 2) is not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --offload chunks --out "$O"
 CK="--model gpt2-124m --cluster v100-32gb-ws -b 1 -m 1 --offload chunks"
 expect_ok "offload chunks estimate" $PW estimate $CK --out "$TMP/ck.json"
 python3 -c "
@@ -215,7 +220,7 @@ TC="train --backend cpu --model gpt-tiny -d 1 -b 1 --offload chunks"
 expect_code "train --offload chunks without --device-memory" 1 "offload chunks needs --device-memory BYTES" $PW $TC -m 1 --steps 1 --chunk-size 65536 --out "$O"
 expect_code "train --offload chunks: device below a layer's working set" 1 "offload chunks: the device's 1.43 MiB is smaller than the working set of the forward of block 1 (6 chunks of 128.00 KiB = 768.00 KiB, non-model memory 770.25 KiB) by 73.41 KiB" $PW $TC -m 1 --steps 1 --chunk-size 65536 --device-memory 1500000 --out "$O"
 expect_code "train --offload chunks: chunk below a tensor" 1 "chunk size 65532 B (16383 elements of 4 B) is smaller than tensor wte (16384 elements, 65536 B) by 4 B; use --chunk-size 65536 or more" $PW $TC -m 1 --steps 1 --chunk-size 65532 --device-memory 4000000 --out "$O"
-expect_code "train --offload chunks -d 2" 1 "offload chunks with pipeline parallelism (d = 2) is not supported yet" $PW train --backend cpu --model gpt-tiny -d 2 -b 1 -m 2 --steps 1 --offload chunks --device-memory 4000000 --out "$O"
+expect_code "train --offload chunks -d 2" 1 "the cpu executor runs offload chunks on one stage only yet (d = 1, found d = 2)" $PW train --backend cpu --model gpt-tiny -d 2 -b 1 -m 2 --steps 1 --offload chunks --device-memory 4000000 --out "$O"
 expect_code "train --offload chunks --optimizer sgd" 1 "offload chunks runs AdamW" $PW $TC -m 1 --steps 1 --chunk-size 65536 --optimizer sgd --device-memory 4000000 --out "$O"
 expect_ok "train --offload chunks" $PW $TC -m 1 --steps 2 --chunk-size 65536 --device-memory 2000000 --out "$TMP/tc.json"
 python3 -c "
