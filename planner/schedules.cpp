@@ -283,7 +283,7 @@ class ProgramBuilder {
       return;
     }
     if (!last) add(OpKind::recv_gradient, slot, next);
-    if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
+    if (plan_.has_recompute_op(s)) add(OpKind::recompute, slot, -1, version);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
     if (offload() && !plan_.offload_sharded()) add(OpKind::copy_gradient_to_host, slot, -1);
