@@ -970,8 +970,8 @@ TEST_F(ActivationWs, HostMemoryTooSmallDoesNotFit) {
 // KARMA's point in the planner: GPT-3 175B on 32 GH200s fits only with full recomputation
 // without offload; with NVLink-C2C to host memory a stage's stash copies hide behind its compute,
 // so swapping (with the optimizer on the host, which frees the room for the stashes that stay)
-// beats recomputing, and the search says so. Over PCIe 3 the rule recomputes instead and the
-// recomputing plan stays the best.
+// beats recomputing, and the search says so. Over PCIe 3 no whole stage's copy hides: per layer
+// the rule swaps the leading blocks whose copy does and recomputes the rest.
 TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
   const models::ModelSpec model = models::load_model("gpt3-175b");
   const clusters::Cluster c =
