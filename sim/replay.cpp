@@ -129,7 +129,8 @@ class Replayer {
         tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::recompute:
-        if (chunk(op).recompute_layers > 0) {  // a mixed stage: its recomputed layers only
+        if (me_.recompute != planner::Recompute::full) {  // a mixed stage: its recomputed layers
+          // only (none in a chunk whose blocks all swap)
           allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
           compute(chunk(op).layers_recompute_s);
           break;
