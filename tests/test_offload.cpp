@@ -1322,6 +1322,19 @@ TEST(ActivationLayers, InterleavedMixedStageChunksAgree) {
     const double est_peak = double(est.report.devices[std::size_t(r)].peak_memory_bytes);
     EXPECT_NEAR(sim_peak, est_peak, 0.1 * est_peak) << r;
   }
+  // Chunk 0 of stage 1 has nothing to swap: no copies of its units; chunk 0 of stage 0 has.
+  ProgramOptions po;
+  po.tied_embeddings = true;
+  const Programs progs = generate_programs(p, po);
+  EXPECT_NO_THROW(check_programs(progs));
+  auto copies = [&](int rank, int chunk) {
+    return std::count_if(progs.devices[std::size_t(rank)].ops.begin(),
+                         progs.devices[std::size_t(rank)].ops.end(), [&](const Op& op) {
+                           return op.kind == OpKind::copy_activation_to_host && op.chunk == chunk;
+                         });
+  };
+  EXPECT_EQ(copies(1, 0), 0);
+  EXPECT_GT(copies(0, 0), 0);
   // Recomputing chunk 0 keeps less than swapping it.
   EXPECT_LE(sim.report.devices[1].peak_memory_bytes, sim_all.report.devices[1].peak_memory_bytes);
   EXPECT_NEAR(sim.report.iteration_time_s, est.report.iteration_time_s,
