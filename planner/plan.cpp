@@ -441,8 +441,9 @@ Plan parse_plan(const Json& json, const std::string& source) {
   if (auto ac = r.find("activations")) {
     for (std::size_t i = 0; i < ac->size(); ++i) {
       const JsonReader e = ac->at(i);
+      const std::string word = e.as_string();  // its own error names the element once
       try {
-        p.activations.push_back(parse_activation_choice(e.as_string()));
+        p.activations.push_back(parse_activation_choice(word));
       } catch (const InputError& err) {
         e.fail(err.what());
       }
@@ -454,8 +455,9 @@ Plan parse_plan(const Json& json, const std::string& source) {
       std::vector<ActivationChoice> layers;
       for (std::size_t k = 0; k < st.size(); ++k) {
         const JsonReader e = st.at(k);
+        const std::string word = e.as_string();  // its own error names the element once
         try {
-          layers.push_back(parse_activation_choice(e.as_string()));
+          layers.push_back(parse_activation_choice(word));
         } catch (const InputError& err) {
           e.fail(err.what());
         }

@@ -155,7 +155,7 @@ std::string offload_name(const Plan& plan);
 void set_activations(Plan& plan, const std::vector<ActivationChoice>& choices);
 // Sets per-layer choices (one list per stage, one entry per block of the stage) and the
 // per-stage choices and recompute list that follow: a stage all of one choice is that choice; a
-// mixed stage is swap with recompute none. A stage whose list is all one choice drops nothing.
+// mixed stage is swap with recompute none. The lists stay as given (written back by to_json).
 void set_activation_layers(Plan& plan, const std::vector<std::vector<ActivationChoice>>& layers);
 // The choice of each block of `stage` (its blocks in order): activation_layers[stage], or
 // activations[stage] for every block. Needs stage_blocks resolved.

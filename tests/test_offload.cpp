@@ -1101,6 +1101,8 @@ TEST(ActivationLayers, ParsesWritesAndRefusesBadLists) {
             common::Json::parse(R"([["swap", "keep", "swap"], ["swap", "swap"]])"),
             "/activation_layers/0/1: unknown activation choice \"keep\" (expected swap or "
             "recompute)"},
+        Bad{"activation_layers", common::Json::parse(R"([["swap", 1, "swap"], ["swap", "swap"]])"),
+            "plan.json: /activation_layers/0/1: expected a string, found number"},
         Bad{"activation_layers", common::Json::parse(R"([[], ["swap", "swap"]])"),
             "plan: activation_layers[0]: needs one choice per block of the stage, found none"},
         Bad{"activations", common::Json({"recompute", "recompute"}),
@@ -1118,6 +1120,7 @@ TEST(ActivationLayers, ParsesWritesAndRefusesBadLists) {
     const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
     EXPECT_NE(msg.find(bad.says), std::string::npos) << msg;
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("plan.json"), msg.rfind("plan.json")) << msg;  // named once
   }
   // Without stage_blocks the lengths are checked when the stages are resolved.
   common::Json k = j;
