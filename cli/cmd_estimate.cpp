@@ -49,8 +49,8 @@ void print_estimate(const planner::Estimate& est, const models::ModelSpec& model
   // Activation offload: each stage's choice and the figures the rule compares (formulas.md §9).
   if (p.offload_activations)
     for (const auto& st : est.stages)
-      fmt::print("  activations stage {}: {}{}\n", st.stage,
-                 to_string(p.activations[std::size_t(st.stage)]),
+      fmt::print("  activations stage {}: {} layers swap, {} recompute{}\n", st.stage,
+                 p.swapped_layers(st.stage), p.recomputed_layers(st.stage),
                  p.swaps(st.stage) && st.swap.units_per_step == 0
                      ? std::string(" (nothing can swap here: keeps its stash)")
                  : p.swaps(st.stage)

@@ -194,7 +194,10 @@ common::Json ScenarioOptions::inputs(const Scenario& sc) const {
 std::string activation_list(const planner::Plan& p) {
   std::string out;
   for (std::size_t s = 0; s < p.activations.size(); ++s)
-    out += (s ? "," : "") + planner::to_string(p.activations[s]);
+    out += (s ? "," : "") + (p.mixed_activations(int(s))
+                                 ? fmt::format("{} swap+{} recompute", p.swapped_layers(int(s)),
+                                               p.recomputed_layers(int(s)))
+                                 : planner::to_string(p.activations[s]));
   return out;
 }
 

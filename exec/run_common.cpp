@@ -104,6 +104,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         "plan: offload: the executor does not run --offload {} yet (optimizer and activations it "
         "does); estimate or simulate it instead",
         planner::offload_name(plan)));
+  for (int s = 0; s < plan.d; ++s)
+    if (plan.mixed_activations(s))
+      throw InputError(fmt::format(
+          "plan: activation_layers[{}]: the {} executor swaps or recomputes whole stages, not a "
+          "stage mixing both ({} blocks swap, {} recompute); estimate or simulate it instead",
+          s, backend, plan.swapped_layers(s), plan.recomputed_layers(s)));
   if (plan.offload_sharded())
     throw InputError(fmt::format(
         "plan: offload: the executor runs optimizer offload with w = 1 only (here w = {}: "

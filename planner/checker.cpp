@@ -439,7 +439,8 @@ class DeviceChecker {
     if (chunks_) chunk_compute(op);
     require(op, kForward, "backward before its forward");
     if (!last(op)) require(op, kRecvG, "backward before its gradient is received");
-    if (plan_.recomputes(prog_.stage)) require(op, kRecompute, "backward without a recompute");
+    if (plan_.has_recompute_op(prog_.stage))
+      require(op, kRecompute, "backward without a recompute");
     const std::uint8_t sf = swap_flags_[slot(op)];
     if ((sf & kSwapOut) && !(sf & kSwapIn))
       bad("backward before its stash is back on the device (copy_activation_to_device)");
@@ -547,7 +548,7 @@ class DeviceChecker {
     std::uint8_t need = kForward | kBackward;
     if (!first(op)) need |= kRecvA | kSentG;
     if (!last(op)) need |= kSentA | kRecvG;
-    if (plan_.recomputes(prog_.stage)) need |= kRecompute;
+    if (plan_.has_recompute_op(prog_.stage)) need |= kRecompute;
     if (offload() && !plan_.offload_sharded()) need |= kCopiedOut;
     if ((flags_[slot(op)] & need) != need) {
       throw ScheduleError("rank " + std::to_string(prog_.rank) + ": step " +

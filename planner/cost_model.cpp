@@ -241,6 +241,41 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   }
   // The distributed optimizer: each replica updates its 1/w of the chunk's parameters.
   if (p.distributed_optimizer && p.w > 1) ch.optimizer_s /= p.w;
+  ch.swap_bytes = ch.stash_bytes;
+  if (p.mixed_activations(stage)) {
+    // The chunk's blocks in the stage's list: those of the chunks before it come first.
+    const std::vector<ActivationChoice> all = layer_choices(p, stage);
+    std::size_t first_block = 0;
+    for (int c = 0; c < chunk; ++c)
+      first_block += std::size_t(p.stage_blocks[std::size_t(c * p.d + stage)]);
+    const traces::LayerTimes& bt = e.layers[LayerKind::block];
+    ch.swap_bytes = 0;
+    bool in_run = false;
+    for (std::int64_t k = 0; k < ch.blocks; ++k) {
+      const bool rc = all[first_block + std::size_t(k)] == ActivationChoice::recompute;
+      double rs = bt.recompute_s;
+      std::int64_t stash = bt.activation_bytes;
+      if (k == 0 && first) {
+        rs += e.layers[LayerKind::embedding].recompute_s;
+        stash = bytes_add(stash, e.layers[LayerKind::embedding].activation_bytes);
+      }
+      if (k == ch.blocks - 1 && last) {
+        rs += e.layers[LayerKind::head].recompute_s;
+        stash = bytes_add(stash, e.layers[LayerKind::head].activation_bytes);
+      }
+      if (rc) {
+        ch.recompute_layers += 1;
+        ch.layers_recompute_s += rs;
+        ch.layers_recompute_bytes = bytes_add(ch.layers_recompute_bytes, stash);
+        if (!in_run)  // a run's checkpoint: the chunk's input, or the block's input
+          ch.checkpoint_bytes = bytes_add(ch.checkpoint_bytes,
+                                          k == 0 ? ch.input_bytes : bt.activation_recompute_bytes);
+      } else {
+        ch.swap_bytes = bytes_add(ch.swap_bytes, stash);
+      }
+      in_run = rc;
+    }
+  }
   return ch;
 }
 
@@ -363,7 +398,8 @@ double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<doub
 }
 
 double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
-                    const std::vector<double>& durations, const std::vector<double>& copy_s) {
+                    const std::vector<double>& durations, const std::vector<double>& copy_s,
+                    const std::vector<double>& recompute_s) {
   const std::size_t n = order.size();
   std::vector<double> down_end(n, 0), up_end(n, 0);
   double t = 0, out_free = 0, in_free = 0, compute = 0;
@@ -373,6 +409,10 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
       const auto f = std::size_t(sp.forward_of[b]);
       in_free = std::max({t, down_end[f], in_free}) + copy_s[b];
       up_end[b] = in_free;
+    }
+    if (!recompute_s.empty() && recompute_s[i] > 0) {  // a mixed stage's recompute op
+      t += recompute_s[i];
+      compute += recompute_s[i];
     }
     double start = t;
     if (order[i].backward && !sp.forward_of.empty() && sp.forward_of[i] >= 0 &&
@@ -399,14 +439,22 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
   const std::size_t n = order.size();
   StageSwap sw;
   sw.choice = ActivationChoice::swap;
-  std::vector<double> durations(n), copy(n);
-  std::vector<std::int64_t> bytes(n);
+  std::vector<double> durations(n), copy(n), recompute(n, 0.0);
+  std::vector<std::int64_t> bytes(n), kept(n, 0), remade(n, 0);
   sw.window_s = std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < n; ++i) {
     const ChunkCost& ch = chunks[std::size_t(order[i].chunk)];
     durations[i] = order[i].backward ? ch.backward_s : ch.forward_s;
-    bytes[i] = ch.stash_bytes;
-    copy[i] = path.time_s(double(ch.stash_bytes));
+    // A mixed chunk (per-layer choices) swaps only its swapped layers' stash, keeps its
+    // recomputed layers' checkpoints and re-makes their stash in a recompute op before the
+    // backward (docs/formulas.md section 9, per-layer choices).
+    bytes[i] = ch.recompute_layers > 0 ? ch.swap_bytes : ch.stash_bytes;
+    kept[i] = ch.recompute_layers > 0 ? ch.checkpoint_bytes : 0;
+    if (order[i].backward && ch.recompute_layers > 0) {
+      recompute[i] = ch.layers_recompute_s;
+      remade[i] = ch.layers_recompute_bytes;
+    }
+    copy[i] = path.time_s(double(bytes[i]));
     sw.window_s = std::min(sw.window_s, durations[i]);
   }
   // Where each unit is at compute op i: on the device from its forward to its backward, except
@@ -417,8 +465,10 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
     if (!order[b].backward || sp.forward_of[b] < 0) continue;
     const auto f = std::size_t(sp.forward_of[b]);
     const bool swapped = sp.out[f];
+    device[b] = bytes_add(device[b], remade[b]);
     for (std::size_t i = f; i <= b; ++i) {
       const bool away = swapped && i > f + 1 && i + 1 < b;
+      device[i] = bytes_add(device[i], kept[f]);
       if (!away) device[i] = bytes_add(device[i], bytes[f]);
       if (swapped && i > f && i < b) host[i] = bytes_add(host[i], bytes[f]);
     }
@@ -433,7 +483,7 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
     sw.host_bytes = std::max(sw.host_bytes, host[i]);
   }
   if (n == 0) sw.window_s = 0;
-  sw.stall_s = swap_stall_s(order, sp, durations, copy);
+  sw.stall_s = swap_stall_s(order, sp, durations, copy, recompute);
   return sw;
 }
 
@@ -443,36 +493,73 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
                      int s);  // below
 }  // namespace
 
-std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
-                                                 const traces::Trace& trace,
-                                                 const clusters::Cluster& cluster, const Plan& plan,
-                                                 bool keep_unswappable, double capacity_bytes) {
+std::vector<std::vector<ActivationChoice>> choose_activations(
+    const models::ModelSpec& model, const traces::Trace& trace, const clusters::Cluster& cluster,
+    const Plan& plan, bool keep_unswappable, double capacity_bytes) {
   const models::ModelCosts mc = models::derive_costs(model, {plan.t, plan.sp});
-  std::vector<ActivationChoice> out;
+  // Stage s with its first k blocks swapping and the rest recomputing, the other stages as chosen.
+  auto with = [](const Plan& base, const std::vector<std::vector<ActivationChoice>>& layers, int s,
+                 std::int64_t k) {
+    std::vector<std::vector<ActivationChoice>> l = layers;
+    auto& mine = l[std::size_t(s)];
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      mine[i] = std::int64_t(i) < k ? ActivationChoice::swap : ActivationChoice::recompute;
+    Plan q = base;
+    set_activation_layers(q, l);
+    return q;
+  };
+  std::vector<std::vector<ActivationChoice>> out;
+  for (int s = 0; s < plan.d; ++s)
+    out.emplace_back(std::size_t(stage_block_count(plan, s)), ActivationChoice::swap);
+  std::vector<std::int64_t> swapped(std::size_t(plan.d), 0);
   for (int s = 0; s < plan.d; ++s) {
+    const std::int64_t blocks = stage_block_count(plan, s);
+    const HostPath path = host_path(cluster, plan, plan.rank_of(s, 0));
     std::vector<ChunkCost> chunks;
     for (int c = 0; c < plan.v; ++c)
       chunks.push_back(chunk_cost(mc, trace, plan, s, c));
-    const StageSwap sw = stage_swap(plan, s, chunks, host_path(cluster, plan, plan.rank_of(s, 0)));
-    const bool hides = sw.units_per_step > 0 && sw.copy_s <= sw.window_s;
-    const bool keeps = sw.units_per_step == 0 && keep_unswappable;
-    out.push_back(hides || keeps ? ActivationChoice::swap : ActivationChoice::recompute);
+    for (ChunkCost& ch : chunks) {  // as if every layer swapped
+      ch.recompute_layers = 0;
+      ch.swap_bytes = ch.stash_bytes;
+    }
+    const StageSwap sw = stage_swap(plan, s, chunks, path);
+    std::int64_t k = 0;
+    if (sw.units_per_step == 0) {
+      k = keep_unswappable ? blocks : 0;
+    } else {
+      // The most leading blocks whose swap, one direction, hides behind the shortest compute op.
+      for (k = blocks; k > 0; --k) {
+        if (k == blocks && sw.copy_s <= sw.window_s) break;  // the whole stage swaps
+        if (k == blocks) continue;
+        const Plan q = with(plan, out, s, k);
+        double copy = 0;
+        for (int c = 0; c < plan.v; ++c) {
+          const ChunkCost ch = chunk_cost(mc, trace, q, s, c);
+          copy = std::max(
+              copy, path.time_s(double(q.mixed_activations(s) ? ch.swap_bytes : ch.stash_bytes)));
+        }
+        if (copy <= sw.window_s) break;
+      }
+    }
+    swapped[std::size_t(s)] = k;
+    out = with(plan, out, s, k).activation_layers;
   }
-  // Memory: a stage that would swap but then not fit on the device, where recomputing would
-  // fit (the swap keeps up to three stashes there, recompute one layer's), recomputes.
+  // Memory: a stage that would not fit on the device swaps fewer blocks (recomputing them: a
+  // recomputed block keeps only a checkpoint, a swapped one up to three stashes there) until
+  // it fits; when none fits it keeps its choice.
   const double capacity = capacity_bytes > 0 ? capacity_bytes : double(cluster.device.memory_bytes);
-  Plan q = plan;
-  set_activations(q, out);
   for (int s = 0; s < plan.d; ++s) {
-    if (out[std::size_t(s)] != ActivationChoice::swap) continue;
-    if (double(stage_cost(model, mc, trace, cluster, q, s).memory.total()) <= capacity) continue;
-    std::vector<ActivationChoice> alt = out;
-    alt[std::size_t(s)] = ActivationChoice::recompute;
-    Plan r = plan;
-    set_activations(r, alt);
-    if (double(stage_cost(model, mc, trace, cluster, r, s).memory.total()) <= capacity) {
-      out = std::move(alt);
-      q = std::move(r);
+    const std::int64_t k0 = swapped[std::size_t(s)];
+    if (k0 == 0) continue;
+    if (double(stage_cost(model, mc, trace, cluster, with(plan, out, s, k0), s).memory.total()) <=
+        capacity)
+      continue;
+    for (std::int64_t k = k0 - 1; k >= 0; --k) {
+      const Plan q = with(plan, out, s, k);
+      if (double(stage_cost(model, mc, trace, cluster, q, s).memory.total()) <= capacity) {
+        out = q.activation_layers;
+        break;
+      }
     }
   }
   return out;
@@ -679,6 +766,9 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)));
     st.memory.activations = st.swap.device_bytes;
     st.backward_s += st.swap.stall_s / p.m;
+    // A mixed stage: its recomputed layers' forward again before each backward (t == 1).
+    for (const ChunkCost& ch : chunks)
+      st.backward_s += ch.layers_recompute_s;
   }
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
@@ -945,6 +1035,8 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
     }
     if (p.offload_activations) {
       rank["activations"] = {{"choice", to_string(p.activations[std::size_t(st.stage)])},
+                             {"swapped_layers", p.swapped_layers(st.stage)},
+                             {"recomputed_layers", p.recomputed_layers(st.stage)},
                              {"swapped_per_step", swaps ? st.swap.units_per_step : 0},
                              {"swapped_bytes_per_step", swap_bytes},
                              {"host_bytes", swap_host},
@@ -1015,7 +1107,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   const models::ModelCosts mc = models::derive_costs(model, sharding);  // checks t against it
   check_offload_cluster(cluster, p);
   if (p.offload_activations && p.activations.empty())
-    set_activations(p, choose_activations(model, trace, cluster, p));
+    set_activation_layers(p, choose_activations(model, trace, cluster, p));
   Estimate est;
   for (int s = 0; s < p.d; ++s)
     est.stages.push_back(stage_cost(model, mc, trace, cluster, p, s));

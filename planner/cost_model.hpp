@@ -67,6 +67,18 @@ struct ChunkCost {
   std::int64_t input_bytes = 0;      // the chunk's input (all it keeps with recompute)
   std::int64_t output_bytes = 0;     // activation sent to the next virtual stage (0 for the last)
   std::int64_t workspace_bytes = 0;  // largest transient of its layers
+  // Activation offload with per-layer choices on a mixed stage (Plan::mixed_activations; all 0
+  // elsewhere): the chunk's blocks that recompute (the embedding with the first block of virtual
+  // stage 0, the head with the last block of the last). Their stash is dropped after the forward,
+  // one checkpoint kept per run of them (the run's input), and re-made by a recompute op before the
+  // backward; the other layers' stash (swap_bytes) is what a swapped unit copies.
+  std::int64_t recompute_layers = 0;
+  double layers_recompute_s = 0;            // the recompute op: the recomputed layers' forward
+  std::int64_t layers_recompute_bytes = 0;  // their stash, re-made before the backward
+  std::int64_t checkpoint_bytes = 0;        // their checkpoints, kept from forward to backward
+  std::int64_t swap_bytes = 0;              // the swapped layers' stash (stash_bytes if none)
+  // What a forward of this chunk keeps on the device until its backward on a mixed stage.
+  std::int64_t mixed_kept_bytes() const { return swap_bytes + checkpoint_bytes; }
 };
 
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
@@ -184,21 +196,25 @@ StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chu
 // backward, after its download, and each backward after its upload; durations[i] is slot i's
 // compute, copy_s[i] the copy of slot i's unit (one direction). Returns the makespan minus the
 // summed compute.
+// recompute_s[i] (may be empty): a mixed stage's recompute op run before backward slot i, before
+// it waits for its upload.
 double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
-                    const std::vector<double>& durations, const std::vector<double>& copy_s);
-// KARMA's choice per stage: swap when some microbatch-chunk can swap (swap_plan) and the copy of
-// the largest unit, one direction, takes no longer than the shortest compute op it hides behind
-// (copy_s <= window_s); recompute when the copies would not hide. A stage where nothing can swap
-// (1F1B's last stage: each backward right after its forward) gets `swap` when keep_unswappable
-// (it keeps its stash, as without offload: no recompute time) and `recompute` otherwise (less
-// memory); the planner tries both. Then memory: a stage whose swap would not fit on the device
-// (its peak above capacity_bytes; 0: the device's memory) recomputes where that fits. `plan` placed
-// and resolved, t == 1.
-std::vector<ActivationChoice> choose_activations(const models::ModelSpec& model,
-                                                 const traces::Trace& trace,
-                                                 const clusters::Cluster& cluster, const Plan& plan,
-                                                 bool keep_unswappable = true,
-                                                 double capacity_bytes = 0);
+                    const std::vector<double>& durations, const std::vector<double>& copy_s,
+                    const std::vector<double>& recompute_s = {});
+// KARMA's choice per layer (docs/formulas.md section 9, per-layer choices), one list per stage
+// with one entry per block (Plan::activation_layers). For each stage, with the window W the
+// shortest compute op of its step (forward or backward, without recompute) and the copy of a
+// unit's swapped layers over the host path: the most leading blocks k whose swap, one direction,
+// hides behind W (copy_s(k) <= W) swap, the rest recompute (k = 0: the whole stage recomputes).
+// A stage where nothing can swap (1F1B's last stage: each backward right after its forward) gets
+// all `swap` when keep_unswappable (it keeps its stash, as without offload: no recompute time) and
+// all `recompute` otherwise (less memory); the planner tries both. Then memory: a stage whose
+// choice would not fit on the device (its peak above capacity_bytes; 0: the device's memory)
+// swaps fewer blocks, recomputing them, until it fits (unchanged when nothing fits). `plan` placed
+// and resolved, t == 1. set_activation_layers(plan, choose_activations(...)) applies it.
+std::vector<std::vector<ActivationChoice>> choose_activations(
+    const models::ModelSpec& model, const traces::Trace& trace, const clusters::Cluster& cluster,
+    const Plan& plan, bool keep_unswappable = true, double capacity_bytes = 0);
 
 // The "chunks" object of a report's offload rank (docs/formats.md): the schedule's figures.
 common::Json chunk_report(const ChunkSchedule& cs);

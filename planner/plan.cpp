@@ -1,6 +1,7 @@
 // Plan checks, stage splitting, placement and the plan JSON format.
 #include "planner/plan.hpp"
 
+#include <algorithm>
 #include <numeric>
 #include <set>
 
@@ -109,9 +110,63 @@ std::string offload_name(const Plan& p) {
 void set_activations(Plan& p, const std::vector<ActivationChoice>& choices) {
   p.offload_activations = true;
   p.activations = choices;
+  p.activation_layers.clear();  // every block follows its stage
   p.recompute.assign(choices.size(), Recompute::none);
   for (std::size_t s = 0; s < choices.size(); ++s)
     if (choices[s] == ActivationChoice::recompute) p.recompute[s] = Recompute::full;
+}
+
+namespace {
+// The per-stage choice a stage's block choices amount to: swap when any block swaps.
+ActivationChoice stage_choice(const std::vector<ActivationChoice>& layers) {
+  for (ActivationChoice c : layers)
+    if (c == ActivationChoice::swap) return ActivationChoice::swap;
+  return ActivationChoice::recompute;
+}
+bool is_mixed(const std::vector<ActivationChoice>& layers) {
+  return std::find(layers.begin(), layers.end(), ActivationChoice::swap) != layers.end() &&
+         std::find(layers.begin(), layers.end(), ActivationChoice::recompute) != layers.end();
+}
+}  // namespace
+
+void set_activation_layers(Plan& p, const std::vector<std::vector<ActivationChoice>>& layers) {
+  std::vector<ActivationChoice> stages;
+  for (const auto& l : layers)
+    stages.push_back(stage_choice(l));
+  set_activations(p, stages);
+  p.activation_layers = layers;
+}
+
+std::int64_t stage_block_count(const Plan& p, int stage) {
+  std::int64_t n = 0;
+  for (int c = 0; c < p.v; ++c) {
+    const std::size_t vs = std::size_t(c * p.d + stage);
+    if (vs < p.stage_blocks.size()) n += p.stage_blocks[vs];
+  }
+  return n;
+}
+
+std::vector<ActivationChoice> layer_choices(const Plan& p, int stage) {
+  if (!p.activation_layers.empty()) return p.activation_layers[std::size_t(stage)];
+  const ActivationChoice c = p.swaps(stage) ? ActivationChoice::swap : ActivationChoice::recompute;
+  return std::vector<ActivationChoice>(std::size_t(stage_block_count(p, stage)), c);
+}
+
+bool Plan::mixed_activations(int stage) const {
+  return offload_activations && !activation_layers.empty() &&
+         is_mixed(activation_layers[std::size_t(stage)]);
+}
+
+std::int64_t Plan::swapped_layers(int stage) const {
+  if (!offload_activations) return 0;
+  const auto l = layer_choices(*this, stage);
+  return std::count(l.begin(), l.end(), ActivationChoice::swap);
+}
+
+std::int64_t Plan::recomputed_layers(int stage) const {
+  if (!offload_activations) return 0;
+  const auto l = layer_choices(*this, stage);
+  return std::count(l.begin(), l.end(), ActivationChoice::recompute);
 }
 
 Schedule parse_schedule(const std::string& s) {
@@ -126,6 +181,27 @@ namespace {
 
 [[noreturn]] void reject(const std::string& field, const std::string& why) {
   throw PlanError(fmt::format("plan: {}: {}", field, why));
+}
+
+// activation_layers against d, the per-stage choices and (when resolved) the stage's blocks.
+void check_activation_layers(const Plan& p) {
+  if (p.activation_layers.empty() || !p.offload_activations) return;
+  if (int(p.activation_layers.size()) != p.d)
+    reject("activation_layers", fmt::format("has {} entries but the plan has d = {} stages",
+                                            p.activation_layers.size(), p.d));
+  for (int s = 0; s < p.d; ++s) {
+    const auto& l = p.activation_layers[std::size_t(s)];
+    const std::string field = fmt::format("activation_layers[{}]", s);
+    if (l.empty()) reject(field, "needs one choice per block of the stage, found none");
+    if (!p.stage_blocks.empty() && std::int64_t(l.size()) != stage_block_count(p, s))
+      reject(field, fmt::format("has {} entries but stage {} holds {} blocks", l.size(), s,
+                                stage_block_count(p, s)));
+    if (p.activations.size() == p.activation_layers.size() &&
+        p.activations[std::size_t(s)] != stage_choice(l))
+      reject(field,
+             fmt::format("amounts to {} (swap when any block swaps) but activations[{}] is {}",
+                         to_string(stage_choice(l)), s, to_string(p.activations[std::size_t(s)])));
+  }
 }
 
 }  // namespace
@@ -210,6 +286,9 @@ void check(const Plan& p) {
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");
+  if (!p.activation_layers.empty() && !p.offload_activations)
+    reject("activation_layers", "swap/recompute choices need offload activations");
+  check_activation_layers(p);
   if (p.offload_activations) {
     if (p.t > 1)
       reject("offload", fmt::format("activation offload with tensor parallelism (t = {}) is not "
@@ -267,12 +346,14 @@ void resolve_stages(Plan& p, std::int64_t layers) {
                             layers));
   if (p.stage_blocks.empty()) {
     p.stage_blocks = balanced_split(layers, p.virtual_stages());
-    return;
+  } else {
+    std::int64_t sum =
+        std::accumulate(p.stage_blocks.begin(), p.stage_blocks.end(), std::int64_t{0});
+    if (sum != layers)
+      reject("stage_blocks",
+             fmt::format("blocks sum to {} but the model has {} blocks", sum, layers));
   }
-  std::int64_t sum = std::accumulate(p.stage_blocks.begin(), p.stage_blocks.end(), std::int64_t{0});
-  if (sum != layers)
-    reject("stage_blocks",
-           fmt::format("blocks sum to {} but the model has {} blocks", sum, layers));
+  check_activation_layers(p);  // its lengths against the blocks now known
 }
 
 void place(Plan& p, const DeviceGrid& grid, int ranks_per_gpu) {
@@ -361,11 +442,28 @@ Plan parse_plan(const Json& json, const std::string& source) {
   if (auto ac = r.find("activations")) {
     for (std::size_t i = 0; i < ac->size(); ++i) {
       const JsonReader e = ac->at(i);
+      const std::string word = e.as_string();  // its own error names the element once
       try {
-        p.activations.push_back(parse_activation_choice(e.as_string()));
+        p.activations.push_back(parse_activation_choice(word));
       } catch (const InputError& err) {
         e.fail(err.what());
       }
+    }
+  }
+  if (auto al = r.find("activation_layers")) {
+    for (std::size_t i = 0; i < al->size(); ++i) {
+      const JsonReader st = al->at(i);
+      std::vector<ActivationChoice> layers;
+      for (std::size_t k = 0; k < st.size(); ++k) {
+        const JsonReader e = st.at(k);
+        const std::string word = e.as_string();  // its own error names the element once
+        try {
+          layers.push_back(parse_activation_choice(word));
+        } catch (const InputError& err) {
+          e.fail(err.what());
+        }
+      }
+      p.activation_layers.push_back(std::move(layers));
     }
   }
   if (auto sb = r.find("stage_blocks"))
@@ -388,8 +486,20 @@ Plan parse_plan(const Json& json, const std::string& source) {
       p.recompute.assign(std::size_t(p.d), mode(*rc));
     }
   }
+  // Per-layer choices: the per-stage choices they amount to (check() compares them with an
+  // activations list given too) and, without a recompute list, the recompute they imply.
+  if (!p.activation_layers.empty() && p.offload_activations &&
+      int(p.activation_layers.size()) == p.d) {
+    const std::vector<ActivationChoice> given = p.activations;
+    const std::vector<std::vector<ActivationChoice>> layers = p.activation_layers;
+    const std::vector<Recompute> recompute = p.recompute;
+    set_activation_layers(p, layers);
+    if (!given.empty()) p.activations = given;
+    if (r.has("recompute")) p.recompute = recompute;
+  }
   // Choices without a recompute list: the recompute each choice implies.
-  if (!p.activations.empty() && !r.has("recompute") && p.offload_activations) {
+  if (!p.activations.empty() && !r.has("recompute") && p.offload_activations &&
+      p.activation_layers.empty()) {
     const std::vector<ActivationChoice> choices = p.activations;
     set_activations(p, choices);
   }
@@ -429,6 +539,16 @@ Json to_json(const Plan& p) {
     for (ActivationChoice c : p.activations)
       ac.push_back(to_string(c));
     j["activations"] = ac;
+  }
+  if (!p.activation_layers.empty()) {
+    Json al = Json::array();
+    for (const auto& layers : p.activation_layers) {
+      Json l = Json::array();
+      for (ActivationChoice c : layers)
+        l.push_back(to_string(c));
+      al.push_back(l);
+    }
+    j["activation_layers"] = al;
   }
   if (p.overlap_param_gather) j["overlap_param_gather"] = true;
   Json rc = Json::array();

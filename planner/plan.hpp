@@ -91,6 +91,15 @@ struct Plan {
   // stage that swaps has no recomputation; one that recomputes has full recomputation.
   bool offload_activations = false;
   std::vector<ActivationChoice> activations;
+  // Per-layer choices (KARMA decides per block): one list per stage (d entries), each with one
+  // choice per block the stage holds (its chunks' blocks, chunk 0 first, in forward order). The
+  // embedding goes with the first block of virtual stage 0, the head with the last block of the
+  // last one. Empty: every block of stage s follows activations[s]. A stage whose blocks all make
+  // one choice is that per-stage choice; a mixed stage has activations[s] = swap and recompute
+  // none: its swapped blocks' stash is swapped, its recomputed blocks recompute before the
+  // backward (planner/cost_model.hpp ChunkCost::recompute_layers). set_activation_layers keeps the
+  // three lists consistent.
+  std::vector<std::vector<ActivationChoice>> activation_layers;
   // Blocks per virtual stage, in pipeline order (d*v entries). Empty: balanced over the model.
   std::vector<std::int64_t> stage_blocks;
   // Recomputation of each stage (d entries). Empty: no recomputation anywhere.
@@ -116,6 +125,13 @@ struct Plan {
            activations[std::size_t(stage)] == ActivationChoice::swap;
   }
   bool any_offload() const { return offload != Offload::none || offload_activations; }
+  // The stage mixes swapped and recomputed blocks (per-layer activation offload choices).
+  bool mixed_activations(int stage) const;
+  // Blocks of `stage` that swap / recompute under activation offload (0 without it).
+  std::int64_t swapped_layers(int stage) const;
+  std::int64_t recomputed_layers(int stage) const;
+  // The stage runs a recompute op before each backward: full recompute, or a mixed stage.
+  bool has_recompute_op(int stage) const { return recomputes(stage) || mixed_activations(stage); }
   // Optimizer offload over w > 1 replicas (ZeRO-Offload's data parallelism, docs/formulas.md
   // section 9): the gradients accumulate on the device, are reduce-scattered, and each replica
   // copies out, updates on the host and uploads only its 1/w shard; an all-gather follows.
@@ -135,8 +151,17 @@ void check(const Plan& plan);
 std::string offload_name(const Plan& plan);
 
 // Sets the activation choices and the recompute list that follows from them (full where a stage
-// recomputes, none where it swaps).
+// recomputes, none where it swaps); clears any per-layer choices.
 void set_activations(Plan& plan, const std::vector<ActivationChoice>& choices);
+// Sets per-layer choices (one list per stage, one entry per block of the stage) and the
+// per-stage choices and recompute list that follow: a stage all of one choice is that choice; a
+// mixed stage is swap with recompute none. The lists stay as given (written back by to_json).
+void set_activation_layers(Plan& plan, const std::vector<std::vector<ActivationChoice>>& layers);
+// The choice of each block of `stage` (its blocks in order): activation_layers[stage], or
+// activations[stage] for every block. Needs stage_blocks resolved.
+std::vector<ActivationChoice> layer_choices(const Plan& plan, int stage);
+// Blocks stage s holds over its chunks (stage_blocks resolved).
+std::int64_t stage_block_count(const Plan& plan, int stage);
 
 // Balanced split of `layers` blocks into `parts` contiguous stages (the first layers % parts
 // stages get one more block).

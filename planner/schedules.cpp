@@ -283,7 +283,7 @@ class ProgramBuilder {
       return;
     }
     if (!last) add(OpKind::recv_gradient, slot, next);
-    if (plan_.recomputes(s)) add(OpKind::recompute, slot, -1, version);
+    if (plan_.has_recompute_op(s)) add(OpKind::recompute, slot, -1, version);
     if (chunks_) chunk_copies(slot);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
@@ -475,6 +475,19 @@ SwapPlan swap_plan(const Plan& plan, int stage, const std::vector<ComputeSlot>& 
   sp.prefetch.assign(order.size(), -1);
   sp.forward_of.assign(order.size(), -1);
   std::map<std::tuple<int, int, int>, int> forward;  // (step, microbatch, chunk) -> slot
+  // Per-layer choices: a chunk none of whose blocks swap has nothing to copy (its units stay).
+  std::vector<bool> chunk_swaps(std::size_t(plan.v), true);
+  if (plan.mixed_activations(stage)) {
+    const std::vector<ActivationChoice> layers = layer_choices(plan, stage);
+    std::size_t at = 0;
+    for (int c = 0; c < plan.v; ++c) {
+      const auto n = std::size_t(plan.stage_blocks[std::size_t(c * plan.d + stage)]);
+      chunk_swaps[std::size_t(c)] =
+          std::find(layers.begin() + std::ptrdiff_t(at), layers.begin() + std::ptrdiff_t(at + n),
+                    ActivationChoice::swap) != layers.begin() + std::ptrdiff_t(at + n);
+      at += n;
+    }
+  }
   for (int i = 0; i < int(order.size()); ++i) {
     const ComputeSlot& c = order[std::size_t(i)];
     const auto key = std::make_tuple(c.step, c.microbatch, c.chunk);
@@ -486,7 +499,7 @@ SwapPlan swap_plan(const Plan& plan, int stage, const std::vector<ComputeSlot>& 
     if (it == forward.end()) continue;  // its forward is before this order (resumed 2bw)
     const int f = it->second;
     sp.forward_of[std::size_t(i)] = f;
-    if (i - f - 1 >= kSwapGap) {
+    if (i - f - 1 >= kSwapGap && chunk_swaps[std::size_t(c.chunk)]) {
       sp.out[std::size_t(f)] = true;
       sp.prefetch[std::size_t(i - 1)] = i;
     }

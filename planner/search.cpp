@@ -250,10 +250,10 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                   // Swaps that would pass the usable memory (--memory-headroom) recompute.
                   const auto keep = choose_activations(model, trace, cluster, x, true, usable);
                   const auto small = choose_activations(model, trace, cluster, x, false, usable);
-                  set_activations(x, keep);
+                  set_activation_layers(x, keep);
                   splits.push_back(x);
                   if (small != keep) {
-                    set_activations(x, small);
+                    set_activation_layers(x, small);
                     splits.push_back(x);
                   }
                 }

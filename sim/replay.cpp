@@ -133,6 +133,12 @@ class Replayer {
         tensor_parallel(chunk(op).tp_forward);
         break;
       case OpKind::recompute:
+        if (me_.recompute != planner::Recompute::full) {  // a mixed stage: its recomputed layers
+          // only (none in a chunk whose blocks all swap)
+          allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
+          compute(chunk(op).layers_recompute_s);
+          break;
+        }
         allocate(&planner::MemoryBreakdown::activations, chunk(op).stash_bytes);
         compute(chunk(op).recompute_s);
         tensor_parallel(chunk(op).tp_forward);
@@ -151,7 +157,7 @@ class Replayer {
         allocate(&planner::MemoryBreakdown::activations,
                  -(me_.recompute == planner::Recompute::full
                        ? chunk(op).input_bytes + chunk(op).stash_bytes
-                       : kept_bytes(chunk(op))));
+                       : kept_bytes(chunk(op)) + chunk(op).layers_recompute_bytes));
         break;
       case OpKind::send_tied_gradient:
         wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
@@ -366,7 +372,7 @@ class Replayer {
 
   void enqueue(CopyEngine& e, const Op& op) {
     std::unique_lock<sg4::Mutex> lock(*e.mutex);
-    e.queue.push_back({unit_of(op), chunk(op).stash_bytes, op_});
+    e.queue.push_back({unit_of(op), chunk(op).swap_bytes, op_});
     e.wake->notify_all();
   }
 
@@ -473,6 +479,7 @@ class Replayer {
   // What a forward keeps for its backward: the input (full recompute), the stash without the
   // attention cores (selective), or everything.
   std::int64_t kept_bytes(const planner::ChunkCost& ch) const {
+    if (ch.recompute_layers > 0) return ch.mixed_kept_bytes();  // a mixed stage (per layer)
     switch (me_.recompute) {
       case planner::Recompute::full:
         return ch.input_bytes;

@@ -187,6 +187,8 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
     if (w.plan().offload_activations) {
       rank["activations"] = {
           {"choice", planner::to_string(w.plan().activations[std::size_t(r.stage)])},
+          {"swapped_layers", w.plan().swapped_layers(r.stage)},
+          {"recomputed_layers", w.plan().recomputed_layers(r.stage)},
           {"swapped_bytes_per_step", r.swapped_bytes / steps},
           {"host_bytes", r.swap_host_peak}};
       swapped += r.swapped_bytes / steps;
@@ -278,7 +280,7 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   traces::check_sharding(trace, {plan.t, plan.sp});
   planner::check_offload_cluster(cluster, plan);
   if (plan.offload_activations && plan.activations.empty())  // KARMA's choice, as estimate makes it
-    planner::set_activations(plan, planner::choose_activations(model, trace, cluster, plan));
+    planner::set_activation_layers(plan, planner::choose_activations(model, trace, cluster, plan));
   // Test hook: PIPEWRIGHT_TEST_NO_PREFLIGHT=1 lets SimGrid meet what it aborts on (to test how a
   // crashed child is reported).
   if (std::getenv("PIPEWRIGHT_TEST_NO_PREFLIGHT") == nullptr)

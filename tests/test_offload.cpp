@@ -23,6 +23,14 @@ using pw::testing::grid;
 using pw::testing::plan_of;
 using pw::testing::uniform_trace;
 
+// The per-stage choice a stage's per-layer choices amount to when they are all one ("mixed"
+// otherwise).
+std::string stage_choice(const std::vector<ActivationChoice>& layers) {
+  const auto swaps = std::count(layers.begin(), layers.end(), ActivationChoice::swap);
+  if (swaps == std::int64_t(layers.size())) return "swap";
+  return swaps == 0 ? "recompute" : "mixed";
+}
+
 Plan offloaded(Plan p) {
   p.offload = Offload::optimizer;
   check(p);
@@ -771,7 +779,7 @@ TEST_F(ActivationWs, CopiesThatHideCostNoTimeAndSaveTheStash) {
   EXPECT_EQ(est.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(), 8 * A);
   Plan chosen = p;
   chosen.activations.clear();
-  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, c, chosen)[0]), "swap");
   // The simulator: the same step time and device peak, the same bytes moved and host peak.
   const sim::SimResult s = sim::simulate(model, trace, c, p);
   const sim::SimResult n = sim::simulate(model, trace, c, plain);
@@ -797,17 +805,22 @@ TEST_F(ActivationWs, SwapsOnlyWhereTheSwapFits) {
   Plan chosen = p;
   chosen.activations.clear();
   c.device.memory_bytes = swap_peak;
-  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, c, chosen)[0]), "swap");
+  // A byte less: fewer blocks swap (the rest recompute) until the stage fits.
   c.device.memory_bytes = swap_peak - 1;
-  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::recompute);
+  Plan fewer = chosen;
+  set_activation_layers(fewer, choose_activations(model, trace, c, chosen));
+  EXPECT_NE(stage_choice(fewer.activation_layers[0]), "swap");
+  EXPECT_LE(estimate(model, trace, c, fewer).report.devices[0].peak_memory_bytes, swap_peak - 1);
   c.device.memory_bytes = rc_peak - 1;  // neither fits: the time rule's choice stands
-  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::swap);
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, c, chosen)[0]), "swap");
   // A capacity below the device's (plan's --memory-headroom) counts the same way.
   c.device.memory_bytes = 2 * swap_peak;
-  EXPECT_EQ(choose_activations(model, trace, c, chosen, true, double(swap_peak))[0],
-            ActivationChoice::swap);
-  EXPECT_EQ(choose_activations(model, trace, c, chosen, true, double(swap_peak - 1))[0],
-            ActivationChoice::recompute);
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, c, chosen, true, double(swap_peak))[0]),
+            "swap");
+  EXPECT_NE(
+      stage_choice(choose_activations(model, trace, c, chosen, true, double(swap_peak - 1))[0]),
+      "swap");
 }
 
 // The simulated timeline's host memory counter: the swapped stashes come and go on the host; its
@@ -844,9 +857,11 @@ TEST_F(ActivationWs, CopiesThatDoNotHideStallTheStep) {
   const sim::SimResult s = sim::simulate(model, trace, c, p);
   EXPECT_NEAR(s.report.iteration_time_s, est.report.iteration_time_s,
               0.01 * est.report.iteration_time_s);
+  // Per layer: the leading blocks whose copy hides behind the forward swap, the rest recompute
+  // (ActivationLayers.RuleSwapsWhatHides works the number out).
   Plan chosen = p;
   chosen.activations.clear();
-  EXPECT_EQ(choose_activations(model, trace, c, chosen)[0], ActivationChoice::recompute);
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, c, chosen)[0]), "mixed");
 }
 
 // A pipeline: the closed form and the simulator within a few percent (time and device peak).
@@ -861,7 +876,7 @@ TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
     SCOPED_TRACE(to_string(s));
     Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
     p.offload_activations = true;
-    set_activations(p, choose_activations(model, trace, c, p));
+    set_activation_layers(p, choose_activations(model, trace, c, p));
     EXPECT_TRUE(p.swaps(0));
     const Estimate est = estimate(model, trace, c, p);
     const sim::SimResult sim = sim::simulate(model, trace, c, p);
@@ -955,8 +970,8 @@ TEST_F(ActivationWs, HostMemoryTooSmallDoesNotFit) {
 // KARMA's point in the planner: GPT-3 175B on 32 GH200s fits only with full recomputation
 // without offload; with NVLink-C2C to host memory a stage's stash copies hide behind its compute,
 // so swapping (with the optimizer on the host, which frees the room for the stashes that stay)
-// beats recomputing, and the search says so. Over PCIe 3 the rule recomputes instead and the
-// recomputing plan stays the best.
+// beats recomputing, and the search says so. Over PCIe 3 no whole stage's copy hides: per layer
+// the rule swaps the leading blocks whose copy does and recomputes the rest.
 TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
   const models::ModelSpec model = models::load_model("gpt3-175b");
   const clusters::Cluster c =
@@ -980,19 +995,26 @@ TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
   ASSERT_NE(plain, r.fitting.end());
   EXPECT_EQ(plain->plan.recompute_of(0), Recompute::full);
   EXPECT_GT(r.fitting.front().samples_per_s(), plain->samples_per_s());
-  // PCIe 3 shared by nothing: the copies do not hide; no plan swaps.
+  // PCIe 3 shared by nothing: a whole stage's copies do not hide; per layer, the leading blocks
+  // whose copy hides swap and the rest recompute (mixed stages), and no stage where units swap
+  // swaps all its blocks.
   const clusters::Cluster slow = clusters::load_cluster(
       "gh200", 32,
       {"network.bandwidth_bytes_per_s=50e9", "host.link=pcie3",
        "host.pcie_bandwidth_bytes_per_s=15.75e9", "host.uplink_bandwidth_bytes_per_s=15.75e9"});
   const SearchResult s = search_plans(model, trace, slow, o);
   ASSERT_FALSE(s.fitting.empty());
+  int mixed = 0;
   for (const Candidate& x : s.fitting)
     if (x.plan.offload_activations) {
-      EXPECT_EQ(x.estimate.report.extra["offload"]["activation_bytes_per_step"], 0);
-      EXPECT_FALSE(x.plan.swaps(0));
+      for (int st = 0; st < x.plan.d; ++st) {
+        mixed += x.plan.mixed_activations(st);
+        if (x.estimate.stages[std::size_t(st)].swap.units_per_step > 0)
+          EXPECT_LT(x.plan.swapped_layers(st), stage_block_count(x.plan, st)) << st;
+      }
     }
-  EXPECT_NE(s.swap_reason.find(": 0 of"), std::string::npos) << s.swap_reason;
+  EXPECT_GT(mixed, 0);
+  EXPECT_EQ(s.swap_reason.find(": 0 of"), std::string::npos) << s.swap_reason;
 }
 
 // The same model on 80 GB devices: nothing fits without offload; the fallback's fastest swaps,
@@ -1017,6 +1039,309 @@ TEST(ActivationSearch, PicksActivationOffloadWhenNothingFitsWithoutIt) {
   ASSERT_NE(recomputing, r.fitting.end());
   EXPECT_EQ(recomputing->plan.recompute_of(0), Recompute::full);
   EXPECT_GT(best.samples_per_s(), 1.2 * recomputing->samples_per_s());
+}
+
+// --- Per-layer choices (activation_layers) ---
+
+using AC = ActivationChoice;
+constexpr AC kS = AC::swap, kR = AC::recompute;
+
+TEST(ActivationLayers, ParsesWritesAndRefusesBadLists) {
+  common::Json j = {
+      {"format", "pipewright.plan/1"},
+      {"schedule", "1f1b"},
+      {"w", 1},
+      {"d", 2},
+      {"b", 1},
+      {"m", 4},
+      {"stage_blocks", {3, 2}},
+      {"offload", "activations"},
+      {"activation_layers",
+       common::Json::parse(R"([["swap", "swap", "recompute"], ["recompute", "recompute"]])")}};
+  Plan p = parse_plan(j, "plan.json");
+  EXPECT_TRUE(p.mixed_activations(0));
+  EXPECT_FALSE(p.mixed_activations(1));
+  EXPECT_TRUE(p.swaps(0));  // a mixed stage swaps its swapped blocks
+  EXPECT_FALSE(p.swaps(1));
+  EXPECT_EQ(p.recompute_of(0), Recompute::none);  // and recomputes the others by itself
+  EXPECT_EQ(p.recompute_of(1), Recompute::full);  // all recompute: full recompute, as before
+  EXPECT_TRUE(p.has_recompute_op(0));
+  EXPECT_EQ(p.swapped_layers(0), 2);
+  EXPECT_EQ(p.recomputed_layers(0), 1);
+  EXPECT_EQ(p.activations, (std::vector<AC>{kS, kR}));
+  const common::Json back = to_json(p);
+  EXPECT_EQ(back["activation_layers"],
+            common::Json::parse(R"([["swap", "swap", "recompute"], ["recompute", "recompute"]])"));
+  EXPECT_EQ(back["activations"], common::Json({"swap", "recompute"}));
+  const Plan again = parse_plan(back, "again");
+  EXPECT_EQ(again.activation_layers, p.activation_layers);
+  EXPECT_EQ(to_json(again).dump(), back.dump());
+  // An old plan file (per stage only) reads as before: every block follows its stage.
+  common::Json old = j;
+  old.erase("activation_layers");
+  old["activations"] = {"swap", "recompute"};
+  const Plan o = parse_plan(old, "old.json");
+  EXPECT_TRUE(o.activation_layers.empty());
+  EXPECT_EQ(layer_choices(o, 0), (std::vector<AC>{kS, kS, kS}));
+  EXPECT_EQ(layer_choices(o, 1), (std::vector<AC>{kR, kR}));
+  EXPECT_EQ(o.recompute, (std::vector<Recompute>{Recompute::none, Recompute::full}));
+  EXPECT_FALSE(to_json(o).contains("activation_layers"));
+  // Bad input: one line naming the field.
+  struct Bad {
+    const char* key;
+    common::Json value;
+    const char* says;
+  };
+  for (const Bad& bad :
+       {Bad{"activation_layers", common::Json::parse(R"([["swap", "swap", "swap"]])"),
+            "plan: activation_layers: has 1 entries but the plan has d = 2 stages"},
+        Bad{"activation_layers", common::Json::parse(R"([["swap", "swap"], ["swap", "swap"]])"),
+            "plan: activation_layers[0]: has 2 entries but stage 0 holds 3 blocks"},
+        Bad{"activation_layers",
+            common::Json::parse(R"([["swap", "keep", "swap"], ["swap", "swap"]])"),
+            "/activation_layers/0/1: unknown activation choice \"keep\" (expected swap or "
+            "recompute)"},
+        Bad{"activation_layers", common::Json::parse(R"([["swap", 1, "swap"], ["swap", "swap"]])"),
+            "plan.json: /activation_layers/0/1: expected a string, found number"},
+        Bad{"activation_layers", common::Json::parse(R"([[], ["swap", "swap"]])"),
+            "plan: activation_layers[0]: needs one choice per block of the stage, found none"},
+        Bad{"activations", common::Json({"recompute", "recompute"}),
+            "plan: activation_layers[0]: amounts to swap (swap when any block swaps) but "
+            "activations[0] is recompute"},
+        Bad{"recompute", common::Json({"full", "full"}),
+            "plan: activations[0]: swap needs recompute none on stage 0, found full"},
+        Bad{"offload", "optimizer",
+            "plan: activation_layers: swap/recompute choices need offload "
+            "activations"},
+        Bad{"t", 2, "activation offload with tensor parallelism (t = 2) is not supported yet"}}) {
+    SCOPED_TRACE(bad.says);
+    common::Json k = j;
+    k[bad.key] = bad.value;
+    const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
+    EXPECT_NE(msg.find(bad.says), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("plan.json"), msg.rfind("plan.json")) << msg;  // named once
+  }
+  // Without stage_blocks the lengths are checked when the stages are resolved.
+  common::Json k = j;
+  k.erase("stage_blocks");  // 5 blocks over 2 stages: 3 and 2, as given
+  Plan r = parse_plan(k, "plan.json");
+  EXPECT_NO_THROW(resolve_stages(r, 5));
+  r = parse_plan(k, "plan.json");
+  EXPECT_NE(error_of<Error>([&] {
+              resolve_stages(r, 6);
+            }).find("plan: activation_layers[1]: has 2 entries but stage 1 holds 3 blocks"),
+            std::string::npos);
+}
+
+// A mixed chunk's figures by hand: gpt2-124m in one stage (embedding, 12 blocks, head), blocks
+// 0-3 and 8 swap, the others recompute. Swapped: the embedding (with block 0) and 5 blocks'
+// stash; recomputed: 7 blocks and the head (with block 11), in two runs (4-7 and 9-11), each
+// keeping one block input as its checkpoint.
+TEST(ActivationLayers, MixedChunkCostsByHand) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const models::ModelCosts mc = models::derive_costs(model);
+  Plan p = plan_of(Schedule::gpipe, 1, 1, 1, 4, 1, 12, {1, 1});
+  std::vector<AC> l(12, kR);
+  for (int i : {0, 1, 2, 3, 8})
+    l[std::size_t(i)] = kS;
+  set_activation_layers(p, {l});
+  const ChunkCost ch = chunk_cost(mc, trace, p, 0, 0);
+  const auto& e = trace.at(1);
+  const std::int64_t blk = e.layers[models::LayerKind::block].activation_bytes;
+  const std::int64_t emb = e.layers[models::LayerKind::embedding].activation_bytes;
+  const std::int64_t head = e.layers[models::LayerKind::head].activation_bytes;
+  EXPECT_EQ(ch.recompute_layers, 7);
+  EXPECT_EQ(ch.swap_bytes, emb + 5 * blk);
+  EXPECT_EQ(ch.layers_recompute_bytes, 7 * blk + head);
+  EXPECT_EQ(ch.swap_bytes + ch.layers_recompute_bytes, ch.stash_bytes);
+  EXPECT_EQ(ch.checkpoint_bytes, 2 * e.layers[models::LayerKind::block].activation_recompute_bytes);
+  EXPECT_NEAR(ch.layers_recompute_s, 7 * 1e-3, 1e-15);
+  // All swap / all recompute: the per-stage figures, nothing mixed.
+  set_activation_layers(p, {std::vector<AC>(12, kS)});
+  EXPECT_EQ(chunk_cost(mc, trace, p, 0, 0).recompute_layers, 0);
+  EXPECT_EQ(chunk_cost(mc, trace, p, 0, 0).swap_bytes, ch.stash_bytes);
+}
+
+// The rule by hand: gpipe, one stage, PCIe 3 (15.75 GB/s). The shortest op is the forward
+// (12 blocks of 1 ms); the leading k blocks swap for the largest k whose copy (latency + the
+// embedding's and k blocks' stash over the link) takes no longer, the rest recompute.
+TEST_F(ActivationWs, RuleSwapsWhatHides) {
+  const double bw = 15.75e9;
+  const clusters::Cluster c = link(bw);
+  Plan p = plan_of(Schedule::gpipe, 1, 1, 1, 4, 1, 12, grid(c));
+  p.offload_activations = true;
+  const auto& e = trace.at(1);
+  const double blk = double(e.layers[models::LayerKind::block].activation_bytes);
+  const double emb = double(e.layers[models::LayerKind::embedding].activation_bytes);
+  const double window = 12e-3;
+  std::int64_t k = 0;
+  while (k < 11 && c.host.pcie_latency_s + (emb + double(k + 1) * blk) / bw <= window)
+    ++k;
+  ASSERT_GT(k, 0);  // the case is a mixed one
+  ASSERT_LT(k, 12);
+  const auto chosen = choose_activations(model, trace, c, p);
+  ASSERT_EQ(chosen.size(), 1u);
+  std::vector<AC> want(12, kR);
+  for (std::int64_t i = 0; i < k; ++i)
+    want[std::size_t(i)] = kS;
+  EXPECT_EQ(chosen[0], want) << "k = " << k;
+  // estimate picks the same and says so per stage; the copies hide: no stall.
+  const Estimate est = estimate(model, trace, c, p);
+  EXPECT_EQ(est.stages[0].swap.stall_s, 0.0);
+  const auto& a = est.report.extra["offload"]["ranks"][0]["activations"];
+  EXPECT_EQ(a["swapped_layers"].get<std::int64_t>(), k);
+  EXPECT_EQ(a["recomputed_layers"].get<std::int64_t>(), 12 - k);
+}
+
+// A mixed stage in the closed form and the simulator: gpipe, one stage, m = 8, a link whose
+// copies hide; the first 6 blocks swap, the last 6 recompute. Per microbatch: swap bytes are the
+// embedding's and 6 blocks' stash, the backward grows by 6 blocks' recompute; the simulator moves
+// exactly those bytes, takes the same step time and reaches the same device peak.
+TEST_F(ActivationWs, MixedStageClosedFormAndSimulatorAgree) {
+  const clusters::Cluster c = link(4e11);
+  Plan p = plan_of(Schedule::gpipe, 1, 1, 1, 8, 1, 12, grid(c));
+  std::vector<AC> l(12, kS);
+  for (int i = 6; i < 12; ++i)
+    l[std::size_t(i)] = kR;
+  set_activation_layers(p, {l});
+  const auto& e = trace.at(1);
+  const std::int64_t blk = e.layers[models::LayerKind::block].activation_bytes;
+  const std::int64_t emb = e.layers[models::LayerKind::embedding].activation_bytes;
+  Plan plain = p;
+  plain.offload_activations = false;
+  plain.activations.clear();
+  plain.activation_layers.clear();
+  plain.recompute.clear();
+  const Estimate est = estimate(model, trace, c, p);
+  const Estimate none = estimate(model, trace, c, plain);
+  EXPECT_EQ(est.stages[0].swap.bytes_per_step, 8 * (emb + 6 * blk));
+  EXPECT_NEAR(est.stages[0].backward_s - none.stages[0].backward_s, 6 * 1e-3, 1e-12);
+  EXPECT_EQ(est.stages[0].swap.stall_s, 0.0);
+  EXPECT_NEAR(est.report.iteration_time_s, none.report.iteration_time_s + 8 * 6e-3, 1e-12);
+  EXPECT_LT(est.report.devices[0].peak_memory_bytes, none.report.devices[0].peak_memory_bytes);
+  const sim::SimResult s = sim::simulate(model, trace, c, p);
+  EXPECT_NEAR(s.report.iteration_time_s, est.report.iteration_time_s,
+              1e-9 * est.report.iteration_time_s);
+  EXPECT_EQ(s.report.devices[0].peak_memory_bytes, est.report.devices[0].peak_memory_bytes);
+  EXPECT_EQ(s.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(),
+            8 * (emb + 6 * blk));
+  EXPECT_EQ(s.report.extra["offload"]["ranks"][0]["activations"]["swapped_layers"], 6);
+  ASSERT_EQ(s.report.hosts.size(), 1u);
+  EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+}
+
+// A mixed pipeline: every schedule's programs pass the checker with both the copies and the
+// recompute ops on the mixed stages, a backward without its recompute is caught, and the closed
+// form agrees with the simulator within a few percent as for per-stage choices.
+TEST(ActivationLayers, MixedPipelineProgramsAndSimulator) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const clusters::Cluster c =
+      clusters::load_cluster("p3.16xlarge", {},
+                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
+                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(to_string(s));
+    Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
+    set_activation_layers(p, {{kS, kR, kR}, {kS, kS, kR}, {kR, kR, kR}, {kS, kS, kS}});
+    ProgramOptions o;
+    o.tied_embeddings = true;
+    const Programs progs = generate_programs(p, o);
+    EXPECT_NO_THROW(check_programs(progs));
+    std::int64_t rc = 0, out = 0, backwards = 0;
+    for (const Op& op : progs.devices[0].ops) {
+      rc += op.kind == OpKind::recompute;
+      out += op.kind == OpKind::copy_activation_to_host;
+      backwards += op.kind == OpKind::backward;
+    }
+    EXPECT_GT(out, 0);
+    EXPECT_EQ(rc, backwards);  // one recompute per backward on the mixed stage
+    Programs bad = progs;
+    auto& ops = bad.devices[0].ops;
+    ops.erase(std::find_if(ops.begin(), ops.end(),
+                           [](const Op& op) { return op.kind == OpKind::recompute; }));
+    EXPECT_NE(
+        error_of<ScheduleError>([&] { check_programs(bad); }).find("backward without a recompute"),
+        std::string::npos);
+    const Estimate est = estimate(model, trace, c, p);
+    const sim::SimResult sim = sim::simulate(model, trace, c, p);
+    EXPECT_NEAR(sim.report.iteration_time_s, est.report.iteration_time_s,
+                0.03 * est.report.iteration_time_s);
+    // Device peaks: the closed form holds a swapped stash on the device for the whole op after its
+    // forward (its download) where the simulator releases it when the copy ends, so it is an upper
+    // bound; on a mixed stage the first backward's re-made block can meet the last forward's
+    // outgoing stash there (gpipe, stage 1: one block's stash, 4.9%).
+    const std::int64_t blk = trace.at(1).layers[models::LayerKind::block].activation_bytes;
+    for (int r = 0; r < p.ranks(); ++r) {
+      const std::int64_t sim_peak = sim.report.devices[std::size_t(r)].peak_memory_bytes;
+      const std::int64_t est_peak = est.report.devices[std::size_t(r)].peak_memory_bytes;
+      EXPECT_LE(sim_peak, est_peak) << r;
+      EXPECT_LE(est_peak - sim_peak, blk + blk / 100) << r;  // and a few KiB of messages
+    }
+    // Bytes moved: flush schedules the same every step. 2bw: the closed form's order is one 1F1B
+    // step; the simulator's steady step (a 4-step run minus a 3-step run) moves more, as it does
+    // with per-stage choices (all stages swapping here: 1211 MB against 1060 MB, +14%; with
+    // these choices 606 MB against 505 MB, +20%): not closed here, only bounded.
+    auto bytes = [](const RunReport& x) {
+      return x.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>();
+    };
+    const std::int64_t est_bytes = bytes(est.report);
+    if (s == Schedule::two_bw) {
+      const std::int64_t three = 3 * bytes(sim.report);
+      const std::int64_t four = 4 * bytes(sim::simulate(model, trace, c, p, {.steps = 4}).report);
+      EXPECT_GE(four - three, est_bytes);
+      EXPECT_LE(double(four - three), 1.25 * double(est_bytes));
+    } else {
+      EXPECT_EQ(bytes(sim.report), est_bytes);
+    }
+  }
+}
+
+// Interleaved, a mixed stage whose chunks differ: stage 1's chunk 0 recomputes all its blocks and
+// its chunk 1 swaps all of them. The recompute op the stage runs before every backward re-makes
+// only the recomputed blocks (nothing for the swapping chunk: a full recompute there would leak
+// its stash in the simulator's ledger, as it once did). Closed form and simulator: the same bytes,
+// device peaks within the 10% interleaved per-stage choices show here.
+TEST(ActivationLayers, InterleavedMixedStageChunksAgree) {
+  const models::ModelSpec model = models::load_model("gpt2-124m");
+  const traces::Trace trace = uniform_trace(model, 1);
+  const clusters::Cluster c =
+      clusters::load_cluster("p3.16xlarge", {},
+                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
+                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  Plan p = plan_of(Schedule::interleaved, 1, 2, 1, 8, 2, 12, grid(c));
+  set_activation_layers(p, {std::vector<AC>(6, kS), {kR, kR, kR, kS, kS, kS}});
+  Plan all = p;
+  set_activation_layers(all, {std::vector<AC>(6, kS), std::vector<AC>(6, kS)});
+  const Estimate est = estimate(model, trace, c, p);
+  const sim::SimResult sim = sim::simulate(model, trace, c, p);
+  const sim::SimResult sim_all = sim::simulate(model, trace, c, all);
+  EXPECT_EQ(sim.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>(),
+            est.report.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>());
+  for (int r = 0; r < p.ranks(); ++r) {
+    const double sim_peak = double(sim.report.devices[std::size_t(r)].peak_memory_bytes);
+    const double est_peak = double(est.report.devices[std::size_t(r)].peak_memory_bytes);
+    EXPECT_NEAR(sim_peak, est_peak, 0.1 * est_peak) << r;
+  }
+  // Chunk 0 of stage 1 has nothing to swap: no copies of its units; chunk 0 of stage 0 has.
+  ProgramOptions po;
+  po.tied_embeddings = true;
+  const Programs progs = generate_programs(p, po);
+  EXPECT_NO_THROW(check_programs(progs));
+  auto copies = [&](int rank, int chunk) {
+    return std::count_if(progs.devices[std::size_t(rank)].ops.begin(),
+                         progs.devices[std::size_t(rank)].ops.end(), [&](const Op& op) {
+                           return op.kind == OpKind::copy_activation_to_host && op.chunk == chunk;
+                         });
+  };
+  EXPECT_EQ(copies(1, 0), 0);
+  EXPECT_GT(copies(0, 0), 0);
+  // Recomputing chunk 0 keeps less than swapping it.
+  EXPECT_LE(sim.report.devices[1].peak_memory_bytes, sim_all.report.devices[1].peak_memory_bytes);
+  EXPECT_NEAR(sim.report.iteration_time_s, est.report.iteration_time_s,
+              0.05 * est.report.iteration_time_s);
 }
 
 }  // namespace

@@ -371,6 +371,26 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
     EXPECT_NO_THROW(detail::prepare_run(
         model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
         << mode_name(mode);
+  // A stage mixing swapped and recomputed blocks (per-layer choices) is not run yet: refused in
+  // one line naming the field, on both backends, instead of running something else.
+  Plan mixed = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kActivations);
+  planner::set_activation_layers(mixed, {{ActivationChoice::swap, ActivationChoice::recompute},
+                                         {ActivationChoice::swap, ActivationChoice::swap}});
+  planner::check(mixed);
+  for (const char* backend : {"cpu", "cuda"}) {
+    msg = testing::error_of([&] { detail::prepare_run(model, mixed, options(2), backend); });
+    EXPECT_NE(msg.find("plan: activation_layers[0]: the " + std::string(backend) +
+                       " executor swaps or recomputes whole stages, not a stage mixing both"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // Per-layer lists that are each all one choice are the per-stage choices: they run.
+  Plan uniform = mixed;
+  planner::set_activation_layers(uniform,
+                                 {{ActivationChoice::swap, ActivationChoice::swap},
+                                  {ActivationChoice::recompute, ActivationChoice::recompute}});
+  EXPECT_NO_THROW(detail::prepare_run(model, uniform, options(2), "cpu"));
   const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
   msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;

@@ -196,6 +196,10 @@ expect_code "chunks with w > 1" 1 "data parallelism (chunk sharding over ranks) 
 expect_code "schedule --offload chunks" 1 "programs need the chunk schedule" $PW schedule --offload chunks -d 1 -m 1
 echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
 expect_code "plan file: activations of the wrong length" 1 "plan: activations: has 1 entries but the plan has d = 2 stages" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-swap.json" --out "$O"
+echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activation_layers": [["swap"], ["swap"]]}' > "$TMP/bad-layers.json"
+expect_code "plan file: activation_layers of the wrong length" 1 "plan: activation_layers.0.: has 1 entries but stage 0 holds 6 blocks" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-layers.json" --out "$O"
+echo '{"format": "pipewright.plan/1", "schedule": "1f1b", "w": 1, "d": 1, "b": 1, "m": 2, "offload": "activations", "activation_layers": [["swap", "recompute"]]}' > "$TMP/mixed-layers.json"
+expect_code "train: a stage mixing swap and recompute" 1 "plan: activation_layers.0.: the cpu executor swaps or recomputes whole stages, not a stage mixing both" $PW train --backend cpu --model gpt-tiny --steps 1 --plan "$TMP/mixed-layers.json" --out "$O"
 expect_code "--offload activations with --recompute" 1 "with activation offload each stage's recompute follows its swap/recompute choice" $PW estimate $WS --offload activations --recompute full --out "$O"
 expect_code "--offload activations with t > 1" 1 "activation offload with tensor parallelism (t = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload activations --out "$O"
 expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offload gpu --out "$O"

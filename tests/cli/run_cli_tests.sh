@@ -450,7 +450,7 @@ grep -q "does not fit: the host memory of node 0" "$TMP/out" && grep -q "m=2 off
 # Activation offload (KARMA): the rule's choice printed per stage; a plan file's choices simulated
 # with copy tracks in the timeline and the swapped bytes in the report.
 expect_ok "estimate --offload activations" $PW estimate --model gpt2-124m --cluster p3.16xlarge -w 1 -d 4 -m 8 --schedule 1f1b --offload activations
-grep -q "activations stage 0: recompute" "$TMP/out" && grep -q "activations stage 3: swap (nothing can swap here: keeps its stash)" "$TMP/out" && ok || bad "estimate prints each stage's activation choice: $(head -c 600 "$TMP/out")"
+grep -q "activations stage 0: 0 layers swap, 3 recompute" "$TMP/out" && grep -q "activations stage 3: 3 layers swap, 0 recompute (nothing can swap here: keeps its stash)" "$TMP/out" && ok || bad "estimate prints each stage's activation choice: $(head -c 600 "$TMP/out")"
 python3 -c "
 import json
 json.dump({'format': 'pipewright.plan/1', 'schedule': 'gpipe', 'w': 1, 'd': 2, 'b': 1, 'm': 8,
@@ -465,5 +465,21 @@ assert 'copy_d2h' in names and 'copy_h2d' in names, names
 assert any(e.get('name', '').startswith('A2H') for e in t) and any(e.get('name', '').startswith('A2D') for e in t)
 r = json.load(open('$TMP/swap-sim.json'))
 assert r['offload']['activation_bytes_per_step'] > 0 and r['plan']['activations'] == ['swap', 'recompute']" && ok || bad "swap timeline tracks and report"
+# Per-layer choices (activation_layers): a stage mixing swapped and recomputed blocks, estimated
+# and simulated; the choice printed per stage and written back in the report's plan.
+python3 -c "
+import json
+json.dump({'format': 'pipewright.plan/1', 'schedule': 'gpipe', 'w': 1, 'd': 2, 'b': 1, 'm': 8,
+           'offload': 'activations', 'activation_layers': [['swap'] * 4 + ['recompute'] * 2, ['recompute'] * 6]},
+          open('$TMP/mixed-plan.json', 'w'))"
+expect_ok "estimate a plan mixing swap and recompute" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/mixed-plan.json"
+grep -q "activations stage 0: 4 layers swap, 2 recompute" "$TMP/out" && grep -q "activations stage 1: 0 layers swap, 6 recompute" "$TMP/out" && ok || bad "estimate prints per-layer choices: $(head -c 600 "$TMP/out")"
+expect_ok "simulate a plan mixing swap and recompute" $PW simulate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/mixed-plan.json" --out "$TMP/mixed-sim.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/mixed-sim.json'))
+a = r['offload']['ranks'][0]['activations']
+assert a['swapped_layers'] == 4 and a['recomputed_layers'] == 2 and a['swapped_bytes_per_step'] > 0, a
+assert r['plan']['activation_layers'][0] == ['swap'] * 4 + ['recompute'] * 2, r['plan']" && ok || bad "mixed plan's report"
 
 finish
