@@ -1009,8 +1009,9 @@ TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
     if (x.plan.offload_activations) {
       for (int st = 0; st < x.plan.d; ++st) {
         mixed += x.plan.mixed_activations(st);
-        if (x.estimate.stages[std::size_t(st)].swap.units_per_step > 0)
+        if (x.estimate.stages[std::size_t(st)].swap.units_per_step > 0) {
           EXPECT_LT(x.plan.swapped_layers(st), stage_block_count(x.plan, st)) << st;
+        }
       }
     }
   EXPECT_GT(mixed, 0);
