@@ -82,6 +82,16 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes) {
   return p.t > 1 && !p.sp ? bytes / p.t : bytes;
 }
 
+int message_buffers(const Plan& p, int s) {
+  if (p.d == 1) return 0;
+  const bool receives = s > 0 || p.v > 1, sends = s < p.d - 1 || p.v > 1;
+  return int(receives) + int(sends) + 1;
+}
+
+std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s) {
+  return bytes_mul(message_buffers(p, s), trace.at(p.b).layers[LayerKind::block].output_bytes);
+}
+
 clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank) {
   const auto& a = p.placement[std::size_t(rank)];
   return clusters::p2p_link(c, a.node, a.gpu, a.node, a.gpu + (p.t > 1 ? 1 : 0));
@@ -680,6 +690,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     st.memory.activations = st.swap.device_bytes;
     st.backward_s += st.swap.stall_s / p.m;
   }
+  // The messages held beside the stashes: received, produced, and the last one sent.
+  st.memory.activations = bytes_add(st.memory.activations, message_buffer_bytes(p, trace, s));
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
   // of the TP group sends its 1/t of the tensor to its counterpart (Megatron's scatter/gather;

@@ -210,10 +210,10 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
       train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kNone), options(2)));
 }
 
-// The measured device peak per rank is the planner's plus exactly what the executor holds beyond
-// the planner's figure without offload (the activation-sized messages on their way, received and
-// sent ones held while the next compute op runs: up to three here, docs/performance.md), and the
-// copy engines' bytes are the simulator's exactly (and the closed form's per step, flush
+// The measured device peak per rank differs from the planner's by exactly what it differs by
+// without offload (the planner counts the activation-sized messages a device holds beside its
+// stashes, docs/formulas.md section 4: the peak is the prediction or one message below it), and
+// the copy engines' bytes are the simulator's exactly (and the closed form's per step, flush
 // schedules); run again inside a budget of that peak, the run fits.
 TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
   const models::ModelSpec model = testing::gpt_tiny(4);
@@ -242,14 +242,14 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
         EXPECT_EQ(got.memory.workspace, want.memory.workspace) << "rank " << rank;
         // The breakdown's total: the device report's peak adds the runtime's reserve of a GPU.
         const std::int64_t total = want.memory.total();
-        // The executor's excess over the prediction is the one it has without offload.
+        // The executor's difference from the prediction is the one it has without offload.
         EXPECT_EQ(got.peak_memory_bytes - total,
                   plain.ranks[std::size_t(rank)].peak_memory_bytes -
                       plain_e.report.devices[std::size_t(rank)].memory.total())
             << "rank " << rank;
-        EXPECT_GE(got.peak_memory_bytes, total)
+        EXPECT_LE(got.peak_memory_bytes, total)
             << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
-        EXPECT_LE(got.peak_memory_bytes, total + 3 * message)
+        EXPECT_GE(got.peak_memory_bytes, total - message)
             << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
         // Bytes: the simulator's, which runs the same programs (2BW's first step fills the
         // pipeline and swaps fewer stashes than its steady state), exactly; for flush schedules
