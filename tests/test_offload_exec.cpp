@@ -3,7 +3,6 @@
 // and activation offload (stashes swapped to the host and back) train bit-identically to the same
 // plan without offload; the measured device peak equals the planner's and stays inside
 // --device-memory; the bytes the copy engines moved per step are the planner's exactly.
-#include <cstring>
 #include <functional>
 
 #include <gtest/gtest.h>
@@ -25,6 +24,9 @@ using planner::ActivationChoice;
 using planner::Offload;
 using planner::Plan;
 using planner::Schedule;
+using testing::adamw_options;
+using testing::expect_identical;
+using testing::largest_peak;
 
 enum Mode { kNone = 0, kOptimizer = 1, kActivations = 2, kBoth = 3 };
 
@@ -50,52 +52,15 @@ Plan make_plan(const models::ModelSpec& model, Schedule s, int d, int b, int m, 
   return p;
 }
 
-TrainOptions options(int steps) {
-  TrainOptions o;
-  o.steps = steps;
-  o.optimizer = "adamw";
-  o.lr = 3e-3f;
-  o.weight_decay = 0.01f;
-  o.seed = 11;
-  return o;
-}
-
-void expect_identical(const TrainResult& got, const TrainResult& want) {
-  ASSERT_EQ(got.steps.size(), want.steps.size());
-  for (std::size_t i = 0; i < want.steps.size(); ++i)
-    EXPECT_EQ(got.steps[i].loss, want.steps[i].loss) << "step " << i;
-  ASSERT_EQ(got.ranks.size(), want.ranks.size());
-  for (std::size_t r = 0; r < want.ranks.size(); ++r) {
-    ASSERT_EQ(got.ranks[r].weights.size(), want.ranks[r].weights.size());
-    for (std::size_t c = 0; c < want.ranks[r].weights.size(); ++c) {
-      const auto& a = got.ranks[r].weights[c];
-      const auto& b = want.ranks[r].weights[c];
-      ASSERT_EQ(a.size(), b.size());
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-          << "rank " << r << " chunk " << c << ": weights differ";
-    }
-  }
-}
-
 // The planner's figures for the plan (fp32, the CPU executor's dtype) on a node with a host link
 // and a CPU Adam rate; one GPU holds every rank, as every thread is its own emulated device.
-Plan placed(const Plan& p) {
-  Plan q = p;
-  planner::place(q, {1, 1}, p.ranks());
-  return q;
-}
-
 planner::Estimate predicted(const models::ModelSpec& model, const Plan& p) {
-  const clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
-  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return planner::estimate(model, t, node, placed(p));
+  return testing::estimate_on(model, p, clusters::load_cluster("v100-32gb-ws"));
 }
 
 // The simulator's report of the same programs over `steps` steps (its bytes: the run's / steps).
 planner::RunReport simulated(const models::ModelSpec& model, const Plan& p, int steps) {
-  const clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
-  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return sim::simulate(model, t, node, placed(p), {.steps = steps}).report;
+  return testing::simulate_on(model, p, clusters::load_cluster("v100-32gb-ws"), steps);
 }
 
 std::string describe(const planner::MemoryBreakdown& m) {
@@ -119,11 +84,11 @@ TEST(OffloadExec, TrainsBitIdenticallyToNoOffload) {
                         Case{Schedule::one_f_one_b, 4, 1, 4}, Case{Schedule::two_bw, 4, 1, 4},
                         Case{Schedule::gpipe, 2, 2, 4}}) {
     const TrainResult plain =
-        train_cpu(model, make_plan(model, k.schedule, k.d, k.b, k.m, kNone), options(3));
+        train_cpu(model, make_plan(model, k.schedule, k.d, k.b, k.m, kNone), adamw_options(3));
     for (int mode : {kOptimizer, kActivations, kBoth}) {
       SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) + " " + mode_name(mode));
       const Plan p = make_plan(model, k.schedule, k.d, k.b, k.m, mode);
-      const TrainResult r = train_cpu(model, p, options(3));
+      const TrainResult r = train_cpu(model, p, adamw_options(3));
       expect_identical(r, plain);
       if (mode & kActivations) {  // the first stage's stashes really went out and came back
         if (k.d == 4 || k.schedule == Schedule::gpipe) {
@@ -181,7 +146,7 @@ TEST(OffloadExec, OtherShapesAreBitIdentical) {
         plain.recompute = off.recompute;
       }
       planner::check(off);
-      TrainOptions o = options(3);
+      TrainOptions o = adamw_options(3);
       o.optimizer = var.optimizer;
       expect_identical(train_cpu(model, off, o), train_cpu(model, plain, o));
     }
@@ -192,9 +157,9 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
   models::ModelSpec model = testing::gpt_tiny(2);
   model.tied_embeddings = false;
   const TrainResult plain =
-      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kNone), options(3));
-  const TrainResult off =
-      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kOptimizer), options(3));
+      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kNone), adamw_options(3));
+  const TrainResult off = train_cpu(
+      model, make_plan(model, Schedule::one_f_one_b, 1, 2, 3, kOptimizer), adamw_options(3));
   expect_identical(off, plain);
   // A vocabulary large enough that the head's logit gradient takes the stage's whole workspace:
   // the head runs in two row blocks there (the embedding's gradient takes part of it).
@@ -206,8 +171,9 @@ TEST(OffloadExec, UntiedSingleStageIsBitIdentical) {
   wide.vocab = 4096;
   wide.layers = 1;
   expect_identical(
-      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kOptimizer), options(2)),
-      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kNone), options(2)));
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kOptimizer),
+                adamw_options(2)),
+      train_cpu(wide, make_plan(wide, Schedule::one_f_one_b, 1, 1, 2, kNone), adamw_options(2)));
 }
 
 // The measured device peak per rank differs from the planner's by exactly what it differs by
@@ -224,10 +190,10 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
       SCOPED_TRACE(to_string(s) + " " + mode_name(mode));
       const Plan p = make_plan(model, s, d, 2, 4, mode);
       const int steps = 3;
-      const TrainResult r = train_cpu(model, p, options(steps));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps));
       const planner::Estimate e = predicted(model, p);
       const Plan plain_plan = make_plan(model, s, d, 2, 4, kNone);
-      const TrainResult plain = train_cpu(model, plain_plan, options(steps));
+      const TrainResult plain = train_cpu(model, plain_plan, adamw_options(steps));
       const planner::Estimate plain_e = predicted(model, plain_plan);
       const common::Json& o = e.report.extra["offload"];
       const planner::RunReport sim = simulated(model, p, steps);
@@ -281,10 +247,8 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
         }
       }
       // Inside a budget of the largest measured peak: the same run fits and stays inside.
-      std::int64_t peak = 0;
-      for (const RankResult& rank : r.ranks)
-        peak = std::max(peak, rank.peak_memory_bytes);
-      TrainOptions o2 = options(steps);
+      const std::int64_t peak = largest_peak(r);
+      TrainOptions o2 = adamw_options(steps);
       o2.device_memory = peak;
       const TrainResult fitted = train_cpu(model, p, o2);
       for (const RankResult& rank : fitted.ranks)
@@ -299,11 +263,9 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
 TEST(OffloadExec, TighterBudgetWaitsForDownloads) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::gpipe, 2, 2, 4, kActivations);
-  const TrainResult free_run = train_cpu(model, p, options(3));
-  std::int64_t peak = 0;
-  for (const RankResult& r : free_run.ranks)
-    peak = std::max(peak, r.peak_memory_bytes);
-  TrainOptions o = options(3);
+  const TrainResult free_run = train_cpu(model, p, adamw_options(3));
+  const std::int64_t peak = largest_peak(free_run);
+  TrainOptions o = adamw_options(3);
   o.device_memory = peak - 1;
   const TrainResult tight = train_cpu(model, p, o);
   for (const RankResult& r : tight.ranks)
@@ -316,14 +278,14 @@ TEST(OffloadExec, TighterBudgetWaitsForDownloads) {
 TEST(OffloadExec, DeviceTooSmallIsOneLine) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kBoth);
-  TrainOptions o = options(2);
+  TrainOptions o = adamw_options(2);
   o.device_memory = 1000;
   std::string msg = testing::error_of([&] { train_cpu(model, p, o); });
   EXPECT_NE(msg.find("rank 0: --device-memory 1000 B: weights of "), std::string::npos) << msg;
   EXPECT_NE(msg.find("short by"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   // Just short of the run's peak: what did not fit, later in the run.
-  const TrainResult r = train_cpu(model, p, options(2));
+  const TrainResult r = train_cpu(model, p, adamw_options(2));
   o.device_memory = r.ranks[0].peak_memory_bytes - 1;
   msg = testing::error_of([&] { train_cpu(model, p, o); });
   EXPECT_NE(msg.find("rank "), std::string::npos) << msg;
@@ -342,9 +304,9 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
   for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(to_string(s));
     const Plan p = make_plan(model, s, 4, 1, 4, kBoth);
-    const TrainResult whole = train_cpu(model, p, options(4));
+    const TrainResult whole = train_cpu(model, p, adamw_options(4));
     testing::TempDir dir("offexec_" + to_string(s));
-    TrainOptions o = options(2);
+    TrainOptions o = adamw_options(2);
     o.checkpoint_dir = dir.file("ckpt");
     train_cpu(model, p, o);
     o.steps = 4;
@@ -364,14 +326,15 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
 TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kOptimizer);
-  std::string msg = testing::error_of([&] { detail::prepare_run(model, p, options(2), "tpu"); });
+  std::string msg =
+      testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2), "tpu"); });
   EXPECT_NE(msg.find("the tpu executor does not run --offload yet"), std::string::npos) << msg;
   for (int mode : {kOptimizer, kActivations, kBoth})
     EXPECT_NO_THROW(detail::prepare_run(
-        model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
+        model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), adamw_options(2), "cuda"))
         << mode_name(mode);
   const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
-  msg = testing::error_of([&] { train_cpu(model, one, options(2)); });
+  msg = testing::error_of([&] { train_cpu(model, one, adamw_options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
