@@ -221,19 +221,8 @@ TEST(ChunksExec, ResumeIsBitIdentical) {
     SCOPED_TRACE(to_string(s));
     const Plan p = make_plan(model, s, 1, 3, 65536);
     const std::int64_t budget = smallest_budget(model, p) + 100000;
-    const TrainResult whole = train_cpu(model, p, adamw_options(4, budget));
-    testing::TempDir dir("chunkexec_" + to_string(s));
-    TrainOptions o = adamw_options(2, budget);
-    o.checkpoint_dir = dir.file("ckpt");
-    train_cpu(model, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = train_cpu(model, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    for (std::size_t i = 0; i < 2; ++i)
-      EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + 2].loss);
-    EXPECT_EQ(resumed.ranks[0].weights, whole.ranks[0].weights);
+    testing::expect_resume_is_bit_identical(model, p, adamw_options(4, budget),
+                                            "chunkexec_" + to_string(s));
   }
 }
 

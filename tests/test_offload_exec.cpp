@@ -304,20 +304,7 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
   for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(to_string(s));
     const Plan p = make_plan(model, s, 4, 1, 4, kBoth);
-    const TrainResult whole = train_cpu(model, p, adamw_options(4));
-    testing::TempDir dir("offexec_" + to_string(s));
-    TrainOptions o = adamw_options(2);
-    o.checkpoint_dir = dir.file("ckpt");
-    train_cpu(model, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = train_cpu(model, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    for (std::size_t i = 0; i < 2; ++i)
-      EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + 2].loss);
-    for (std::size_t r = 0; r < whole.ranks.size(); ++r)
-      EXPECT_EQ(resumed.ranks[r].weights, whole.ranks[r].weights) << "rank " << r;
+    testing::expect_resume_is_bit_identical(model, p, adamw_options(4), "offexec_" + to_string(s));
   }
 }
 

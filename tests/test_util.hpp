@@ -193,4 +193,28 @@ inline std::int64_t largest_peak(const exec::TrainResult& r) {
   return peak;
 }
 
+// Trains options.steps (even) steps unbroken, then again in two halves through a checkpoint in a
+// scratch folder named after `tag`: the resumed half's losses and every rank's final weights are
+// the unbroken run's, bit for bit.
+inline void expect_resume_is_bit_identical(const models::ModelSpec& model, const planner::Plan& p,
+                                           const exec::TrainOptions& options,
+                                           const std::string& tag) {
+  const exec::TrainResult whole = exec::train_cpu(model, p, options);
+  const int half = options.steps / 2;
+  TempDir dir(tag);
+  exec::TrainOptions o = options;
+  o.steps = half;
+  o.checkpoint_dir = dir.file("ckpt");
+  exec::train_cpu(model, p, o);
+  o.steps = options.steps;
+  o.resume = true;
+  const exec::TrainResult resumed = exec::train_cpu(model, p, o);
+  ASSERT_EQ(resumed.first_step, half);
+  ASSERT_EQ(resumed.steps.size(), std::size_t(options.steps - half));
+  for (std::size_t i = 0; i < resumed.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + std::size_t(half)].loss);
+  for (std::size_t r = 0; r < whole.ranks.size(); ++r)
+    EXPECT_EQ(resumed.ranks[r].weights, whole.ranks[r].weights) << "rank " << r;
+}
+
 }  // namespace pw::testing
