@@ -85,7 +85,10 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes) {
 int message_buffers(const Plan& p, int s) {
   if (p.d == 1) return 0;
   const bool receives = s > 0 || p.v > 1, sends = s < p.d - 1 || p.v > 1;
-  return int(receives) + int(sends) + 1;
+  // The previous compute op's sent message, held at the peak; not on GPipe's last stage, whose
+  // peak (its last forward, its first backward) follows a forward, which sends nothing there.
+  const bool held = !(p.schedule == Schedule::gpipe && s == p.d - 1);
+  return int(receives) + int(sends) + int(held);
 }
 
 std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s) {

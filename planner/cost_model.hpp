@@ -269,7 +269,8 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes);
 // received (an activation before a forward, a gradient before a backward; not on virtual stage
 // 0's forwards), the one it produces for the next or previous stage (not on the last virtual
 // stage's forwards), and the previous compute op's sent message, kept until the second compute
-// op after the one that produced it begins (the send overlaps the next compute op). 0 with d = 1.
+// op after the one that produced it begins (the send overlaps the next compute op; none on
+// gpipe's last stage, whose peak follows a forward that sends nothing). 0 with d = 1.
 int message_buffers(const Plan& p, int s);
 std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s);
 

@@ -189,6 +189,11 @@ TEST_F(Memory, MessageBuffersReceivedProducedAndSent) {
   Plan q = plan_of(Schedule::interleaved, 2, 4, 2, 8, 3, 12, grid(cluster));
   EXPECT_EQ(message_buffers(q, 0), 3);
   EXPECT_EQ(message_buffers(q, 3), 3);
+  // GPipe's last stage peaks after a forward, which sends nothing there: no sent one held.
+  Plan g = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, grid(cluster));
+  EXPECT_EQ(message_buffers(g, 0), 2);
+  EXPECT_EQ(message_buffers(g, 2), 3);
+  EXPECT_EQ(message_buffers(g, 3), 1);
   Plan one = plan_of(Schedule::one_f_one_b, 2, 1, 2, 8, 1, 12, grid(cluster));
   EXPECT_EQ(message_buffers(one, 0), 0);
 }
