@@ -584,8 +584,10 @@ void Worker::send(const Op& op, Channel channel, std::map<Key, Buffer>& from) {
     w->s_.transport->send(src, dst, channel, std::vector<float>(data, data + n));
     w->copy_record(planner::kSendStream, t0, Clock::now(), at);
   });
-  // Inline (no engine) the send has run: released at once, as before there were engines.
-  if (send_engine_) in_flight_.push_back({compute_ops_ - 1, sent, std::move(buffer)});
+  // Inline (no engine: MPI, --no-async-comm, a rank taking turns on a shared core) the send has
+  // run, but its buffer is kept to the same release point: the device peak is the same in every
+  // mode, and the planner's (planner::send_buffer_bytes).
+  in_flight_.push_back({compute_ops_ - 1, sent, std::move(buffer)});
 }
 
 void Worker::release_sends(int compute_op) {

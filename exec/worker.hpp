@@ -169,7 +169,8 @@ class Worker {
   // A point-to-point send of from[key]. Its buffer is held (and counted) while the message is in
   // flight and released, its send waited for, when the second compute slot after the compute op
   // that produced it begins (release_sends: the rule of an activation download's device buffer),
-  // so a send overlaps the next compute op and the measured peak is deterministic.
+  // so a send overlaps the next compute op and the measured peak is deterministic. An inline send
+  // (no engine) keeps its buffer to the same point: one peak for every mode, the planner's.
   void send(const planner::Op& op, Channel channel, std::map<Key, Buffer>& from);
   void release_sends(int compute_op);
   struct InFlight {

@@ -82,6 +82,19 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes) {
   return p.t > 1 && !p.sp ? bytes / p.t : bytes;
 }
 
+int message_buffers(const Plan& p, int s) {
+  if (p.d == 1) return 0;
+  const bool receives = s > 0 || p.v > 1, sends = s < p.d - 1 || p.v > 1;
+  // The previous compute op's sent message, held at the peak; not on GPipe's last stage, whose
+  // peak (its last forward, its first backward) follows a forward, which sends nothing there.
+  const bool held = !(p.schedule == Schedule::gpipe && s == p.d - 1);
+  return int(receives) + int(sends) + int(held);
+}
+
+std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s) {
+  return bytes_mul(message_buffers(p, s), trace.at(p.b).layers[LayerKind::block].output_bytes);
+}
+
 clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank) {
   const auto& a = p.placement[std::size_t(rank)];
   return clusters::p2p_link(c, a.node, a.gpu, a.node, a.gpu + (p.t > 1 ? 1 : 0));
@@ -770,6 +783,8 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     for (const ChunkCost& ch : chunks)
       st.backward_s += ch.layers_recompute_s;
   }
+  // The messages held beside the stashes: received, produced, and the last one sent.
+  st.memory.activations = bytes_add(st.memory.activations, message_buffer_bytes(p, trace, s));
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
   // of the TP group sends its 1/t of the tensor to its counterpart (Megatron's scatter/gather;

@@ -279,6 +279,17 @@ MemoryBreakdown static_memory(const models::ModelSpec& model, const Plan& p,
 // gradient): its 1/t (Megatron's scatter/gather); with SP the tensor is already the GPU's shard.
 std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes);
 
+// The pipeline message buffers a device of stage s holds at its peak beside its stashes (docs/
+// formulas.md section 4, "messages"), each a block's output (or input gradient) at b: b T C
+// elements, the GPU's shard with SP. As the executors hold them: the message a compute op
+// received (an activation before a forward, a gradient before a backward; not on virtual stage
+// 0's forwards), the one it produces for the next or previous stage (not on the last virtual
+// stage's forwards), and the previous compute op's sent message, kept until the second compute
+// op after the one that produced it begins (the send overlaps the next compute op; none on
+// gpipe's last stage, whose peak follows a forward that sends nothing). 0 with d = 1.
+int message_buffers(const Plan& p, int s);
+std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s);
+
 // The link a TP group's ring runs over: between the group's first two GPUs (a group stays inside
 // a node, on a uniform intra-node fabric).
 clusters::Link tp_link(const clusters::Cluster& c, const Plan& p, int rank);

@@ -798,6 +798,7 @@ class Replayer {
     allocate(&planner::MemoryBreakdown::gradients, m.gradients);
     allocate(&planner::MemoryBreakdown::optimizer, m.optimizer);
     allocate(&planner::MemoryBreakdown::workspace, m.workspace);
+    allocate(&planner::MemoryBreakdown::activations, m.activations);  // message buffers
   }
 
   void allocate(std::int64_t planner::MemoryBreakdown::*category, std::int64_t bytes) {

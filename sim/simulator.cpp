@@ -68,6 +68,9 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     const std::int64_t workspace = fixed.workspace;
     fixed = planner::static_memory(model, p, parameters);
     fixed.workspace = workspace;
+    // The message buffers the executors hold beside the stashes at the peak, held all along:
+    // the planner's count (planner::message_buffers).
+    fixed.activations = planner::message_buffer_bytes(p, trace, rs.stage);
     if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
       const planner::ChunkSchedule& cs = (*w.programs->chunks)[std::size_t(rs.stage)];
       // The chunks a step starts with on the device (each step ends with them there): their

@@ -111,9 +111,10 @@ struct World {
   // -2)
   std::map<std::tuple<int, int, int, int>, Collective> collectives;
   std::vector<double> bucket_bytes;  // per (stage * v + chunk): gradient bytes of one bucket
-  std::vector<planner::MemoryBreakdown> rank_static;  // weights, gradients, optimizer, workspace
-  std::int64_t timed_ops = 0;                         // sleeps the actors ran
-  std::int64_t dtype_bytes = 2;                       // of the model's compute dtype
+  // weights, gradients, optimizer, workspace and the message buffers (activations)
+  std::vector<planner::MemoryBreakdown> rank_static;
+  std::int64_t timed_ops = 0;    // sleeps the actors ran
+  std::int64_t dtype_bytes = 2;  // of the model's compute dtype
   LinkCounter links;
 
   const planner::Plan& plan() const { return programs->plan; }

@@ -6,7 +6,6 @@
 // stays inside --device-memory; the bytes moved are the simulator's exactly; bad input is one
 // line; resume is bit-identical.
 #include <cstdio>
-#include <cstring>
 #include <functional>
 
 #include <gtest/gtest.h>
@@ -26,6 +25,8 @@ namespace {
 using planner::Offload;
 using planner::Plan;
 using planner::Schedule;
+using testing::adamw_options;
+using testing::expect_identical;
 
 Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes) {
   Plan p;
@@ -41,44 +42,10 @@ Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::in
   return p;
 }
 
-TrainOptions options(int steps, std::int64_t device_memory = 0) {
-  TrainOptions o;
-  o.steps = steps;
-  o.optimizer = "adamw";
-  o.lr = 3e-3f;
-  o.weight_decay = 0.01f;
-  o.seed = 11;
-  o.device_memory = device_memory;
-  return o;
-}
-
 models::ModelSpec untied(models::ModelSpec m) {
   m.tied_embeddings = false;
   m.name += "-untied";
   return m;
-}
-
-void expect_identical(const TrainResult& got, const TrainResult& want) {
-  ASSERT_EQ(got.steps.size(), want.steps.size());
-  for (std::size_t i = 0; i < want.steps.size(); ++i)
-    EXPECT_EQ(got.steps[i].loss, want.steps[i].loss) << "step " << i;
-  ASSERT_EQ(got.ranks.size(), want.ranks.size());
-  for (std::size_t r = 0; r < want.ranks.size(); ++r) {
-    ASSERT_EQ(got.ranks[r].weights.size(), want.ranks[r].weights.size());
-    for (std::size_t c = 0; c < want.ranks[r].weights.size(); ++c) {
-      const auto& a = got.ranks[r].weights[c];
-      const auto& b = want.ranks[r].weights[c];
-      ASSERT_EQ(a.size(), b.size());
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-          << "rank " << r << " chunk " << c << ": weights differ";
-    }
-  }
-}
-
-Plan placed(const Plan& p) {
-  Plan q = p;
-  planner::place(q, {1, 1}, p.ranks());
-  return q;
 }
 
 // The schedule the executor plans on (chunk_cluster: the emulated device's budget).
@@ -86,20 +53,16 @@ planner::ChunkSchedule schedule_of(const models::ModelSpec& model, const Plan& p
                                    std::int64_t budget) {
   const clusters::Cluster node = chunk_cluster(budget);
   const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return planner::chunk_schedule(model, t, node, placed(p));
+  return planner::chunk_schedule(model, t, node, testing::on_one_gpu(p));
 }
 
 planner::RunReport simulated(const models::ModelSpec& model, const Plan& p, std::int64_t budget,
                              int steps) {
-  const clusters::Cluster node = chunk_cluster(budget);
-  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return sim::simulate(model, t, node, placed(p), {.steps = steps}).report;
+  return testing::simulate_on(model, p, chunk_cluster(budget), steps);
 }
 
 planner::Estimate estimated(const models::ModelSpec& model, const Plan& p, std::int64_t budget) {
-  const clusters::Cluster node = chunk_cluster(budget);
-  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return planner::estimate(model, t, node, placed(p));
+  return testing::estimate_on(model, p, chunk_cluster(budget));
 }
 
 // The smallest device the plan's chunks fit (the planner's refusal below it).
@@ -150,13 +113,13 @@ TEST(ChunksExec, BitIdenticalPeakAndBytesAreThePlanners) {
         Case{Schedule::dp, 2, 2, 65536, false}}) {
     const models::ModelSpec model = k.untied ? untied(testing::gpt_tiny(3)) : testing::gpt_tiny(3);
     const TrainResult plain =
-        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1), options(steps));
+        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1), adamw_options(steps));
     const Plan p = make_plan(model, k.schedule, k.b, k.m, k.chunk_bytes);
     for (std::int64_t budget : budgets(model, p)) {
       SCOPED_TRACE(to_string(k.schedule) + " b=" + std::to_string(k.b) +
                    " m=" + std::to_string(k.m) + " chunk=" + std::to_string(k.chunk_bytes) +
                    (k.untied ? " untied" : " tied") + " budget=" + std::to_string(budget));
-      const TrainResult r = train_cpu(model, p, options(steps, budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
       const planner::ChunkSchedule s = schedule_of(model, p, budget);
       const RankResult& got = r.ranks[0];
@@ -215,9 +178,9 @@ TEST(ChunksExec, ManyStepsAtTheTightestBudgetStayIdentical) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 65536);
   const TrainResult plain =
-      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 2, 2, -1), options(6));
+      train_cpu(model, make_plan(model, Schedule::one_f_one_b, 2, 2, -1), adamw_options(6));
   const std::int64_t budget = smallest_budget(model, p);
-  const TrainResult r = train_cpu(model, p, options(6, budget));
+  const TrainResult r = train_cpu(model, p, adamw_options(6, budget));
   expect_identical(r, plain);
   EXPECT_EQ(r.ranks[0].peak_memory_bytes, schedule_of(model, p, budget).device_peak_bytes);
 }
@@ -227,26 +190,26 @@ TEST(ChunksExec, BadInputIsOneLine) {
   const models::ModelSpec model = testing::gpt_tiny(3);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 1, 65536);
   const std::int64_t low = smallest_budget(model, p);
-  std::string msg = testing::error_of([&] { train_cpu(model, p, options(2, low - 1)); });
+  std::string msg = testing::error_of([&] { train_cpu(model, p, adamw_options(2, low - 1)); });
   EXPECT_NE(msg.find("offload chunks: the device's "), std::string::npos) << msg;
   EXPECT_NE(msg.find("is smaller than the working set of the "), std::string::npos) << msg;
   EXPECT_NE(msg.find(") by 1 B"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   // A chunk smaller than the largest tensor (wte, fc, fc2: 16384 fp32 elements).
   const Plan small = make_plan(model, Schedule::one_f_one_b, 1, 1, 65532);
-  msg = testing::error_of([&] { train_cpu(model, small, options(2, low)); });
+  msg = testing::error_of([&] { train_cpu(model, small, adamw_options(2, low)); });
   EXPECT_NE(msg.find("offload chunks: chunk size 65532 B (16383 elements of 4 B) is smaller than "
                      "tensor wte (16384 elements, 65536 B) by 4 B; use --chunk-size 65536 or more"),
             std::string::npos)
       << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-  msg = testing::error_of([&] { train_cpu(model, p, options(2, 0)); });
+  msg = testing::error_of([&] { train_cpu(model, p, adamw_options(2, 0)); });
   EXPECT_NE(msg.find("--offload chunks needs --device-memory BYTES"), std::string::npos) << msg;
-  TrainOptions sgd = options(2, low);
+  TrainOptions sgd = adamw_options(2, low);
   sgd.optimizer = "sgd";
   msg = testing::error_of([&] { train_cpu(model, p, sgd); });
   EXPECT_NE(msg.find("--offload chunks runs AdamW"), std::string::npos) << msg;
-  msg = testing::error_of([&] { detail::prepare_run(model, p, options(2, low), "cuda"); });
+  msg = testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2, low), "cuda"); });
   EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
   // Pipelines with chunks are planned and simulated, not run yet: one line.
   Plan piped = p;
@@ -271,19 +234,8 @@ TEST(ChunksExec, ResumeIsBitIdentical) {
     SCOPED_TRACE(to_string(s));
     const Plan p = make_plan(model, s, 1, 3, 65536);
     const std::int64_t budget = smallest_budget(model, p) + 100000;
-    const TrainResult whole = train_cpu(model, p, options(4, budget));
-    testing::TempDir dir("chunkexec_" + to_string(s));
-    TrainOptions o = options(2, budget);
-    o.checkpoint_dir = dir.file("ckpt");
-    train_cpu(model, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = train_cpu(model, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    for (std::size_t i = 0; i < 2; ++i)
-      EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + 2].loss);
-    EXPECT_EQ(resumed.ranks[0].weights, whole.ranks[0].weights);
+    testing::expect_resume_is_bit_identical(model, p, adamw_options(4, budget),
+                                            "chunkexec_" + to_string(s));
   }
 }
 

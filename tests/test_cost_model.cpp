@@ -140,7 +140,8 @@ TEST(AllReduce, RingFormula) {
 using Memory = Fixture;
 
 // Paper (Appendix A), per stage with |W|/d the stage's weights and |A_total(b)|/d its activations
-// for one microbatch, |A_input(b)| its input activation; n = d - s microbatches in flight.
+// for one microbatch, |A_input(b)| its input activation; n = d - s microbatches in flight. Beside
+// the paper's terms the activations hold the stage's message buffers (M below, the next test).
 TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
   // 2|W|/d + |A_total(b)|/d + d|A_input(b)|, here for a middle stage s with n = d - s.
   Plan p = plan_of(Schedule::two_bw, 2, 4, 2, 8, 1, 12, grid(cluster));
@@ -153,7 +154,7 @@ TEST_F(Memory, TwoBwWithRecomputeMatchesThePaper) {
   const std::int64_t A = 2 * 3 * mc.block.activation_bytes;  // b = 2, 3 blocks
   const std::int64_t I = 2 * mc.block.input_bytes;
   EXPECT_EQ(st.memory.weights + st.memory.weight_versions, 2 * W);
-  EXPECT_EQ(st.memory.activations, A + (4 - s) * I);
+  EXPECT_EQ(st.memory.activations, A + (4 - s) * I + message_buffer_bytes(p, trace, s));
   // Mixed-precision AdamW: 16 bytes per parameter with weights and gradients.
   EXPECT_EQ(st.memory.weights + st.memory.gradients + st.memory.optimizer,
             16 * 3 * mc.block.parameters);
@@ -166,10 +167,35 @@ TEST_F(Memory, TwoBwWithoutRecomputeStashesDMicrobatches) {
   Estimate e = estimate(model, trace, cluster, p);
   const models::ModelCosts mc = models::derive_costs(model);
   for (int s = 1; s < 3; ++s)
-    EXPECT_EQ(e.stages[s].memory.activations, (4 - s) * 2 * 3 * mc.block.activation_bytes);
+    EXPECT_EQ(e.stages[s].memory.activations,
+              (4 - s) * 2 * 3 * mc.block.activation_bytes + message_buffer_bytes(p, trace, s));
   // Stage 0 stashes d microbatches, plus the embedding's token ids.
   EXPECT_EQ(e.stages[0].memory.activations,
-            4 * 2 * (3 * mc.block.activation_bytes + mc.embedding.activation_bytes));
+            4 * 2 * (3 * mc.block.activation_bytes + mc.embedding.activation_bytes) +
+                message_buffer_bytes(p, trace, 0));
+}
+
+// The message buffers beside the stashes (docs/formulas.md section 4): received, produced and the
+// previous op's sent one, each a block's output at b; none with one stage.
+TEST_F(Memory, MessageBuffersReceivedProducedAndSent) {
+  const models::ModelCosts mc = models::derive_costs(model);
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(cluster));
+  const int want[] = {2, 3, 3, 2};
+  for (int s = 0; s < 4; ++s) {
+    EXPECT_EQ(message_buffers(p, s), want[s]) << "stage " << s;
+    EXPECT_EQ(message_buffer_bytes(p, trace, s), want[s] * 2 * mc.block.output_bytes);
+  }
+  // Interleaved: every device receives and sends (its chunks are virtual middle stages).
+  Plan q = plan_of(Schedule::interleaved, 2, 4, 2, 8, 3, 12, grid(cluster));
+  EXPECT_EQ(message_buffers(q, 0), 3);
+  EXPECT_EQ(message_buffers(q, 3), 3);
+  // GPipe's last stage peaks after a forward, which sends nothing there: no sent one held.
+  Plan g = plan_of(Schedule::gpipe, 2, 4, 2, 8, 1, 12, grid(cluster));
+  EXPECT_EQ(message_buffers(g, 0), 2);
+  EXPECT_EQ(message_buffers(g, 2), 3);
+  EXPECT_EQ(message_buffers(g, 3), 1);
+  Plan one = plan_of(Schedule::one_f_one_b, 2, 1, 2, 8, 1, 12, grid(cluster));
+  EXPECT_EQ(message_buffers(one, 0), 0);
 }
 
 TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
@@ -180,8 +206,9 @@ TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
   const models::ModelCosts mc = models::derive_costs(model);
   const auto& st = e.stages[2];
   EXPECT_EQ(st.memory.weight_versions, 0);
-  EXPECT_EQ(st.memory.activations,
-            2 * 3 * mc.block.activation_bytes + 8 * 2 * mc.block.input_bytes);
+  EXPECT_EQ(st.memory.activations, 2 * 3 * mc.block.activation_bytes +
+                                       8 * 2 * mc.block.input_bytes +
+                                       message_buffer_bytes(p, trace, 2));
 }
 
 TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {

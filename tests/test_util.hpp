@@ -1,6 +1,10 @@
-// Helpers shared by the test suites: catching an error's message and a scratch folder.
+// Helpers shared by the test suites: catching an error's message, a scratch folder, and the
+// executor suites' runs and comparisons.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -11,9 +15,13 @@
 #include "clusters/cluster.hpp"
 #include "common/error.hpp"
 #include "common/json_reader.hpp"
+#include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
 #include "models/model.hpp"
+#include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
+#include "sim/simulator.hpp"
+#include "traces/analytic.hpp"
 #include "traces/trace.hpp"
 
 namespace pw::testing {
@@ -119,6 +127,94 @@ inline models::ModelSpec gpt_tiny(std::int64_t layers, models::DType dtype = mod
 inline exec::StageSpec stage_spec(const models::ModelSpec& m, bool embedding, std::int64_t first,
                                   std::int64_t blocks, bool head) {
   return exec::StageSpec{m, embedding, first, blocks, head};
+}
+
+// --- The executor suites (test_offload_exec, test_chunks_exec): a run, its bits, its peaks. ---
+
+// AdamW (lr 3e-3, weight decay 0.01, seed 11) over `steps` steps, on an emulated device of
+// `device_memory` bytes (0: unbounded).
+inline exec::TrainOptions adamw_options(int steps, std::int64_t device_memory = 0) {
+  exec::TrainOptions o;
+  o.steps = steps;
+  o.optimizer = "adamw";
+  o.lr = 3e-3f;
+  o.weight_decay = 0.01f;
+  o.seed = 11;
+  o.device_memory = device_memory;
+  return o;
+}
+
+// The same losses and every rank's final weights, bit for bit.
+inline void expect_identical(const exec::TrainResult& got, const exec::TrainResult& want) {
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (std::size_t i = 0; i < want.steps.size(); ++i)
+    EXPECT_EQ(got.steps[i].loss, want.steps[i].loss) << "step " << i;
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < want.ranks.size(); ++r) {
+    ASSERT_EQ(got.ranks[r].weights.size(), want.ranks[r].weights.size());
+    for (std::size_t c = 0; c < want.ranks[r].weights.size(); ++c) {
+      const auto& a = got.ranks[r].weights[c];
+      const auto& b = want.ranks[r].weights[c];
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << "rank " << r << " chunk " << c << ": weights differ";
+    }
+  }
+}
+
+// The plan with every rank on one GPU: the CPU executor's threads are each their own emulated
+// device.
+inline planner::Plan on_one_gpu(const planner::Plan& p) {
+  planner::Plan q = p;
+  planner::place(q, {1, 1}, p.ranks());
+  return q;
+}
+
+// The planner's estimate of the plan on `cluster` (every rank on one GPU; the analytic trace of
+// the model at b on the cluster's device).
+inline planner::Estimate estimate_on(const models::ModelSpec& model, const planner::Plan& p,
+                                     const clusters::Cluster& cluster) {
+  const traces::Trace t = traces::analytic_trace(model, cluster.device, {p.b});
+  return planner::estimate(model, t, cluster, on_one_gpu(p));
+}
+
+// The simulator's report of the same programs over `steps` steps (its bytes: the run's / steps).
+inline planner::RunReport simulate_on(const models::ModelSpec& model, const planner::Plan& p,
+                                      const clusters::Cluster& cluster, int steps) {
+  const traces::Trace t = traces::analytic_trace(model, cluster.device, {p.b});
+  return sim::simulate(model, t, cluster, on_one_gpu(p), {.steps = steps}).report;
+}
+
+// The largest measured device peak over a run's ranks.
+inline std::int64_t largest_peak(const exec::TrainResult& r) {
+  std::int64_t peak = 0;
+  for (const exec::RankResult& rank : r.ranks)
+    peak = std::max(peak, rank.peak_memory_bytes);
+  return peak;
+}
+
+// Trains options.steps (even) steps unbroken, then again in two halves through a checkpoint in a
+// scratch folder named after `tag`: the resumed half's losses and every rank's final weights are
+// the unbroken run's, bit for bit.
+inline void expect_resume_is_bit_identical(const models::ModelSpec& model, const planner::Plan& p,
+                                           const exec::TrainOptions& options,
+                                           const std::string& tag) {
+  const exec::TrainResult whole = exec::train_cpu(model, p, options);
+  const int half = options.steps / 2;
+  TempDir dir(tag);
+  exec::TrainOptions o = options;
+  o.steps = half;
+  o.checkpoint_dir = dir.file("ckpt");
+  exec::train_cpu(model, p, o);
+  o.steps = options.steps;
+  o.resume = true;
+  const exec::TrainResult resumed = exec::train_cpu(model, p, o);
+  ASSERT_EQ(resumed.first_step, half);
+  ASSERT_EQ(resumed.steps.size(), std::size_t(options.steps - half));
+  for (std::size_t i = 0; i < resumed.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, whole.steps[i + std::size_t(half)].loss);
+  for (std::size_t r = 0; r < whole.ranks.size(); ++r)
+    EXPECT_EQ(resumed.ranks[r].weights, whole.ranks[r].weights) << "rank " << r;
 }
 
 }  // namespace pw::testing
