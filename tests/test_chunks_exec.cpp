@@ -218,7 +218,7 @@ TEST(ChunksExec, BadInputIsOneLine) {
   piped.stage_blocks.clear();
   planner::resolve_stages(piped, model.layers);
   planner::check(piped);
-  msg = testing::error_of([&] { train_cpu(model, piped, options(2, low)); });
+  msg = testing::error_of([&] { train_cpu(model, piped, adamw_options(2, low)); });
   EXPECT_NE(msg.find("plan: d: the cpu executor runs offload chunks on one stage only yet (d = 1, "
                      "found d = 2)"),
             std::string::npos)

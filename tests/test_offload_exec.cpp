@@ -324,7 +324,7 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
                                          {ActivationChoice::swap, ActivationChoice::swap}});
   planner::check(mixed);
   for (const char* backend : {"cpu", "cuda"}) {
-    msg = testing::error_of([&] { detail::prepare_run(model, mixed, options(2), backend); });
+    msg = testing::error_of([&] { detail::prepare_run(model, mixed, adamw_options(2), backend); });
     EXPECT_NE(msg.find("plan: activation_layers[0]: the " + std::string(backend) +
                        " executor swaps or recomputes whole stages, not a stage mixing both"),
               std::string::npos)
@@ -336,7 +336,7 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   planner::set_activation_layers(uniform,
                                  {{ActivationChoice::swap, ActivationChoice::swap},
                                   {ActivationChoice::recompute, ActivationChoice::recompute}});
-  EXPECT_NO_THROW(detail::prepare_run(model, uniform, options(2), "cpu"));
+  EXPECT_NO_THROW(detail::prepare_run(model, uniform, adamw_options(2), "cpu"));
   const Plan one = make_plan(model, Schedule::one_f_one_b, 1, 2, 4, kOptimizer);
   msg = testing::error_of([&] { train_cpu(model, one, adamw_options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
