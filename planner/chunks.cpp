@@ -211,7 +211,9 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 
 // One step's moments without copies: per compute op of the stage's step (its order: gpipe all
 // forwards then all backwards, 1f1b interleaved), its layers, with the non-model bytes (the
-// stashes held: every microbatch in flight, the current one up to its layer) and the compute time.
+// stashes held: every microbatch in flight, the current one up to its layer; the pipeline message
+// buffers the device holds beside them, planner::message_buffer_bytes, none with d = 1) and the
+// compute time.
 std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
                                       const Plan& p, const ChunkLayout& L, std::int64_t workspace) {
   const traces::Entry& e = trace.at(p.b);
@@ -219,6 +221,7 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   auto kind = [&](int l) { return layer_kind(model, L, l); };
   std::vector<ChunkMoment> out;
   std::int64_t held = 0;
+  const std::int64_t messages = message_buffer_bytes(p, trace, L.stage);
   const std::vector<ComputeSlot> order = step_compute_order(p, L.stage);
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
@@ -231,7 +234,7 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
                      l,
                      t.activation_bytes,
                      {},
-                     add(held, workspace),
+                     add(add(held, workspace), messages),
                      0,
                      back ? t.backward_s : t.forward_s});
       if (back) held -= t.activation_bytes;

@@ -667,15 +667,19 @@ TEST(ChunksPipeline, MomentsFollowEachStagesOwnOrderWithItsInFlightStashes) {
     most0 = std::max(most0, k.non_model_bytes);
   for (const ChunkMoment& k : s1.moments)
     most1 = std::max(most1, k.non_model_bytes);
-  EXPECT_EQ(most0, 2 * (ae + ab) + W0);
+  // Beside them, both hold two message buffers (the one sent or received, and the last sent one
+  // held: formulas §4, K_0 = K_1 = 2 for 1f1b with d = 2).
+  const std::int64_t msg = e.layers[models::LayerKind::block].output_bytes;
+  ASSERT_GT(msg, 0);
+  EXPECT_EQ(most0, 2 * (ae + ab) + W0 + 2 * msg);
   EXPECT_EQ(s0.workspace_bytes, W0);
-  EXPECT_EQ(most1, ab + ah + W1);
+  EXPECT_EQ(most1, ab + ah + W1 + 2 * msg);
   EXPECT_EQ(s1.workspace_bytes, W1);
   // gpipe holds all three on both.
   const Plan g = piped(c, Schedule::gpipe, 3, 2, 512);
   const ChunkSchedule g0 = chunk_schedule(m, trace, c, g, 0);
   EXPECT_EQ(order(g0), "F0:0 F0:1 F1:0 F1:1 F2:0 F2:1 B3:1 B3:0 B4:1 B4:0 B5:1 B5:0 ");
-  EXPECT_EQ(g0.moments[5].non_model_bytes, 3 * (ae + ab) + W0);
+  EXPECT_EQ(g0.moments[5].non_model_bytes, 3 * (ae + ab) + W0 + 2 * msg);
   // Everything fits (a V100's 16 GB): each chunk comes up once and goes down for CPU Adam or
   // stays with its state on the device; the tied copy's chunk on stage 1 runs Adam on 24
   // parameters (lnf), not on wte's 128.
@@ -690,7 +694,10 @@ TEST(ChunksPipeline, PerStageEvictionPlansInTheProgramsPassTheChecker) {
   const models::ModelSpec m = tiny();
   const traces::Trace trace = no_activations(m);
   clusters::Cluster c = eight();
-  c.device.memory_bytes = 7 * 512;  // stage 0's block 0 exactly; stage 1 one chunk spare
+  // Stage 0's block 0 exactly, beside its two message buffers (formulas §4: K_0 = 2); stage 1
+  // one chunk spare.
+  c.device.memory_bytes =
+      7 * 512 + 2 * trace.entries[0].layers[models::LayerKind::block].output_bytes;
   for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b}) {
     SCOPED_TRACE(to_string(sch));
     const Plan p = piped(c, sch, 1, 2, 512);
@@ -704,11 +711,13 @@ TEST(ChunksPipeline, PerStageEvictionPlansInTheProgramsPassTheChecker) {
     EXPECT_EQ(a.device_adam_chunks, 0);
     EXPECT_EQ(a.uploads, 7);
     EXPECT_EQ(a.downloads, 7);
-    EXPECT_EQ(a.device_peak_bytes, 7 * 512);
+    const std::int64_t msg = trace.entries[0].layers[models::LayerKind::block].output_bytes;
+    EXPECT_EQ(a.device_peak_bytes, 7 * 512 + 2 * msg);
     EXPECT_EQ(b.device_adam_chunks, 0);
     EXPECT_EQ(b.uploads, 6);
     EXPECT_EQ(b.downloads, 6);
-    EXPECT_EQ(b.device_peak_bytes, 6 * 512);
+    // gpipe's last stage holds one message buffer, 1f1b's two (formulas §4).
+    EXPECT_EQ(b.device_peak_bytes, 6 * 512 + (sch == Schedule::gpipe ? 1 : 2) * msg);
     const double rate = 32 * 9.5e7 / 2;  // the node's CPU Adam, shared by its two stages
     EXPECT_DOUBLE_EQ(b.host_adam_s[5], 24 / rate);
     ProgramOptions o;
