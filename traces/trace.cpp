@@ -133,49 +133,32 @@ std::vector<std::int64_t> Trace::microbatch_sizes() const {
 
 Trace mean_of(const std::vector<Trace>& traces) {
   if (traces.empty()) throw InputError("the mean of no traces");
-  Trace out = traces.front();
-  // Same shape: the traces with their times set to the first's must equal the first.
-  auto times_of = [](Trace t, const Trace& from) {
-    for (models::LayerKind k : kLayerKinds)
-      t.statics[k].optimizer_step_s = from.statics[k].optimizer_step_s;
-    for (std::size_t e = 0; e < t.entries.size() && e < from.entries.size(); ++e)
-      for (models::LayerKind k : kLayerKinds) {
-        LayerTimes& l = t.entries[e].layers[k];
-        const LayerTimes& f = from.entries[e].layers[k];
-        l.forward_s = f.forward_s;
-        l.backward_s = f.backward_s;
-        l.backward_input_s = f.backward_input_s;
-        l.backward_weight_s = f.backward_weight_s;
-        l.recompute_s = f.recompute_s;
-        l.selective_recompute_s = f.selective_recompute_s;
-      }
-    return t;
+  // A layer's times: what differs between profiles of one model.
+  static constexpr double LayerTimes::*kTimes[] = {
+      &LayerTimes::forward_s,         &LayerTimes::backward_s,  &LayerTimes::backward_input_s,
+      &LayerTimes::backward_weight_s, &LayerTimes::recompute_s, &LayerTimes::selective_recompute_s};
+  // Calls f(field of `to`, the same field of `from`) for every time of the two traces.
+  auto each_time = [](Trace& to, const Trace& from, auto&& f) {
+    for (models::LayerKind k : kLayerKinds) {
+      f(to.statics[k].optimizer_step_s, from.statics[k].optimizer_step_s);
+      for (std::size_t e = 0; e < to.entries.size() && e < from.entries.size(); ++e)
+        for (double LayerTimes::*time : kTimes)
+          f(to.entries[e].layers[k].*time, from.entries[e].layers[k].*time);
+    }
   };
-  for (std::size_t i = 1; i < traces.size(); ++i)
-    if (!(times_of(traces[i], out) == out))
+  Trace out = traces.front();
+  for (std::size_t i = 1; i < traces.size(); ++i) {
+    // Same shape: the trace with the first's times must equal the first.
+    Trace same = traces[i];
+    each_time(same, out, [](double& to, double from) { to = from; });
+    if (!(same == out))
       throw InputError(fmt::format("trace {}: differs from trace {} in more than its times",
                                    traces[i].origin, out.origin));
-  const double n = double(traces.size());
-  auto mean = [&](auto&& field) {
-    double sum = 0;
-    for (const Trace& t : traces)
-      sum += field(t);
-    return sum / n;
-  };
-  for (models::LayerKind k : kLayerKinds) {
-    out.statics[k].optimizer_step_s =
-        mean([&](const Trace& t) { return t.statics[k].optimizer_step_s; });
-    for (std::size_t e = 0; e < out.entries.size(); ++e) {
-      LayerTimes& l = out.entries[e].layers[k];
-      auto of = [&](const Trace& t) -> const LayerTimes& { return t.entries[e].layers[k]; };
-      l.forward_s = mean([&](const Trace& t) { return of(t).forward_s; });
-      l.backward_s = mean([&](const Trace& t) { return of(t).backward_s; });
-      l.backward_input_s = mean([&](const Trace& t) { return of(t).backward_input_s; });
-      l.backward_weight_s = mean([&](const Trace& t) { return of(t).backward_weight_s; });
-      l.recompute_s = mean([&](const Trace& t) { return of(t).recompute_s; });
-      l.selective_recompute_s = mean([&](const Trace& t) { return of(t).selective_recompute_s; });
-    }
   }
+  for (std::size_t i = 1; i < traces.size(); ++i)
+    each_time(out, traces[i], [](double& sum, double time) { sum += time; });
+  const double n = double(traces.size());
+  each_time(out, out, [n](double& sum, double) { sum /= n; });
   return out;
 }
 
