@@ -23,6 +23,13 @@ using pw::testing::grid;
 using pw::testing::plan_of;
 using pw::testing::uniform_trace;
 
+// p3.16xlarge with a host link fast enough that every swap copy hides behind compute.
+clusters::Cluster fast_host_p3() {
+  return clusters::load_cluster("p3.16xlarge", {},
+                                {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
+                                 "host.uplink_bandwidth_bytes_per_s=4e11"});
+}
+
 // The per-stage choice a stage's per-layer choices amount to when they are all one ("mixed"
 // otherwise).
 std::string stage_choice(const std::vector<ActivationChoice>& layers) {
@@ -868,10 +875,7 @@ TEST_F(ActivationWs, CopiesThatDoNotHideStallTheStep) {
 TEST(ActivationPipeline, ClosedFormAgreesWithTheSimulator) {
   const models::ModelSpec model = models::load_model("gpt2-124m");
   const traces::Trace trace = uniform_trace(model, 1);
-  const clusters::Cluster c =
-      clusters::load_cluster("p3.16xlarge", {},
-                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
-                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  const clusters::Cluster c = fast_host_p3();
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(to_string(s));
     Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
@@ -1239,10 +1243,7 @@ TEST_F(ActivationWs, MixedStageClosedFormAndSimulatorAgree) {
 TEST(ActivationLayers, MixedPipelineProgramsAndSimulator) {
   const models::ModelSpec model = models::load_model("gpt2-124m");
   const traces::Trace trace = uniform_trace(model, 1);
-  const clusters::Cluster c =
-      clusters::load_cluster("p3.16xlarge", {},
-                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
-                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  const clusters::Cluster c = fast_host_p3();
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(to_string(s));
     Plan p = plan_of(s, 1, 4, 1, 8, 1, 12, grid(c));
@@ -1308,10 +1309,7 @@ TEST(ActivationLayers, MixedPipelineProgramsAndSimulator) {
 TEST(ActivationLayers, InterleavedMixedStageChunksAgree) {
   const models::ModelSpec model = models::load_model("gpt2-124m");
   const traces::Trace trace = uniform_trace(model, 1);
-  const clusters::Cluster c =
-      clusters::load_cluster("p3.16xlarge", {},
-                             {"host.link=nvlink-c2c", "host.pcie_bandwidth_bytes_per_s=2e11",
-                              "host.uplink_bandwidth_bytes_per_s=4e11"});
+  const clusters::Cluster c = fast_host_p3();
   Plan p = plan_of(Schedule::interleaved, 1, 2, 1, 8, 2, 12, grid(c));
   set_activation_layers(p, {std::vector<AC>(6, kS), {kR, kR, kR, kS, kS, kS}});
   Plan all = p;
