@@ -273,14 +273,17 @@ constexpr double kBusyMachine = 0.05;
 // time, the resolution that of the summed wall time, the busiest machine's name.
 PhaseLoad combined(const std::vector<PhaseLoad>& phases) {
   PhaseLoad out;
-  double wall = 0, others = 0, steal = 0;
+  double wall = 0, others = 0, steal = 0, busiest = -1;
   bool known = !phases.empty();
   for (const PhaseLoad& p : phases) {
     known = known && p.load.known;
     wall += p.load.wall_s;
     others += p.load.others * p.load.wall_s;
     steal += p.load.steal * p.load.wall_s;
-    if (out.host.empty() || p.load.others > out.load.others) out.host = p.host;
+    if (p.load.others > busiest) {
+      busiest = p.load.others;
+      out.host = p.host;
+    }
   }
   out.load.known = known;
   if (!known || wall <= 0) return out;
