@@ -180,9 +180,11 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   int initialised = 0;
   check_mpi(0, "MPI_Initialized", MPI_Initialized(&initialised));
   if (!initialised) {
-    int provided = 0;
-    check_mpi(0, "MPI_Init_thread", MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
+    check_mpi(0, "MPI_Init_thread",
+              MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &thread_level_));
     initialised_here_ = true;
+  } else {
+    check_mpi(0, "MPI_Query_thread", MPI_Query_thread(&thread_level_));
   }
   check_mpi(0, "MPI_Comm_set_errhandler",
             MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));

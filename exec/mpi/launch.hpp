@@ -53,6 +53,9 @@ class MpiSession {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The thread support MPI gives (MPI_THREAD_*; MPI_Init_thread asks for SERIALIZED, which the
+  // CPU ranks' progress thread needs).
+  int thread_level() const { return thread_level_; }
   // MPI_Bcast of `bytes` raw bytes from `root` (e.g. the ncclUniqueId, made on rank 0).
   void broadcast(void* data, int bytes, int root) const;
   template <class T>
@@ -70,7 +73,7 @@ class MpiSession {
   [[noreturn]] void abort(int code) const;
 
  private:
-  int rank_ = 0, size_ = 1;
+  int rank_ = 0, size_ = 1, thread_level_ = 0;
   bool initialised_here_ = false;
 };
 

@@ -150,6 +150,9 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
   shared.before_manifest = [&] { transport.barrier("checkpoint barrier"); };
   detail::Worker worker(shared, mpi.rank());
   transport.barrier("start barrier");
+  // Messages move while the rank computes (transport.hpp, "Progress"); --no-async-comm: only in
+  // the rank's own transport calls.
+  if (options.async_comm) transport.start_progress(mpi.thread_level());
   shared.start = detail::Clock::now();
   worker.run();
   transport.flush();
@@ -159,6 +162,7 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
   result.wall_s = std::chrono::duration<double>(detail::Clock::now() - shared.start).count();
   result.ranks.push_back(worker.result());
   transport.barrier("end barrier");  // every rank done: the collectives below cannot hang
+  transport.stop_progress();         // the session's own MPI calls below
   detail::merge_logs(shared, mpi);
   detail::gather_ranks(result, mpi, true);
   if (mpi.rank() == 0 && on_step)

@@ -23,15 +23,56 @@ constexpr int kPartTag = 16, kSumTag = 17, kScatterTag = 18, kGatherTag = 19;
 
 }  // namespace
 
+constexpr Channel kChannels[] = {Channel::activation, Channel::gradient, Channel::tied,
+                                 Channel::tied_weights};
+
 MpiTransport::MpiTransport(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s) {}
 
 MpiTransport::~MpiTransport() {
+  stop_progress();
   // Normally empty (flush() ran). After an error the job is being aborted: cancel, do not wait.
   for (Pending& p : pending_)
     if (p.request != MPI_REQUEST_NULL) {
       MPI_Cancel(&p.request);
       MPI_Request_free(&p.request);
     }
+  for (auto& [key, queue] : inbox_)
+    for (Incoming& in : queue)
+      if (in.request != MPI_REQUEST_NULL) {
+        MPI_Cancel(&in.request);
+        MPI_Request_free(&in.request);
+      }
+}
+
+bool MpiTransport::start_progress(int provided_thread_level) {
+  if (provided_thread_level < MPI_THREAD_SERIALIZED) return false;
+  if (progress_thread_.joinable()) return true;
+  stop_ = false;
+  progress_thread_ = std::thread([this] { progress_loop(); });
+  return true;
+}
+
+void MpiTransport::stop_progress() {
+  if (!progress_thread_.joinable()) return;
+  stop_ = true;
+  progress_thread_.join();
+}
+
+void MpiTransport::progress_loop() {
+  while (!stop_) {
+    bool busy = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!progress_error_.empty()) return;
+      try {
+        busy = progress();
+      } catch (const std::exception& e) {
+        progress_error_ = e.what();  // the rank's next wait throws it
+        return;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(busy ? 20 : 100));
+  }
 }
 
 void MpiTransport::isend(std::shared_ptr<const std::vector<float>> data, int dst, int tag,
@@ -46,13 +87,47 @@ void MpiTransport::isend(std::shared_ptr<const std::vector<float>> data, int dst
   progress();
 }
 
-void MpiTransport::progress() {
+bool MpiTransport::progress() {
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
     check_mpi(rank_, fmt::format("{} to rank {}: MPI_Test", it->what, it->peer),
               MPI_Test(&it->request, &done, MPI_STATUS_IGNORE));
     it = done ? pending_.erase(it) : std::next(it);
   }
+  // Every point-to-point message MPI has matched, taken in as it arrives (per source and tag in
+  // MPI's order), whether or not the rank has asked for it yet.
+  bool receiving = false;
+  for (const Channel channel : kChannels) {
+    const int tag = channel_tag(channel);
+    for (;;) {
+      int found = 0;
+      MPI_Message message = MPI_MESSAGE_NULL;
+      MPI_Status status;
+      check_mpi(rank_, fmt::format("receive {}: MPI_Improbe", channel_name(channel)),
+                MPI_Improbe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &found, &message, &status));
+      if (!found) break;
+      int count = 0;
+      check_mpi(rank_,
+                fmt::format("receive {} from rank {}: MPI_Get_count", channel_name(channel),
+                            status.MPI_SOURCE),
+                MPI_Get_count(&status, MPI_FLOAT, &count));
+      Incoming& in = inbox_[{status.MPI_SOURCE, tag}].emplace_back();
+      in.data.resize(std::size_t(std::max(count, 0)));
+      check_mpi(rank_,
+                fmt::format("receive {} from rank {}: MPI_Imrecv", channel_name(channel),
+                            status.MPI_SOURCE),
+                MPI_Imrecv(in.data.data(), count, MPI_FLOAT, &message, &in.request));
+    }
+  }
+  for (auto& [key, queue] : inbox_)
+    for (Incoming& in : queue) {
+      if (in.request == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      check_mpi(rank_, fmt::format("receive from rank {}: MPI_Test", key.first),
+                MPI_Test(&in.request, &done, MPI_STATUS_IGNORE));
+      receiving = receiving || !done;
+    }
+  return receiving || !pending_.empty();
 }
 
 void MpiTransport::wait(const std::string& op, int peer, const std::function<bool()>& done) {
@@ -65,6 +140,7 @@ void MpiTransport::wait(const std::string& op, int peer, const std::function<boo
   } done_waiting;
   for (int polls = 0;; ++polls) {
     if (aborted_) throw Error(fmt::format("transport aborted: rank {}: {}", rank_, op));
+    if (!progress_error_.empty()) throw Error(progress_error_);
     progress();
     if (done()) return;
     if (timeout_s_ > 0 && std::chrono::duration<double>(Clock::now() - start).count() > timeout_s_)
@@ -72,7 +148,8 @@ void MpiTransport::wait(const std::string& op, int peer, const std::function<boo
           "rank {}: {} timed out after {:g}s (--comm-timeout): {} is dead or hung", rank_, op,
           timeout_s_, peer < 0 ? std::string("a peer") : fmt::format("rank {}", peer)));
     // Most waits end within microseconds; longer ones nap (up to 100 us) so that a waiting rank
-    // leaves the core to the ranks computing beside it.
+    // leaves the core to the ranks computing beside it. The progress thread waits meanwhile: the
+    // waiting rank progresses everything itself.
     if (polls < 64) {
       std::this_thread::yield();
     } else {
@@ -93,6 +170,7 @@ void MpiTransport::wait_request(MPI_Request& request, const std::string& op, int
 void MpiTransport::send(int src, int dst, Channel channel, std::vector<float> data) {
   if (src != rank_)
     throw Error(fmt::format("rank {}: send from rank {}: not this process's rank", rank_, src));
+  std::lock_guard<std::mutex> lock(mutex_);
   isend(std::make_shared<const std::vector<float>>(std::move(data)), dst, channel_tag(channel),
         fmt::format("send {}", channel_name(channel)));
 }
@@ -101,26 +179,18 @@ std::vector<float> MpiTransport::recv(int src, int dst, Channel channel) {
   if (dst != rank_)
     throw Error(fmt::format("rank {}: receive for rank {}: not this process's rank", rank_, dst));
   const std::string op = fmt::format("receive {} from rank {}", channel_name(channel), src);
-  MPI_Message message = MPI_MESSAGE_NULL;
-  MPI_Status status;
-  wait(op, src, [&] {
-    int found = 0;
-    check_mpi(rank_, op + ": MPI_Improbe",
-              MPI_Improbe(src, channel_tag(channel), MPI_COMM_WORLD, &found, &message, &status));
-    return found != 0;
-  });
-  int count = 0;
-  check_mpi(rank_, op + ": MPI_Get_count", MPI_Get_count(&status, MPI_FLOAT, &count));
-  std::vector<float> data(std::size_t(std::max(count, 0)));
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(rank_, op + ": MPI_Imrecv",
-            MPI_Imrecv(data.data(), count, MPI_FLOAT, &message, &request));
-  wait_request(request, op, src);
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::deque<Incoming>& queue = inbox_[{src, channel_tag(channel)}];
+  // progress() takes the message in and completes its receive.
+  wait(op, src, [&] { return !queue.empty() && queue.front().request == MPI_REQUEST_NULL; });
+  std::vector<float> data = std::move(queue.front().data);
+  queue.pop_front();
   return data;
 }
 
 void MpiTransport::all_reduce_sum(const std::string& key, const std::vector<int>& group, int rank,
                                   float* data, std::int64_t n) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (rank != rank_ || std::find(group.begin(), group.end(), rank) == group.end())
     throw Error(fmt::format("rank {}: all-reduce {} for rank {}", rank_, key, rank));
   const int root = group.front();
@@ -175,6 +245,7 @@ void MpiTransport::reduce_scatter_sum(const std::string& key, const std::vector<
                                       const std::vector<std::int64_t>& bounds) {
   const std::string op = fmt::format("reduce-scatter {}", key);
   const std::size_t me = member(op, group, rank, bounds);
+  std::lock_guard<std::mutex> lock(mutex_);
   const std::int64_t begin = bounds[me], n = bounds[me + 1] - begin;
   // The others' parts of ours go out first, then ours of theirs come in, all posted at once.
   for (std::size_t i = 0; i < group.size(); ++i)
@@ -208,6 +279,7 @@ void MpiTransport::all_gather(const std::string& key, const std::vector<int>& gr
                               float* data, const std::vector<std::int64_t>& bounds) {
   const std::string op = fmt::format("all-gather {}", key);
   const std::size_t me = member(op, group, rank, bounds);
+  std::lock_guard<std::mutex> lock(mutex_);
   auto mine = std::make_shared<const std::vector<float>>(data + bounds[me], data + bounds[me + 1]);
   for (std::size_t i = 0; i < group.size(); ++i)
     if (i != me) isend(mine, group[i], kGatherTag, op + ": send part");
@@ -229,12 +301,14 @@ void MpiTransport::abort() {
 }
 
 void MpiTransport::barrier(const std::string& op) {
+  std::lock_guard<std::mutex> lock(mutex_);
   MPI_Request request = MPI_REQUEST_NULL;
   check_mpi(rank_, op + ": MPI_Ibarrier", MPI_Ibarrier(MPI_COMM_WORLD, &request));
   wait_request(request, op, -1);
 }
 
 void MpiTransport::flush() {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (pending_.empty()) return;
   const Pending& first = pending_.front();
   wait(fmt::format("{} to rank {} (completing the sends)", first.what, first.peer), first.peer,

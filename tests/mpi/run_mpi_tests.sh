@@ -13,6 +13,9 @@
 #       dead or hung") on each rank that gave up before rank 0's MPI_Abort ended the job
 #   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR validate
 #       `mpirun -np 2 pipewright validate` runs and writes a report with the MPI link as network
+#   run_mpi_tests.sh PIPEWRIGHT SOURCE_DIR progress CHECK on|off
+#       tests/mpi/progress_check.cpp under mpirun -np 2 over TCP: with the progress thread a large
+#       message moves while its sender makes no MPI call; without it, it does not
 # Exit 77 (ctest SKIP_RETURN_CODE) with the reason where mpirun or an MPI build is missing.
 set -u
 PW=$1
@@ -118,6 +121,17 @@ EOF
         { echo "FAIL: no one-line timeout error naming the rank and op"; exit 1; }
     fi
     echo "ok: ended in ${elapsed}s with $errors pipewright error line(s)"
+    ;;
+  progress)
+    # The MPI transport's progress thread (exec/mpi/transport.hpp, "Progress"): over TCP only (the
+    # shared-memory BTL's single copy needs no sender progress), 4 MiB reaches rank 1 while rank 0
+    # makes no MPI call (on), and does not without the thread (off: the check can fail).
+    CHECK=$1 SWITCH=$2
+    "${MPIRUN[@]/vader,/}" -np 2 "$CHECK" "$TMP" "$SWITCH" >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    cat "$TMP/out"
+    ((rc == 0)) || { echo "FAIL: mpirun exited $rc: $(tail -3 "$TMP/err")"; exit 1; }
+    grep -q "^ok: progress $SWITCH" "$TMP/out" || { echo "FAIL: no ok line"; exit 1; }
     ;;
   validate)
     # validate under mpirun: rank 0 profiles, ranks 0 and 1 ping-pong over MPI, rank 0 simulates
