@@ -490,6 +490,17 @@ TEST(OffloadExec, MixedStagesPeakAndBytesMatchThePlanner) {
   }
 }
 
+// A run with mixed stages stopped and resumed gives the bits of an unbroken one.
+TEST(OffloadExec, MixedStagesResumeBitIdentically) {
+  for (const MixedCase& k : mixed_cases()) {
+    if (k.d != 4 || k.mode != kActivations) continue;  // 1f1b and 2bw where stage 0 swaps
+    SCOPED_TRACE(k.name);
+    const models::ModelSpec model = testing::gpt_tiny(k.layers);
+    testing::expect_resume_is_bit_identical(model, mixed_plan(model, k, true), adamw_options(4),
+                                            "offexec_mixed_" + to_string(k.schedule));
+  }
+}
+
 // Per-layer choices that do not fit the plan reach the executor only from code (plan files are
 // checked when read): the executor reports them in one line naming the field.
 TEST(OffloadExec, MixedStageBadChoicesAreOneLine) {
