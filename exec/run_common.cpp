@@ -104,11 +104,22 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         "plan: offload: the executor does not run --offload {} yet (optimizer and activations it "
         "does); estimate or simulate it instead",
         planner::offload_name(plan)));
-  for (int s = 0; s < plan.d; ++s)
+  // The per-layer choices against the stages' blocks (a plan made in code has not been read
+  // through from_json): the planner's one line naming the field, not a read past a list.
+  if (plan.offload_activations && !plan.activation_layers.empty()) {
+    planner::Plan resolved = plan;
+    try {
+      planner::resolve_stages(resolved, model.layers);
+    } catch (const PlanError& e) {
+      throw InputError(e.what());
+    }
+  }
+  for (int s = 0; s < plan.d && backend != "cpu"; ++s)
     if (plan.mixed_activations(s))
       throw InputError(fmt::format(
           "plan: activation_layers[{}]: the {} executor swaps or recomputes whole stages, not a "
-          "stage mixing both ({} blocks swap, {} recompute); estimate or simulate it instead",
+          "stage mixing both ({} blocks swap, {} recompute; the cpu backend runs it); estimate or "
+          "simulate it instead",
           s, backend, plan.swapped_layers(s), plan.recomputed_layers(s)));
   if (plan.offload_sharded())
     throw InputError(fmt::format(
@@ -445,6 +456,35 @@ float StageCompute::forward(LayerMemory&, const std::int32_t*, const float*, con
 
 void StageCompute::backward(LayerMemory&, const float*, const float*, int, float, float*, float*) {
   throw Error("this backend's stage does not run layer by layer (offload chunks)");
+}
+
+namespace {
+[[noreturn]] void refuse_mixed() {
+  throw Error(
+      "this backend's stage does not run a stage mixing swapped and recomputed blocks "
+      "(activation_layers)");
+}
+}  // namespace
+
+MixedSizes StageCompute::mixed_sizes(int, const std::vector<bool>&) const {
+  refuse_mixed();
+}
+
+float StageCompute::forward_mixed(const float*, const std::int32_t*, const float*,
+                                  const std::int32_t*, int, const std::vector<bool>&, float*,
+                                  float*, float*, float*) {
+  refuse_mixed();
+}
+
+void StageCompute::recompute_mixed(const float*, const std::int32_t*, int, const std::vector<bool>&,
+                                   const float*, float*) {
+  refuse_mixed();
+}
+
+void StageCompute::backward_mixed(const float*, const std::vector<bool>&, const float*,
+                                  const float*, const float*, int, float, float*, GradientSink*,
+                                  float*, float*) {
+  refuse_mixed();
 }
 
 }  // namespace pw::exec

@@ -97,6 +97,21 @@ class LayerMemory {
   virtual float* gradients(std::int64_t offset) = 0;
 };
 
+// A stage mixing swapped and recomputed blocks (activation offload per layer, KARMA;
+// docs/formulas.md section 9, per-layer choices): `recomputed` has one flag per block of the stage
+// (forward order); the embedding goes with the first block, the head with the last. Its stash is
+// in two pieces: the swapped layers' (the rest's stash, in forward order: what the copies move)
+// and the recomputed layers' (re-made before the backward), and it keeps one checkpoint per run of
+// consecutive recomputed blocks (the run's input: the token ids or the stage input for a run that
+// starts at the first block, the block's input otherwise). Sizes in elements for b samples; they
+// equal planner::ChunkCost's swap_bytes, layers_recompute_bytes and checkpoint_bytes.
+struct MixedSizes {
+  std::int64_t swapped = 0;      // the swapped layers' stash, kept from forward to backward
+  std::int64_t checkpoints = 0;  // the runs' inputs, kept from forward to backward
+  std::int64_t remade = 0;       // the recomputed layers' stash, from the recompute to the backward
+  std::int64_t scratch = 0;      // the forward runs the recomputed layers in it: the largest one's
+};
+
 class StageCompute {
  public:
   virtual ~StageCompute() = default;
@@ -147,6 +162,26 @@ class StageCompute {
                         const std::int32_t* targets, int b, float* stash, float* output);
   virtual void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
                         float loss_scale, float* d_input, float* workspace);
+
+  // A stage mixing swapped and recomputed blocks (MixedSizes). Backends that do not run one refuse
+  // these (Error). forward_mixed: as forward, its swapped layers' stash into `swapped`, the runs'
+  // inputs into `checkpoints`, the recomputed layers through `scratch` (free again when it
+  // returns). recompute_mixed: the recomputed layers' stash from the checkpoints into `remade`.
+  // backward_mixed: as backward, each layer's stash from `swapped` or `remade`; gradients into
+  // `grads`, or layer by layer into `sink` when it is not null. The same arithmetic as without
+  // offload, so the same bits.
+  virtual MixedSizes mixed_sizes(int b, const std::vector<bool>& recomputed) const;
+  virtual float forward_mixed(const float* params, const std::int32_t* tokens, const float* input,
+                              const std::int32_t* targets, int b,
+                              const std::vector<bool>& recomputed, float* swapped,
+                              float* checkpoints, float* output, float* scratch);
+  virtual void recompute_mixed(const float* params, const std::int32_t* targets, int b,
+                               const std::vector<bool>& recomputed, const float* checkpoints,
+                               float* remade);
+  virtual void backward_mixed(const float* params, const std::vector<bool>& recomputed,
+                              const float* swapped, const float* remade, const float* d_output,
+                              int b, float loss_scale, float* grads, GradientSink* sink,
+                              float* d_input, float* workspace);
 };
 
 std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);

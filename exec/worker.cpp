@@ -82,6 +82,19 @@ Worker::Worker(Shared& s, int device)
     ch.sizes = ch.stage->sizes(p.b);
     ch.first = spec.has_embedding;
     ch.last = spec.has_head;
+    if (p.mixed_activations(stage_)) {
+      // This chunk's blocks in the stage's list of choices (the chunks before it first).
+      const std::vector<planner::ActivationChoice> all = planner::layer_choices(p, stage_);
+      std::size_t at = 0;
+      for (int k = 0; k < c; ++k)
+        at += std::size_t(p.stage_blocks[std::size_t(k * p.d + stage_)]);
+      for (std::int64_t k = 0; k < spec.blocks; ++k)
+        ch.recomputed.push_back(all.at(at + std::size_t(k)) ==
+                                planner::ActivationChoice::recompute);
+      // A chunk whose blocks all swap runs as a swapping stage's (its recompute op: nothing).
+      ch.mixed = std::find(ch.recomputed.begin(), ch.recomputed.end(), true) != ch.recomputed.end();
+      if (ch.mixed) ch.mixed_sizes = ch.stage->mixed_sizes(p.b, ch.recomputed);
+    }
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = Buffer(counted, Category::weights, n);
     ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
@@ -643,6 +656,7 @@ void Worker::forward(const Op& op) {
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_[std::size_t(op.chunk)];
+  if (c.mixed) return forward_mixed(op, c);
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
@@ -667,17 +681,51 @@ void Worker::forward(const Op& op) {
   if (!c.last) outputs_[key] = std::move(out);
 }
 
+// A mixed chunk's forward (activation offload per layer): its swapped layers' stash is kept (and
+// swapped by the copy ops, as a swapping stage's whole stash), its recomputed layers run through a
+// scratch freed at once, their runs' inputs kept as checkpoints.
+void Worker::forward_mixed(const Op& op, Chunk& c) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  std::vector<std::int32_t> tokens, targets;
+  if (c.first || c.last) samples(op, tokens, targets);
+  Buffer stash(memory_, Category::activations, c.mixed_sizes.swapped, &pool_);
+  Buffer kept(memory_, Category::activations, c.mixed_sizes.checkpoints, &pool_);
+  Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
+  Buffer scratch(memory_, Category::activations, c.mixed_sizes.scratch, &pool_);
+  take_core();
+  const auto t0 = Clock::now();
+  const float loss = c.stage->forward_mixed(
+      params(c, op.version), c.first ? tokens.data() : nullptr,
+      c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
+      c.recomputed, stash.data(), kept.data(), c.last ? nullptr : out.data(), scratch.data());
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  inputs_.erase(key);
+  stash_[key] = std::move(stash);
+  checkpoints_[key] = std::move(kept);
+  if (!c.last) outputs_[key] = std::move(out);
+}
+
 void Worker::recompute(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   Chunk& c = chunks_[std::size_t(op.chunk)];
+  // A mixed stage's chunk whose blocks all swap: nothing to re-make (as the simulator's op).
+  if (!c.mixed && !s_.plan().recomputes(stage_)) return;
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
-  Buffer full(memory_, Category::activations, c.sizes.stash, &pool_);
+  Buffer full(memory_, Category::activations, c.mixed ? c.mixed_sizes.remade : c.sizes.stash,
+              &pool_);
   take_core();
   const auto t0 = Clock::now();
-  c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
-                     c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
-                     full.data());
+  if (c.mixed)
+    c.stage->recompute_mixed(params(c, op.version), c.last ? targets.data() : nullptr, s_.plan().b,
+                             c.recomputed, checkpoints_.at(key).data(), full.data());
+  else
+    c.stage->recompute(params(c, op.version), c.first ? tokens.data() : nullptr,
+                       c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
+                       full.data());
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
@@ -701,13 +749,23 @@ void Worker::backward(const Op& op) {
     stash_[key] = std::move(it->second->device);
     swaps_by_key_.erase(it);
   }
-  const float* full = rc ? full_.at(key).data() : stash_.at(key).data();
+  const float* full = c.mixed ? nullptr : rc ? full_.at(key).data() : stash_.at(key).data();
   Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   take_core();
   const auto t0 = Clock::now();
-  if (offload_optimizer_) {
+  if (c.mixed) {  // each layer's stash from the swapped piece or the recompute's
+    std::unique_ptr<TileSink> sink;
+    if (offload_optimizer_)
+      sink = std::make_unique<TileSink>(
+          *this, std::size_t(op.chunk),
+          gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
+    c.stage->backward_mixed(params(c, op.version), c.recomputed, stash_.at(key).data(),
+                            full_.at(key).data(), c.last ? nullptr : d_outputs_.at(key).data(), p.b,
+                            scale, offload_optimizer_ ? nullptr : c.grads.data(), sink.get(),
+                            c.first ? nullptr : d_input.data(), workspace_.data());
+  } else if (offload_optimizer_) {
     // The copy_gradient_to_host after it, for the timeline.
     TileSink sink(*this, std::size_t(op.chunk),
                   gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
@@ -723,6 +781,7 @@ void Worker::backward(const Op& op) {
   record(planner::kComputeStream, t0, t1);
   stash_.erase(key);
   full_.erase(key);
+  checkpoints_.erase(key);
   d_outputs_.erase(key);
   if (!c.first) d_inputs_[key] = std::move(d_input);
 }

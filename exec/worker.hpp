@@ -103,6 +103,11 @@ class Worker {
     std::int64_t own_begin = 0, own_end = 0;
     std::int64_t tied_offset = -1, tied_size = 0;  // "wte" or "lm_head" when shared across stages
     bool first = false, last = false;              // first / last virtual stage
+    // A chunk of a stage mixing swapped and recomputed blocks with blocks of each kind
+    // (activation offload per layer): which of its blocks recompute, and its stash's pieces.
+    bool mixed = false;
+    std::vector<bool> recomputed;
+    MixedSizes mixed_sizes;
   };
 
   // Offload (docs/formulas.md section 9). The optimizer's host side of a chunk: its
@@ -192,6 +197,7 @@ class Worker {
   void free_version(const planner::Op& op) { slots_.free_version(op.version); }
   void offload(const planner::Op& op);
   void forward(const planner::Op& op);
+  void forward_mixed(const planner::Op& op, Chunk& c);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
@@ -233,7 +239,10 @@ class Worker {
   std::vector<float> tied_head_;  // stage 0, w > 1: the head's gradient shards until gathered
   VersionSlots slots_;
   int updates_ = 0;
-  std::map<Key, Buffer> inputs_, stash_, full_, outputs_, d_outputs_, d_inputs_;
+  // stash_: the stash a forward keeps (the stage input with full recompute; a mixed chunk's
+  // swapped layers), full_: a recompute's (a mixed chunk's recomputed layers), checkpoints_: a
+  // mixed chunk's runs' inputs.
+  std::map<Key, Buffer> inputs_, stash_, full_, checkpoints_, outputs_, d_outputs_, d_inputs_;
   double busy_s_ = 0;
   CoreQueue* core_ = nullptr;  // the core it shares with other ranks' threads, if it does
   bool holding_core_ = false;  // its turn on core_: from a compute op through the sends after it

@@ -571,8 +571,47 @@ std::vector<std::vector<ActivationChoice>> choose_activations(
       const Plan q = with(plan, out, s, k);
       if (double(stage_cost(model, mc, trace, cluster, q, s).memory.total()) <= capacity) {
         out = q.activation_layers;
+        swapped[std::size_t(s)] = k;
         break;
       }
+    }
+  }
+  // Host memory: a node whose ranks' host bytes (the optimizer's, with optimizer offload, and the
+  // swapped stashes' peak, pinned) exceed host.memory_bytes or host.pinned_memory_bytes swaps
+  // fewer blocks, one at a time on its stage holding the most swapped bytes on the host, until it
+  // fits or nothing on it swaps (then the check in the report says so).
+  if (plan.placement.size() != std::size_t(plan.ranks())) return out;
+  const auto fits = [&](const Plan& q, int node, int& worst) {
+    std::vector<StageCost> st;
+    for (int s = 0; s < q.d; ++s)
+      st.push_back(stage_cost(model, mc, trace, cluster, q, s));
+    std::int64_t host = 0, pinned = 0, most = 0;
+    worst = -1;
+    for (int r = 0; r < q.ranks(); ++r) {
+      if (q.placement[std::size_t(r)].node != node) continue;
+      const StageCost& c = st[std::size_t(q.stage_of(r))];
+      const std::int64_t swap_host = q.swaps(c.stage) ? c.swap.host_bytes : 0;
+      host = bytes_add(host, bytes_add(c.offload.host_bytes, swap_host));
+      pinned = bytes_add(pinned, bytes_add(c.offload.pinned_bytes, swap_host));
+      if (swap_host > most && swapped[std::size_t(c.stage)] > 0) {
+        most = swap_host;
+        worst = c.stage;
+      }
+    }
+    return host <= cluster.host.memory_bytes && pinned <= cluster.host.pinned_memory_bytes;
+  };
+  std::vector<int> nodes;
+  for (const Placement& pl : plan.placement)
+    if (std::find(nodes.begin(), nodes.end(), pl.node) == nodes.end()) nodes.push_back(pl.node);
+  for (int node : nodes) {
+    for (;;) {
+      Plan q = plan;
+      set_activation_layers(q, out);
+      int worst = -1;
+      if (fits(q, node, worst) || worst < 0) break;
+      std::int64_t& k = swapped[std::size_t(worst)];
+      k -= 1;
+      out = with(plan, out, worst, k).activation_layers;
     }
   }
   return out;

@@ -210,8 +210,11 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
 // all `swap` when keep_unswappable (it keeps its stash, as without offload: no recompute time) and
 // all `recompute` otherwise (less memory); the planner tries both. Then memory: a stage whose
 // choice would not fit on the device (its peak above capacity_bytes; 0: the device's memory)
-// swaps fewer blocks, recomputing them, until it fits (unchanged when nothing fits). `plan` placed
-// and resolved, t == 1. set_activation_layers(plan, choose_activations(...)) applies it.
+// swaps fewer blocks, recomputing them, until it fits (unchanged when nothing fits). Then host
+// memory: a node whose ranks' host bytes (optimizer offload's and the swapped stashes', pinned)
+// exceed host.memory_bytes or host.pinned_memory_bytes swaps one block fewer on its stage with the
+// most swapped host bytes until it fits or nothing there swaps. `plan` placed and resolved,
+// t == 1. set_activation_layers(plan, choose_activations(...)) applies it.
 std::vector<std::vector<ActivationChoice>> choose_activations(
     const models::ModelSpec& model, const traces::Trace& trace, const clusters::Cluster& cluster,
     const Plan& plan, bool keep_unswappable = true, double capacity_bytes = 0);

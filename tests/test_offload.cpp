@@ -1200,6 +1200,45 @@ TEST_F(ActivationWs, RuleSwapsWhatHides) {
   EXPECT_EQ(a["recomputed_layers"].get<std::int64_t>(), 12 - k);
 }
 
+// The host memory step: a node whose host memory does not hold the swapped stashes the time rule
+// chose swaps fewer blocks, one at a time, until it does; with room the time rule's choice stands.
+TEST_F(ActivationWs, RuleSwapsWithinHostMemory) {
+  const clusters::Cluster roomy = link(4e11);
+  Plan p = plan_of(Schedule::gpipe, 1, 1, 1, 8, 1, 12, grid(roomy));
+  p.offload_activations = true;
+  const auto all = choose_activations(model, trace, roomy, p);
+  ASSERT_EQ(stage_choice(all[0]), "swap");  // every block's copy hides on this link
+  auto host_of = [&](const clusters::Cluster& c, const std::vector<std::vector<AC>>& layers) {
+    Plan q = p;
+    set_activation_layers(q, layers);
+    return estimate(model, trace, c, q).report.hosts.at(0);
+  };
+  const std::int64_t host = host_of(roomy, all).peak_memory_bytes;
+  ASSERT_GT(host, 0);
+  clusters::Cluster tight = roomy;
+  tight.host.memory_bytes = host - 1;
+  const auto fewer = choose_activations(model, trace, tight, p);
+  const auto swaps = std::count(fewer[0].begin(), fewer[0].end(), kS);
+  EXPECT_EQ(stage_choice(fewer[0]), "mixed");
+  EXPECT_TRUE(host_of(tight, fewer).fits());
+  // The leading blocks swap, and one more would not fit.
+  std::vector<AC> more(12, kR);
+  for (std::int64_t i = 0; i < swaps; ++i) {
+    EXPECT_EQ(fewer[0][std::size_t(i)], kS) << i;
+    more[std::size_t(i)] = kS;
+  }
+  more[std::size_t(swaps)] = kS;
+  EXPECT_FALSE(host_of(tight, {more}).fits());
+  // estimate applies it: the report's host fits.
+  EXPECT_TRUE(estimate(model, trace, tight, p).report.hosts.at(0).fits());
+  // Pinned memory counts as well; a host with no room for a stash: nothing swaps.
+  clusters::Cluster unpinned = roomy;
+  unpinned.host.pinned_memory_bytes = host - 1;
+  EXPECT_EQ(choose_activations(model, trace, unpinned, p), fewer);
+  tight.host.memory_bytes = 0;
+  EXPECT_EQ(stage_choice(choose_activations(model, trace, tight, p)[0]), "recompute");
+}
+
 // A mixed stage in the closed form and the simulator: gpipe, one stage, m = 8, a link whose
 // copies hide; the first 6 blocks swap, the last 6 recompute. Per microbatch: swap bytes are the
 // embedding's and 6 blocks' stash, the backward grows by 6 blocks' recompute; the simulator moves

@@ -75,6 +75,17 @@ struct HeadActs {
   F *x, *lnf, *mean, *rstd, *probs, *targets, *losses;
 };
 
+// The whole stage's gradients in one buffer, in the layout's order.
+class FlatSink : public GradientSink {
+ public:
+  explicit FlatSink(float* grads) : grads_(grads) {}
+  float* at(std::int64_t offset, std::int64_t) override { return grads_ + offset; }
+  void layer_done(std::int64_t, std::int64_t) override {}
+
+ private:
+  float* grads_;
+};
+
 class CpuGptStage final : public StageCompute {
  public:
   explicit CpuGptStage(const StageSpec& spec);
@@ -96,6 +107,17 @@ class CpuGptStage final : public StageCompute {
                 const std::int32_t* targets, int b, float* stash, float* output) override;
   void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
                 float loss_scale, float* d_input, float* workspace) override;
+  MixedSizes mixed_sizes(int b, const std::vector<bool>& recomputed) const override;
+  float forward_mixed(const float* params, const std::int32_t* tokens, const float* input,
+                      const std::int32_t* targets, int b, const std::vector<bool>& recomputed,
+                      float* swapped, float* checkpoints, float* output, float* scratch) override;
+  void recompute_mixed(const float* params, const std::int32_t* targets, int b,
+                       const std::vector<bool>& recomputed, const float* checkpoints,
+                       float* remade) override;
+  void backward_mixed(const float* params, const std::vector<bool>& recomputed,
+                      const float* swapped, const float* remade, const float* d_output, int b,
+                      float loss_scale, float* grads, GradientSink* sink, float* d_input,
+                      float* workspace) override;
 
  private:
   // Where the tensors are during one call: one flat blob (`params`; gradients through a sink), or
@@ -120,7 +142,28 @@ class CpuGptStage final : public StageCompute {
   // The stage's layers in forward order (LayerMemory's numbering).
   int block_layer(int64_t i) const { return int(i) + (layout_.spec.has_embedding ? 1 : 0); }
   int head_layer() const { return block_layer(layout_.spec.blocks); }
-  void backward(const At& at, const float* full_stash, const float* d_output, int b,
+  int layer_count() const { return head_layer() + (layout_.spec.has_head ? 1 : 0); }
+  // A layer's stash in elements for BT tokens.
+  int64_t layer_elements(int layer, int64_t BT) const;
+  // Where each layer's stash sits (null: not there): the layers `in` says, in forward order, one
+  // after the other from `base`. The full stash: every layer.
+  template <class Pred>
+  std::vector<float*> place_layers(float* base, int64_t BT, Pred in) const;
+  // A mixed stage (MixedSizes): whether layer `layer` recomputes (its block does), and the runs
+  // of consecutive layers making one choice, in forward order.
+  struct Segment {
+    int from = 0, to = 0;  // layers [from, to]
+    bool recomputed = false;
+    int64_t checkpoint = 0;  // a recomputed run's checkpoint: its offset in the checkpoints
+  };
+  std::vector<Segment> segments(const std::vector<bool>& recomputed, int64_t BT) const;
+  // Each layer's stash in the full stash (sizes().stash floats, layers in forward order).
+  std::vector<const float*> full_layers(const float* full_stash, int b) const {
+    const auto at = place_layers(const_cast<float*>(full_stash), int64_t(b) * layout_.T,
+                                 [](int) { return true; });
+    return {at.begin(), at.end()};
+  }
+  void backward(const At& at, const std::vector<const float*>& acts, const float* d_output, int b,
                 float loss_scale, float* d_input, float* workspace);
   template <class F>
   BlockActs<F> carve_block(F* base, int64_t BT) const;
@@ -128,6 +171,9 @@ class CpuGptStage final : public StageCompute {
   HeadActs<F> carve_head(F* base, int64_t BT) const;
   float run(const At& at, const std::int32_t* tokens, const float* input,
             const std::int32_t* targets, int b, float* acts, bool rolling, float* output) const;
+  float run_range(const At& at, int from, int to, const std::int32_t* tokens, const float* input,
+                  const std::int32_t* targets, int b, const std::vector<float*>& acts,
+                  float* output) const;
   void block_forward(const At& at, int64_t base, const BlockActs<float>& a, int b,
                      float* out) const;
   void block_backward(const At& at, int64_t base, const BlockActs<const float>& a, int b,
@@ -136,7 +182,7 @@ class CpuGptStage final : public StageCompute {
                      int b) const;
   void head_backward(const At& at, const HeadActs<const float>& h, int b, float loss_scale,
                      float* dres, float* ws, int64_t ws_floats) const;
-  void embedding_backward(const At& at, const float* full_stash, const float* demb, int b,
+  void embedding_backward(const At& at, const float* token_stash, const float* demb, int b,
                           float* ws, int64_t ws_floats) const;
 
   // Tensor parallelism: the TP group's sum (nothing at t = 1); the row-parallel GEMM's output
@@ -409,46 +455,211 @@ void CpuGptStage::recompute(const float* params, const std::int32_t*, const std:
   run(At{params}, tokens, first ? nullptr : kept, targets, b, full_stash, false, nullptr);
 }
 
+int64_t CpuGptStage::layer_elements(int layer, int64_t BT) const {
+  if (layout_.spec.has_embedding && layer == 0) return layout_.embedding_elements(BT);
+  if (layout_.spec.has_head && layer == head_layer()) return layout_.head_elements(BT);
+  return layout_.block_elements(BT);
+}
+
+template <class Pred>
+std::vector<float*> CpuGptStage::place_layers(float* base, int64_t BT, Pred in) const {
+  std::vector<float*> acts(std::size_t(layer_count()), nullptr);
+  for (int l = 0; l < layer_count(); ++l)
+    if (in(l)) {
+      acts[std::size_t(l)] = base;
+      base += layer_elements(l, BT);
+    }
+  return acts;
+}
+
 // Runs the stage's layers. Without `rolling`, `acts` is the full stash and each layer writes the
 // next one's input slot; with it, every layer reuses `acts` (scratch) in place. A null `output`
 // skips the last block's output, which no backward needs (recompute).
 float CpuGptStage::run(const At& at, const std::int32_t* tokens, const float* input,
                        const std::int32_t* targets, int b, float* acts, bool rolling,
                        float* output) const {
+  const int64_t BT = int64_t(b) * layout_.T;
+  const bool emb = layout_.spec.has_embedding;
+  // Rolling: no layer keeps a stash, the embedding not even its token ids.
+  const std::vector<float*> where = rolling ? place_layers(acts, BT, [](int) { return false; })
+                                            : place_layers(acts, BT, [](int) { return true; });
+  std::vector<float*> in_place = where;
+  if (rolling)
+    for (int l = emb ? 1 : 0; l < layer_count(); ++l)
+      in_place[std::size_t(l)] = acts;
+  return run_range(at, 0, layer_count() - 1, tokens, input, targets, b, in_place, output);
+}
+
+// Runs layers [from, to] (LayerMemory's numbering). acts[l]: where layer l's stash goes (a
+// block's or the head's with its input at offset 0; the embedding's token ids, or null to keep
+// none). Each layer writes its output into the next one's input slot, the last one into `output`
+// (null: not computed; the head has none). The input of layer `from`: `tokens` for the
+// embedding, else `input`, copied into its slot unless it is there. Returns the loss (0 without
+// the head).
+float CpuGptStage::run_range(const At& at, int from, int to, const std::int32_t* tokens,
+                             const float* input, const std::int32_t* targets, int b,
+                             const std::vector<float*>& acts, float* output) const {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T;
-  float* cur = acts;
-  const bool has_layers = s.blocks > 0 || s.has_head;
-  if (s.has_embedding) {
-    at.begin(0, false);
-    if (!rolling) {
-      std::memcpy(acts, tokens, std::size_t(BT) * sizeof(float));
-      cur += layout_.embedding_elements(BT);
+  const auto next = [&](int l) { return l < to ? acts[std::size_t(l + 1)] : output; };
+  if ((from != 0 || !s.has_embedding) && acts[std::size_t(from)] != input)
+    std::memcpy(acts[std::size_t(from)], input,
+                std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
+  float loss = 0.0f;
+  for (int l = from; l <= to; ++l) {
+    at.begin(l, false);
+    if (s.has_embedding && l == 0) {
+      if (acts[0]) std::memcpy(acts[0], tokens, std::size_t(BT) * sizeof(float));
+      float* dst = next(l);
+      if (dst && vocab_parallel())
+        embedding_forward_vp(dst, tokens, at, b);
+      else if (dst)
+        cpu::embedding_forward(dst, tokens, at.p(layout_.wte), at.p(layout_.wpe), b, int(layout_.T),
+                               int(layout_.C), int(layout_.V));
+    } else if (s.has_head && l == head_layer()) {
+      loss = head_forward(at, carve_head(acts[std::size_t(l)], BT), targets, b);
+    } else {
+      const int64_t i = l - (s.has_embedding ? 1 : 0);
+      block_forward(at, layout_.block_base[std::size_t(i)], carve_block(acts[std::size_t(l)], BT),
+                    b, next(l));
     }
-    float* dst = has_layers ? cur : output;
-    if (dst && vocab_parallel())
-      embedding_forward_vp(dst, tokens, at, b);
-    else if (dst)
-      cpu::embedding_forward(dst, tokens, at.p(layout_.wte), at.p(layout_.wpe), b, int(layout_.T),
-                             int(layout_.C), int(layout_.V));
-    at.end(0, false);
-  } else {
-    std::memcpy(cur, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
+    at.end(l, false);
   }
-  for (int64_t i = 0; i < s.blocks; ++i) {
-    float* next = rolling ? cur : cur + layout_.block_elements(BT);
-    const bool last = i + 1 == s.blocks && !s.has_head;
-    at.begin(block_layer(i), false);
-    block_forward(at, layout_.block_base[std::size_t(i)], carve_block(cur, BT), b,
-                  last ? output : next);
-    at.end(block_layer(i), false);
-    cur = next;
-  }
-  if (!s.has_head) return 0.0f;
-  at.begin(head_layer(), false);
-  const float loss = head_forward(at, carve_head(cur, BT), targets, b);
-  at.end(head_layer(), false);
   return loss;
+}
+
+// A mixed stage's runs of layers. The embedding goes with the first block, the head with the
+// last; a recomputed run's checkpoint is its input: the token ids (a run from the embedding) or a
+// block's input (rows x C).
+std::vector<CpuGptStage::Segment> CpuGptStage::segments(const std::vector<bool>& recomputed,
+                                                        int64_t BT) const {
+  const StageSpec& s = layout_.spec;
+  if (s.blocks < 1 || std::int64_t(recomputed.size()) != s.blocks)
+    throw Error("cpu stage: " + std::to_string(recomputed.size()) +
+                " swap/recompute choices for a stage of " + std::to_string(s.blocks) + " blocks");
+  const int emb = s.has_embedding ? 1 : 0;
+  const auto of = [&](int l) {
+    return bool(recomputed[std::size_t(std::clamp<int64_t>(l - emb, 0, s.blocks - 1))]);
+  };
+  std::vector<Segment> out;
+  int64_t checkpoints = 0;
+  for (int l = 0; l < layer_count(); ++l) {
+    if (!out.empty() && out.back().recomputed == of(l)) {
+      out.back().to = l;
+      continue;
+    }
+    Segment g{l, l, of(l), 0};
+    if (g.recomputed) {
+      g.checkpoint = checkpoints;
+      checkpoints += l == 0 && emb ? layout_.embedding_elements(BT) : layout_.rows(BT) * layout_.C;
+    }
+    out.push_back(g);
+  }
+  return out;
+}
+
+MixedSizes CpuGptStage::mixed_sizes(int b, const std::vector<bool>& recomputed) const {
+  const int64_t BT = int64_t(b) * layout_.T;
+  MixedSizes z;
+  for (const Segment& g : segments(recomputed, BT)) {
+    for (int l = g.from; l <= g.to; ++l) {
+      (g.recomputed ? z.remade : z.swapped) += layer_elements(l, BT);
+      // The embedding runs in its block's place (its output is the block's input).
+      if (g.recomputed && !(layout_.spec.has_embedding && l == 0))
+        z.scratch = std::max(z.scratch, layer_elements(l, BT));
+    }
+    if (g.recomputed)
+      z.checkpoints += g.from == 0 && layout_.spec.has_embedding ? layout_.embedding_elements(BT)
+                                                                 : layout_.rows(BT) * layout_.C;
+  }
+  return z;
+}
+
+float CpuGptStage::forward_mixed(const float* params, const std::int32_t* tokens,
+                                 const float* input, const std::int32_t* targets, int b,
+                                 const std::vector<bool>& recomputed, float* swapped,
+                                 float* checkpoints, float* output, float* scratch) {
+  const StageSpec& s = layout_.spec;
+  if ((s.has_embedding ? !tokens : !input) || (s.has_head ? !targets : !output))
+    throw Error("cpu stage forward: missing tokens, input, targets or output");
+  const int64_t BT = int64_t(b) * layout_.T;
+  const std::vector<Segment> segs = segments(recomputed, BT);
+  if (std::any_of(segs.begin(), segs.end(), [](const Segment& g) { return g.recomputed; }) &&
+      (!scratch || !checkpoints))
+    throw Error("cpu stage mixed forward: needs checkpoints and scratch (mixed_sizes)");
+  const int emb = s.has_embedding ? 1 : 0;
+  const auto rc = [&](int l) {
+    return bool(recomputed[std::size_t(std::clamp<int64_t>(l - emb, 0, s.blocks - 1))]);
+  };
+  const std::vector<float*> kept = place_layers(swapped, BT, [&](int l) { return !rc(l); });
+  // The recomputed layers run in place in the scratch, keeping no stash (their checkpoint aside).
+  std::vector<float*> rolling(std::size_t(layer_count()), nullptr);
+  for (int l = emb; l < layer_count(); ++l)
+    rolling[std::size_t(l)] = scratch;
+  const At at{params};
+  float loss = 0.0f;
+  for (std::size_t k = 0; k < segs.size(); ++k) {
+    const Segment& g = segs[k];
+    // Where the run's output goes: the next run's checkpoint, or its first layer's stash slot.
+    float* out = output;
+    if (k + 1 < segs.size())
+      out = segs[k + 1].recomputed ? checkpoints + segs[k + 1].checkpoint
+                                   : kept[std::size_t(segs[k + 1].from)];
+    if (!g.recomputed) {
+      loss = run_range(at, g.from, g.to, tokens, g.from == 0 ? input : kept[std::size_t(g.from)],
+                       targets, b, kept, out);
+      continue;
+    }
+    float* ckpt = checkpoints + g.checkpoint;
+    if (g.from == 0 && emb)
+      std::memcpy(ckpt, tokens, std::size_t(BT) * sizeof(float));
+    else if (g.from == 0)
+      std::memcpy(ckpt, input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
+    // (a later run's checkpoint was written by the run before it)
+    loss = run_range(at, g.from, g.to, tokens, ckpt, targets, b, rolling, out);
+  }
+  return loss;
+}
+
+void CpuGptStage::recompute_mixed(const float* params, const std::int32_t* targets, int b,
+                                  const std::vector<bool>& recomputed, const float* checkpoints,
+                                  float* remade) {
+  const StageSpec& s = layout_.spec;
+  const int64_t BT = int64_t(b) * layout_.T;
+  const std::vector<Segment> segs = segments(recomputed, BT);
+  const int emb = s.has_embedding ? 1 : 0;
+  const auto rc = [&](int l) {
+    return bool(recomputed[std::size_t(std::clamp<int64_t>(l - emb, 0, s.blocks - 1))]);
+  };
+  const std::vector<float*> acts = place_layers(remade, BT, rc);
+  for (const Segment& g : segs) {
+    if (!g.recomputed) continue;
+    const float* ckpt = checkpoints + g.checkpoint;
+    const auto* tokens = g.from == 0 && emb ? reinterpret_cast<const std::int32_t*>(ckpt) : nullptr;
+    // The run's last output is the next (swapped) layer's input, which its stash holds already.
+    run_range(At{params}, g.from, g.to, tokens, ckpt, targets, b, acts, nullptr);
+  }
+}
+
+void CpuGptStage::backward_mixed(const float* params, const std::vector<bool>& recomputed,
+                                 const float* swapped, const float* remade, const float* d_output,
+                                 int b, float loss_scale, float* grads, GradientSink* sink,
+                                 float* d_input, float* workspace) {
+  const StageSpec& s = layout_.spec;
+  const int64_t BT = int64_t(b) * layout_.T;
+  segments(recomputed, BT);  // checks the choices
+  const int emb = s.has_embedding ? 1 : 0;
+  const auto rc = [&](int l) {
+    return bool(recomputed[std::size_t(std::clamp<int64_t>(l - emb, 0, s.blocks - 1))]);
+  };
+  const std::vector<float*> a =
+      place_layers(const_cast<float*>(swapped), BT, [&](int l) { return !rc(l); });
+  const std::vector<float*> r = place_layers(const_cast<float*>(remade), BT, rc);
+  std::vector<const float*> acts(a.size());
+  for (std::size_t l = 0; l < a.size(); ++l)
+    acts[l] = a[l] ? a[l] : r[l];
+  FlatSink flat(grads);
+  backward(At{params, sink ? sink : &flat}, acts, d_output, b, loss_scale, d_input, workspace);
 }
 
 void CpuGptStage::block_forward(const At& at, int64_t base, const BlockActs<float>& a, int b,
@@ -491,18 +702,6 @@ float CpuGptStage::head_forward(const At& at, const HeadActs<float>& h, const st
 
 // Workspace use: on the first stage the residual-stream gradient dres takes its first B*T*C
 // floats (elsewhere dres is d_input); the rest is the scratch of the layers' backward.
-namespace {
-// The whole stage's gradients in one buffer, in the layout's order.
-class FlatSink : public GradientSink {
- public:
-  explicit FlatSink(float* grads) : grads_(grads) {}
-  float* at(std::int64_t offset, std::int64_t) override { return grads_ + offset; }
-  void layer_done(std::int64_t, std::int64_t) override {}
-
- private:
-  float* grads_;
-};
-}  // namespace
 
 void CpuGptStage::backward(const float* params, const float* full_stash, const float* d_output,
                            int b, float loss_scale, float* grads, float* d_input,
@@ -514,18 +713,21 @@ void CpuGptStage::backward(const float* params, const float* full_stash, const f
 void CpuGptStage::backward(const float* params, const float* full_stash, const float* d_output,
                            int b, float loss_scale, GradientSink& grads, float* d_input,
                            float* workspace) {
-  backward(At{params, &grads}, full_stash, d_output, b, loss_scale, d_input, workspace);
+  backward(At{params, &grads}, full_layers(full_stash, b), d_output, b, loss_scale, d_input,
+           workspace);
 }
 
 void CpuGptStage::backward(LayerMemory& memory, const float* full_stash, const float* d_output,
                            int b, float loss_scale, float* d_input, float* workspace) {
-  backward(At{nullptr, nullptr, &memory}, full_stash, d_output, b, loss_scale, d_input, workspace);
+  backward(At{nullptr, nullptr, &memory}, full_layers(full_stash, b), d_output, b, loss_scale,
+           d_input, workspace);
 }
 
 // A flat call's sink hears of each layer's end (layer_done); a LayerMemory of each layer's
 // beginning and end.
-void CpuGptStage::backward(const At& at, const float* full_stash, const float* d_output, int b,
-                           float loss_scale, float* d_input, float* workspace) {
+void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
+                           const float* d_output, int b, float loss_scale, float* d_input,
+                           float* workspace) {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;  // this rank's
   const bool has_layers = s.blocks > 0 || s.has_head;
@@ -540,11 +742,10 @@ void CpuGptStage::backward(const At& at, const float* full_stash, const float* d
     ws_floats -= BTC;
   }
   if (!s.has_head && has_layers) std::memcpy(dres, d_output, std::size_t(BTC) * sizeof(float));
-  const float* cur = full_stash + (s.has_embedding ? layout_.embedding_elements(BT) : 0);
   if (s.has_head) {
     at.begin(head_layer(), true);
-    head_backward(at, carve_head(cur + s.blocks * layout_.block_elements(BT), BT), b, loss_scale,
-                  dres, ws, ws_floats);
+    head_backward(at, carve_head(acts[std::size_t(head_layer())], BT), b, loss_scale, dres, ws,
+                  ws_floats);
     if (at.grads) at.grads->layer_done(layout_.lnf_w, layout_.parameters);
     at.end(head_layer(), true);
   }
@@ -553,18 +754,18 @@ void CpuGptStage::backward(const At& at, const float* full_stash, const float* d
     const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
     at.begin(block_layer(i), true);
-    block_backward(at, base, carve_block(cur + i * layout_.block_elements(BT), BT), b, dres, ws,
+    block_backward(at, base, carve_block(acts[std::size_t(block_layer(i))], BT), b, dres, ws,
                    ws_floats);
     if (at.grads) at.grads->layer_done(base, end);
     at.end(block_layer(i), true);
   }
   if (!s.has_embedding) return;
   at.begin(0, true);
-  embedding_backward(at, full_stash, has_layers ? dres : d_output, b, ws, ws_floats);
+  embedding_backward(at, acts[0], has_layers ? dres : d_output, b, ws, ws_floats);
   at.end(0, true);
 }
 
-void CpuGptStage::embedding_backward(const At& at, const float* full_stash, const float* demb,
+void CpuGptStage::embedding_backward(const At& at, const float* token_stash, const float* demb,
                                      int b, float* ws, int64_t ws_floats) const {
   const int64_t BT = int64_t(b) * layout_.T;
   const int64_t wte_size = layout_.V_t * layout_.C,
@@ -576,7 +777,7 @@ void CpuGptStage::embedding_backward(const At& at, const float* full_stash, cons
       throw Error("cpu stage backward: workspace too small for the embedding");
     demb = gather(demb, ws, BT);
   }
-  const auto* tokens = reinterpret_cast<const std::int32_t*>(full_stash);
+  const auto* tokens = reinterpret_cast<const std::int32_t*>(token_stash);
   if (!vocab_parallel()) {
     cpu::embedding_backward(dwte, dwpe, demb, tokens, b, int(layout_.T), int(layout_.C));
     if (at.grads) at.grads->layer_done(layout_.wte, layout_.wpe + wpe_size);
