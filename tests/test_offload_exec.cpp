@@ -73,6 +73,35 @@ std::string describe(const planner::MemoryBreakdown& m) {
          std::to_string(m.workspace);
 }
 
+// ZeRO-Offload's sharded form (w > 1, docs/formulas.md section 9, data parallelism): a plan of
+// w replicas and d stages, distributed optimizer on, optionally with optimizer offload.
+Plan sharded_plan(const models::ModelSpec& model, Schedule s, int w, int d, bool offload) {
+  Plan p = make_plan(model, s, d, 1, 2, kNone);
+  p.w = w;
+  p.distributed_optimizer = true;
+  if (offload) p.offload = Offload::optimizer;
+  planner::check(p);
+  return p;
+}
+
+struct ShardedCase {
+  Schedule schedule;
+  int w, d;
+};
+
+std::vector<ShardedCase> sharded_cases() {
+  std::vector<ShardedCase> cases;
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw, Schedule::gpipe})
+    for (int w : {2, 3})
+      for (int d : {1, 2})
+        cases.push_back({s, w, d});
+  return cases;
+}
+
+std::string describe(const ShardedCase& c) {
+  return to_string(c.schedule) + " w=" + std::to_string(c.w) + " d=" + std::to_string(c.d);
+}
+
 struct Case {
   Schedule schedule;
   int d, b, m;
@@ -343,6 +372,21 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   msg = testing::error_of([&] { train_cpu(model, one, adamw_options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // Sharded (w > 1) a tied model runs on one stage (sharded_cases), but not with both ends in two
+  // chunks of one device (the head's copy is in no CPU Adam tile).
+  Plan two_chunks = sharded_plan(model, Schedule::one_f_one_b, 2, 1, true);
+  two_chunks.schedule = Schedule::interleaved;
+  two_chunks.v = 2;
+  two_chunks.stage_blocks.clear();
+  planner::resolve_stages(two_chunks, model.layers);
+  planner::check(two_chunks);
+  msg = testing::error_of([&] { train_cpu(model, two_chunks, adamw_options(2)); });
+  EXPECT_NE(msg.find("plan: offload: the executor's sharded optimizer offload (w = 2) needs the "
+                     "tied embedding and LM head on one chunk or on different stages (here d = 1, "
+                     "v = 2)"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // The timeline's host memory track (as the simulator's): the host pool's bytes at every change,
@@ -384,35 +428,6 @@ TEST(OffloadExec, HostMemoryOverTimeInTheTimeline) {
       EXPECT_GT(r.ranks[0].activation_out_bytes, 0);
     }
   }
-}
-
-// ZeRO-Offload's sharded form (w > 1, docs/formulas.md section 9, data parallelism): a plan of
-// w replicas and d stages, distributed optimizer on, optionally with optimizer offload.
-Plan sharded_plan(const models::ModelSpec& model, Schedule s, int w, int d, bool offload) {
-  Plan p = make_plan(model, s, d, 1, 2, kNone);
-  p.w = w;
-  p.distributed_optimizer = true;
-  if (offload) p.offload = Offload::optimizer;
-  planner::check(p);
-  return p;
-}
-
-struct ShardedCase {
-  Schedule schedule;
-  int w, d;
-};
-
-std::vector<ShardedCase> sharded_cases() {
-  std::vector<ShardedCase> cases;
-  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw, Schedule::gpipe})
-    for (int w : {2, 3})
-      for (int d : {1, 2})
-        cases.push_back({s, w, d});
-  return cases;
-}
-
-std::string describe(const ShardedCase& c) {
-  return to_string(c.schedule) + " w=" + std::to_string(c.w) + " d=" + std::to_string(c.d);
 }
 
 // Sharded optimizer offload (each replica reduce-scatters, copies its shard of every tile to its
@@ -573,6 +588,22 @@ TEST(OffloadRules, TilesRangesSlotsAndReleases) {
       << msg;
   msg = testing::error_of<Error>([&] { detail::host_tiles(last, 64, true, 16, 4, 2, 1, 0); });
   EXPECT_NE(msg.find("the tied copy is not the last tensor"), std::string::npos) << msg;
+
+  // ZeRO-Offload's shards of a tile (planner::tile_shard): floor(n / w) + 1 for the first
+  // n mod w replicas, in replica order, covering the tile exactly once; empty when n < w.
+  const std::int64_t sizes[] = {4, 3, 3};
+  std::int64_t next = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const planner::TiedShard sh = planner::tile_shard(10, 3, rep);
+    EXPECT_EQ(sh.begin, next) << rep;
+    EXPECT_EQ(sh.end - sh.begin, sizes[rep]) << rep;
+    next = sh.end;
+  }
+  EXPECT_EQ(next, 10);
+  EXPECT_EQ(planner::tile_shard(2, 3, 2).begin, 2);
+  EXPECT_EQ(planner::tile_shard(2, 3, 2).end, 2);
+  EXPECT_EQ(planner::tile_shard(9, 3, 1).begin, 3);
+  EXPECT_EQ(planner::tile_shard(9, 3, 1).end, 6);
 
   const models::ModelSpec model = testing::gpt_tiny(4);
   EXPECT_EQ(detail::upload_slot(make_plan(model, Schedule::one_f_one_b, 2, 1, 4, kOptimizer), 0),
