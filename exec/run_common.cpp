@@ -121,16 +121,22 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
           "stage mixing both ({} blocks swap, {} recompute; the cpu backend runs it); estimate or "
           "simulate it instead",
           s, backend, plan.swapped_layers(s), plan.recomputed_layers(s)));
-  if (plan.offload_sharded())
-    throw InputError(fmt::format(
-        "plan: offload: the executor runs optimizer offload with w = 1 only (here w = {}: "
-        "ZeRO-Offload's sharding over replicas); estimate or simulate it instead",
-        plan.w));
-  if (plan.offload == planner::Offload::optimizer && model.tied_embeddings && plan.d == 1)
+  // Unsharded, the gradients stream out layer by layer: one stage holding both tied ends would
+  // add both ends' gradients into one layer's. Sharded (w > 1) they stay on the device, as
+  // without offload, so d = 1 runs, but not both ends in two chunks of one device (interleaved,
+  // d = 1: the head's copy is in no CPU Adam tile).
+  if (plan.offload == planner::Offload::optimizer && model.tied_embeddings && plan.d == 1 &&
+      !plan.offload_sharded())
     throw InputError(
         "plan: offload: the executor's optimizer offload needs the tied embedding and LM head on "
         "different stages (d > 1; here d = 1): one stage would add both ends' gradients into one "
         "layer's; use an untied model or d > 1");
+  if (plan.offload_sharded() && model.tied_embeddings && plan.d == 1 && plan.v > 1)
+    throw InputError(fmt::format(
+        "plan: offload: the executor's sharded optimizer offload (w = {}) needs the tied embedding "
+        "and LM head on one chunk or on different stages (here d = 1, v = {}); use v = 1, d > 1 "
+        "or an untied model",
+        plan.w, plan.v));
   if (options.device_memory < 0)
     throw InputError(fmt::format("--device-memory: {} is negative (bytes; 0: unlimited)",
                                  options.device_memory));

@@ -34,6 +34,7 @@ Worker::Worker(Shared& s, int device)
     tp_group.push_back(rank_ * t_ + i);
   sharded_ = p.distributed_optimizer && p.w > 1;
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  offload_sharded_ = p.offload_sharded();
   swaps_ = p.swaps(stage_);
   chunked_ = p.offload == planner::Offload::chunks;
   // Offload chunks: the weights and Adam state are staged here uncounted (initialised or read from
@@ -98,9 +99,11 @@ Worker::Worker(Shared& s, int device)
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = Buffer(counted, Category::weights, n);
     ch.stage->init_parameters(ch.slots[0].data(), s.options->seed);
-    // Optimizer offload: gradients leave the device layer by layer and the optimizer state lives
-    // on the host (setup_offload); offload chunks: in the chunks.
-    if (!offload_optimizer_ && !chunked_) ch.grads = Buffer(memory_, Category::gradients, n);
+    // Optimizer offload: gradients leave the device layer by layer (sharded, w > 1: summed on the
+    // device for the reduce-scatter, as without offload) and the optimizer state lives on the
+    // host (setup_offload); offload chunks: in the chunks.
+    if ((!offload_optimizer_ || offload_sharded_) && !chunked_)
+      ch.grads = Buffer(memory_, Category::gradients, n);
     if (!sharded_ && !offload_optimizer_) {
       ch.m = Buffer(counted, Category::optimizer, n);
       if (s.options->optimizer == "adamw") ch.v = Buffer(counted, Category::optimizer, n);
@@ -122,7 +125,7 @@ Worker::Worker(Shared& s, int device)
   // Megatron pads its buffer to a multiple of w), the planner's figure.
   const planner::TiedShard own = planner::tied_shard(flat, p.w, sharded_ ? replica_ : 0);
   const std::int64_t per = sharded_ ? (flat + p.w - 1) / p.w : 0;
-  if (sharded_) {
+  if (sharded_ && !offload_optimizer_) {
     shard_m_ = Buffer(memory_, Category::optimizer, per);
     if (s.options->optimizer == "adamw") shard_v_ = Buffer(memory_, Category::optimizer, per);
   }
@@ -160,9 +163,13 @@ Worker::Worker(Shared& s, int device)
   if (s.first_step > 0) load_checkpoint(s.first_step);
   if (chunked_) setup_chunks();
   // The host's master copy starts as the device's newest version (the checkpoint's, resumed).
-  for (std::size_t i = 0; i < host_chunks_.size(); ++i)
-    std::copy_n(chunks_[i].slots[slots_.newest()].data(), host_chunks_[i].n,
-                host_chunks_[i].master.data());
+  for (std::size_t i = 0; i < host_chunks_.size(); ++i) {
+    HostChunk& h = host_chunks_[i];
+    const float* weights = chunks_[i].slots[slots_.newest()].data();
+    for (std::size_t k = 0; k < h.tiles.size(); ++k)
+      std::copy(weights + h.tiles[k].begin, weights + h.tiles[k].end,
+                h.master.data() + h.host_at[k]);
+  }
 }
 
 // Offload's state (see worker.hpp) and the copy engines: one per direction on a stage that swaps
@@ -185,13 +192,29 @@ void Worker::setup_offload() {
                    planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
     h.n = tiles.host_n;
     h.tiles = std::move(tiles.tiles);
-    for (const Tile& t : h.tiles)
-      largest = std::max(largest, t.end - t.begin);
+    if (offload_sharded_) {
+      // ZeRO-Offload's shards (planner::tile_shard, as the planner counts them): the replica's
+      // part of each tile, packed in tile order on the host.
+      h.layers = h.tiles;
+      h.n = 0;
+      for (Tile& t : h.tiles) {
+        const planner::TiedShard sh = planner::tile_shard(t.size(), p.w, replica_);
+        t = {t.begin + sh.begin, t.begin + sh.end};
+        h.host_at.push_back(h.n);
+        h.n += t.size();
+      }
+    } else {
+      for (const Tile& t : h.tiles) {
+        h.host_at.push_back(t.begin);
+        largest = std::max(largest, t.end - t.begin);
+      }
+    }
     h.master = Buffer(&host_, Category::weights, h.n);
     h.accumulator = Buffer(&host_, Category::gradients, h.n);
     h.m = Buffer(&host_, Category::optimizer, h.n);
     if (s_.options->optimizer == "adamw") h.v = Buffer(&host_, Category::optimizer, h.n);
-    if (c.tied_offset >= 0) h.resident = Buffer(memory_, Category::gradients, c.tied_size);
+    if (c.tied_offset >= 0 && !offload_sharded_)
+      h.resident = Buffer(memory_, Category::gradients, c.tied_size);
     c.own_begin = 0;
     c.own_end = h.n;
     c.m_at = h.m.data();
@@ -199,9 +222,11 @@ void Worker::setup_offload() {
     adam_.emplace_back(h.tiles.size(), 0);
     host_chunks_.push_back(std::move(h));
   }
-  // Double-buffered: one layer's gradients fill while the previous one's are on the copy engine.
-  for (Buffer& b : grad_tiles_)
-    b = Buffer(memory_, Category::gradients, largest);
+  // Double-buffered: one layer's gradients fill while the previous one's are on the copy engine
+  // (sharded: none, the backward keeps its gradients).
+  if (!offload_sharded_)
+    for (Buffer& b : grad_tiles_)
+      b = Buffer(memory_, Category::gradients, largest);
 }
 
 // A swapped stash's device buffer is released when the second compute slot after its forward
@@ -222,7 +247,7 @@ bool Worker::reclaim_download() {
 }
 
 float* Worker::tied_grad(Chunk& c) {
-  if (!offload_optimizer_) return c.grads.data() + c.tied_offset;
+  if (!offload_optimizer_ || offload_sharded_) return c.grads.data() + c.tied_offset;
   return host_chunks_[std::size_t(&c - chunks_.data())].resident.data();
 }
 
@@ -364,6 +389,24 @@ void Worker::offload_op(const Op& op) {
       wait_grads(std::size_t(op.chunk));
       Chunk& c = chunks_[std::size_t(op.chunk)];
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
+      if (offload_sharded_) {
+        // Sharded: the replica's shard of each tile, reduce-scattered (and on stage 0 the tied
+        // head's gradient added) on the device, to the host once; the device's gradients are
+        // zeroed for the next step (the other shards hold this replica's unreduced sums).
+        HostChunk* hc = &h;
+        float* grads = c.grads.data();
+        const std::int64_t n = c.grads.size();
+        d2h_->submit([w, hc, grads, n, at] {
+          const auto t0 = Clock::now();
+          for (std::size_t k = 0; k < hc->tiles.size(); ++k)
+            std::copy(grads + hc->tiles[k].begin, grads + hc->tiles[k].end,
+                      hc->accumulator.data() + hc->host_at[k]);
+          std::fill_n(grads, n, 0.0f);
+          w->bytes_out_ += hc->n * std::int64_t(sizeof(float));
+          w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
+        });
+        return;
+      }
       if (c.tied_offset < 0 || h.resident.empty())
         throw Error(fmt::format("rank {}: tied gradient copy on chunk {}, which keeps none", rank_,
                                 op.chunk));
@@ -381,18 +424,18 @@ void Worker::offload_op(const Op& op) {
     }
     case OpKind::host_optimizer_step: {
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      const Tile t = h.tiles.at(std::size_t(op.bucket));
+      const std::int64_t n = h.tiles.at(std::size_t(op.bucket)).size();
+      const std::int64_t i = h.host_at[std::size_t(op.bucket)];  // its parameters on the host
       const CopyEngine::Ticket copied = d2h_->last();  // the step's gradients, all of them
       const int update = op.step + 1;
       HostChunk* hc = &h;
       adam_[std::size_t(op.chunk)][std::size_t(op.bucket)] =
-          host_cpu_->submit([w, hc, t, copied, update, at] {
+          host_cpu_->submit([w, hc, i, n, copied, update, at] {
             w->d2h_->wait(copied);
             const auto t0 = Clock::now();
-            float* master = hc->master.data() + t.begin;
-            optimizer_update(*w->s_.options, update, master, master,
-                             hc->accumulator.data() + t.begin, hc->m.data() + t.begin,
-                             hc->v.empty() ? nullptr : hc->v.data() + t.begin, t.end - t.begin);
+            float* master = hc->master.data() + i;
+            optimizer_update(*w->s_.options, update, master, master, hc->accumulator.data() + i,
+                             hc->m.data() + i, hc->v.empty() ? nullptr : hc->v.data() + i, n);
             w->copy_record(planner::kHostStream, t0, Clock::now(), at);
           });
       return;
@@ -408,7 +451,7 @@ void Worker::offload_op(const Op& op) {
       }
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
       const Tile t = h.tiles.at(std::size_t(op.bucket));
-      const float* src = h.master.data() + t.begin;
+      const float* src = h.master.data() + h.host_at[std::size_t(op.bucket)];
       float* dst = chunks_[std::size_t(op.chunk)].slots[upload_slot_].data() + t.begin;
       const CopyEngine::Ticket adam = adam_[std::size_t(op.chunk)][std::size_t(op.bucket)];
       last_upload_ = h2d_->submit([w, src, dst, t, adam, at] {
@@ -434,6 +477,8 @@ void Worker::offload_step(const Op& op) {
     throw Error(fmt::format("rank {}: optimizer step of version {} without its uploads", rank_,
                             op.version));
   ++updates_;
+  // Sharded: the replicas' uploaded shards to one another, into the new version's slot.
+  if (offload_sharded_) all_gather(op.step, upload_slot_);
   slots_.place(op.version, upload_slot_);
   upload_slot_ = -1;
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
@@ -757,15 +802,15 @@ void Worker::backward(const Op& op) {
   const auto t0 = Clock::now();
   if (c.mixed) {  // each layer's stash from the swapped piece or the recompute's
     std::unique_ptr<TileSink> sink;
-    if (offload_optimizer_)
+    if (offload_optimizer_ && !offload_sharded_)
       sink = std::make_unique<TileSink>(
           *this, std::size_t(op.chunk),
           gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
     c.stage->backward_mixed(params(c, op.version), c.recomputed, stash_.at(key).data(),
                             full_.at(key).data(), c.last ? nullptr : d_outputs_.at(key).data(), p.b,
-                            scale, offload_optimizer_ ? nullptr : c.grads.data(), sink.get(),
+                            scale, sink ? nullptr : c.grads.data(), sink.get(),
                             c.first ? nullptr : d_input.data(), workspace_.data());
-  } else if (offload_optimizer_) {
+  } else if (offload_optimizer_ && !offload_sharded_) {
     // The copy_gradient_to_host after it, for the timeline.
     TileSink sink(*this, std::size_t(op.chunk),
                   gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
@@ -869,7 +914,6 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
   for (int r = 0; r < p.w; ++r)
     tied_starts.push_back(to + planner::tied_shard(te - to, p.w, r).begin);
   tied_starts.push_back(te);
-  const std::vector<std::int64_t> shards = shard_starts(c);
   // The bucket's pieces before, inside and after the tied tensor.
   const std::int64_t cuts[4] = {begin, std::clamp(to, begin, end), std::clamp(te, begin, end), end};
   for (int piece = 0; piece < 3; ++piece) {
@@ -877,13 +921,39 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
     if (a >= b) continue;
     const std::string key =
         fmt::format("rs/{}.{}/{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket, piece);
-    if (piece == 1 && p.d == 1)
+    if (piece == 1 && p.d == 1) {
       s_.transport->all_reduce_sum(key, group, device_, c.grads.data() + a, b - a);
-    else
+    } else if (piece == 1) {
       s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a,
-                                       clip(piece == 1 ? tied_starts : shards, a, b));
+                                       clip(tied_starts, a, b));
+    } else {
+      const std::vector<Piece> parts = shard_pieces(std::size_t(op.chunk), a, b);
+      for (std::size_t k = 0; k < parts.size(); ++k)
+        s_.transport->reduce_scatter_sum(parts.size() > 1 ? fmt::format("{}.{}", key, k) : key,
+                                         group, device_, c.grads.data() + parts[k].begin,
+                                         parts[k].bounds);
+    }
   }
   copy_record(planner::kCollectiveStream, t0, Clock::now(), at);
+}
+
+std::vector<Worker::Piece> Worker::shard_pieces(std::size_t chunk, std::int64_t a,
+                                                std::int64_t b) const {
+  const planner::Plan& p = s_.plan();
+  if (!offload_sharded_) return {{a, b, clip(shard_starts(chunks_[chunk]), a, b)}};
+  // Sharded offload: the tiles' shards (what each replica's host updates); the last stage's tied
+  // copy, in no tile, takes no part (it receives stage 0's weights).
+  std::vector<Piece> parts;
+  for (const Tile& t : host_chunks_[chunk].layers) {
+    const std::int64_t lo = std::max(a, t.begin), hi = std::min(b, t.end);
+    if (lo >= hi) continue;
+    std::vector<std::int64_t> starts;
+    for (int r = 0; r < p.w; ++r)
+      starts.push_back(t.begin + planner::tile_shard(t.size(), p.w, r).begin);
+    starts.push_back(t.end);
+    parts.push_back({lo, hi, clip(starts, lo, hi)});
+  }
+  return parts;
 }
 
 // After the sharded update: every replica's shard of the new version `target` to the others.
@@ -892,8 +962,11 @@ void Worker::all_gather(int step, int target) {
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
-    s_.transport->all_gather(fmt::format("ag/{}.{}/{}/{}", stage_, tp_, step, i), group, device_,
-                             c.slots[target].data(), clip(shard_starts(c), 0, c.sizes.parameters));
+    const std::string key = fmt::format("ag/{}.{}/{}/{}", stage_, tp_, step, i);
+    const std::vector<Piece> parts = shard_pieces(i, 0, c.sizes.parameters);
+    for (std::size_t k = 0; k < parts.size(); ++k)
+      s_.transport->all_gather(parts.size() > 1 ? fmt::format("{}.{}", key, k) : key, group,
+                               device_, c.slots[target].data() + parts[k].begin, parts[k].bounds);
   }
   record(planner::kCollectiveStream, t0, Clock::now());
 }

@@ -110,14 +110,19 @@ class Worker {
     MixedSizes mixed_sizes;
   };
 
-  // Offload (docs/formulas.md section 9). The optimizer's host side of a chunk: its
-  // host-updated parameters [0, n) (all but the last stage's tied copy) as the master copy (the
-  // fp32 transfer buffer the new parameters leave from), the gradient accumulator and the
-  // optimizer state, in the host pool; its CPU Adam tiles (one per layer, forward order; shared
-  // with the CUDA worker: exec/offload.hpp).
+  // Offload (docs/formulas.md section 9). The optimizer's host side of a chunk: its n
+  // host-updated parameters (all but the last stage's tied copy; sharded, w > 1: the replica's
+  // shard of each tile) as the master copy (the fp32 transfer buffer the new parameters leave
+  // from), the gradient accumulator (sharded: the shard's reduced gradient) and the optimizer
+  // state, in the host pool; its CPU Adam tiles (one per layer, forward order; shared with the
+  // CUDA worker: exec/offload.hpp).
   struct HostChunk {
     std::int64_t n = 0;
-    std::vector<Tile> tiles;
+    std::vector<Tile> tiles;  // the parameters each tile updates, in the chunk's layout
+    // Where tile k's parameters begin in the host buffers: tiles[k].begin unsharded; sharded the
+    // shards packed in tile order.
+    std::vector<std::int64_t> host_at;
+    std::vector<Tile> layers;          // sharded: the whole tiles (the collectives' ranges)
     Buffer master, accumulator, m, v;  // host
     Buffer resident;  // device: the tied tensor's gradient at a tied end (d > 1), summed there
   };
@@ -202,6 +207,15 @@ class Worker {
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
   void reduce_scatter(const planner::Op& op, std::int64_t begin, std::int64_t end, int at);
+  // The reduce-scatter's and all-gather's pieces of [a, b) of chunk `chunk` (outside a tied
+  // tensor): each with its bounds (w + 1 offsets relative to its begin). The distributed
+  // optimizer: one piece, by shard_starts; sharded offload: one per CPU Adam tile it meets, split
+  // by planner::tile_shard.
+  struct Piece {
+    std::int64_t begin = 0, end = 0;
+    std::vector<std::int64_t> bounds;
+  };
+  std::vector<Piece> shard_pieces(std::size_t chunk, std::int64_t a, std::int64_t b) const;
   void all_gather(int step, int target);
   std::vector<int> replica_group() const;
   // The rank's flat parameters [0, P) split into w contiguous shards: where shard i begins
@@ -255,6 +269,9 @@ class Worker {
 
   // Offload. The host pool's byte count, the bytes each copy engine moved, the state above.
   bool offload_optimizer_ = false, swaps_ = false;
+  // ZeRO-Offload over w > 1 replicas (Plan::offload_sharded): the gradients stay on the device for
+  // the reduce-scatter, each replica's shard of every tile goes to its host once per step.
+  bool offload_sharded_ = false;
   MemoryCounter host_;
   std::vector<HostChunk> host_chunks_;
   Buffer grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy engine

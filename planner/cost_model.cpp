@@ -293,7 +293,10 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
 }
 
 std::int64_t offload_host_bytes_per_parameter(models::DType dtype, bool sharded) {
-  return optimizer_bytes_per_parameter(dtype) + (sharded ? 0 : 4) + models::dtype_bytes(dtype);
+  // Sharded, fp32: the transfer buffer is the master copy itself (optimizer state is m, v only),
+  // so the shard's gradient needs its own 4 B.
+  const bool accumulator = !sharded || dtype == models::DType::fp32;
+  return optimizer_bytes_per_parameter(dtype) + (accumulator ? 4 : 0) + models::dtype_bytes(dtype);
 }
 
 std::int64_t ChunkOffload::host_parameters() const {
@@ -318,8 +321,10 @@ ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const Ch
     // the microbatches); after the reduce-scatter the replica copies out and updates its shard of
     // each tile (the tied tensor's gradient, summed by the exchange on stage 0, is in stage 0's
     // embedding tile as for w = 1).
-    for (std::int64_t& t : o.tiles)
-      t = t / p.w + (replica < t % p.w ? 1 : 0);
+    for (std::int64_t& t : o.tiles) {
+      const TiedShard sh = tile_shard(t, p.w, replica);
+      t = sh.end - sh.begin;
+    }
     o.shard_copy_out_parameters = o.host_parameters();
     return o;
   }

@@ -91,7 +91,9 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
 // the transfer buffer in the compute dtype (the fp16 gradient arrives there; the new fp16
 // parameters leave from it). 18 for fp16/bf16, 16 for fp32.
 // Sharded (w > 1): no fp32 accumulator (the microbatches' gradients are summed on the device,
-// before the reduce-scatter): 14 for fp16/bf16, 12 for fp32.
+// before the reduce-scatter; the shard's gradient arrives in the transfer buffer): 14 for
+// fp16/bf16. fp32 has no separate master (optimizer state m, v): its transfer buffer is the master
+// copy, and the shard's gradient lands beside it (4 B): 16 for fp32, as unsharded.
 std::int64_t offload_host_bytes_per_parameter(models::DType dtype, bool sharded = false);
 
 // One chunk's offload: the gradients its backward streams to the host, the parameters CPU Adam

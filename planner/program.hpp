@@ -73,6 +73,15 @@ inline TiedShard tied_shard(std::int64_t n, int w, int r) {
   const std::int64_t begin = per * r < n ? per * r : n;
   return {begin, begin + per < n ? begin + per : n};
 }
+// Elements [begin, end) of a CPU Adam tile of n parameters that replica r of w updates under
+// ZeRO-Offload's sharding (Plan::offload_sharded, docs/formulas.md section 9): floor(n / w) + 1
+// for the first n mod w replicas, floor(n / w) for the others, in replica order. The planner
+// counts the shards by it, the executor reduce-scatters, copies, updates and all-gathers by it.
+inline TiedShard tile_shard(std::int64_t n, int w, int r) {
+  const std::int64_t q = n / w, extra = n % w;
+  const std::int64_t begin = q * r + (r < extra ? r : extra);
+  return {begin, begin + q + (r < extra ? 1 : 0)};
+}
 bool is_offload(OpKind kind);  // the three optimizer-offload ops
 bool is_swap(OpKind kind);     // the two activation-offload ops
 bool is_chunk(OpKind kind);    // the four chunk ops

@@ -127,6 +127,9 @@ TEST_F(Workstation, BytesPerParameterOnDeviceAndHost) {
   EXPECT_EQ(m.optimizer, 0);
   EXPECT_EQ(offload_host_bytes_per_parameter(models::DType::fp16), 18);
   EXPECT_EQ(offload_host_bytes_per_parameter(models::DType::fp32), 16);
+  // Sharded: no accumulator, except in fp32, whose transfer buffer is the master copy itself.
+  EXPECT_EQ(offload_host_bytes_per_parameter(models::DType::fp16, true), 14);
+  EXPECT_EQ(offload_host_bytes_per_parameter(models::DType::fp32, true), 16);
   ASSERT_EQ(est.report.hosts.size(), 1u);
   EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, 18 * P);
   EXPECT_EQ(est.report.hosts[0].pinned_bytes, 2 * P);

@@ -4,7 +4,9 @@
 // plan without offload; the measured device peak equals the planner's and stays inside
 // --device-memory; the bytes the copy engines moved per step are the planner's exactly.
 #include <algorithm>
+#include <cmath>
 #include <functional>
+#include <set>
 
 #include <gtest/gtest.h>
 
@@ -69,6 +71,35 @@ std::string describe(const planner::MemoryBreakdown& m) {
          " gradients " + std::to_string(m.gradients) + " optimizer " + std::to_string(m.optimizer) +
          " activations " + std::to_string(m.activations) + " workspace " +
          std::to_string(m.workspace);
+}
+
+// ZeRO-Offload's sharded form (w > 1, docs/formulas.md section 9, data parallelism): a plan of
+// w replicas and d stages, distributed optimizer on, optionally with optimizer offload.
+Plan sharded_plan(const models::ModelSpec& model, Schedule s, int w, int d, bool offload) {
+  Plan p = make_plan(model, s, d, 1, 2, kNone);
+  p.w = w;
+  p.distributed_optimizer = true;
+  if (offload) p.offload = Offload::optimizer;
+  planner::check(p);
+  return p;
+}
+
+struct ShardedCase {
+  Schedule schedule;
+  int w, d;
+};
+
+std::vector<ShardedCase> sharded_cases() {
+  std::vector<ShardedCase> cases;
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw, Schedule::gpipe})
+    for (int w : {2, 3})
+      for (int d : {1, 2})
+        cases.push_back({s, w, d});
+  return cases;
+}
+
+std::string describe(const ShardedCase& c) {
+  return to_string(c.schedule) + " w=" + std::to_string(c.w) + " d=" + std::to_string(c.d);
 }
 
 struct Case {
@@ -340,6 +371,21 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   msg = testing::error_of([&] { train_cpu(model, one, adamw_options(2)); });
   EXPECT_NE(msg.find("tied embedding and LM head on different stages"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // Sharded (w > 1) a tied model runs on one stage (sharded_cases), but not with both ends in two
+  // chunks of one device (the head's copy is in no CPU Adam tile).
+  Plan two_chunks = sharded_plan(model, Schedule::one_f_one_b, 2, 1, true);
+  two_chunks.schedule = Schedule::interleaved;
+  two_chunks.v = 2;
+  two_chunks.stage_blocks.clear();
+  planner::resolve_stages(two_chunks, model.layers);
+  planner::check(two_chunks);
+  msg = testing::error_of([&] { train_cpu(model, two_chunks, adamw_options(2)); });
+  EXPECT_NE(msg.find("plan: offload: the executor's sharded optimizer offload (w = 2) needs the "
+                     "tied embedding and LM head on one chunk or on different stages (here d = 1, "
+                     "v = 2)"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // --- Stages mixing swapped and recomputed blocks (activation_layers, KARMA per layer) ---
@@ -566,6 +612,180 @@ TEST(OffloadExec, HostMemoryOverTimeInTheTimeline) {
   }
 }
 
+// Sharded optimizer offload (each replica reduce-scatters, copies its shard of every tile to its
+// host, runs CPU Adam there, uploads, all-gathers) trains bit-identically to the distributed
+// optimizer without offload (losses and every rank's final weights), and within 1e-6 relative of
+// the plain unsharded run, as the distributed optimizer does; tied (d = 1: both ends one tensor;
+// d = 2: the tied exchange) and untied, AdamW and SGD, buckets cutting the tiles.
+TEST(OffloadExec, ShardedTrainsAsTheDistributedOptimizer) {
+  models::ModelSpec untied = testing::gpt_tiny(4);
+  untied.tied_embeddings = false;
+  for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied})
+    for (const ShardedCase& c : sharded_cases())
+      for (const char* optimizer : {"adamw", "sgd"}) {
+        if (!model.tied_embeddings && (c.d == 1 || std::string(optimizer) == "sgd")) continue;
+        SCOPED_TRACE(describe(c) + " " + optimizer + (model.tied_embeddings ? "" : " untied"));
+        TrainOptions o = adamw_options(3);
+        o.optimizer = optimizer;
+        o.gradient_buckets = c.w;  // buckets whose edges fall inside tiles
+        const TrainResult off =
+            train_cpu(model, sharded_plan(model, c.schedule, c.w, c.d, true), o);
+        const TrainResult dopt =
+            train_cpu(model, sharded_plan(model, c.schedule, c.w, c.d, false), o);
+        expect_identical(off, dopt);
+        Plan plain_plan = sharded_plan(model, c.schedule, c.w, c.d, false);
+        plain_plan.distributed_optimizer = false;
+        const TrainResult plain = train_cpu(model, plain_plan, o);
+        ASSERT_EQ(off.ranks.size(), plain.ranks.size());
+        for (std::size_t r = 0; r < plain.ranks.size(); ++r) {
+          for (std::size_t k = 0; k < plain.ranks[r].weights.size(); ++k)
+            EXPECT_LE(
+                testing::max_relative_error(off.ranks[r].weights[k], plain.ranks[r].weights[k]),
+                1e-6)
+                << "rank " << r << " chunk " << k;
+          EXPECT_EQ(off.ranks[r].memory.optimizer, 0) << "rank " << r;  // on the host
+          EXPECT_GT(off.ranks[r].host_peak_memory_bytes, 0) << "rank " << r;
+        }
+        for (std::size_t i = 0; i < plain.steps.size(); ++i)
+          EXPECT_NEAR(off.steps[i].loss, plain.steps[i].loss, 1e-6 * std::fabs(plain.steps[i].loss))
+              << "step " << i;
+      }
+}
+
+// Sharded: the measured device peak per rank is the planner's exactly (weights, the whole
+// gradient for the reduce-scatter, no optimizer state, versions, activations, workspace); the
+// host pool per rank is the planner's (16 B per shard parameter in fp32: master, gradient, m, v;
+// replica r's shard of each tile by planner::tile_shard, so replicas differ at w = 3); the bytes
+// each rank's copy engines moved are the simulator's exactly (out: the shard once per step after
+// the reduce-scatter; in: the shard's uploads) and the closed form's per step.
+TEST(OffloadExec, ShardedPeakHostAndBytesMatchThePlanner) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const int steps = 3;
+  for (const ShardedCase& c : sharded_cases()) {
+    SCOPED_TRACE(describe(c));
+    const Plan p = sharded_plan(model, c.schedule, c.w, c.d, true);
+    const TrainResult r = train_cpu(model, p, adamw_options(steps));
+    const planner::Estimate e = predicted(model, p);
+    const planner::RunReport sim = simulated(model, p, steps);
+    const common::Json& so = sim.extra["offload"];
+    std::set<std::int64_t> host_sizes;
+    for (int rank = 0; rank < p.ranks(); ++rank) {
+      const RankResult& got = r.ranks[std::size_t(rank)];
+      const planner::DeviceReport& want = e.report.devices[std::size_t(rank)];
+      EXPECT_EQ(got.memory.gradients, want.memory.gradients) << "rank " << rank;
+      EXPECT_EQ(got.memory.optimizer, 0) << "rank " << rank;
+      EXPECT_EQ(want.memory.optimizer, 0) << "rank " << rank;
+      EXPECT_EQ(got.memory.weight_versions, want.memory.weight_versions) << "rank " << rank;
+      EXPECT_EQ(got.peak_memory_bytes, want.memory.total())
+          << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
+      const common::Json& sr = so["ranks"][std::size_t(rank)];
+      EXPECT_EQ(got.host_peak_memory_bytes, sr["host_bytes"].get<std::int64_t>())
+          << "rank " << rank;
+      // The planner's own count for this replica: 16 B per shard parameter of its tiles.
+      std::int64_t shard = 0;
+      const models::ModelCosts mc = models::derive_costs(model);
+      const traces::Trace trace =
+          traces::analytic_trace(model, clusters::load_cluster("v100-32gb-ws").device, {p.b});
+      for (int k = 0; k < p.v; ++k)
+        shard +=
+            planner::chunk_offload(mc, p, planner::chunk_cost(mc, trace, p, p.stage_of(rank), k),
+                                   p.replica_of(rank))
+                .host_parameters();
+      EXPECT_EQ(got.host_peak_memory_bytes, 16 * shard) << "rank " << rank;
+      host_sizes.insert(got.host_peak_memory_bytes);
+      EXPECT_EQ(got.copy_out_bytes, steps * sr["copy_out_bytes_per_step"].get<std::int64_t>())
+          << "rank " << rank;
+      EXPECT_EQ(got.copy_in_bytes, steps * sr["copy_in_bytes_per_step"].get<std::int64_t>())
+          << "rank " << rank;
+      EXPECT_EQ(got.copy_out_bytes, steps * 4 * shard) << "rank " << rank;
+      EXPECT_EQ(got.copy_in_bytes, steps * 4 * shard) << "rank " << rank;
+    }
+    // w = 3 splits some tiles unevenly: replica 0 holds more than the last.
+    if (c.w == 3) {
+      EXPECT_GT(host_sizes.size(), 1u);
+    }
+    // Inside a budget of the largest measured peak: the same run fits, with the same bits.
+    TrainOptions o = adamw_options(steps);
+    o.device_memory = largest_peak(r);
+    expect_identical(train_cpu(model, p, o), r);
+  }
+}
+
+// Sharded beside interleaving (tied ends on different stages; untied on one device, v = 2) and
+// full recomputation: bit-identical to the distributed optimizer; the breakdown's gradients and
+// weights the planner's and its peak off the planner's by what the distributed optimizer's is
+// without offload (the planner's interleaved and recomputed activations are not exact); host
+// bytes and bytes moved the simulator's.
+TEST(OffloadExec, ShardedOtherShapes) {
+  models::ModelSpec untied = testing::gpt_tiny(4);
+  untied.tied_embeddings = false;
+  struct Shape {
+    const char* name;
+    models::ModelSpec model;
+    int w, d, v;
+    bool recompute;
+  };
+  for (const Shape& k : {Shape{"interleaved tied", testing::gpt_tiny(4), 2, 2, 2, false},
+                         Shape{"interleaved untied d=1", untied, 3, 1, 2, false},
+                         Shape{"recompute full", testing::gpt_tiny(4), 2, 2, 1, true}}) {
+    SCOPED_TRACE(k.name);
+    Plan dopt = sharded_plan(k.model, Schedule::one_f_one_b, k.w, k.d, false);
+    if (k.v > 1) {
+      dopt.schedule = Schedule::interleaved;
+      dopt.v = k.v;
+      dopt.stage_blocks.clear();
+      planner::resolve_stages(dopt, k.model.layers);
+    }
+    if (k.recompute) dopt.recompute.assign(std::size_t(k.d), planner::Recompute::full);
+    Plan off = dopt;
+    off.offload = Offload::optimizer;
+    planner::check(dopt);
+    planner::check(off);
+    TrainOptions o = adamw_options(3);
+    o.gradient_buckets = 2;
+    const TrainResult r = train_cpu(k.model, off, o);
+    const TrainResult without = train_cpu(k.model, dopt, o);
+    expect_identical(r, without);
+    const planner::Estimate e = predicted(k.model, off);
+    const planner::Estimate e_without = predicted(k.model, dopt);
+    const planner::RunReport sim = simulated(k.model, off, 3);
+    for (int rank = 0; rank < off.ranks(); ++rank) {
+      const RankResult& got = r.ranks[std::size_t(rank)];
+      const planner::MemoryBreakdown& want = e.report.devices[std::size_t(rank)].memory;
+      EXPECT_EQ(got.memory.gradients, want.gradients) << "rank " << rank;
+      EXPECT_EQ(got.memory.optimizer, 0) << "rank " << rank;
+      EXPECT_EQ(got.memory.weights, want.weights) << "rank " << rank;
+      // The peak: as the distributed optimizer's without offload, the same difference from the
+      // planner's (whose interleaved and recomputed activations are not exact, section 4).
+      EXPECT_EQ(got.peak_memory_bytes - want.total(),
+                without.ranks[std::size_t(rank)].peak_memory_bytes -
+                    e_without.report.devices[std::size_t(rank)].memory.total())
+          << "rank " << rank;
+      const common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
+      EXPECT_EQ(got.host_peak_memory_bytes, sr["host_bytes"].get<std::int64_t>())
+          << "rank " << rank;
+      EXPECT_EQ(got.copy_out_bytes, 3 * sr["copy_out_bytes_per_step"].get<std::int64_t>())
+          << "rank " << rank;
+      EXPECT_EQ(got.copy_in_bytes, 3 * sr["copy_in_bytes_per_step"].get<std::int64_t>())
+          << "rank " << rank;
+    }
+  }
+}
+
+// Sharded: checkpoints hold each replica's shard of the host's optimizer state; a run stopped
+// and resumed gives the bits of an unbroken one.
+TEST(OffloadExec, ShardedResumeIsBitIdentical) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  for (const ShardedCase& c :
+       {ShardedCase{Schedule::one_f_one_b, 2, 2}, ShardedCase{Schedule::two_bw, 3, 2},
+        ShardedCase{Schedule::one_f_one_b, 3, 1}}) {
+    SCOPED_TRACE(describe(c));
+    testing::expect_resume_is_bit_identical(
+        model, sharded_plan(model, c.schedule, c.w, c.d, true), adamw_options(4),
+        "offshard_" + to_string(c.schedule) + std::to_string(c.w));
+  }
+}
+
 // The rules both workers share (exec/offload.hpp), on a hand-made layout: stage 0 of a tied model
 // (wte, wpe, two blocks) and the last stage (a block, the final norm, the tied copy last).
 TEST(OffloadRules, TilesRangesSlotsAndReleases) {
@@ -611,6 +831,22 @@ TEST(OffloadRules, TilesRangesSlotsAndReleases) {
       << msg;
   msg = testing::error_of<Error>([&] { detail::host_tiles(last, 64, true, 16, 4, 2, 1, 0); });
   EXPECT_NE(msg.find("the tied copy is not the last tensor"), std::string::npos) << msg;
+
+  // ZeRO-Offload's shards of a tile (planner::tile_shard): floor(n / w) + 1 for the first
+  // n mod w replicas, in replica order, covering the tile exactly once; empty when n < w.
+  const std::int64_t sizes[] = {4, 3, 3};
+  std::int64_t next = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const planner::TiedShard sh = planner::tile_shard(10, 3, rep);
+    EXPECT_EQ(sh.begin, next) << rep;
+    EXPECT_EQ(sh.end - sh.begin, sizes[rep]) << rep;
+    next = sh.end;
+  }
+  EXPECT_EQ(next, 10);
+  EXPECT_EQ(planner::tile_shard(2, 3, 2).begin, 2);
+  EXPECT_EQ(planner::tile_shard(2, 3, 2).end, 2);
+  EXPECT_EQ(planner::tile_shard(9, 3, 1).begin, 3);
+  EXPECT_EQ(planner::tile_shard(9, 3, 1).end, 6);
 
   const models::ModelSpec model = testing::gpt_tiny(4);
   EXPECT_EQ(detail::upload_slot(make_plan(model, Schedule::one_f_one_b, 2, 1, 4, kOptimizer), 0),

@@ -26,6 +26,7 @@ namespace {
 
 using planner::Plan;
 using planner::Schedule;
+using testing::max_relative_error;
 
 Plan make_plan(Schedule s, int w, int d, int b, int m) {
   Plan p;
@@ -70,15 +71,6 @@ std::map<std::string, std::vector<float>> weights_by_name(const TrainResult& r, 
                             rank.weights[0].begin() + slot.offset + slot.size);
   }
   return out;
-}
-
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0, scale = 1e-6;  // relative to the largest weight of the tensor
-  for (float x : b)
-    scale = std::max(scale, double(std::fabs(x)));
-  for (std::size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])) / scale);
-  return worst;
 }
 
 void expect_same_weights(const TrainResult& got, const Plan& p, const TrainResult& want,

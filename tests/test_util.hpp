@@ -3,11 +3,13 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -145,6 +147,16 @@ inline exec::TrainOptions adamw_options(int steps, std::int64_t device_memory = 
 }
 
 // The same losses and every rank's final weights, bit for bit.
+// The largest difference between a and b relative to b's largest magnitude (at least 1e-6).
+inline double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0, scale = 1e-6;  // relative to the largest weight of the tensor
+  for (float x : b)
+    scale = std::max(scale, double(std::fabs(x)));
+  for (std::size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])) / scale);
+  return worst;
+}
+
 inline void expect_identical(const exec::TrainResult& got, const exec::TrainResult& want) {
   ASSERT_EQ(got.steps.size(), want.steps.size());
   for (std::size_t i = 0; i < want.steps.size(); ++i)
