@@ -362,9 +362,11 @@ void Worker::make_message_room(int producing) {
   }
   if (held() > std::size_t(message_buffers_))
     throw Error(fmt::format(
-        "rank {}: op {} holds {} pipeline messages, more than the {} the plan counts on stage {} "
-        "(planner::message_buffers)",
-        rank_, op_, held(), message_buffers_, stage_));
+        "rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan counts on "
+        "stage {} (planner::message_buffers)",
+        rank_, op_,
+        planner::to_string(s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind),
+        held(), message_buffers_, stage_));
   for (const std::map<Key, Buffer>* m : {&inputs_, &outputs_, &d_outputs_, &d_inputs_})
     for (const auto& [key, buffer] : *m)
       if (buffer.size() != message_floats_)
