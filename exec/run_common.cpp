@@ -77,11 +77,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
-  if (plan.offload == planner::Offload::chunks && plan.d > 1)
-    throw InputError(fmt::format(
-        "plan: d: the {} executor runs offload chunks on one stage only yet (d = 1, found d = "
-        "{}); estimate or simulate the pipeline instead",
-        backend, plan.d));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "

@@ -673,6 +673,7 @@ void Worker::recv(const Op& op, Channel channel) {
   const Key key{op.step, op.microbatch, op.chunk};
   if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
   release_sends(compute_ops_);
+  if (chunked_) make_message_room(1);
   const auto t0 = Clock::now();
   (channel == Channel::activation ? inputs_ : d_outputs_)[key] =
       to_buffer(s_.transport->recv(device_of(op.peer), device_, channel));
@@ -686,8 +687,9 @@ void Worker::offload(const Op& op) {
   offload_op(op);
 }
 
+// Offload chunks: in one of the message buffers counted all along (setup_chunks).
 Buffer Worker::to_buffer(std::vector<float> data) {
-  return Buffer(memory_, Category::activations, std::move(data));
+  return Buffer(chunked_ ? nullptr : memory_, Category::activations, std::move(data));
 }
 
 const float* Worker::params(const Chunk& c, int version) const {
@@ -982,6 +984,7 @@ void Worker::tied(const Op& op) {
   if (c.tied_offset < 0)
     throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
                             planner::to_string(op.kind), op.chunk));
+  if (chunked_) return chunk_tied(op);
   const planner::Plan& p = s_.plan();
   const std::int64_t n = c.tied_size;
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);

@@ -154,6 +154,13 @@ class Worker {
   void chunk_forward(const planner::Op& op);
   void chunk_backward(const planner::Op& op);
   void chunk_optimizer_step(const planner::Op& op);
+  void chunk_tied(const planner::Op& op);  // the tied exchange's four ops (w = 1) on the chunks
+  // Room among the pipeline messages (d > 1) for `producing` more (a compute op's output, a
+  // receive): at most message_buffers_, the planner's count, whose bytes setup_chunks counts for
+  // the whole run; the oldest sends in flight are waited for and give up their buffers first.
+  void make_message_room(int producing);
+  int message_buffers_ = 0;
+  std::int64_t message_floats_ = 0;
   // The stage's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and back.
   std::vector<float> gather_chunks(int which) const;
   void scatter_chunks(int which, const float* flat);

@@ -1,16 +1,19 @@
 // Offload chunks (PatrickStar) in the CPU worker: the stage's model data in the chunk schedule's
 // fixed-size chunks, moved whole between the emulated device and the host pool by the copy
 // engines as the program's chunk ops say, Adam per chunk on the device (rank thread) or on the
-// host CPU engine. docs/formulas.md section 9 (chunks); docs/formats.md, offload in the CPU
-// executor.
+// host CPU engine. With pipeline stages (d > 1) each rank runs its own stage's schedule; its
+// pipeline messages and the tied embedding's exchange work on the chunks. docs/formulas.md section
+// 9 (chunks); docs/formats.md, offload in the CPU executor.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include <fmt/format.h>
 
 #include "exec/optimizer.hpp"
 #include "exec/worker.hpp"
 #include "planner/chunks.hpp"
+#include "planner/cost_model.hpp"
 
 namespace pw::exec::detail {
 
@@ -78,19 +81,39 @@ void Worker::setup_chunks() {
                               slots[i].name, slots[i].size, t.name, t.elements));
     tensor_at_[slots[i].offset] = {t.chunk, t.offset};
   }
-  // Each layer's stash in bytes (fp32: the stage's carving is exactly models::derive_costs).
+  // The last stage's copy of the tied wte (d > 1) gets no Adam step here: it is its chunk's last
+  // tensor, so a chunk's Adam runs over its first chunk_owned elements.
+  for (const planner::ChunkTensor& t : L.tensors)
+    if (t.tied_copy && t.offset < L.chunk_owned[std::size_t(t.chunk)])
+      throw Error(fmt::format("rank {}: the tied copy {} is not at the end of chunk {}", rank_,
+                              t.name, t.chunk));
+  // Each of the stage's layers' stash in bytes (fp32: the stage's carving is exactly
+  // models::derive_costs): the embedding on stage 0, its blocks, the head on the last stage.
   const models::ModelCosts mc = models::derive_costs(*s_.model);
   const std::int64_t b = s_.plan().b;
-  layer_stash_bytes_.push_back(b * mc.embedding.activation_bytes);
-  for (std::int64_t i = 0; i < s_.model->layers; ++i)
-    layer_stash_bytes_.push_back(b * mc.block.activation_bytes);
-  layer_stash_bytes_.push_back(b * mc.head.activation_bytes);
+  for (int l = 0; l < L.layers(); ++l) {
+    const int g = L.first_layer + l;
+    layer_stash_bytes_.push_back(b * (g == 0                           ? mc.embedding
+                                      : g == int(s_.model->layers + 1) ? mc.head
+                                                                       : mc.block)
+                                         .activation_bytes);
+  }
   std::int64_t stash = 0;
   for (std::int64_t bytes : layer_stash_bytes_)
     stash += bytes;
   if (stash != c.sizes.stash * std::int64_t(sizeof(float)))
     throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
                             stash, c.sizes.stash * std::int64_t(sizeof(float))));
+  // Pipeline messages (d > 1): the planner's count of them (planner::message_buffers: received,
+  // produced, the last one sent), each a block's output, on the device for the whole run as the
+  // schedule's non-model memory counts them at every moment; the messages themselves live in
+  // uncounted buffers, never more at once than that (make_message_room).
+  if (s_.plan().d > 1) {
+    message_buffers_ = planner::message_buffers(s_.plan(), stage_);
+    message_floats_ = c.last ? c.sizes.input : c.sizes.output;
+    memory_->add(Category::activations,
+                 std::int64_t(message_buffers_) * message_floats_ * std::int64_t(sizeof(float)));
+  }
   d2h_ = std::make_unique<CopyEngine>();
   h2d_ = std::make_unique<CopyEngine>();
   host_cpu_ = std::make_unique<CopyEngine>();
@@ -234,7 +257,7 @@ void Worker::chunk(const Op& op) {
         throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank_, k));
       DataChunk* dc = &d;
       Worker* w = this;
-      const std::int64_t n = schedule_->layout.chunk_parameters[std::size_t(k)];
+      const std::int64_t n = schedule_->layout.chunk_owned[std::size_t(k)];
       const CopyEngine::Ticket down = d.down;
       const int update = op.step + 1, at = op_;
       d.adam = host_cpu_->submit([w, dc, n, down, update, at] {
@@ -250,7 +273,7 @@ void Worker::chunk(const Op& op) {
       if (!d.on_device)
         throw Error(
             fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
-      const std::int64_t n = schedule_->layout.chunk_parameters[std::size_t(k)];
+      const std::int64_t n = schedule_->layout.chunk_owned[std::size_t(k)];
       take_core();
       const auto t0 = Clock::now();
       optimizer_update(*s_.options, op.step + 1, d.params.data(), d.params.data(), d.grads.data(),
@@ -267,38 +290,49 @@ void Worker::chunk(const Op& op) {
 
 void Worker::chunk_forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
   std::vector<std::int32_t> tokens, targets;
-  samples(op, tokens, targets);
+  if (c.first || c.last) samples(op, tokens, targets);
   // One stash buffer per microbatch (the stage's carving), its bytes counted layer by layer as
-  // the forward fills it (ChunkMemory) and the backward empties it.
+  // the forward fills it (ChunkMemory) and the backward empties it; the output to the next stage
+  // in a message buffer (counted by setup_chunks).
   Buffer stash(nullptr, Category::activations, c.sizes.stash, &pool_);
+  Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
+  make_message_room(c.last ? 0 : 1);
   ChunkMemory memory(*this);
   take_core();
   const auto t0 = Clock::now();
-  const float loss = c.stage->forward(memory, tokens.data(), nullptr, targets.data(), s_.plan().b,
-                                      stash.data(), nullptr);
+  const float loss = c.stage->forward(
+      memory, c.first ? tokens.data() : nullptr, c.first ? nullptr : inputs_.at(key).data(),
+      c.last ? targets.data() : nullptr, s_.plan().b, stash.data(), c.last ? nullptr : out.data());
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
   if (!pending_copies_.empty())
     throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the forward did not run",
                             rank_, pending_copies_.front().first.layer));
-  s_.add_loss(op.step, loss);
+  if (c.last) s_.add_loss(op.step, loss);
+  inputs_.erase(key);
   stash_[key] = std::move(stash);
+  if (!c.last) outputs_[key] = std::move(out);
 }
 
 void Worker::chunk_backward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
   const planner::Plan& p = s_.plan();
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
+  Buffer d_input(nullptr, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
+  make_message_room(c.first ? 0 : 1);
   ChunkMemory memory(*this);
   take_core();
   const auto t0 = Clock::now();
-  c.stage->backward(memory, stash_.at(key).data(), nullptr, p.b, scale, nullptr, workspace_.data());
+  c.stage->backward(memory, stash_.at(key).data(), c.last ? nullptr : d_outputs_.at(key).data(),
+                    p.b, scale, c.first ? nullptr : d_input.data(), workspace_.data());
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
@@ -306,6 +340,101 @@ void Worker::chunk_backward(const Op& op) {
     throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the backward did not run",
                             rank_, pending_copies_.front().first.layer));
   stash_.erase(key);
+  d_outputs_.erase(key);
+  if (!c.first) d_inputs_[key] = std::move(d_input);
+}
+
+// The message buffers are a pool of message_buffers_: a compute op (or a receive) that needs one
+// more than are free waits for the oldest sends still in flight and takes their buffers (the
+// planner counts the messages a stage holds at its peak; elsewhere in the step, a gpipe last
+// stage's backwards for one, a send is held no longer than a buffer is free). Received and
+// produced messages are never given up: more of them than the pool holds is an error.
+void Worker::make_message_room(int producing) {
+  const auto held = [&] {
+    std::size_t n = in_flight_.size() + std::size_t(producing);
+    for (const std::map<Key, Buffer>* m : {&inputs_, &outputs_, &d_outputs_, &d_inputs_})
+      n += m->size();
+    return n;
+  };
+  while (held() > std::size_t(message_buffers_) && !in_flight_.empty()) {
+    in_flight_.front().sent.wait();
+    in_flight_.pop_front();
+  }
+  if (held() > std::size_t(message_buffers_))
+    throw Error(fmt::format(
+        "rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan counts on "
+        "stage {} (planner::message_buffers)",
+        rank_, op_,
+        planner::to_string(s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind),
+        held(), message_buffers_, stage_));
+  for (const std::map<Key, Buffer>* m : {&inputs_, &outputs_, &d_outputs_, &d_inputs_})
+    for (const auto& [key, buffer] : *m)
+      if (buffer.size() != message_floats_)
+        throw Error(fmt::format("rank {}: a pipeline message of {} floats, not {}", rank_,
+                                buffer.size(), message_floats_));
+}
+
+// The tied embedding with chunks (d > 1, w = 1): stage 0's wte and the last stage's copy are
+// tensors of their chunks, read and written wherever the chunk is now. No copy of a chunk runs
+// between compute ops (a moment's copies end inside its compute op, the step's downloads and CPU
+// Adam in the optimizer step: drained here all the same), and a send takes its values out at the
+// op, so a later copy or Adam of the chunk cannot race it. The last stage's copy sends its
+// gradient (then zeroes it) and gets the new weights; stage 0 adds that gradient to its own
+// (embedding + head, the order of the sum without chunks) and sends the weights after its Adam.
+void Worker::chunk_tied(const Op& op) {
+  if (op.kind == OpKind::gather_tied_gradient || op.kind == OpKind::gather_tied_weights)
+    throw Error(fmt::format("rank {}: {} with offload chunks (w = 1 only)", rank_,
+                            planner::to_string(op.kind)));
+  Chunk& c = chunks_.front();
+  const auto [k, at] = tensor_at_.at(c.tied_offset);
+  DataChunk& d = data_chunks_[std::size_t(k)];
+  const std::int64_t n = c.tied_size;
+  d2h_->drain();
+  h2d_->drain();
+  host_cpu_->drain();
+  Worker* self = this;
+  const int op_at = op_, src = device_, dst = device_of(op.peer);
+  const auto send = [&](Channel channel, const float* from) {
+    auto message = std::make_shared<std::vector<float>>(from, from + n);
+    issue(send_engine_.get(), [self, message, channel, op_at, src, dst] {
+      const auto t1 = Clock::now();
+      self->s_.transport->send(src, dst, channel, std::move(*message));
+      self->copy_record(planner::kSendStream, t1, Clock::now(), op_at);
+    });
+  };
+  const auto recv = [&](Channel channel) {
+    std::vector<float> got = s_.transport->recv(dst, device_, channel);
+    if (std::int64_t(got.size()) != n)
+      throw Error(fmt::format("rank {}: {} of {} floats, the tied tensor has {}", rank_,
+                              planner::to_string(op.kind), got.size(), n));
+    return got;
+  };
+  const auto t0 = Clock::now();
+  switch (op.kind) {
+    case OpKind::send_tied_gradient: {
+      float* grad = d.grads.data() + at;
+      send(Channel::tied, grad);
+      std::fill_n(grad, n, 0.0f);  // the next step accumulates from zero
+      return;
+    }
+    case OpKind::recv_tied_gradient: {
+      const std::vector<float> head = recv(Channel::tied);
+      float* grad = d.grads.data() + at;
+      for (std::int64_t i = 0; i < n; ++i)
+        grad[i] = grad[i] + head[std::size_t(i)];
+      record(planner::kRecvStream, t0, Clock::now());
+      return;
+    }
+    case OpKind::send_tied_weights:
+      send(Channel::tied_weights, d.params.data() + at);
+      return;
+    default: {  // recv_tied_weights
+      const std::vector<float> w = recv(Channel::tied_weights);
+      std::copy(w.begin(), w.end(), d.params.data() + at);
+      record(planner::kRecvStream, t0, Clock::now());
+      return;
+    }
+  }
 }
 
 // The step's Adam has run on the device (chunk_step_device) and is running on the host: the

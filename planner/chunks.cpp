@@ -249,7 +249,8 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
 // whose next use on the device is furthest (this step's remaining moments, then the next step's,
 // cyclically; device-Adam chunks are used at the optimizer step) goes to the host, the larger
 // chunk index first on a tie. Then the missing chunks come up, ascending.
-void run_step(ChunkSchedule& s, std::set<int>& resident) {
+// `where`: "stage s: " in a pipeline (each stage's device has its own plan), else empty.
+void run_step(ChunkSchedule& s, std::set<int>& resident, const std::string& where) {
   const ChunkLayout& L = s.layout;
   const int n = L.chunks(), moments = int(s.moments.size());
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
@@ -274,9 +275,9 @@ void run_step(ChunkSchedule& s, std::set<int>& resident) {
     const std::int64_t working = mul(std::int64_t(need.size()), L.move_bytes);
     if (working > room)
       throw InputError(fmt::format(
-          "offload chunks: the device's {} is smaller than the working set of the {} of {} "
+          "offload chunks: {}the device's {} is smaller than the working set of the {} of {} "
           "({} chunks of {} = {}, non-model memory {}{}) by {}",
-          gib(s.budget_bytes), m.backward ? "backward" : "forward",
+          where, gib(s.budget_bytes), m.backward ? "backward" : "forward",
           L.layer_names[std::size_t(m.layer)], need.size(), gib(L.move_bytes), gib(working),
           gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
           gib(working - room)));
@@ -343,7 +344,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   std::set<int> start;
   for (int round = 0;; ++round) {
     std::set<int> resident = start;
-    run_step(s, resident);
+    run_step(s, resident, p.d > 1 ? fmt::format("stage {}: ", stage) : std::string());
     if (resident == start) break;
     if (round == 8) throw std::logic_error("chunk_schedule: no fixed point");
     start = resident;

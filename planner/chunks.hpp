@@ -122,7 +122,8 @@ struct ChunkSchedule {
 // (its device's memory as the budget, its host link for copies, its CPU Adam rate): layout, K (the
 // optimizer state of as many chunks as fit beside all parameter chunks and the peak non-model
 // memory), and the Belady eviction plan. Throws InputError when a moment's working set (its layer's
-// chunks and the non-model memory) passes the device's memory, naming the layer and by how much.
+// chunks and the non-model memory) passes the device's memory, naming the layer (and the stage,
+// d > 1) and by how much.
 ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
                              const clusters::Cluster& cluster, const Plan& plan, int stage = 0);
 

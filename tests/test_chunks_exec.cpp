@@ -7,6 +7,7 @@
 // line; resume is bit-identical.
 #include <cstdio>
 #include <functional>
+#include <set>
 
 #include <gtest/gtest.h>
 
@@ -28,9 +29,11 @@ using planner::Schedule;
 using testing::adamw_options;
 using testing::expect_identical;
 
-Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes) {
+Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes,
+               int d = 1) {
   Plan p;
   p.schedule = s;
+  p.d = d;
   p.b = b;
   p.m = m;
   planner::resolve_stages(p, model.layers);
@@ -50,10 +53,10 @@ models::ModelSpec untied(models::ModelSpec m) {
 
 // The schedule the executor plans on (chunk_cluster: the emulated device's budget).
 planner::ChunkSchedule schedule_of(const models::ModelSpec& model, const Plan& p,
-                                   std::int64_t budget) {
+                                   std::int64_t budget, int stage = 0) {
   const clusters::Cluster node = chunk_cluster(budget);
   const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return planner::chunk_schedule(model, t, node, testing::on_one_gpu(p));
+  return planner::chunk_schedule(model, t, node, testing::on_one_gpu(p), stage);
 }
 
 planner::RunReport simulated(const models::ModelSpec& model, const Plan& p, std::int64_t budget,
@@ -65,13 +68,13 @@ planner::Estimate estimated(const models::ModelSpec& model, const Plan& p, std::
   return testing::estimate_on(model, p, chunk_cluster(budget));
 }
 
-// The smallest device the plan's chunks fit (the planner's refusal below it).
-std::int64_t smallest_budget(const models::ModelSpec& model, const Plan& p) {
+// The smallest device the chunks of the plan's stage fit (the planner's refusal below it).
+std::int64_t smallest_budget(const models::ModelSpec& model, const Plan& p, int stage = 0) {
   std::int64_t lo = 1, hi = std::int64_t(1) << 40;  // lo refused, hi fits
   while (hi - lo > 1) {
     const std::int64_t mid = lo + (hi - lo) / 2;
     try {
-      schedule_of(model, p, mid);
+      schedule_of(model, p, mid, stage);
       hi = mid;
     } catch (const InputError&) {
       lo = mid;
@@ -211,19 +214,6 @@ TEST(ChunksExec, BadInputIsOneLine) {
   EXPECT_NE(msg.find("--offload chunks runs AdamW"), std::string::npos) << msg;
   msg = testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2, low), "cuda"); });
   EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
-  // Pipelines with chunks are planned and simulated, not run yet: one line.
-  Plan piped = p;
-  piped.d = 2;
-  piped.m = 2;
-  piped.stage_blocks.clear();
-  planner::resolve_stages(piped, model.layers);
-  planner::check(piped);
-  msg = testing::error_of([&] { train_cpu(model, piped, adamw_options(2, low)); });
-  EXPECT_NE(msg.find("plan: d: the cpu executor runs offload chunks on one stage only yet (d = 1, "
-                     "found d = 2)"),
-            std::string::npos)
-      << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // Checkpoints hold the same tensors as without chunks (the stage's weights, m and v, gathered
@@ -236,6 +226,143 @@ TEST(ChunksExec, ResumeIsBitIdentical) {
     const std::int64_t budget = smallest_budget(model, p) + 100000;
     testing::expect_resume_is_bit_identical(model, p, adamw_options(4, budget),
                                             "chunkexec_" + to_string(s));
+  }
+}
+
+// Pipelines (d > 1): each stage plans its own chunks on its own device of --device-memory bytes.
+// The smallest budget every stage fits (the largest of the stages' smallest).
+std::int64_t pipeline_budget(const models::ModelSpec& model, const Plan& p) {
+  std::int64_t budget = 0;
+  for (int s = 0; s < p.d; ++s)
+    budget = std::max(budget, smallest_budget(model, p, s));
+  return budget;
+}
+
+// A budget holding every stage's chunks with room for the Adam state of two chunks beside them.
+std::int64_t roomy_budget(const models::ModelSpec& model, const Plan& p) {
+  std::int64_t budget = 0;
+  for (int s = 0; s < p.d; ++s) {
+    const planner::ChunkSchedule c = schedule_of(model, p, pipeline_budget(model, p), s);
+    std::int64_t non_model = 0;
+    for (const planner::ChunkMoment& k : c.moments)
+      non_model = std::max(non_model, k.non_model_bytes);
+    budget = std::max(budget, std::int64_t(c.layout.chunks()) * c.layout.move_bytes + non_model +
+                                  2 * c.layout.os_chunk_bytes + 7);
+  }
+  return budget;
+}
+
+struct PipeCase {
+  Schedule schedule;
+  int d, b, m;
+  bool untied;
+};
+
+// Pipelines of d = 2 and 4 stages, gpipe and 1f1b, tied (the last stage's chunks hold the wte
+// copy, which gets the weights stage 0's Adam made) and untied: the same losses and final weights
+// as the plan without offload, bit for bit; each rank's measured peak is its stage's schedule peak
+// and the simulator's exactly, inside the budget; each rank moves the bytes its stage's schedule
+// and the simulator's rank move, exactly. At the tightest budget every stage evicts inside the
+// step (1f1b with d = 4: its first two stages); at a roomy one some stage runs Adam on the device.
+TEST(ChunksExec, PipelinesAreBitIdenticalWithEachStagesPeakAndBytes) {
+  const int steps = 3;
+  for (const PipeCase& k :
+       {PipeCase{Schedule::gpipe, 2, 1, 3, false}, PipeCase{Schedule::one_f_one_b, 2, 1, 3, false},
+        PipeCase{Schedule::gpipe, 2, 2, 2, true}, PipeCase{Schedule::one_f_one_b, 2, 1, 4, true},
+        PipeCase{Schedule::one_f_one_b, 4, 1, 4, true},
+        PipeCase{Schedule::gpipe, 4, 1, 4, false}}) {
+    // Two blocks per stage: every stage evicts inside the step at the tightest budget.
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const TrainResult plain =
+        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d), adamw_options(steps));
+    const Plan p = make_plan(model, k.schedule, k.b, k.m, 65536, k.d);
+    const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
+    for (std::int64_t budget : {low, low + 2 * 131072, roomy}) {
+      SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
+                   " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
+                   (k.untied ? " untied" : " tied") + " budget=" + std::to_string(budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+      expect_identical(r, plain);
+      ASSERT_EQ(int(r.ranks.size()), k.d);
+      const planner::RunReport sim = simulated(model, p, budget, steps);
+      const common::Json& so = sim.extra["offload"]["ranks"];
+      ASSERT_EQ(int(so.size()), k.d);
+      int device_adam = 0;
+      for (int stage = 0; stage < k.d; ++stage) {
+        SCOPED_TRACE("stage " + std::to_string(stage));
+        const int rank = p.rank_of(stage, 0);
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        ASSERT_EQ(got.rank, rank);
+        const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
+        EXPECT_LE(got.peak_memory_bytes, budget);
+        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
+        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
+        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
+        const common::Json& sr = so[std::size_t(rank)];
+        EXPECT_EQ(got.copy_out_bytes, steps * sr["copy_out_bytes_per_step"].get<std::int64_t>());
+        EXPECT_EQ(got.copy_in_bytes, steps * sr["copy_in_bytes_per_step"].get<std::int64_t>());
+        // At the tightest budget every stage moves chunks, and evicts inside the step (more
+        // uploads than chunks) except where 1f1b's later stages, holding d - s stashes of the
+        // first stage's d under the same --device-memory, have room (d = 4: stages 2 and 3).
+        if (budget == low) {
+          EXPECT_GT(got.copy_in_bytes, 0);
+          if (k.schedule == Schedule::gpipe || stage < k.d / 2) {
+            EXPECT_GT(s.uploads, s.layout.chunks());
+          }
+        }
+        device_adam += s.device_adam_chunks;
+        std::printf(
+            "%s d=%d m=%d %s budget=%lld stage %d: n=%d K=%d uploads=%d downloads=%d "
+            "peak=%lld\n",
+            to_string(k.schedule).c_str(), k.d, k.m, k.untied ? "untied" : "tied",
+            (long long)budget, stage, s.layout.chunks(), s.device_adam_chunks, s.uploads,
+            s.downloads, (long long)got.peak_memory_bytes);
+      }
+      if (budget == roomy) {
+        EXPECT_GT(device_adam, 0);  // Adam on the device too
+      }
+    }
+  }
+}
+
+// A budget one byte short of one stage's working set: the planner's line, naming that stage and
+// by how much, from the executor. Here 1f1b's tightest stage is stage 0 (it holds the most
+// stashes) and gpipe's stage 1: each names its own.
+TEST(ChunksExec, PipelineBudgetTooSmallForOneStageIsOneLine) {
+  std::set<int> named;
+  for (Schedule schedule : {Schedule::one_f_one_b, Schedule::gpipe}) {
+    const models::ModelSpec model = testing::gpt_tiny(4);
+    const Plan p = make_plan(model, schedule, 1, 3, 65536, 2);
+    const std::int64_t low0 = smallest_budget(model, p, 0), low1 = smallest_budget(model, p, 1);
+    ASSERT_NE(low0, low1);
+    const int tight = low1 > low0 ? 1 : 0;
+    named.insert(tight);
+    const std::string msg =
+        testing::error_of([&] { train_cpu(model, p, adamw_options(2, std::max(low0, low1) - 1)); });
+    EXPECT_NE(msg.find("offload chunks: stage " + std::to_string(tight) + ": the device's "),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(") by 1 B"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    std::printf("%s: stage budgets %lld, %lld: %s\n", to_string(schedule).c_str(), (long long)low0,
+                (long long)low1, msg.c_str());
+  }
+  EXPECT_EQ(named.size(), 2u);
+}
+
+// Pipelines resume bit-identically too: each rank's shard holds its stage's gathered chunks (the
+// last stage's tied copy as zeros, taken from stage 0's shard on resume).
+TEST(ChunksExec, PipelineResumeIsBitIdentical) {
+  for (const PipeCase& k : {PipeCase{Schedule::one_f_one_b, 2, 1, 3, false},
+                            PipeCase{Schedule::gpipe, 2, 1, 3, true}}) {
+    SCOPED_TRACE(to_string(k.schedule));
+    const models::ModelSpec model = k.untied ? untied(testing::gpt_tiny(4)) : testing::gpt_tiny(4);
+    const Plan p = make_plan(model, k.schedule, k.b, k.m, 65536, k.d);
+    testing::expect_resume_is_bit_identical(model, p,
+                                            adamw_options(4, pipeline_budget(model, p) + 100000),
+                                            "chunkexec_d2_" + to_string(k.schedule));
   }
 }
 
