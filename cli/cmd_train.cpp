@@ -99,6 +99,10 @@ void add_train_command(CLI::App& app) {
                 "communication threads, beside its compute (--no-async-comm: on the rank's "
                 "thread, as under mpirun; the same losses)")
       ->capture_default_str();
+  cmd->add_flag("--mpi-progress", a->options.mpi_progress,
+                "CPU backend under mpirun: a progress thread per process moves MPI messages while "
+                "the rank computes (default: MPI moves them only inside the rank's own transport "
+                "calls); the same losses");
   cmd->add_option("--device-memory", a->options.device_memory,
                   "bytes of each rank's device: the CPU backend's emulated device (its tensors' "
                   "arena), the CUDA backend's counted tensors; a run that would exceed it stops "

@@ -183,13 +183,24 @@ Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   m.cluster.network.latency_s = m.link.latency_s;
   m.cluster.network.oversubscription = 1;
   m.cluster.network.efficiency = 1;
+  // The ranks send inline: a send holds the rank for as long as its call took in the ping-pong.
+  m.cluster.network.send_overhead_s = m.link.send_overhead_s;
+  m.cluster.network.send_overhead_bytes_per_s = m.link.send_overhead_bytes_per_s;
   m.cluster.notes = fmt::format(
       "the processes of an mpirun job as measured by pipewright validate: {} nodes of one core "
       "(rank 0's single-threaded OpenBLAS sgemm rate) joined by the MPI link between ranks 0 and "
-      "1 (MpiTransport ping-pong fit: {:.3g} us + bytes / {:.3g} MB/s)",
-      job.size(), m.link.latency_s * 1e6, m.link.bandwidth_bytes_per_s / 1e6);
-  fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(m.link.latency_s),
-             human_rate(m.link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
+      "1 (MpiTransport ping-pong fit: {:.3g} us + bytes / {:.3g} MB/s; a send holds its rank "
+      "{:.3g} us + bytes / {:.3g} MB/s)",
+      job.size(), m.link.latency_s * 1e6, m.link.bandwidth_bytes_per_s / 1e6,
+      m.link.send_overhead_s * 1e6, m.link.send_overhead_bytes_per_s / 1e6);
+  fmt::print(
+      "  latency {}, bandwidth {}; a send holds its rank {} + bytes / {}; fp32 GEMM {} per "
+      "core\n",
+      human_seconds(m.link.latency_s), human_rate(m.link.bandwidth_bytes_per_s, "B"),
+      human_seconds(m.link.send_overhead_s),
+      m.link.send_overhead_bytes_per_s > 0 ? human_rate(m.link.send_overhead_bytes_per_s, "B")
+                                           : std::string("(no per-byte part)"),
+      human_rate(gemm, "FLOP"));
   for (int r = 0; r < plan.ranks(); ++r)
     m.placement.push_back({r, 0});
   m.json = {{"processes", job.size()}, {"gemm_flops_per_s", gemm}};
@@ -568,6 +579,14 @@ void run_and_compare(const ValidateArgs& a) {
                           {"bandwidth_bytes_per_s", link.bandwidth_bytes_per_s},
                           {"round_trips", a.round_trips},
                           {"samples", samples}};
+  if (!link.send_samples.empty()) {
+    common::Json sends = common::Json::array();
+    for (const auto& s : link.send_samples)
+      sends.push_back({{"bytes", s.bytes}, {"send_s", s.one_way_s}});
+    machine["transport"]["send_samples"] = sends;
+    machine["transport"]["send_overhead_s"] = link.send_overhead_s;
+    machine["transport"]["send_overhead_bytes_per_s"] = link.send_overhead_bytes_per_s;
+  }
   machine["trace"] = a.trace.empty() ? common::Json({{"profiled", true},
                                                      {"microbatch_sizes", sizes},
                                                      {"repeats", a.repeats},
@@ -662,6 +681,9 @@ void add_validate_command(CLI::App& app) {
                 "CPU threads: sends and data-parallel gradient sums on each rank's communication "
                 "threads, beside its compute (--no-async-comm: on the rank's thread)")
       ->capture_default_str();
+  cmd->add_flag("--mpi-progress", a->train.mpi_progress,
+                "CPU backend under mpirun: a progress thread per process moves MPI messages while "
+                "the rank computes (train --mpi-progress)");
   cmd->add_flag("--core-turns,!--no-core-turns", a->train.core_turns,
                 "CPU threads, pinned: ranks sharing a core take turns on it op by op, first ready "
                 "first, as the simulator runs them (--no-core-turns: the OS interleaves them)")

@@ -65,6 +65,15 @@ Network parse_network(const JsonReader& r, int nodes) {
   if (n.oversubscription < 1)
     r.fail_member("oversubscription", fmt::format("must be >= 1, found {}", n.oversubscription));
   n.efficiency = get_efficiency(r);
+  if (r.has("send_overhead_s")) {
+    n.send_overhead_s = r.get_nonnegative("send_overhead_s");
+    if (n.send_overhead_s > 1)
+      r.fail_member(
+          "send_overhead_s",
+          fmt::format("must be in [0, 1] seconds per message, found {}", n.send_overhead_s));
+  }
+  if (r.has("send_overhead_bytes_per_s"))
+    n.send_overhead_bytes_per_s = r.get_nonnegative("send_overhead_bytes_per_s");
   if (nodes > 1 && n.bandwidth_bytes_per_s <= 0)
     r.fail_member("bandwidth_bytes_per_s", "must be positive when nodes > 1");
   return n;
@@ -245,6 +254,10 @@ Json to_json(const Cluster& c) {
                   {"latency_s", c.network.latency_s},
                   {"oversubscription", c.network.oversubscription},
                   {"efficiency", c.network.efficiency}};
+  if (c.network.send_overhead_s > 0 || c.network.send_overhead_bytes_per_s > 0) {
+    j["network"]["send_overhead_s"] = c.network.send_overhead_s;
+    j["network"]["send_overhead_bytes_per_s"] = c.network.send_overhead_bytes_per_s;
+  }
   j["host"] = {{"memory_bytes", c.host.memory_bytes},
                {"pcie_bandwidth_bytes_per_s", c.host.pcie_bandwidth_bytes_per_s},
                {"pcie_latency_s", c.host.pcie_latency_s},

@@ -34,6 +34,16 @@ struct Network {
   double latency_s = 0;
   double oversubscription = 1;  // >= 1; one switch whose uplinks are shared this many ways
   double efficiency = 1;        // (0, 1]
+  // How long a message sent over the network occupies its sending rank (LogGP's o): the host's
+  // own work of a send (e.g. a TCP stack on the rank's core), send_overhead_s per message plus
+  // bytes / send_overhead_bytes_per_s (0: no per-byte part). Optional; 0 for GPUs, whose NICs and
+  // NCCL kernels send beside the compute. validate measures it under mpirun (docs/formulas.md §7).
+  double send_overhead_s = 0;
+  double send_overhead_bytes_per_s = 0;
+  double send_overhead_time_s(double bytes) const {
+    return send_overhead_s +
+           (send_overhead_bytes_per_s > 0 ? bytes / send_overhead_bytes_per_s : 0.0);
+  }
   bool operator==(const Network&) const = default;
 };
 

@@ -43,6 +43,11 @@ void expand_device(Json& device) {
   device = common::looks_like_path(name) ? common::read_json_file(name) : device_preset_json(name);
 }
 
+// The optional network fields (cluster.hpp: a send's occupancy of its rank), written only when set.
+bool is_optional_network_field(const std::string& key) {
+  return key == "send_overhead_s" || key == "send_overhead_bytes_per_s";
+}
+
 bool is_optional_host_field(const std::string& key) {
   for (const char* k :
        {"link", "pinned_memory_bytes", "gpus_per_uplink", "uplink_bandwidth_bytes_per_s",
@@ -68,8 +73,9 @@ void apply_set(Json& doc, const std::string& set) {
     if (parts[i].empty()) fail(fmt::format("empty component in key \"{}\"", key));
     if (walked == "device") expand_device(*cur);
     // The optional host fields (cluster.hpp) may be set on a file that leaves them out.
-    const bool optional_host_field = walked == "host" && i + 1 == parts.size() &&
-                                     cur->is_object() && is_optional_host_field(parts[i]);
+    const bool optional_host_field = i + 1 == parts.size() && cur->is_object() &&
+                                     ((walked == "host" && is_optional_host_field(parts[i])) ||
+                                      (walked == "network" && is_optional_network_field(parts[i])));
     if (!cur->is_object() || (!cur->contains(parts[i]) && !optional_host_field)) {
       std::string where = walked.empty() ? "the cluster" : walked;
       fail(fmt::format(

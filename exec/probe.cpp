@@ -99,6 +99,35 @@ TransportFit fit_transport(const std::vector<TransportSample>& samples) {
   return f;
 }
 
+void fit_send_overhead(TransportFit& fit) {
+  const std::vector<TransportSample>& samples = fit.send_samples;
+  fit.send_overhead_s = 0;
+  fit.send_overhead_bytes_per_s = 0;
+  if (samples.empty()) return;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  const double n = double(samples.size());
+  for (const auto& s : samples) {
+    const double x = double(s.bytes), y = std::max(0.0, s.one_way_s);
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double denominator = n * sxx - sx * sx;
+  const double slope = denominator > 0 ? (n * sxy - sx * sy) / denominator : 0;
+  if (slope <= 0) {
+    fit.send_overhead_s = sy / n;
+    return;
+  }
+  const double intercept = (sy - slope * sx) / n;
+  if (intercept >= 0) {
+    fit.send_overhead_s = intercept;
+    fit.send_overhead_bytes_per_s = 1.0 / slope;
+  } else if (sxx > 0) {
+    fit.send_overhead_bytes_per_s = sxx / sxy;  // y = x * (sxy / sxx), through the origin
+  }
+}
+
 TransportFit measure_in_process_transport(const std::vector<std::int64_t>& sizes_bytes,
                                           int round_trips) {
   if (round_trips < 1) throw InputError("transport probe: round trips must be at least 1");

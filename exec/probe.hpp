@@ -20,12 +20,23 @@ struct TransportFit {
   double latency_s = 0;              // fitted time of an empty message
   double bandwidth_bytes_per_s = 0;  // fitted inverse slope
   std::vector<TransportSample> samples;
+  // How long the send call held the sending thread (MPI probe only; empty elsewhere): per size the
+  // median over the round trips (`one_way_s` holds it), fitted as send_overhead_s + bytes /
+  // send_overhead_bytes_per_s (clusters::Network's fields of the same names).
+  std::vector<TransportSample> send_samples;
+  double send_overhead_s = 0, send_overhead_bytes_per_s = 0;
 };
 
 // Least-squares fit of t = latency + bytes / bandwidth over the samples (at least two distinct
 // sizes). The latency is at least 0; a slope of 0 or less (noise) gives the fastest sample's
 // bandwidth-only figure, never infinity.
 TransportFit fit_transport(const std::vector<TransportSample>& samples);
+
+// Least-squares fit of the send calls' durations (send_samples) as overhead + bytes / rate into
+// `fit`'s send_overhead_s and send_overhead_bytes_per_s: both >= 0; a slope of 0 or less (size
+// made no difference) gives no per-byte part (rate 0) and the mean as the per-message time; a
+// negative intercept gives 0 per message and the slope through the origin.
+void fit_send_overhead(TransportFit& fit);
 
 // Two threads ping-pong `round_trips` messages of each size over exec::InProcessTransport, each
 // message copied out of a buffer into the send and copied into a fresh buffer on receipt, as the

@@ -49,6 +49,10 @@ struct TrainOptions {
   // inline on the rank's thread, as under MPI (and for ranks taking turns on a shared core,
   // core_turns). The same losses either way.
   bool async_comm = true;
+  // Under mpirun (CPU backend): a progress thread per process moves MPI messages while the rank
+  // computes (exec/mpi/transport.hpp, "Progress"). Off by default: on the emulated cluster it
+  // slowed the rank's compute on its core more than it helped the messages (docs/performance.md).
+  bool mpi_progress = false;
   // Checkpoints (exec/checkpoint.hpp): with a directory, every `checkpoint_every` steps and after
   // the last; `resume` continues from the newest complete one there (from step 0 if none).
   std::string checkpoint_dir;

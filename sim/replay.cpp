@@ -558,9 +558,21 @@ class Replayer {
     auto [it, fresh] = channels_.try_emplace(name);
     SendChannel& ch = it->second;
     if (fresh) open_channel(ch, name, op.peer);
-    std::unique_lock<sg4::Mutex> lock(*ch.mutex);
-    ch.queue.emplace_back(bytes, op_);
-    ch.wake->notify_all();
+    {
+      std::unique_lock<sg4::Mutex> lock(*ch.mutex);
+      ch.queue.emplace_back(bytes, op_);
+      ch.wake->notify_all();
+    }
+    // A message to another node occupies this rank for the host's own work of sending it (the
+    // cluster's send_overhead_*; LogGP's o): the rank goes on after it, the message travels
+    // meanwhile. Not compute: the rank's busy time does not count it.
+    if (w_.ranks[std::size_t(op.peer)].node != me_.node) {
+      const double o = w_.network.send_overhead_time_s(double(piece));
+      if (o > 0) {
+        sg4::this_actor::sleep_for(o);
+        ++w_.timed_ops;
+      }
+    }
   }
 
   // The messages of one channel (sender, receiver, kind) leave one after the other, as over MPI's

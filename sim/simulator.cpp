@@ -302,6 +302,7 @@ SimResult simulate_in_process(const models::ModelSpec& model, const traces::Trac
   w.programs = &programs;
   w.platform = &platform;
   w.options = options;
+  w.network = cluster.network;
   setup_ranks(w, model, trace, cluster, platform);
   if (options.device_turns) {  // one mutex per shared GPU (SimGrid's mutexes queue FIFO)
     std::map<std::pair<int, int>, sg4::MutexPtr> turns;

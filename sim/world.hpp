@@ -116,6 +116,7 @@ struct World {
   std::int64_t timed_ops = 0;    // sleeps the actors ran
   std::int64_t dtype_bytes = 2;  // of the model's compute dtype
   LinkCounter links;
+  clusters::Network network;  // the cluster's: a send's occupancy of its rank (send_overhead_*)
 
   const planner::Plan& plan() const { return programs->plan; }
 };

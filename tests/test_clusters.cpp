@@ -142,6 +142,25 @@ TEST(Clusters, OldFileWithoutHostLinkFieldsGetsDefaults) {
   EXPECT_NE(msg.find("unknown key \"host.cores\""), std::string::npos) << msg;
 }
 
+// A send's occupancy of its rank (network.send_overhead_*): optional, 0 by default and then not
+// written; set, it round-trips; out of range, one line naming the field.
+TEST(Clusters, SendOverheadIsOptionalCheckedAndRoundTrips) {
+  const Cluster plain = load_cluster("dgx-a100", 2);
+  EXPECT_EQ(plain.network.send_overhead_s, 0);
+  EXPECT_EQ(plain.network.send_overhead_time_s(1e6), 0);
+  EXPECT_FALSE(to_json(plain)["network"].contains("send_overhead_s"));
+  const Cluster set = load_cluster(
+      "dgx-a100", 2, {"network.send_overhead_s=1e-5", "network.send_overhead_bytes_per_s=1e8"});
+  EXPECT_DOUBLE_EQ(set.network.send_overhead_time_s(1e6), 1e-5 + 1e-2);
+  EXPECT_EQ(parse_cluster(to_json(set), "round trip"), set);
+  for (const char* bad : {"network.send_overhead_s=-1", "network.send_overhead_s=2",
+                          "network.send_overhead_bytes_per_s=-5"}) {
+    const std::string msg = error_of([&] { load_cluster("dgx-a100", 2, {bad}); });
+    EXPECT_NE(msg.find("/network/send_overhead"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
 TEST(Clusters, EveryPresetRoundTripsThroughCanonicalJson) {
   for (const auto& name : cluster_preset_names()) {
     SCOPED_TRACE(name);

@@ -95,7 +95,9 @@ TEST_F(Uniform, MessagesOfOneChannelLeaveOneAfterTheOther) {
 // after it was sent; a receive waits for its message (FIFO per sender, kind). One step's
 // makespan. In 1F1B's steady state a stage waits on a round trip to its neighbour, so latency
 // shows up per microbatch, not only in the fill and drain as for GPipe.
-double reference_step(const planner::Programs& pr, double f, double b, double c) {
+// With a send overhead o (the cluster's send_overhead_*, charged per message between nodes) a
+// send holds its device for o after its message leaves.
+double reference_step(const planner::Programs& pr, double f, double b, double c, double o = 0) {
   using planner::OpKind;
   const int n = int(pr.devices.size());
   std::vector<std::size_t> pc(std::size_t(n), 0);
@@ -116,6 +118,7 @@ double reference_step(const planner::Programs& pr, double f, double b, double c)
           q.pop_front();
         } else if (op.kind == OpKind::send_activation || op.kind == OpKind::send_gradient) {
           channel[{r, op.peer, grad}].push_back(t + c);
+          t += o;
         } else if (op.kind == OpKind::forward || op.kind == OpKind::recompute) {
           t += f;
         } else if (op.kind == OpKind::backward) {
@@ -143,6 +146,60 @@ TEST_F(Uniform, OneFOneBMatchesTheReferenceWithLatency) {
   clusters::Cluster free_links = node_with_latency(0);
   Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(free_links), 1);
   EXPECT_NEAR(simulate(model, trace, free_links, q).report.iteration_time_s, 11 * stage(3), 1e-12);
+}
+
+// A message to another node holds its sender for the cluster's send overhead (LogGP's o, what
+// validate measures under mpirun: a rank that sends inline), per message and per byte; the message
+// leaves at the send's start. Four one-GPU nodes, latency c, untied (no tied exchange): the
+// reference with t += o after each send, for gpipe and 1f1b; the overhead lengthens the step.
+TEST_F(Uniform, ASendAcrossNodesHoldsItsRankForTheOverhead) {
+  const double c = 1e-4, o = 4e-4;
+  models::ModelSpec untied = model;
+  untied.tied_embeddings = false;
+  const std::vector<std::string> base = {
+      "gpus_per_node=1",        "host.gpus_per_uplink=1",
+      "network.latency_s=1e-4", "network.bandwidth_bytes_per_s=1e30",
+      "network.efficiency=1",   "network.oversubscription=1"};
+  auto cluster = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = base;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return clusters::load_cluster("dgx-a100", 4, all);
+  };
+  const clusters::Cluster none = cluster({});
+  const std::int64_t bytes =
+      planner::chunk_cost(models::derive_costs(untied), trace,
+                          plan_of(Schedule::gpipe, 1, 4, 2, 8, 1, 12, grid(none), 1), 0, 0)
+          .output_bytes;
+  ASSERT_GT(bytes, 0);
+  for (const Schedule s : {Schedule::gpipe, Schedule::one_f_one_b}) {
+    SCOPED_TRACE(planner::to_string(s));
+    const Plan p0 = plan_of(s, 1, 4, 2, 8, 1, 12, grid(none), 1);
+    const planner::Programs pr = planner::generate_programs(p0, 1);
+    const double free_sends = reference_step(pr, 3e-3, 6e-3, c);
+    EXPECT_NEAR(simulate(untied, trace, none, p0).report.iteration_time_s, free_sends, 1e-12);
+    // Per message.
+    const clusters::Cluster per_message = cluster({"network.send_overhead_s=4e-4"});
+    const double ref = reference_step(pr, 3e-3, 6e-3, c, o);
+    EXPECT_GT(ref, free_sends + o);
+    EXPECT_NEAR(
+        simulate(untied, trace, per_message, plan_of(s, 1, 4, 2, 8, 1, 12, grid(per_message), 1))
+            .report.iteration_time_s,
+        ref, 1e-12);
+    // Per byte: every activation and gradient here has `bytes`, so bytes / rate = o.
+    const clusters::Cluster per_byte =
+        cluster({"network.send_overhead_bytes_per_s=" + fmt::format("{}", double(bytes) / o)});
+    EXPECT_NEAR(simulate(untied, trace, per_byte, plan_of(s, 1, 4, 2, 8, 1, 12, grid(per_byte), 1))
+                    .report.iteration_time_s,
+                ref, 1e-9);
+  }
+  // One node: no network, no overhead.
+  const clusters::Cluster one_node = clusters::load_cluster(
+      "dgx-a100", 1,
+      {"gpus_per_node=4", "intra_node.latency_s=1e-4", "intra_node.bandwidth_bytes_per_s=1e30",
+       "network.send_overhead_s=4e-4"});
+  const Plan q = plan_of(Schedule::one_f_one_b, 1, 4, 2, 8, 1, 12, grid(one_node), 1);
+  EXPECT_NEAR(simulate(untied, trace, one_node, q).report.iteration_time_s,
+              reference_step(planner::generate_programs(q, 1), 3e-3, 6e-3, c), 1e-12);
 }
 
 // 2BW in steady state with free communication: m (t_f + t_b) per step, no bubble.

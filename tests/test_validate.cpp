@@ -168,6 +168,30 @@ TEST(TransportFit, RecoversLatencyAndBandwidth) {
   EXPECT_THROW(exec::fit_transport({{4, 1e-6}, {4, 2e-6}}), Error);
 }
 
+// The send calls' durations as overhead + bytes / rate: recovered exactly; no size effect gives the
+// mean per message and no per-byte part; a negative intercept gives the slope through the origin;
+// nothing measured (threads, GPUs) gives zeros.
+TEST(TransportFit, SendOverheadPerMessageAndPerByte) {
+  exec::TransportFit f;
+  for (std::int64_t bytes : {4, 16384, 65536, 262144})
+    f.send_samples.push_back({bytes, 1e-5 + double(bytes) / 1e8});
+  exec::fit_send_overhead(f);
+  EXPECT_NEAR(f.send_overhead_s, 1e-5, 1e-12);
+  EXPECT_NEAR(f.send_overhead_bytes_per_s, 1e8, 1e2);
+  f.send_samples = {{4, 3e-6}, {65536, 2e-6}};
+  exec::fit_send_overhead(f);
+  EXPECT_DOUBLE_EQ(f.send_overhead_s, 2.5e-6);
+  EXPECT_EQ(f.send_overhead_bytes_per_s, 0);
+  f.send_samples = {{1000, 1e-6}, {2000, 3e-6}};  // intercept -1 us
+  exec::fit_send_overhead(f);
+  EXPECT_EQ(f.send_overhead_s, 0);
+  EXPECT_NEAR(f.send_overhead_bytes_per_s, 5e6 / 7e-3, 1e3);
+  f.send_samples.clear();
+  exec::fit_send_overhead(f);
+  EXPECT_EQ(f.send_overhead_s, 0);
+  EXPECT_EQ(f.send_overhead_bytes_per_s, 0);
+}
+
 // Timing is never asserted: only that the probe runs and gives usable figures.
 TEST(TransportProbe, PingPongGivesPositiveFigures) {
   const exec::TransportFit f = exec::measure_in_process_transport({4, 4096, 65536}, 20);

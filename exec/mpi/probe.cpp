@@ -18,17 +18,19 @@ TransportFit measure_mpi_transport(const MpiSession& mpi,
   using Clock = std::chrono::steady_clock;
   MpiTransport t(mpi.rank(), timeout_s);
   t.barrier("ping-pong start barrier");
-  std::vector<TransportSample> samples;
+  std::vector<TransportSample> samples, send_samples;
   const int warm_up = std::max(3, round_trips / 10);
   if (mpi.rank() <= 1) {
     for (const std::int64_t bytes : sizes_bytes) {
       const std::size_t n = std::size_t(std::max<std::int64_t>(bytes / 4, 1));
       std::vector<float> out(n, 1.0f);
-      std::vector<double> times;
+      std::vector<double> times, sends;
       for (int i = 0; i < warm_up + round_trips; ++i) {
         if (mpi.rank() == 0) {
           const auto a = Clock::now();
           t.send(0, 1, Channel::activation, std::vector<float>(out.begin(), out.end()));
+          if (i >= warm_up)
+            sends.push_back(std::chrono::duration<double>(Clock::now() - a).count());
           std::vector<float> back = t.recv(1, 0, Channel::gradient);
           std::vector<float> copy(back.size());
           std::memcpy(copy.data(), back.data(), back.size() * sizeof(float));
@@ -44,12 +46,18 @@ TransportFit measure_mpi_transport(const MpiSession& mpi,
       if (mpi.rank() == 0) {
         std::sort(times.begin(), times.end());
         samples.push_back({std::int64_t(n * sizeof(float)), times[times.size() / 2] / 2});
+        std::sort(sends.begin(), sends.end());
+        send_samples.push_back({std::int64_t(n * sizeof(float)), sends[sends.size() / 2]});
       }
     }
     t.flush();
   }
   t.barrier("ping-pong end barrier");
-  return mpi.rank() == 0 ? fit_transport(samples) : TransportFit{};
+  if (mpi.rank() != 0) return TransportFit{};
+  TransportFit fit = fit_transport(samples);
+  fit.send_samples = std::move(send_samples);
+  fit_send_overhead(fit);
+  return fit;
 }
 
 void wait_for_all(const MpiSession& mpi, const std::string& op, double timeout_s) {

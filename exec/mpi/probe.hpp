@@ -13,7 +13,9 @@ namespace pw::exec {
 // Ranks 0 and 1 ping-pong `round_trips` messages of each size (after a few warm-up trips) over
 // MpiTransport, each received message copied into a fresh buffer as the workers do; the one-way
 // time is half the median round trip. Every process calls it (the others only wait, napping, for
-// the end). The fit is rank 0's (empty elsewhere). Needs at least 2 processes.
+// the end). Rank 0 also times each of its send calls (how long a send holds the sending thread:
+// send_samples, fitted by fit_send_overhead). The fit is rank 0's (empty elsewhere). Needs at
+// least 2 processes.
 TransportFit measure_mpi_transport(const MpiSession& mpi,
                                    const std::vector<std::int64_t>& sizes_bytes, int round_trips,
                                    double timeout_s = 300);

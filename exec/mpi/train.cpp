@@ -150,9 +150,10 @@ TrainResult train_cpu_mpi(const models::ModelSpec& model, const planner::Plan& p
   shared.before_manifest = [&] { transport.barrier("checkpoint barrier"); };
   detail::Worker worker(shared, mpi.rank());
   transport.barrier("start barrier");
-  // Messages move while the rank computes (transport.hpp, "Progress"); --no-async-comm: only in
-  // the rank's own transport calls.
-  if (options.async_comm) transport.start_progress(mpi.thread_level());
+  // --mpi-progress: messages move while the rank computes (transport.hpp, "Progress"); otherwise
+  // only in the rank's own transport calls.
+  if (options.mpi_progress && !transport.start_progress(mpi.thread_level()))
+    throw Error("--mpi-progress: this MPI library gives no MPI_THREAD_SERIALIZED");
   shared.start = detail::Clock::now();
   worker.run();
   transport.flush();

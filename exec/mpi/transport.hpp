@@ -19,7 +19,7 @@
 // - Progress: MPI moves a message only inside MPI calls, and a message above the eager limit
 //   (64 KiB over Open MPI's TCP BTL) needs both ends to call in after its first fragment. Without
 //   help, a message sent just before a compute op waits for the sender's next call, and one not yet
-//   asked for waits for the receiver's. With `start_progress()` (train under mpirun) a progress
+//   asked for waits for the receiver's. With `start_progress()` (train --mpi-progress) a progress
 //   thread makes those calls while the rank computes: it completes the pending sends and takes
 //   every arriving point-to-point message into an inbox (MPI_Improbe on each channel's tag, then
 //   MPI_Imrecv), napping 20 us while anything is in flight and 100 us otherwise. Every MPI call of
