@@ -147,6 +147,15 @@ m = v['machine']
 assert m['transport']['kind'] == 'MPI (ranks 0 and 1)' and m['processes'] == 2, m
 c = m['cluster']
 assert c['nodes'] == 2 and c['gpus_per_node'] == 1 and c['network']['bandwidth_bytes_per_s'] > 0, c
+# Rank 0's send calls, one median per probed size, and their fit as the network's send overhead
+# (written when not zero; a send always holds its rank a little).
+t = m['transport']
+assert [s['bytes'] for s in t['send_samples']] == [s['bytes'] for s in t['samples']], t
+assert all(s['send_s'] > 0 for s in t['send_samples']), t
+assert t['send_overhead_s'] >= 0 and t['send_overhead_bytes_per_s'] >= 0, t
+assert t['send_overhead_s'] > 0 or t['send_overhead_bytes_per_s'] > 0, t
+assert c['network']['send_overhead_s'] == t['send_overhead_s'], c
+assert c['network']['send_overhead_bytes_per_s'] == t['send_overhead_bytes_per_s'], c
 assert len(v['devices']) == 2
 # Two blocks of 3 steps, every rank taking part in both: 3 steps, then 2 after the second's first.
 assert m['blocks'] == 2 and len(v['measured']['step_times_s']) == 5, v['measured']
