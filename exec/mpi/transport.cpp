@@ -88,10 +88,14 @@ void MpiTransport::isend(std::shared_ptr<const std::vector<float>> data, int dst
 }
 
 bool MpiTransport::progress() {
+  // Called on every poll: an error's text is made only when a call fails.
+  const auto check = [this](int code, auto&& what) {
+    if (code != MPI_SUCCESS) check_mpi(rank_, what(), code);
+  };
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
-    check_mpi(rank_, fmt::format("{} to rank {}: MPI_Test", it->what, it->peer),
-              MPI_Test(&it->request, &done, MPI_STATUS_IGNORE));
+    check(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE),
+          [&] { return fmt::format("{} to rank {}: MPI_Test", it->what, it->peer); });
     it = done ? pending_.erase(it) : std::next(it);
   }
   // Every point-to-point message MPI has matched, taken in as it arrives (per source and tag in
@@ -103,28 +107,27 @@ bool MpiTransport::progress() {
       int found = 0;
       MPI_Message message = MPI_MESSAGE_NULL;
       MPI_Status status;
-      check_mpi(rank_, fmt::format("receive {}: MPI_Improbe", channel_name(channel)),
-                MPI_Improbe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &found, &message, &status));
+      check(MPI_Improbe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &found, &message, &status),
+            [&] { return fmt::format("receive {}: MPI_Improbe", channel_name(channel)); });
       if (!found) break;
+      const auto what = [&](const char* call) {
+        return fmt::format("receive {} from rank {}: {}", channel_name(channel), status.MPI_SOURCE,
+                           call);
+      };
       int count = 0;
-      check_mpi(rank_,
-                fmt::format("receive {} from rank {}: MPI_Get_count", channel_name(channel),
-                            status.MPI_SOURCE),
-                MPI_Get_count(&status, MPI_FLOAT, &count));
+      check(MPI_Get_count(&status, MPI_FLOAT, &count), [&] { return what("MPI_Get_count"); });
       Incoming& in = inbox_[{status.MPI_SOURCE, tag}].emplace_back();
       in.data.resize(std::size_t(std::max(count, 0)));
-      check_mpi(rank_,
-                fmt::format("receive {} from rank {}: MPI_Imrecv", channel_name(channel),
-                            status.MPI_SOURCE),
-                MPI_Imrecv(in.data.data(), count, MPI_FLOAT, &message, &in.request));
+      check(MPI_Imrecv(in.data.data(), count, MPI_FLOAT, &message, &in.request),
+            [&] { return what("MPI_Imrecv"); });
     }
   }
   for (auto& [key, queue] : inbox_)
     for (Incoming& in : queue) {
       if (in.request == MPI_REQUEST_NULL) continue;
       int done = 0;
-      check_mpi(rank_, fmt::format("receive from rank {}: MPI_Test", key.first),
-                MPI_Test(&in.request, &done, MPI_STATUS_IGNORE));
+      check(MPI_Test(&in.request, &done, MPI_STATUS_IGNORE),
+            [&] { return fmt::format("receive from rank {}: MPI_Test", key.first); });
       receiving = receiving || !done;
     }
   return receiving || !pending_.empty();
