@@ -63,23 +63,36 @@ double ping_pong(std::int64_t floats, int trips) {
 
 }  // namespace
 
+namespace {
+
+// The sums of a least-squares line y = intercept + slope x through (bytes, time) samples (times
+// below 0 taken as 0).
+struct LineSums {
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  explicit LineSums(const std::vector<TransportSample>& samples) : n(double(samples.size())) {
+    for (const auto& s : samples) {
+      const double x = double(s.bytes), y = std::max(0.0, s.one_way_s);
+      sx += x;
+      sy += y;
+      sxx += x * x;
+      sxy += x * y;
+    }
+  }
+  double denominator() const { return n * sxx - sx * sx; }  // 0 when every x is the same
+  double slope() const { return (n * sxy - sx * sy) / denominator(); }
+  double intercept(double slope) const { return (sy - slope * sx) / n; }
+};
+
+}  // namespace
+
 TransportFit fit_transport(const std::vector<TransportSample>& samples) {
   TransportFit f;
   f.samples = samples;
   if (samples.size() < 2) throw Error("fit_transport: at least two message sizes are needed");
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  const double n = double(samples.size());
-  for (const auto& s : samples) {
-    const double x = double(s.bytes), y = s.one_way_s;
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
-  }
-  const double denominator = n * sxx - sx * sx;
-  if (denominator <= 0) throw Error("fit_transport: the message sizes must differ");
-  const double slope = (n * sxy - sx * sy) / denominator;
-  const double intercept = (sy - slope * sx) / n;
+  const LineSums sums(samples);
+  if (sums.denominator() <= 0) throw Error("fit_transport: the message sizes must differ");
+  const double slope = sums.slope();
+  const double intercept = sums.intercept(slope);
   if (slope > 0) {
     f.bandwidth_bytes_per_s = 1.0 / slope;
     f.latency_s = std::max(0.0, intercept);
@@ -104,27 +117,18 @@ void fit_send_overhead(TransportFit& fit) {
   fit.send_overhead_s = 0;
   fit.send_overhead_bytes_per_s = 0;
   if (samples.empty()) return;
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  const double n = double(samples.size());
-  for (const auto& s : samples) {
-    const double x = double(s.bytes), y = std::max(0.0, s.one_way_s);
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
-  }
-  const double denominator = n * sxx - sx * sx;
-  const double slope = denominator > 0 ? (n * sxy - sx * sy) / denominator : 0;
+  const LineSums sums(samples);
+  const double slope = sums.denominator() > 0 ? sums.slope() : 0;
   if (slope <= 0) {
-    fit.send_overhead_s = sy / n;
+    fit.send_overhead_s = sums.sy / sums.n;
     return;
   }
-  const double intercept = (sy - slope * sx) / n;
+  const double intercept = sums.intercept(slope);
   if (intercept >= 0) {
     fit.send_overhead_s = intercept;
     fit.send_overhead_bytes_per_s = 1.0 / slope;
-  } else if (sxx > 0) {
-    fit.send_overhead_bytes_per_s = sxx / sxy;  // y = x * (sxy / sxx), through the origin
+  } else {
+    fit.send_overhead_bytes_per_s = sums.sxx / sums.sxy;  // y = x (sxy / sxx): through the origin
   }
 }
 
