@@ -122,14 +122,17 @@ bool MpiTransport::progress() {
             [&] { return what("MPI_Imrecv"); });
     }
   }
-  for (auto& [key, queue] : inbox_)
-    for (Incoming& in : queue) {
+  for (auto& entry : inbox_) {
+    // A named copy: clang 14 does not let a lambda capture a structured binding.
+    const int source = entry.first.first;
+    for (Incoming& in : entry.second) {
       if (in.request == MPI_REQUEST_NULL) continue;
       int done = 0;
       check(MPI_Test(&in.request, &done, MPI_STATUS_IGNORE),
-            [&] { return fmt::format("receive from rank {}: MPI_Test", key.first); });
+            [&] { return fmt::format("receive from rank {}: MPI_Test", source); });
       receiving = receiving || !done;
     }
+  }
   return receiving || !pending_.empty();
 }
 
