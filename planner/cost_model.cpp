@@ -91,6 +91,26 @@ int message_buffers(const Plan& p, int s) {
   return int(receives) + int(sends) + int(held);
 }
 
+int backward_message_buffers(const Plan& p, int s) {
+  const bool flush_last = (p.schedule == Schedule::one_f_one_b || p.schedule == Schedule::two_bw) &&
+                          p.d > 1 && p.v == 1 && s == p.d - 1;
+  return message_buffers(p, s) - int(flush_last);
+}
+
+int op_message_buffers(const Plan& p, int s, const std::vector<ComputeSlot>& order, std::size_t i) {
+  if (p.d == 1 || order.empty()) return 0;
+  const int last = p.virtual_stages() - 1;
+  const auto sends = [&](const ComputeSlot& op) {
+    const int vs = op.chunk * p.d + s;
+    return op.backward ? vs > 0 : vs < last;
+  };
+  const ComputeSlot& op = order[i];
+  const int vs = op.chunk * p.d + s;
+  const bool receives = op.backward ? vs < last : vs > 0;
+  const ComputeSlot& previous = order[i == 0 ? order.size() - 1 : i - 1];
+  return int(receives) + int(sends(op)) + int(sends(previous));
+}
+
 std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s) {
   return bytes_mul(message_buffers(p, s), trace.at(p.b).layers[LayerKind::block].output_bytes);
 }
@@ -255,6 +275,15 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   // The distributed optimizer: each replica updates its 1/w of the chunk's parameters.
   if (p.distributed_optimizer && p.w > 1) ch.optimizer_s /= p.w;
   ch.swap_bytes = ch.stash_bytes;
+  if (p.recomputes(stage)) {  // every layer of the chunk through the scratch
+    if (first) ch.recompute_scratch_bytes = e.layers[LayerKind::embedding].activation_bytes;
+    if (ch.blocks > 0)
+      ch.recompute_scratch_bytes =
+          std::max(ch.recompute_scratch_bytes, e.layers[LayerKind::block].activation_bytes);
+    if (last)
+      ch.recompute_scratch_bytes =
+          std::max(ch.recompute_scratch_bytes, e.layers[LayerKind::head].activation_bytes);
+  }
   if (p.mixed_activations(stage)) {
     // The chunk's blocks in the stage's list: those of the chunks before it come first.
     const std::vector<ActivationChoice> all = layer_choices(p, stage);
@@ -277,6 +306,10 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
         stash = bytes_add(stash, e.layers[LayerKind::head].activation_bytes);
       }
       if (rc) {
+        ch.recompute_scratch_bytes = std::max(ch.recompute_scratch_bytes, bt.activation_bytes);
+        if (k == ch.blocks - 1 && last)
+          ch.recompute_scratch_bytes =
+              std::max(ch.recompute_scratch_bytes, e.layers[LayerKind::head].activation_bytes);
         ch.recompute_layers += 1;
         ch.layers_recompute_s += rs;
         ch.layers_recompute_bytes = bytes_add(ch.layers_recompute_bytes, stash);
@@ -498,6 +531,12 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
   }
   for (std::size_t i = 0; i < n; ++i) {
     sw.device_bytes = std::max(sw.device_bytes, device[i]);
+    // A forward also holds its recomputed layers' scratch until it ends.
+    sw.moments.emplace_back(
+        order[i].backward
+            ? device[i]
+            : bytes_add(device[i], chunks[std::size_t(order[i].chunk)].recompute_scratch_bytes),
+        op_message_buffers(p, stage, order, i));
     sw.host_bytes = std::max(sw.host_bytes, host[i]);
   }
   if (n == 0) sw.window_s = 0;
@@ -805,15 +844,26 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
   const std::int64_t selective_unit = p.v > 1 ? st.selective_bytes / p.v : st.selective_bytes;
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
+  // The message buffers held beside the stashes (received, produced, the last one sent): a
+  // forward's count, or a backward's where the peak is a backward (planner::message_buffers).
+  const std::int64_t message = trace.at(p.b).layers[LayerKind::block].output_bytes;
+  std::int64_t scratch = 0;
+  for (const ChunkCost& ch : chunks)
+    scratch = std::max(scratch, ch.recompute_scratch_bytes);
+  const std::int64_t forward_messages = bytes_mul(message_buffers(p, s), message);
+  const std::int64_t backward_messages = bytes_mul(backward_message_buffers(p, s), message);
   switch (st.recompute) {
-    case Recompute::full:
-      st.memory.activations = bytes_add(bytes_mul(st.in_flight, input_unit), st.stash_bytes);
+    case Recompute::full:  // a forward with its scratch, or a backward with the stash re-made
+      st.memory.activations = std::max(
+          bytes_add(bytes_add(bytes_mul(st.in_flight, input_unit), scratch), forward_messages),
+          bytes_add(bytes_add(bytes_mul(st.in_flight, input_unit), st.stash_bytes),
+                    backward_messages));
       break;
     case Recompute::selective:
-      st.memory.activations = bytes_mul(st.in_flight, selective_unit);
+      st.memory.activations = bytes_add(bytes_mul(st.in_flight, selective_unit), forward_messages);
       break;
-    case Recompute::none:
-      st.memory.activations = bytes_mul(st.in_flight, per_unit);
+    case Recompute::none:  // the peak: the end of a forward
+      st.memory.activations = bytes_add(bytes_mul(st.in_flight, per_unit), forward_messages);
       break;
   }
   // Activation offload (docs/formulas.md section 9, activation offload): a swapping stage holds
@@ -821,14 +871,15 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   // stage's stall, per microbatch).
   if (p.swaps(s)) {
     st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)));
-    st.memory.activations = st.swap.device_bytes;
+    st.memory.activations = 0;
+    for (const auto& [bytes, buffers] : st.swap.moments)
+      st.memory.activations =
+          std::max(st.memory.activations, bytes_add(bytes, bytes_mul(buffers, message)));
     st.backward_s += st.swap.stall_s / p.m;
     // A mixed stage: its recomputed layers' forward again before each backward (t == 1).
     for (const ChunkCost& ch : chunks)
       st.backward_s += ch.layers_recompute_s;
   }
-  // The messages held beside the stashes: received, produced, and the last one sent.
-  st.memory.activations = bytes_add(st.memory.activations, message_buffer_bytes(p, trace, s));
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
   // of the TP group sends its 1/t of the tensor to its counterpart (Megatron's scatter/gather;

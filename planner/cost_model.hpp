@@ -77,6 +77,10 @@ struct ChunkCost {
   std::int64_t layers_recompute_bytes = 0;  // their stash, re-made before the backward
   std::int64_t checkpoint_bytes = 0;        // their checkpoints, kept from forward to backward
   std::int64_t swap_bytes = 0;              // the swapped layers' stash (stash_bytes if none)
+  // A recomputing chunk's forward (full recompute, or a mixed stage's recomputed layers) runs
+  // those layers through one scratch as large as the largest one's stash (a mixed stage's
+  // embedding runs in its first block's place: not counted), freed when the forward ends.
+  std::int64_t recompute_scratch_bytes = 0;
   // What a forward of this chunk keeps on the device until its backward on a mixed stage.
   std::int64_t mixed_kept_bytes() const { return swap_bytes + checkpoint_bytes; }
 };
@@ -185,10 +189,14 @@ struct StageSwap {
   int units_per_step = 0;           // microbatch-chunks swapped per step (swap_plan)
   std::int64_t bytes_per_step = 0;  // copied each way per step
   std::int64_t device_bytes = 0;    // peak stash bytes on the device, the copies hiding
-  std::int64_t host_bytes = 0;      // peak swapped bytes on the host (pinned buffers)
-  double copy_s = 0;                // the largest unit's copy, one direction
-  double window_s = 0;              // the shortest compute op a copy hides behind
-  double stall_s = 0;               // per step: the stage alone, back to back, with its copies
+  // Per compute op of the step order: the stash bytes on the device while it runs (a forward's
+  // with its recomputed layers' scratch, a backward's with its re-made stash) and the message
+  // buffers held then (op_message_buffers): the device peak is the largest bytes + buffers x O.
+  std::vector<std::pair<std::int64_t, int>> moments;
+  std::int64_t host_bytes = 0;  // peak swapped bytes on the host (pinned buffers)
+  double copy_s = 0;            // the largest unit's copy, one direction
+  double window_s = 0;          // the shortest compute op a copy hides behind
+  double stall_s = 0;           // per step: the stage alone, back to back, with its copies
 };
 // The figures of stage `stage` swapping (plan.swaps(stage) need not hold: computed as if it did).
 StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chunks,
@@ -294,6 +302,17 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes);
 // gpipe's last stage, whose peak follows a forward that sends nothing). 0 with d = 1.
 int message_buffers(const Plan& p, int s);
 std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s);
+// The buffers held while a backward of stage s runs (and the recompute op before it), by the
+// same rules: message_buffers less one on the last stage of 1F1B and 2BW (d > 1, v = 1), whose
+// backward receives nothing and follows a forward that sent nothing. Where a stage's peak is a
+// backward (full recompute, a mixed stage's re-made stash) it is the count at the peak.
+int backward_message_buffers(const Plan& p, int s);
+// The buffers held while compute op i of a stage's step order runs, as the executors hold them:
+// the message it received (an activation before a forward of a virtual stage > 0, a gradient
+// before a backward of one before the last), the one it produces (a forward's activation for the
+// next virtual stage, a backward's gradient for the previous one) and the previous compute op's
+// sent message (the order is cyclic: op 0 follows the step's last). 0 with d = 1.
+int op_message_buffers(const Plan& p, int s, const std::vector<ComputeSlot>& order, std::size_t i);
 
 // The link a TP group's ring runs over: between the group's first two GPUs (a group stays inside
 // a node, on a uniform intra-node fabric).

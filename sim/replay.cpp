@@ -126,13 +126,17 @@ class Replayer {
     switch (op.kind) {
       case OpKind::forward:
         allocate(&planner::MemoryBreakdown::activations, kept_bytes(chunk(op)));
+        // A recomputing forward's scratch (ChunkCost::recompute_scratch_bytes), while it runs.
+        allocate(&planner::MemoryBreakdown::activations, chunk(op).recompute_scratch_bytes);
         if (gather_step_ >= 0)
           forward_behind_gather(chunk(op).forward_s);
         else
           compute(chunk(op).forward_s);
         tensor_parallel(chunk(op).tp_forward);
+        allocate(&planner::MemoryBreakdown::activations, -chunk(op).recompute_scratch_bytes);
         break;
       case OpKind::recompute:
+        lower_messages();                                 // as in the backward it comes before
         if (me_.recompute != planner::Recompute::full) {  // a mixed stage: its recomputed layers
           // only (none in a chunk whose blocks all swap)
           allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
@@ -153,11 +157,16 @@ class Replayer {
       case OpKind::backward:
         wait_uploaded(op);  // a swapped stash must be back on the device
         if (offload_.on()) offload_.begin_backward(op);  // gradients stream out meanwhile
+        lower_messages();
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
                  -(me_.recompute == planner::Recompute::full
                        ? chunk(op).input_bytes + chunk(op).stash_bytes
                        : kept_bytes(chunk(op)) + chunk(op).layers_recompute_bytes));
+        if (messages_lowered_) {  // the next forward holds them again
+          allocate(&planner::MemoryBreakdown::activations, me_.backward_message_drop);
+          messages_lowered_ = false;
+        }
         break;
       case OpKind::send_tied_gradient:
         wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
@@ -478,6 +487,14 @@ class Replayer {
 
   // What a forward keeps for its backward: the input (full recompute), the stash without the
   // attention cores (selective), or everything.
+  // A backward (from its recompute op, when it has one) holds backward_message_drop bytes of
+  // message buffers fewer than the static count (planner::backward_message_buffers).
+  void lower_messages() {
+    if (messages_lowered_ || me_.backward_message_drop == 0) return;
+    allocate(&planner::MemoryBreakdown::activations, -me_.backward_message_drop);
+    messages_lowered_ = true;
+  }
+
   std::int64_t kept_bytes(const planner::ChunkCost& ch) const {
     if (ch.recompute_layers > 0) return ch.mixed_kept_bytes();  // a mixed stage (per layer)
     switch (me_.recompute) {
@@ -841,7 +858,8 @@ class Replayer {
   std::map<std::string, SendChannel> channels_;  // by mailbox name (map: stable references)
   std::int64_t versions_ = 1;
   int op_ = 0;
-  bool holding_turn_ = false;  // backward(): the device turn is held across its bucket pieces
+  bool messages_lowered_ = false;  // lower_messages(): until the backward ends
+  bool holding_turn_ = false;      // backward(): the device turn is held across its bucket pieces
   OffloadReplay offload_{w_, me_};
   CopyEngine down_, up_;  // activation offload
   sg4::MutexPtr swap_mutex_;

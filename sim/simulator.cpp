@@ -71,6 +71,11 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
     // The message buffers the executors hold beside the stashes at the peak, held all along:
     // the planner's count (planner::message_buffers).
     fixed.activations = planner::message_buffer_bytes(p, trace, rs.stage);
+    rs.backward_message_drop =
+        fixed.activations -
+        common::checked_mul(planner::backward_message_buffers(p, rs.stage),
+                            trace.at(p.b).layers[models::LayerKind::block].output_bytes, kBytesWhat,
+                            common::kMaxBytes);
     if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
       const planner::ChunkSchedule& cs = (*w.programs->chunks)[std::size_t(rs.stage)];
       // The chunks a step starts with on the device (each step ends with them there): their

@@ -70,6 +70,9 @@ struct RankState {
   std::int64_t version_bytes = 0;          // one weight version of this rank
   std::int64_t tied_bytes = 0;             // the tied tensor (its gradient or weights)
   planner::Recompute recompute = planner::Recompute::none;
+  // The message buffers a backward (and its recompute op) runs without: the held count's bytes
+  // less planner::backward_message_buffers' (one buffer on 1F1B's and 2BW's last stage, else 0).
+  std::int64_t backward_message_drop = 0;
   std::vector<sg4::Host*> tp_hosts;  // the TP group's GPUs (this rank's host first)
   double tp_latency_s = 0;           // latency of one step of the TP group's ring
   Ledger memory;

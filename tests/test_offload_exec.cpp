@@ -502,23 +502,11 @@ TEST(OffloadExec, MixedStagesPeakAndBytesMatchThePlanner) {
     for (int rank = 0; rank < p.ranks(); ++rank) {
       const RankResult& got = r.ranks[std::size_t(rank)];
       const planner::DeviceReport& want = e.report.devices[std::size_t(rank)];
-      // The planner counts K_s message buffers beside the stashes at every moment (docs/formulas.md
-      // section 4). The last stage of 1F1B and 2BW runs each backward right after its forward,
-      // which sends nothing there: when its peak is that backward (a re-made stash larger than
-      // the forward's scratch), the device holds one message buffer fewer than K_s, as with
-      // whole-stage full recompute (stage 3 of "1f1b d=4"). There the planner is above by at most
-      // that buffer; everywhere else it is exact.
-      const int stage = p.stage_of(rank);
-      const bool backward_peak =
-          stage == p.d - 1 && p.d > 1 && k.schedule != Schedule::gpipe && p.has_recompute_op(stage);
-      const std::int64_t message = k.b * model.seq_len * model.hidden * std::int64_t(sizeof(float));
-      if (backward_peak) {
-        EXPECT_LE(got.peak_memory_bytes, want.memory.total()) << "rank " << rank;
-        EXPECT_GE(got.peak_memory_bytes, want.memory.total() - message) << "rank " << rank;
-      } else {
-        EXPECT_EQ(got.peak_memory_bytes, want.memory.total())
-            << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
-      }
+      // Exact on every stage, also where the peak is a backward with a re-made stash (the last
+      // stage of 1F1B and 2BW holds one message buffer fewer there:
+      // planner::backward_message_buffers).
+      EXPECT_EQ(got.peak_memory_bytes, want.memory.total())
+          << "rank " << rank << " " << describe(got.memory) << " vs " << describe(want.memory);
       const common::Json& sr = so["ranks"][std::size_t(rank)];
       EXPECT_EQ(got.activation_out_bytes,
                 steps * sr["activations"]["swapped_bytes_per_step"].get<std::int64_t>())

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <string>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -289,18 +290,20 @@ TEST(TensorParallel, CheckpointResumeIsBitIdenticalAndRefusesAnotherT) {
 
 // The executor's bytes per category on every device equal the planner's closed form for the TP
 // plan, activations too: the planner counts the message buffers held beside the stashes
-// (docs/formulas.md section 4).
+// (docs/formulas.md section 4), and with full recomputation a forward's scratch and a backward's
+// re-made stash with its buffers.
 TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
   const clusters::Cluster node = clusters::load_cluster("dgx-h100");
   for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
     for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-      for (int t : {2, 4, -2, -4}) {  // negative: with SP
-        const bool sp = t < 0;
-        t = std::abs(t);
+      for (const auto& [t, sp, rc] :
+           {std::tuple{2, false, false}, std::tuple{4, false, false}, std::tuple{2, true, false},
+            std::tuple{4, true, false}, std::tuple{2, false, true}, std::tuple{4, true, true}}) {
         Plan p = make_plan(s, t, 1, 2, 4, 4);
         p.sp = sp;
+        if (rc) p.recompute.assign(2, planner::Recompute::full);
         SCOPED_TRACE(model.name + " " + planner::to_string(s) + " t=" + std::to_string(t) +
-                     (sp ? " sp" : ""));
+                     (sp ? " sp" : "") + (rc ? " recompute full" : ""));
         const TrainResult r = train_cpu(model, p, options(2, "adamw"));
         Plan placed = p;
         planner::place(placed, {1, 8});
