@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -243,6 +244,23 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   return out;
 }
 
+// The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
+// chunk after the other, each after its download) as a two-stage pipeline, beside Adam on the
+// device for chunks 0 .. K-1.
+double optimizer_time(const ChunkSchedule& s) {
+  std::vector<double> down, adam;
+  double device_adam = 0;
+  for (int c = 0; c < s.layout.chunks(); ++c) {
+    if (s.device_resident(c)) {
+      device_adam += s.device_adam_s[std::size_t(c)];
+      continue;
+    }
+    down.push_back(s.adam_download[std::size_t(c)] ? s.copy_s : 0.0);
+    adam.push_back(s.host_adam_s[std::size_t(c)]);
+  }
+  return std::max(device_adam, two_stage_pipeline_s(down, adam));
+}
+
 // Runs one step's eviction plan from `resident` (updated to the step's end). Belady: before
 // moment k, while the resident chunks and the moment's missing ones pass the room left by the
 // non-model memory and the device-resident optimizer state, the resident chunk not needed at k
@@ -354,10 +372,16 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     s.start_on_device[std::size_t(c)] = true;
 
   // Times and figures (docs/formulas.md, section 9, chunks).
-  const HostPath path = host_path(cluster, p, p.rank_of(stage, 0));
+  HostPath path = host_path(cluster, p, p.rank_of(stage, 0));
+  // A copy at the GPU's own link, its shared uplink to itself: the stages' copies are short and
+  // come right before their layers, so two on one uplink seldom overlap (one microbatch passes
+  // the stages one after the other: never; against the simulator, which shares an uplink only
+  // while two copies overlap, 1% at most: docs/formulas.md section 9, chunks).
+  path.bandwidth_bytes_per_s =
+      std::min(cluster.host.pcie_bandwidth_bytes_per_s, cluster.host.uplink_bandwidth_bytes_per_s);
   s.copy_s = path.time_s(double(L.move_bytes));
-  // The node's CPU Adam rate, shared by the ranks (stages) it holds: their optimizer steps run
-  // at about the same time (every stage's starts at its last backward).
+  // The node's CPU Adam rate, shared by the ranks (stages) it holds as if their optimizer steps
+  // ran at the same time (chunk_schedules then shares it from when each stage reaches its step).
   int sharing = 0;
   const int node = p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(stage, 0))].node;
   for (const Placement& at : p.placement)
@@ -396,23 +420,15 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     }
     most_host = std::max(most_host, n - m.resident);
   }
-  // The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
-  // chunk after the other, each after its download) as a two-stage pipeline, beside Adam on the
-  // device for chunks 0 .. K-1.
-  std::vector<double> down, adam;
   double device_adam = 0;
   for (int c = 0; c < n; ++c) {
-    if (s.device_resident(c)) {
+    if (s.device_resident(c))
       device_adam += s.device_adam_s[std::size_t(c)];
-      continue;
-    }
-    const bool d = s.adam_download[std::size_t(c)];
-    s.downloads += d ? 1 : 0;
-    down.push_back(d ? s.copy_s : 0.0);
-    adam.push_back(s.host_adam_s[std::size_t(c)]);
+    else
+      s.downloads += s.adam_download[std::size_t(c)] ? 1 : 0;
   }
   most_host = std::max(most_host, n - s.device_adam_chunks);
-  s.optimizer_s = std::max(device_adam, two_stage_pipeline_s(down, adam));
+  s.optimizer_s = optimizer_time(s);
   s.compute_s += device_adam;
   s.copy_in_bytes = mul(s.uploads, L.move_bytes);
   s.copy_out_bytes = mul(s.downloads, L.move_bytes);
@@ -421,12 +437,93 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   return s;
 }
 
+ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& p,
+                             const std::vector<double>& hop_s) {
+  const std::size_t d = all.size();
+  if (hop_s.size() != d) throw std::logic_error("chunk_pipeline: one hop per stage");
+  std::vector<std::vector<ComputeSlot>> order(d);
+  std::vector<std::vector<double>> dur(d);
+  // When stage s's forward and backward of microbatch j end (-1: not yet).
+  std::vector<std::vector<double>> forward_end(d, std::vector<double>(std::size_t(p.m), -1.0));
+  std::vector<std::vector<double>> backward_end = forward_end;
+  for (std::size_t s = 0; s < d; ++s) {
+    order[s] = step_compute_order(p, int(s));
+    dur[s].assign(order[s].size(), 0.0);
+    for (const ChunkMoment& m : all[s].moments)
+      dur[s].at(std::size_t(m.slot)) += m.compute_s + double(m.copies.size()) * all[s].copy_s;
+  }
+  ChunkPipeline out;
+  out.start.assign(d, -1.0);
+  out.end.assign(d, 0.0);
+  std::vector<std::size_t> next(d, 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (std::size_t s = 0; s < d; ++s)
+      for (std::size_t& i = next[s]; i < order[s].size(); ++i) {
+        const ComputeSlot& op = order[s][i];
+        const std::size_t j = std::size_t(op.microbatch);
+        double ready = out.end[s];
+        const std::size_t from = op.backward ? s + 1 : s - 1;  // the stage it receives from
+        if (op.backward ? s + 1 < d : s > 0) {
+          const double sent = (op.backward ? backward_end : forward_end)[from][j];
+          if (sent < 0) break;
+          ready = std::max(ready, sent + hop_s[from]);
+        }
+        if (out.start[s] < 0) out.start[s] = ready;
+        out.end[s] = ready + dur[s][i];
+        (op.backward ? backward_end : forward_end)[s][j] = out.end[s];
+        moved = true;
+      }
+  }
+  for (std::size_t s = 0; s < d; ++s) {
+    if (next[s] < order[s].size())
+      throw std::logic_error("chunk_pipeline: the stages' orders wait for each other");
+    out.makespan = std::max(out.makespan, out.end[s]);
+  }
+  return out;
+}
+
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& p) {
   std::vector<ChunkSchedule> out;
   for (int s = 0; s < p.d; ++s)
     out.push_back(chunk_schedule(model, trace, cluster, p, s));
+  // The stages of a node share its CPU by processor sharing from the moments they reach their
+  // optimizer steps (docs/formulas.md section 9, chunks): when their last compute op ends in one
+  // step of the pipeline (chunk_pipeline, the hops between stages left out), then their first
+  // host chunk's download. Each stage's rate is its work over the time it takes.
+  const double capacity = cluster.host.cpu_adam_params_per_s();
+  if (capacity <= 0 || p.d == 1) return out;
+  const ChunkPipeline run = chunk_pipeline(out, p, std::vector<double>(out.size(), 0.0));
+  std::map<int, std::vector<std::size_t>> by_node;
+  std::vector<double> work(out.size(), 0), release(out.size(), 0);
+  for (std::size_t s = 0; s < out.size(); ++s) {
+    const ChunkSchedule& cs = out[s];
+    by_node[p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(int(s), 0))].node]
+        .push_back(s);
+    release[s] = run.end[s];
+    for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c) {
+      if (c == cs.device_adam_chunks && cs.adam_download[std::size_t(c)]) release[s] += cs.copy_s;
+      work[s] += double(cs.layout.chunk_owned[std::size_t(c)]);
+    }
+  }
+  for (const auto& [node, stages] : by_node) {
+    std::vector<double> w, rel;
+    for (std::size_t s : stages) {
+      w.push_back(work[s]);
+      rel.push_back(release[s]);
+    }
+    const std::vector<double> end = processor_sharing_finish(w, rel, capacity);
+    for (std::size_t i = 0; i < stages.size(); ++i) {
+      if (w[i] <= 0 || end[i] <= rel[i]) continue;
+      ChunkSchedule& cs = out[stages[i]];
+      const double rate = w[i] / (end[i] - rel[i]);
+      for (int c = 0; c < cs.layout.chunks(); ++c)
+        cs.host_adam_s[std::size_t(c)] = double(cs.layout.chunk_owned[std::size_t(c)]) / rate;
+      cs.optimizer_s = optimizer_time(cs);
+    }
+  }
   return out;
 }
 

@@ -103,7 +103,7 @@ struct ChunkSchedule {
   std::vector<ChunkMoment> moments;
   std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
   std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)
-  std::vector<double> host_adam_s;    // per chunk: CPU Adam (the node's rate)
+  std::vector<double> host_adam_s;    // per chunk: CPU Adam (the node's rate, shared)
   double copy_s = 0;                  // one chunk copy, one direction: alpha_h + S_p / beta_h
   // Figures of one step.
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
@@ -127,7 +127,22 @@ struct ChunkSchedule {
 ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
                              const clusters::Cluster& cluster, const Plan& plan, int stage = 0);
 
-// Every stage's schedule, indexed by stage (what Programs::chunks holds).
+// One step of a chunks pipeline (docs/formulas.md section 9, chunks): each compute op as long as
+// its moments (its layers and the copies before them), every stage in its step order, a forward
+// after the previous stage's forward of its microbatch plus that stage's hop_s, a backward after
+// the next stage's backward of it plus that stage's hop_s. Per stage the start of its first op and
+// the end of its last, from the step's start; makespan: the latest end.
+struct ChunkPipeline {
+  std::vector<double> start, end;
+  double makespan = 0;
+};
+ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& p,
+                             const std::vector<double>& hop_s);
+
+// Every stage's schedule, indexed by stage (what Programs::chunks holds). With d > 1 each stage's
+// CPU Adam rate is its share of its node's CPU by processor sharing from the moment the stage
+// reaches its optimizer step (docs/formulas.md section 9, chunks); chunk_schedule alone divides
+// the node's rate by the stages on it.
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& plan);

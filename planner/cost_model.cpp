@@ -1260,8 +1260,22 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     est.pipeline_s = std::max(est.pipeline_s, work);
   if (p.offload == Offload::optimizer) share_host_cpus(est.stages, cluster, p);
   est.allreduce_s = exposed_data_parallel_s(est.stages, p);
-  for (const auto& st : est.stages) {
-    est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
+  if (est.chunks) {
+    // Each op as long as its moments, each stage in its order (section 9, chunks); a stage's next
+    // step starts start_s after stage 0's, once its optimizer step is done.
+    std::vector<double> hops;
+    for (const StageCost& st : est.stages)
+      hops.push_back(st.send_s);
+    const ChunkPipeline run = chunk_pipeline(*est.chunks, p, hops);
+    double period = 0;
+    for (int s = 0; s < p.d; ++s)
+      period = std::max(period, run.end[std::size_t(s)] + est.stages[std::size_t(s)].optimizer_s -
+                                    run.start[std::size_t(s)]);
+    est.pipeline_s = run.makespan;
+    est.optimizer_s = std::max(0.0, period - run.makespan);
+  } else {
+    for (const auto& st : est.stages)
+      est.optimizer_s = std::max(est.optimizer_s, st.optimizer_s);
   }
   est.tied_s = tied_exchange_time(model, mc, cluster, p, est.stages);
 

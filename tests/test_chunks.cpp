@@ -718,8 +718,12 @@ TEST(ChunksPipeline, PerStageEvictionPlansInTheProgramsPassTheChecker) {
     EXPECT_EQ(b.downloads, 6);
     // gpipe's last stage holds one message buffer, 1f1b's two (formulas §4).
     EXPECT_EQ(b.device_peak_bytes, 6 * 512 + (sch == Schedule::gpipe ? 1 : 2) * msg);
-    const double rate = 32 * 9.5e7 / 2;  // the node's CPU Adam, shared by its two stages
-    EXPECT_DOUBLE_EQ(b.host_adam_s[5], 24 / rate);
+    // The node's whole CPU Adam rate: the last stage's step ends before stage 0's begins
+    // (chunk_schedules shares the CPU from when each stage reaches its step).
+    const double rate = 32 * 9.5e7;
+    EXPECT_NEAR(b.host_adam_s[5], 24 / rate, 1e-9 * 24 / rate);
+    // chunk_schedule alone divides it by the stages on the node.
+    EXPECT_DOUBLE_EQ(chunk_schedule(m, trace, c, p, 1).host_adam_s[5], 24 / (rate / 2));
     ProgramOptions o;
     o.steps = 2;
     o.tied_embeddings = true;
@@ -772,10 +776,9 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
       SCOPED_TRACE(fmt::format("{} {}", k.m.name, to_string(sch)));
       const Estimate est = estimate(k.m, k.t, k.c, k.p);
       const sim::SimResult s = sim::simulate(k.m, k.t, k.c, k.p, {.steps = 3});
-      // The closed form shares the node's CPU Adam between the stages for the whole optimizer
-      // step, the simulator only while both run: up to 5% pessimistic.
-      EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.05);
-      EXPECT_LE(s.report.iteration_time_s, est.report.iteration_time_s * 1.005);
+      // The closed form runs each stage's ops with their moments' copies in the stages' orders
+      // and shares the node's CPU Adam from when each stage reaches it, as the simulator does.
+      EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
       ASSERT_EQ(s.report.devices.size(), 2u);
       for (int r = 0; r < 2; ++r) {
         EXPECT_EQ(s.report.devices[std::size_t(r)].peak_memory_bytes,
@@ -793,6 +796,35 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
                 est.chunks->at(0).host_peak_bytes + est.chunks->at(1).host_peak_bytes);
     }
   }
+}
+
+// Eight stages on p3.16xlarge's V100-32GB (two GPUs per PCIe uplink), gpt3-6.7b's shape with 48
+// blocks: the closed form runs each stage's compute ops with their moments' copies in the
+// stages' orders (chunk_pipeline) and shares the node's CPU Adam from when each stage reaches
+// it; the simulator agrees within 1.5% in step time, one microbatch or four, gpipe or 1f1b.
+// (It was 1.5x pessimistic at one microbatch before: the slowest stage's CPU Adam at an eighth
+// of the node's rate after the pipeline, and every copy at half an uplink.)
+TEST(ChunksPipeline, EightStagesAgreeWithTheSimulator) {
+  models::ModelSpec m = models::load_model("gpt3-6.7b");
+  m.layers = 48;
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
+  const traces::Trace t = traces::analytic_trace(m, c.device, {1});
+  for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b})
+    for (int mb : {1, 4}) {
+      SCOPED_TRACE(fmt::format("{} m={}", to_string(sch), mb));
+      Plan p = plan_of(sch, 1, 8, 1, mb, 1, m.layers, grid(c));
+      p.offload = Offload::chunks;
+      check(p);
+      const Estimate est = estimate(m, t, c, p);
+      const sim::SimResult s = sim::simulate(m, t, c, p, {.steps = 3});
+      EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.015);
+      // Stage 0 ends the pipeline; the others reach their optimizer steps earlier.
+      ASSERT_EQ(est.chunks->size(), 8u);
+      const ChunkPipeline run = chunk_pipeline(*est.chunks, p, std::vector<double>(8, 0.0));
+      EXPECT_DOUBLE_EQ(run.makespan, run.end[0]);
+      for (int k = 1; k < 8; ++k)
+        EXPECT_LT(run.end[std::size_t(k)], run.end[std::size_t(k - 1)]) << k;
+    }
 }
 
 // Issue 15's capacity question with a pipeline: the deepest C = 4096 GPT (gpt3-6.7b's shape)
