@@ -293,8 +293,15 @@ void flip_bit(const std::string& path, std::size_t byte, int bit) {
 
 // Every bit of a real (small) training checkpoint, flipped one at a time: the shards' prefixes,
 // headers, tensor values and the manifest. Each flip is found by verify_checkpoint, and the
-// checkpoint is intact again once the bit is flipped back.
+// checkpoint is intact again once the bit is flipped back. The sanitized build (ASan + UBSan,
+// scripts/sanitize.sh) flips every bit of every 13th byte only: all 78,000 flips took over 25
+// minutes there, most of CI's sanitized suite; the normal suite flips them all.
 TEST(Checkpoint, EveryFlippedBitIsDetected) {
+#ifdef PW_SANITIZED_BUILD
+  constexpr std::size_t stride = 13;
+#else
+  constexpr std::size_t stride = 1;
+#endif
   const Plan p = [] {
     Plan q;
     q.schedule = Schedule::two_bw;
@@ -315,7 +322,7 @@ TEST(Checkpoint, EveryFlippedBitIsDetected) {
   for (const std::string& file : files_of(checkpoint_path(dir, 2))) {
     const std::size_t n = fs::file_size(file);
     bytes += std::int64_t(n);
-    for (std::size_t byte = 0; byte < n; ++byte)
+    for (std::size_t byte = 0; byte < n; byte += stride)
       for (int bit = 0; bit < 8; ++bit) {
         flip_bit(file, byte, bit);
         const auto problem = verify_checkpoint(dir, 2);
@@ -328,10 +335,13 @@ TEST(Checkpoint, EveryFlippedBitIsDetected) {
       }
   }
   EXPECT_FALSE(verify_checkpoint(dir, 2).has_value());
-  EXPECT_EQ(flips, 8 * bytes);
+  if (stride == 1) {
+    EXPECT_EQ(flips, 8 * bytes);
+  }
+  EXPECT_GT(flips, 8 * bytes / std::int64_t(stride) - 8 * 3);
   EXPECT_GT(bytes, 2000);  // three files: two shards and the manifest
-  std::cout << "flipped each of " << flips << " bits of a " << bytes
-            << "-byte checkpoint: all detected\n";
+  std::cout << "flipped " << flips << " bits one at a time (byte stride " << stride << ") of a "
+            << bytes << "-byte checkpoint: all detected\n";
 }
 
 // The newest checkpoint damaged (a tensor bit, a manifest byte): --resume warns once, names the
