@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -237,6 +238,19 @@ TEST(CpuKernels, EmbeddingGradientsAndRange) {
   cpu::embedding_backward(dwte.data(), dwpe.data(), g.data(), tokens.data(), B, T, C);
   expect_gradient(wte, dwte, loss, "dwte");  // row 3 unused: gradient 0
   expect_gradient(wpe, dwpe, loss, "dwpe");
+  // A vocabulary shard (tensor parallelism): rows [2, 5) of the table only, the same bits as the
+  // whole table's rows there, and the position table's whole gradient.
+  Vec shard(3 * C, 0.0f), dwpe_shard(T * C, 0.0f);
+  cpu::embedding_backward(shard.data(), dwpe_shard.data(), g.data(), tokens.data(), B, T, C, 2, 3);
+  EXPECT_EQ(std::memcmp(shard.data(), dwte.data() + 2 * C, shard.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(dwpe_shard.data(), dwpe.data(), dwpe.size() * sizeof(float)), 0);
+  // Each element added to once: a call on a zeroed buffer added into an accumulator gives the
+  // bits of the call on the accumulator (optimizer offload's gradient tiles rely on it).
+  Vec acc = randn(3 * C, 16), direct = acc, dwpe_acc(T * C, 0.0f);
+  cpu::embedding_backward(direct.data(), dwpe_acc.data(), g.data(), tokens.data(), B, T, C, 2, 3);
+  for (std::size_t i = 0; i < acc.size(); ++i)
+    acc[i] = acc[i] + shard[i];
+  EXPECT_EQ(std::memcmp(acc.data(), direct.data(), acc.size() * sizeof(float)), 0);
   const std::vector<std::int32_t> bad = {0, 5, 0, 0, 0, 0};
   EXPECT_THROW(cpu::embedding_forward(out.data(), bad.data(), wte.data(), wpe.data(), B, T, C, V),
                pw::InputError);

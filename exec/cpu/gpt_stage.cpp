@@ -778,23 +778,13 @@ void CpuGptStage::embedding_backward(const At& at, const float* token_stash, con
     demb = gather(demb, ws, BT);
   }
   const auto* tokens = reinterpret_cast<const std::int32_t*>(token_stash);
-  if (!vocab_parallel()) {
-    cpu::embedding_backward(dwte, dwpe, demb, tokens, b, int(layout_.T), int(layout_.C));
-    if (at.grads) at.grads->layer_done(layout_.wte, layout_.wpe + wpe_size);
-    return;
-  }
-  // This rank's vocabulary rows only; the position table (replicated) takes every token's.
-  const int64_t C = layout_.C;
-  for (int64_t i = 0; i < BT; ++i) {
-    const float* d = demb + i * C;
-    float* dp = dwpe + (i % layout_.T) * C;
-    const int64_t row = tokens[i] - layout_.v_begin;
-    float* de = row >= 0 && row < layout_.V_t ? dwte + row * C : nullptr;
-    for (int64_t j = 0; j < C; ++j) {
-      if (de) de[j] += d[j];
-      dp[j] += d[j];
-    }
-  }
+  // Vocabulary-parallel: this rank's vocabulary rows only; the position table (replicated) takes
+  // every token's.
+  const bool vp = vocab_parallel();
+  cpu::embedding_backward(dwte, dwpe, demb, tokens, b, int(layout_.T), int(layout_.C),
+                          vp ? std::int32_t(layout_.v_begin) : 0,
+                          vp ? std::int32_t(layout_.V_t) : -1);
+  if (at.grads) at.grads->layer_done(layout_.wte, layout_.wpe + wpe_size);
 }
 
 // dlogits is built in row blocks that fit the workspace; dres receives d(lnf out), then the

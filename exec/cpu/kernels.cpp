@@ -114,7 +114,7 @@ void embedding_forward(float* out, const std::int32_t* tokens, const float* wte,
 // the same bits as a call on the accumulator (optimizer offload streams per-microbatch gradients
 // to a host accumulator, docs/formulas.md section 9).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
-                        int B, int T, int C) {
+                        int B, int T, int C, std::int32_t row_begin, std::int32_t rows) {
   std::vector<float> sum(static_cast<std::size_t>(C));
   for (int t = 0; t < T; ++t) {
     std::fill(sum.begin(), sum.end(), 0.0f);
@@ -127,11 +127,13 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::
     for (int i = 0; i < C; ++i)
       dp[i] += sum[std::size_t(i)];
   }
-  // Token rows: positions grouped by id (stable: in position order within an id).
-  const std::size_t n = std::size_t(B) * std::size_t(T);
-  std::vector<std::size_t> order(n);
-  for (std::size_t i = 0; i < n; ++i)
-    order[i] = i;
+  // Token rows: positions grouped by id (stable: in position order within an id); with a shard
+  // only the ids inside it.
+  std::vector<std::size_t> order;
+  order.reserve(std::size_t(B) * std::size_t(T));
+  for (std::size_t i = 0; i < std::size_t(B) * std::size_t(T); ++i)
+    if (rows < 0 || (tokens[i] >= row_begin && tokens[i] - row_begin < rows)) order.push_back(i);
+  const std::size_t n = order.size();
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return tokens[a] < tokens[b]; });
   for (std::size_t k = 0; k < n;) {
@@ -142,7 +144,7 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::
       for (int i = 0; i < C; ++i)
         sum[std::size_t(i)] += d[i];
     }
-    float* de = dwte + size_t(id) * C;
+    float* de = dwte + size_t(id - row_begin) * C;
     for (int i = 0; i < C; ++i)
       de[i] += sum[std::size_t(i)];
   }

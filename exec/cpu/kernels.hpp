@@ -20,8 +20,10 @@ void embedding_forward(float* out,                  // (B, T, C)
 // zeroed buffer into an accumulator gives the bits of a call on the accumulator); matmul_backward's
 // dweight relies on OpenBLAS's sgemm (beta = 1) adding its product to C once (observed
 // bit-identical up to N = b*T = 2048 rows, docs/formulas.md section 9).
+// With a vocabulary shard (tensor parallelism) dwte holds rows [row_begin, row_begin + rows) only
+// and tokens outside it add nothing to it (rows < 0: every row).
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
-                        int B, int T, int C);
+                        int B, int T, int C, std::int32_t row_begin = 0, std::int32_t rows = -1);
 
 // out = (inp - mean) * rstd * weight + bias per row; keeps mean and rstd for the backward.
 void layernorm_forward(float* out, float* mean, float* rstd,  // (N, C), (N), (N)
