@@ -78,9 +78,10 @@ void PlanOptions::add(CLI::App& app) {
   app.add_option(
          "--offload", offload,
          "what lives in host memory: none; optimizer (ZeRO-Offload: gradients to host "
-         "memory, CPU Adam, fp16 parameters back; t = 1; with w > 1 sharded over the replicas, "
+         "memory, CPU Adam, fp16 parameters back; with t > 1 each GPU its shard; with w > 1 "
+         "sharded over the replicas, "
          "implying --distributed-optimizer); activations (KARMA: per "
-         "stage, stashed activations swapped to the host or recomputed; t = 1); or "
+         "stage, stashed activations swapped to the host or recomputed); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
          "that move between host and device; t = w = 1, each pipeline stage its own chunks)")
       ->capture_default_str();

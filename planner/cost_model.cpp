@@ -297,13 +297,17 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
       const bool rc = all[first_block + std::size_t(k)] == ActivationChoice::recompute;
       double rs = bt.recompute_s;
       std::int64_t stash = bt.activation_bytes;
+      TpTraffic tp;  // the layer's forward collectives, run again by its recompute
+      add_traffic(tp, mc.block.tp_forward, 1, p.b);
       if (k == 0 && first) {
         rs += e.layers[LayerKind::embedding].recompute_s;
         stash = bytes_add(stash, e.layers[LayerKind::embedding].activation_bytes);
+        add_traffic(tp, mc.embedding.tp_forward, 1, p.b);
       }
       if (k == ch.blocks - 1 && last) {
         rs += e.layers[LayerKind::head].recompute_s;
         stash = bytes_add(stash, e.layers[LayerKind::head].activation_bytes);
+        add_traffic(tp, mc.head.tp_forward, 1, p.b);
       }
       if (rc) {
         ch.recompute_scratch_bytes = std::max(ch.recompute_scratch_bytes, bt.activation_bytes);
@@ -312,6 +316,7 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
               std::max(ch.recompute_scratch_bytes, e.layers[LayerKind::head].activation_bytes);
         ch.recompute_layers += 1;
         ch.layers_recompute_s += rs;
+        ch.layers_recompute_tp += tp;
         ch.layers_recompute_bytes = bytes_add(ch.layers_recompute_bytes, stash);
         if (!in_run)  // a run's checkpoint: the chunk's input, or the block's input
           ch.checkpoint_bytes = bytes_add(ch.checkpoint_bytes,
@@ -370,19 +375,38 @@ ChunkOffload chunk_offload(const models::ModelCosts& mc, const Plan& p, const Ch
   return o;
 }
 
+namespace {
+
+// How many of rank j's t GPUs (placement.gpu .. + t - 1) are on `node` and pass `on`: with tensor
+// parallelism each GPU of a TP group copies and updates its own shard.
+int devices_where(const Plan& p, const Placement& pl, int node,
+                  const std::function<bool(int gpu)>& on) {
+  int n = 0;
+  for (int k = 0; k < p.t; ++k)
+    n += pl.node == node && on(pl.gpu + k) ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
 HostPath host_path(const clusters::Cluster& c, const Plan& p, int rank) {
   const Placement& me = p.placement[std::size_t(rank)];
   const int per_uplink = c.host.gpus_per_uplink;
-  int on_gpu = 0, on_uplink = 0;
-  for (const Placement& pl : p.placement) {
-    if (pl.node != me.node) continue;
-    on_gpu += pl.gpu == me.gpu ? 1 : 0;
-    on_uplink += pl.gpu / per_uplink == me.gpu / per_uplink ? 1 : 0;
-  }
   HostPath h;
-  h.bandwidth_bytes_per_s = std::min(c.host.pcie_bandwidth_bytes_per_s / on_gpu,
-                                     c.host.uplink_bandwidth_bytes_per_s / on_uplink);
   h.latency_s = c.host.pcie_latency_s;
+  // With t > 1 the rank's figure is its TP group's most crowded GPU's.
+  for (int k = 0; k < p.t; ++k) {
+    const int g = me.gpu + k;
+    int on_gpu = 0, on_uplink = 0;
+    for (const Placement& pl : p.placement) {
+      on_gpu += devices_where(p, pl, me.node, [g](int x) { return x == g; });
+      on_uplink += devices_where(
+          p, pl, me.node, [g, per_uplink](int x) { return x / per_uplink == g / per_uplink; });
+    }
+    const double bw = std::min(c.host.pcie_bandwidth_bytes_per_s / on_gpu,
+                               c.host.uplink_bandwidth_bytes_per_s / on_uplink);
+    if (k == 0 || bw < h.bandwidth_bytes_per_s) h.bandwidth_bytes_per_s = bw;
+  }
   return h;
 }
 
@@ -402,13 +426,14 @@ std::vector<std::int64_t> host_parameters_by_rank(const models::ModelCosts& mc,
 
 namespace {
 
-// W_i / sum_j min(W_j, W_i) over the ranks j with shares(j) (rank i among them).
+// W_i / sum_j n_j min(W_j, W_i) over the ranks j, n_j = sharing(j) of rank j's devices sharing
+// the resource (the t devices of a TP group each do the rank's work on their shard).
 double ps_share(const Plan& p, int rank, const std::vector<std::int64_t>& work,
-                const std::function<bool(const Placement&)>& shares) {
+                const std::function<int(const Placement&)>& sharing) {
   const double mine = double(work[std::size_t(rank)]);
   double sum = 0;
   for (int j = 0; j < p.ranks(); ++j)
-    if (shares(p.placement[std::size_t(j)])) sum += std::min(double(work[std::size_t(j)]), mine);
+    sum += sharing(p.placement[std::size_t(j)]) * std::min(double(work[std::size_t(j)]), mine);
   return sum > 0 ? mine / sum : 1.0;
 }
 
@@ -419,23 +444,30 @@ double cpu_adam_rate(const clusters::Cluster& c, const Plan& p, int rank,
   const int node = p.placement[std::size_t(rank)].node;
   return c.host.cpu_adam_params_per_s() *
          ps_share(p, rank, host_parameters,
-                  [node](const Placement& pl) { return pl.node == node; });
+                  [node, &p](const Placement& pl) { return pl.node == node ? p.t : 0; });
 }
 
 HostPath upload_path(const clusters::Cluster& c, const Plan& p, int rank,
                      const std::vector<std::int64_t>& host_parameters) {
   const Placement me = p.placement[std::size_t(rank)];
-  const int k = c.host.gpus_per_uplink;
-  const double gpu = ps_share(p, rank, host_parameters, [me](const Placement& pl) {
-    return pl.node == me.node && pl.gpu == me.gpu;
-  });
-  const double uplink = ps_share(p, rank, host_parameters, [me, k](const Placement& pl) {
-    return pl.node == me.node && pl.gpu / k == me.gpu / k;
-  });
+  const int per_uplink = c.host.gpus_per_uplink;
   HostPath h;
-  h.bandwidth_bytes_per_s = std::min(c.host.pcie_bandwidth_bytes_per_s * gpu,
-                                     c.host.uplink_bandwidth_bytes_per_s * uplink);
   h.latency_s = c.host.pcie_latency_s;
+  // With t > 1 the rank's figure is its TP group's most crowded GPU's.
+  for (int k = 0; k < p.t; ++k) {
+    const int g = me.gpu + k;
+    const double gpu = ps_share(p, rank, host_parameters, [&p, me, g](const Placement& pl) {
+      return devices_where(p, pl, me.node, [g](int x) { return x == g; });
+    });
+    const double uplink =
+        ps_share(p, rank, host_parameters, [&p, me, g, per_uplink](const Placement& pl) {
+          return devices_where(p, pl, me.node,
+                               [g, per_uplink](int x) { return x / per_uplink == g / per_uplink; });
+        });
+    const double bw = std::min(c.host.pcie_bandwidth_bytes_per_s * gpu,
+                               c.host.uplink_bandwidth_bytes_per_s * uplink);
+    if (k == 0 || bw < h.bandwidth_bytes_per_s) h.bandwidth_bytes_per_s = bw;
+  }
   return h;
 }
 
@@ -480,7 +512,7 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
 }
 
 StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& chunks,
-                     const HostPath& path) {
+                     const HostPath& path, const clusters::Link& tp) {
   Plan p = plan;  // as if the stage swapped
   p.offload_activations = true;
   p.activations.assign(std::size_t(p.d), ActivationChoice::swap);
@@ -495,14 +527,15 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
   sw.window_s = std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < n; ++i) {
     const ChunkCost& ch = chunks[std::size_t(order[i].chunk)];
-    durations[i] = order[i].backward ? ch.backward_s : ch.forward_s;
+    durations[i] = order[i].backward ? ch.backward_s + tp_backward_s(ch, p.t, tp)
+                                     : ch.forward_s + tp_time_s(ch.tp_forward, p.t, tp);
     // A mixed chunk (per-layer choices) swaps only its swapped layers' stash, keeps its
     // recomputed layers' checkpoints and re-makes their stash in a recompute op before the
     // backward (docs/formulas.md section 9, per-layer choices).
     bytes[i] = ch.recompute_layers > 0 ? ch.swap_bytes : ch.stash_bytes;
     kept[i] = ch.recompute_layers > 0 ? ch.checkpoint_bytes : 0;
     if (order[i].backward && ch.recompute_layers > 0) {
-      recompute[i] = ch.layers_recompute_s;
+      recompute[i] = ch.layers_recompute_s + tp_time_s(ch.layers_recompute_tp, p.t, tp);
       remade[i] = ch.layers_recompute_bytes;
     }
     copy[i] = path.time_s(double(bytes[i]));
@@ -579,7 +612,8 @@ std::vector<std::vector<ActivationChoice>> choose_activations(
       ch.recompute_layers = 0;
       ch.swap_bytes = ch.stash_bytes;
     }
-    const StageSwap sw = stage_swap(plan, s, chunks, path);
+    const StageSwap sw =
+        stage_swap(plan, s, chunks, path, tp_link(cluster, plan, plan.rank_of(s, 0)));
     std::int64_t k = 0;
     if (sw.units_per_step == 0) {
       k = keep_unswappable ? blocks : 0;
@@ -635,8 +669,9 @@ std::vector<std::vector<ActivationChoice>> choose_activations(
       if (q.placement[std::size_t(r)].node != node) continue;
       const StageCost& c = st[std::size_t(q.stage_of(r))];
       const std::int64_t swap_host = q.swaps(c.stage) ? c.swap.host_bytes : 0;
-      host = bytes_add(host, bytes_add(c.offload.host_bytes, swap_host));
-      pinned = bytes_add(pinned, bytes_add(c.offload.pinned_bytes, swap_host));
+      // Per device; a rank is t devices (TP).
+      host = bytes_add(host, bytes_mul(bytes_add(c.offload.host_bytes, swap_host), q.t));
+      pinned = bytes_add(pinned, bytes_mul(bytes_add(c.offload.pinned_bytes, swap_host), q.t));
       if (swap_host > most && swapped[std::size_t(c.stage)] > 0) {
         most = swap_host;
         worst = c.stage;
@@ -870,15 +905,19 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   // only the stashes not on the host, and its backwards wait for the uploads that do not hide (the
   // stage's stall, per microbatch).
   if (p.swaps(s)) {
-    st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)));
+    st.swap = stage_swap(p, s, chunks, host_path(cluster, p, p.rank_of(s, 0)), tp);
     st.memory.activations = 0;
     for (const auto& [bytes, buffers] : st.swap.moments)
       st.memory.activations =
           std::max(st.memory.activations, bytes_add(bytes, bytes_mul(buffers, message)));
     st.backward_s += st.swap.stall_s / p.m;
-    // A mixed stage: its recomputed layers' forward again before each backward (t == 1).
-    for (const ChunkCost& ch : chunks)
-      st.backward_s += ch.layers_recompute_s;
+    // A mixed stage: its recomputed layers' forward again before each backward, their TP
+    // collectives included.
+    for (const ChunkCost& ch : chunks) {
+      const double tp_recompute = tp_time_s(ch.layers_recompute_tp, p.t, tp);
+      st.backward_s += ch.layers_recompute_s + tp_recompute;
+      st.tp_s += tp_recompute;
+    }
   }
   // Activation (forward) and gradient (backward) cross the link to s+1 once per microbatch-chunk;
   // replicas leaving a node through its one NIC at the same moment share it. With t > 1 each GPU
@@ -1018,19 +1057,23 @@ void share_host_cpus(std::vector<StageCost>& stages, const clusters::Cluster& cl
     by_node[p.placement[std::size_t(r)].node].push_back(r);
   std::vector<RankOffload> timed(std::size_t(p.ranks()));
   for (const auto& [node, ranks] : by_node) {
+    // One job per device: with t > 1 each GPU of a TP group updates its own shard (the rank's
+    // job i * t is its first GPU's; the others are the same).
     std::vector<double> work, rel;
     for (int r : ranks) {
       double w = 0;
       for (double t : stages[std::size_t(p.stage_of(r))].offload.tile_parameters)
         w += t;
-      work.push_back(w);
-      rel.push_back(release[std::size_t(r)]);
+      work.insert(work.end(), std::size_t(p.t), w);
+      rel.insert(rel.end(), std::size_t(p.t), release[std::size_t(r)]);
     }
     const std::vector<double> end =
         processor_sharing_finish(work, rel, cluster.host.cpu_adam_params_per_s());
     for (std::size_t i = 0; i < ranks.size(); ++i) {
+      const std::size_t job = i * std::size_t(p.t);
       RankOffload o = stages[std::size_t(p.stage_of(ranks[i]))].offload;
-      if (work[i] > 0 && end[i] > rel[i]) time_host_step(o, work[i] / (end[i] - rel[i]));
+      if (work[job] > 0 && end[job] > rel[job])
+        time_host_step(o, work[job] / (end[job] - rel[job]));
       timed[std::size_t(ranks[i])] = std::move(o);
     }
   }
@@ -1121,15 +1164,18 @@ void add_offload_report(RunReport& rep, const std::vector<StageCost>& stages,
     const bool swaps = p.swaps(st.stage);
     const std::int64_t swap_bytes = swaps ? st.swap.bytes_per_step : 0;
     const std::int64_t swap_host = swaps ? st.swap.host_bytes : 0;
+    // A rank's figures are one device's; with t > 1 the node and the totals have t of them.
     HostReport& h = hosts[p.placement[std::size_t(r)].node];
     h.node = p.placement[std::size_t(r)].node;
-    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, bytes_add(o.host_bytes, swap_host));
-    h.pinned_bytes = bytes_add(h.pinned_bytes, bytes_add(o.pinned_bytes, swap_host));
+    h.peak_memory_bytes =
+        bytes_add(h.peak_memory_bytes, bytes_mul(bytes_add(o.host_bytes, swap_host), p.t));
+    h.pinned_bytes =
+        bytes_add(h.pinned_bytes, bytes_mul(bytes_add(o.pinned_bytes, swap_host), p.t));
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-    out = bytes_add(out, bytes_add(o.copy_out_bytes_per_step, swap_bytes));
-    in = bytes_add(in, bytes_add(o.copy_in_bytes_per_step, swap_bytes));
-    swapped = bytes_add(swapped, swap_bytes);
+    out = bytes_add(out, bytes_mul(bytes_add(o.copy_out_bytes_per_step, swap_bytes), p.t));
+    in = bytes_add(in, bytes_mul(bytes_add(o.copy_in_bytes_per_step, swap_bytes), p.t));
+    swapped = bytes_add(swapped, bytes_mul(swap_bytes, p.t));
     common::Json rank = {
         {"rank", r},
         {"host_bytes", bytes_add(o.host_bytes, swap_host)},

@@ -25,6 +25,13 @@ struct TpTraffic {
   double half_bytes = 0;  // all-gathers and reduce-scatters
   std::int64_t halves = 0;
   bool empty() const { return allreduces == 0 && halves == 0; }
+  TpTraffic& operator+=(const TpTraffic& o) {
+    allreduce_bytes += o.allreduce_bytes;
+    allreduces += o.allreduces;
+    half_bytes += o.half_bytes;
+    halves += o.halves;
+    return *this;
+  }
   // As one ring all-reduce: the bytes whose ring all-reduce moves the same data (a half counts
   // half), and the extra latencies of the collectives beyond the first (in ring steps of t - 1).
   double equivalent_allreduce_bytes() const { return allreduce_bytes + half_bytes / 2; }
@@ -74,6 +81,7 @@ struct ChunkCost {
   // backward; the other layers' stash (swap_bytes) is what a swapped unit copies.
   std::int64_t recompute_layers = 0;
   double layers_recompute_s = 0;            // the recompute op: the recomputed layers' forward
+  TpTraffic layers_recompute_tp;            // and their TP collectives (t > 1)
   std::int64_t layers_recompute_bytes = 0;  // their stash, re-made before the backward
   std::int64_t checkpoint_bytes = 0;        // their checkpoints, kept from forward to backward
   std::int64_t swap_bytes = 0;              // the swapped layers' stash (stash_bytes if none)
@@ -199,8 +207,9 @@ struct StageSwap {
   double stall_s = 0;           // per step: the stage alone, back to back, with its copies
 };
 // The figures of stage `stage` swapping (plan.swaps(stage) need not hold: computed as if it did).
+// `tp`: the TP group's link (t > 1), whose collectives lengthen each compute op.
 StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chunks,
-                     const HostPath& path);
+                     const HostPath& path, const clusters::Link& tp = {});
 // The stall of a compute order with swaps (docs/formulas.md section 9, activation offload): compute
 // ops back to back, each download after its forward, each upload issued with the op before its
 // backward, after its download, and each backward after its upload; durations[i] is slot i's

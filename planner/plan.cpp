@@ -246,10 +246,6 @@ void check(const Plan& p) {
                                     "host optimizer over the replicas (ZeRO-Offload): it needs "
                                     "the distributed optimizer (--distributed-optimizer)",
                                     p.w));
-    if (p.t > 1)
-      reject("offload", fmt::format("optimizer offload with tensor parallelism (t = {}) is not "
-                                    "supported yet; use t = 1",
-                                    p.t));
     if (p.distributed_optimizer && p.w == 1)
       reject("offload",
              "optimizer offload with the distributed optimizer needs w > 1 (it shards the host "
@@ -290,10 +286,6 @@ void check(const Plan& p) {
     reject("activation_layers", "swap/recompute choices need offload activations");
   check_activation_layers(p);
   if (p.offload_activations) {
-    if (p.t > 1)
-      reject("offload", fmt::format("activation offload with tensor parallelism (t = {}) is not "
-                                    "supported yet; use t = 1",
-                                    p.t));
     if (p.activations.empty())
       for (std::size_t s = 0; s < p.recompute.size(); ++s)
         if (p.recompute[s] != Recompute::none)

@@ -142,9 +142,10 @@ inline constexpr std::int64_t kMaxGpus = common::kMaxDevices;  // t*w*d
 
 // Structural checks that need no model or cluster: t, w, d, b, m, v in 1 .. kMaxCount; t*w*d at
 // most kMaxGpus, w*d at most kMaxRanks, d*v at most kMaxCount; d == 1 for dp; m >= d for 2bw; v > 1
-// only for interleaved and m % d == 0 there; list lengths; offload optimizer only with w = t = 1
-// and no distributed optimizer (not yet); activation offload only with t = 1, its choices d
-// entries, each stage's recompute matching its choice. Throws PlanError naming the field.
+// only for interleaved and m % d == 0 there; list lengths; offload optimizer with w > 1 only with
+// the distributed optimizer (sharded) and with it only when w > 1; activation offload's choices d
+// entries, each stage's recompute matching its choice; chunks with t = w = v = 1, no 2bw, no
+// distributed optimizer, no recompute. Throws PlanError naming the field.
 void check(const Plan& plan);
 
 // "none", "optimizer", "activations" or "optimizer,activations".

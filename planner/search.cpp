@@ -182,10 +182,10 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   const double usable = double(cluster.device.memory_bytes) * (1.0 - o.memory_headroom);
   SearchResult result;
   std::int64_t too_many_ranks = 0;  // the smallest rank count skipped for passing kMaxRanks
-  // One pass over every shape with the given offload modes; optimizer offload plans are t = 1
-  // (w > 1 sharded: with the distributed optimizer); activation offload plans t = 1, their
-  // swap/recompute choices made by the choice rule (choose_activations) in place of the recompute
-  // options.
+  // One pass over every shape with the given offload modes; optimizer offload plans with w > 1 are
+  // sharded (with the distributed optimizer); activation offload plans have their swap/recompute
+  // choices made by the choice rule (choose_activations) in place of the recompute options; chunks
+  // plans are t = w = 1.
   auto enumerate = [&](OffloadModes modes) {
     const Offload offload = modes.optimizer;
     for (int t : tps)
@@ -203,9 +203,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
         for (auto [w, d] : shapes(int(ranks), model.layers, o))
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
-            if (offload != Offload::none && t > 1) continue;
-            if (offload == Offload::chunks && w > 1) continue;
-            if (modes.activations && t > 1) continue;
+            if (offload == Offload::chunks && (w > 1 || t > 1)) continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =

@@ -33,8 +33,9 @@ struct SearchOptions {
   std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1 (t = 1: off)
   std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
   std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
-  // When no candidate fits on the devices alone, search again with optimizer offload (t = 1,
-  // w = 1, no distributed optimizer; a cluster with a CPU Adam rate and a host link).
+  // When no candidate fits on the devices alone, search again with offload (optimizer: with w > 1
+  // sharded, the distributed optimizer; activations; both; chunks with t = w = 1; a cluster with
+  // a CPU Adam rate and a host link).
   bool offload_when_nothing_fits = true;
 };
 

@@ -1,5 +1,6 @@
 // The optimizer-offload ops of a rank's program (ZeRO-Offload) on the SimGrid platform: copies
-// over the GPU's host link (and the uplink it shares), CPU Adam as work on the node's CPU host.
+// over the GPU's host link (and the uplink it shares), CPU Adam as work on the node's CPU host;
+// with t > 1 each GPU of the TP group copies and updates its own shard (HostWork).
 // The model: docs/formulas.md, section 9.
 #include <algorithm>
 
@@ -16,10 +17,46 @@ bool OffloadReplay::on() const {
   return w_.plan().offload == planner::Offload::optimizer;
 }
 
-sg4::CommPtr OffloadReplay::flow(sg4::Host* from, sg4::Host* to, std::int64_t bytes) {
+void HostWork::wait() const {
+  for (const sg4::ActivityPtr& a : parts)
+    a->wait();
+}
+
+double HostWork::start() const {
+  double t = parts.front()->get_start_time();
+  for (const sg4::ActivityPtr& a : parts)
+    t = std::min(t, a->get_start_time());
+  return t;
+}
+
+double HostWork::finish() const {
+  double t = parts.front()->get_finish_time();
+  for (const sg4::ActivityPtr& a : parts)
+    t = std::max(t, a->get_finish_time());
+  return t;
+}
+
+HostWork host_copy(const RankState& me, bool down, std::int64_t bytes) {
   const auto size = std::uint64_t(std::max<std::int64_t>(bytes, 1));
-  observe_transfer(from, to, double(size));
-  return start_flow(from, to, size);
+  HostWork h;
+  for (sg4::Host* gpu : me.tp_hosts) {
+    sg4::Host* from = down ? gpu : me.cpu;
+    sg4::Host* to = down ? me.cpu : gpu;
+    observe_transfer(from, to, double(size));
+    h.parts.push_back(start_flow(from, to, size));
+  }
+  return h;
+}
+
+HostWork host_adam(const RankState& me, double parameters) {
+  HostWork h;
+  for (std::size_t k = 0; k < me.tp_hosts.size(); ++k) {
+    sg4::ExecPtr e = sg4::this_actor::exec_init(parameters / me.cpu_adam_params_per_s * kCpuSpeed);
+    e->set_host(me.cpu);
+    e->start();
+    h.parts.push_back(e);
+  }
+  return h;
 }
 
 void OffloadReplay::begin_backward(const Op& op) {
@@ -27,14 +64,14 @@ void OffloadReplay::begin_backward(const Op& op) {
   const std::int64_t e = w_.dtype_bytes;
   const std::int64_t bytes = me_.offload.chunks[std::size_t(op.chunk)].streamed_parameters * e;
   me_.copied_out_bytes += bytes;
-  out_ = flow(me_.host, me_.cpu, bytes);
+  out_ = host_copy(me_, true, bytes);
 }
 
 void OffloadReplay::run(const Op& op, int index) {
   const std::int64_t e = w_.dtype_bytes;
   switch (op.kind) {
     case OpKind::copy_gradient_to_host: {
-      sg4::CommPtr c = out_;
+      HostWork c = out_;
       if (op.microbatch < 0) {  // stage 0's tied gradient, summed on the device: copied now;
         // with w > 1 the chunk's shard of the reduce-scattered gradient (the replay waited for
         // the step's collectives)
@@ -44,34 +81,32 @@ void OffloadReplay::run(const Op& op, int index) {
                                          : me_.offload.chunks[0].tied_copy_out_parameters) *
             e;
         me_.copied_out_bytes += bytes;
-        c = flow(me_.host, me_.cpu, bytes);
+        c = host_copy(me_, true, bytes);
       }
-      c->wait();
-      me_.events.push_back({kCopyOut, c->get_start_time(), c->get_finish_time(), index});
-      out_ = nullptr;
+      c.wait();
+      me_.events.push_back({kCopyOut, c.start(), c.finish(), index});
+      out_ = {};
       return;
     }
     case OpKind::host_optimizer_step: {
       // Tile `bucket` of the chunk: its parameters at the node's Adam rate (kCpuSpeed flop/s
       // stand for that rate; ranks whose tiles run at once share the CPU host max-min fairly).
-      if (adam_) adam_->wait();
+      if (adam_) adam_.wait();
       const double parameters =
           double(me_.offload.chunks[std::size_t(op.chunk)].tiles[std::size_t(op.bucket)]);
-      adam_ = sg4::this_actor::exec_init(parameters / me_.cpu_adam_params_per_s * kCpuSpeed);
-      adam_->set_host(me_.cpu);
-      adam_->start();
+      adam_ = host_adam(me_, parameters);
       adam_op_ = index;
       return;
     }
     case OpKind::copy_parameters_to_device: {
-      adam_->wait();
-      me_.events.push_back({kHostCpu, adam_->get_start_time(), adam_->get_finish_time(), adam_op_});
-      adam_ = nullptr;
+      adam_.wait();
+      me_.events.push_back({kHostCpu, adam_.start(), adam_.finish(), adam_op_});
+      adam_ = {};
       wait_uploads();  // one copy engine per direction: uploads in order
       const std::int64_t bytes =
           me_.offload.chunks[std::size_t(op.chunk)].tiles[std::size_t(op.bucket)] * e;
       me_.copied_in_bytes += bytes;
-      upload_ = flow(me_.cpu, me_.host, bytes);
+      upload_ = host_copy(me_, false, bytes);
       upload_op_ = index;
       return;
     }
@@ -82,10 +117,9 @@ void OffloadReplay::run(const Op& op, int index) {
 
 void OffloadReplay::wait_uploads() {
   if (!upload_) return;
-  upload_->wait();
-  me_.events.push_back(
-      {kCopyIn, upload_->get_start_time(), upload_->get_finish_time(), upload_op_});
-  upload_ = nullptr;
+  upload_.wait();
+  me_.events.push_back({kCopyIn, upload_.start(), upload_.finish(), upload_op_});
+  upload_ = {};
 }
 
 }  // namespace pw::sim::detail

@@ -141,6 +141,7 @@ class Replayer {
           // only (none in a chunk whose blocks all swap)
           allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
           compute(chunk(op).layers_recompute_s);
+          tensor_parallel(chunk(op).layers_recompute_tp);
           break;
         }
         allocate(&planner::MemoryBreakdown::activations, chunk(op).stash_bytes);
@@ -405,13 +406,9 @@ class Replayer {
       } else {
         host_swap(job.bytes);
       }
-      sg4::Host* from = down ? me_.host : me_.cpu;
-      sg4::Host* to = down ? me_.cpu : me_.host;
-      const auto size = std::uint64_t(std::max<std::int64_t>(job.bytes, 1));
-      observe_transfer(from, to, double(size));
-      sg4::CommPtr c = start_flow(from, to, size);
-      c->wait();
-      record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
+      const HostWork c = host_copy(me_, down, job.bytes);  // each GPU of a TP group its shard
+      c.wait();
+      record(down ? kCopyOut : kCopyIn, c.start(), c.finish(), job.op);
       (down ? me_.copied_out_bytes : me_.copied_in_bytes) += job.bytes;
       if (down) {
         me_.swapped_bytes += job.bytes;

@@ -176,12 +176,14 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
   for (const RankState& r : w.ranks) {
     planner::HostReport& h = hosts[r.node];
     h.node = r.node;
-    h.peak_memory_bytes += r.offload.host_bytes + r.swap_host_peak;
-    h.pinned_bytes += r.offload.pinned_bytes + r.swap_host_peak;
+    // A rank's figures are one device's; with t > 1 the node and the totals have t of them.
+    const std::int64_t t = std::int64_t(r.tp_hosts.size());
+    h.peak_memory_bytes += t * (r.offload.host_bytes + r.swap_host_peak);
+    h.pinned_bytes += t * (r.offload.pinned_bytes + r.swap_host_peak);
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-    out += r.copied_out_bytes / steps;
-    in += r.copied_in_bytes / steps;
+    out += t * (r.copied_out_bytes / steps);
+    in += t * (r.copied_in_bytes / steps);
     common::Json rank = {{"rank", r.rank},
                          {"host_bytes", r.offload.host_bytes + r.swap_host_peak},
                          {"pinned_bytes", r.offload.pinned_bytes + r.swap_host_peak},
@@ -199,7 +201,7 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
           {"recomputed_layers", w.plan().recomputed_layers(r.stage)},
           {"swapped_bytes_per_step", r.swapped_bytes / steps},
           {"host_bytes", r.swap_host_peak}};
-      swapped += r.swapped_bytes / steps;
+      swapped += t * (r.swapped_bytes / steps);
     }
     ranks.push_back(rank);
   }

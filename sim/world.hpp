@@ -124,6 +124,21 @@ struct World {
   const planner::Plan& plan() const { return programs->plan; }
 };
 
+// One copy between a rank's device memory and its node's host memory, or one CPU Adam step: with
+// t > 1 each GPU of the TP group moves (updates) its own shard, all at once, each over its own
+// host link (as its own job on the node's CPU); done when every part is.
+struct HostWork {
+  std::vector<sg4::ActivityPtr> parts;
+  explicit operator bool() const { return !parts.empty(); }
+  void wait() const;
+  double start() const;   // the first part's start
+  double finish() const;  // the last part's finish
+};
+// The copy of `bytes` per GPU, to the host (`down`) or to the device.
+HostWork host_copy(const RankState& me, bool down, std::int64_t bytes);
+// CPU Adam of `parameters` per GPU on the node's CPU host.
+HostWork host_adam(const RankState& me, double parameters);
+
 // A rank's optimizer-offload ops (sim/offload.cpp): gradient copies to the host that stream
 // during each backward, CPU Adam tiles on the node's CPU host, and uploads, each copy direction a
 // FIFO copy engine.
@@ -139,13 +154,12 @@ class OffloadReplay {
   void wait_uploads();
 
  private:
-  sg4::CommPtr flow(sg4::Host* from, sg4::Host* to, std::int64_t bytes);
   World& w_;
   RankState& me_;
-  sg4::CommPtr out_;  // the gradient copy of the running backward
-  sg4::ExecPtr adam_;
+  HostWork out_;  // the gradient copy of the running backward
+  HostWork adam_;
   int adam_op_ = -1;
-  sg4::CommPtr upload_;
+  HostWork upload_;
   int upload_op_ = -1;
 };
 

@@ -285,6 +285,97 @@ TEST(OffloadExec, PeakAndBytesMovedMatchThePlanner) {
     }
 }
 
+// Tensor parallelism (t = 2, and t = 4 with SP): each device of a TP group offloads its own
+// shard. The same bits as the same plan without offload; per device the planner's memory (placed
+// on an 8-GPU p3.16xlarge, the trace of one GPU of the group), its host pool, and the simulator's
+// bytes moved.
+TEST(OffloadExec, TensorParallelIsBitIdenticalWithThePlannersPeakAndBytes) {
+  const models::ModelSpec model = testing::gpt_tiny(4);
+  const clusters::Cluster node = clusters::load_cluster("p3.16xlarge");
+  struct TpCase {
+    Schedule schedule;
+    int t, d;
+    bool sp;
+  };
+  for (const TpCase& k :
+       {TpCase{Schedule::one_f_one_b, 2, 4, false}, TpCase{Schedule::two_bw, 2, 4, false},
+        TpCase{Schedule::gpipe, 2, 2, false}, TpCase{Schedule::gpipe, 4, 2, true}}) {
+    const auto tp_plan = [&](int mode) {
+      Plan p = make_plan(model, k.schedule, k.d, 2, 4, kNone);
+      p.t = k.t;
+      p.sp = k.sp;
+      if (mode & kOptimizer) p.offload = Offload::optimizer;
+      if (mode & kActivations) {
+        p.offload_activations = true;
+        planner::set_activations(
+            p, std::vector<ActivationChoice>(std::size_t(k.d), ActivationChoice::swap));
+      }
+      planner::check(p);
+      return p;
+    };
+    const int steps = 3;
+    const TrainResult plain = train_cpu(model, tp_plan(kNone), adamw_options(steps));
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(to_string(k.schedule) + " t=" + std::to_string(k.t) + (k.sp ? " sp" : "") +
+                   " d=" + std::to_string(k.d) + " " + mode_name(mode));
+      const Plan p = tp_plan(mode);
+      const TrainResult r = train_cpu(model, p, adamw_options(steps));
+      expect_identical(r, plain);
+      Plan placed = p;
+      planner::place(placed, {1, 8});
+      const traces::Trace tr =
+          traces::analytic_trace(model, node.device, {p.b}, models::Sharding{k.t, k.sp});
+      const planner::Estimate e = planner::estimate(model, tr, node, placed);
+      const planner::RunReport sim =
+          sim::simulate(model, tr, node, placed, {.steps = steps}).report;
+      const common::Json& o = e.report.extra["offload"];
+      const common::Json& so = sim.extra["offload"];
+      ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * k.t));
+      for (int device = 0; device < p.ranks() * k.t; ++device) {
+        const int rank = device / k.t;
+        const RankResult& got = r.ranks[std::size_t(device)];
+        const planner::MemoryBreakdown& want = e.report.devices[std::size_t(rank)].memory;
+        EXPECT_EQ(got.peak_memory_bytes, want.total())
+            << "device " << device << " " << describe(got.memory) << " vs " << describe(want);
+        EXPECT_EQ(got.memory.gradients, want.gradients) << "device " << device;
+        EXPECT_EQ(got.memory.optimizer, want.optimizer) << "device " << device;
+        // The simulator's bytes per step are its run's / steps, rounded down (2BW's first step
+        // swaps fewer stashes than its steady state).
+        const common::Json& sr = so["ranks"][std::size_t(rank)];
+        EXPECT_EQ(got.copy_out_bytes / steps, sr["copy_out_bytes_per_step"].get<std::int64_t>())
+            << "device " << device;
+        EXPECT_EQ(got.copy_in_bytes / steps, sr["copy_in_bytes_per_step"].get<std::int64_t>())
+            << "device " << device;
+        if (mode & kActivations) {
+          EXPECT_EQ(got.activation_out_bytes / steps,
+                    sr["activations"]["swapped_bytes_per_step"].get<std::int64_t>())
+              << "device " << device;
+        }
+        if (mode == kOptimizer) {
+          EXPECT_EQ(got.host_peak_memory_bytes,
+                    o["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>())
+              << "device " << device;
+        }
+      }
+      if (mode & kActivations) {
+        EXPECT_GT(r.ranks[0].activation_out_bytes, 0);  // the first stage's stashes really moved
+      }
+      // The node's host memory: every device's, t per rank, in both reports.
+      ASSERT_EQ(e.report.hosts.size(), 1u);
+      ASSERT_EQ(sim.hosts.size(), 1u);
+      if (k.schedule != Schedule::two_bw || !(mode & kActivations)) {
+        EXPECT_EQ(sim.hosts[0].peak_memory_bytes, e.report.hosts[0].peak_memory_bytes);
+      }
+      if (mode == kOptimizer) {
+        std::int64_t host = 0;
+        for (const RankResult& dev : r.ranks)
+          host += dev.host_peak_memory_bytes;
+        EXPECT_EQ(e.report.hosts[0].peak_memory_bytes, host);
+      }
+    }
+  }
+}
+
 // A budget below the run's natural peak, where that peak holds a stash on its way to the host:
 // the allocation that would not fit waits for the download and takes its buffer back, and the
 // run goes on inside the budget with the same bits.
