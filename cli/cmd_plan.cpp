@@ -267,9 +267,10 @@ void add_plan_command(CLI::App& app) {
       fmt::print("without offload {}\n", res.offload_reason);
       fmt::print(
           "so the search tried --offload activations (KARMA: per stage, stashed activations "
-          "swapped to host memory where the copies hide behind compute, recomputed elsewhere; "
-          "t = 1), optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and "
-          "CPU Adam in host memory; t = 1, sharded over the replicas where w > 1), both, and "
+          "swapped to host memory where the copies hide behind compute, recomputed elsewhere), "
+          "optimizer (ZeRO-Offload: fp16 parameters on the GPU, optimizer state and CPU Adam "
+          "in host memory; sharded over the replicas where w > 1), both (with t > 1 each GPU "
+          "of a TP group its own shard), and "
           "chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
           "the host for the chunks whose state does not fit; t = w = 1, each pipeline stage its "
