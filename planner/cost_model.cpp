@@ -517,28 +517,49 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
   p.offload_activations = true;
   p.activations.assign(std::size_t(p.d), ActivationChoice::swap);
   p.recompute.clear();
-  const std::vector<ComputeSlot> order = step_compute_order(p, stage);
+  // 2BW has no flush: in its steady state a step's forwards run beside the previous step's
+  // backwards, and a unit may swap there that would not in a lone 1F1B step. Its figures are those
+  // of step 1 of a three-step stream (the fill before it, the drain after): per step, the units
+  // whose forward is in step 1; the peaks, the stream's.
+  const bool stream = p.schedule == Schedule::two_bw;
+  const int counted_step = stream ? 1 : 0;
+  const std::vector<ComputeSlot> order =
+      stream ? run_compute_order(p, stage, 3) : step_compute_order(p, stage);
   const SwapPlan sp = swap_plan(p, stage, order);
   const std::size_t n = order.size();
   StageSwap sw;
   sw.choice = ActivationChoice::swap;
-  std::vector<double> durations(n), copy(n), recompute(n, 0.0);
+  // Per op of an order: its compute (with its TP collectives), its unit's copy, its recompute.
+  struct OpTimes {
+    std::vector<double> durations, copy, recompute;
+  };
+  const auto op_times = [&](const std::vector<ComputeSlot>& ops) {
+    OpTimes o;
+    for (const ComputeSlot& op : ops) {
+      const ChunkCost& ch = chunks[std::size_t(op.chunk)];
+      o.durations.push_back(op.backward ? ch.backward_s + tp_backward_s(ch, p.t, tp)
+                                        : ch.forward_s + tp_time_s(ch.tp_forward, p.t, tp));
+      o.copy.push_back(
+          path.time_s(double(ch.recompute_layers > 0 ? ch.swap_bytes : ch.stash_bytes)));
+      o.recompute.push_back(op.backward && ch.recompute_layers > 0
+                                ? ch.layers_recompute_s + tp_time_s(ch.layers_recompute_tp, p.t, tp)
+                                : 0.0);
+    }
+    return o;
+  };
+  const OpTimes times = op_times(order);
+  const std::vector<double>& durations = times.durations;
+  const std::vector<double>& copy = times.copy;
   std::vector<std::int64_t> bytes(n), kept(n, 0), remade(n, 0);
   sw.window_s = std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < n; ++i) {
     const ChunkCost& ch = chunks[std::size_t(order[i].chunk)];
-    durations[i] = order[i].backward ? ch.backward_s + tp_backward_s(ch, p.t, tp)
-                                     : ch.forward_s + tp_time_s(ch.tp_forward, p.t, tp);
     // A mixed chunk (per-layer choices) swaps only its swapped layers' stash, keeps its
     // recomputed layers' checkpoints and re-makes their stash in a recompute op before the
     // backward (docs/formulas.md section 9, per-layer choices).
     bytes[i] = ch.recompute_layers > 0 ? ch.swap_bytes : ch.stash_bytes;
     kept[i] = ch.recompute_layers > 0 ? ch.checkpoint_bytes : 0;
-    if (order[i].backward && ch.recompute_layers > 0) {
-      recompute[i] = ch.layers_recompute_s + tp_time_s(ch.layers_recompute_tp, p.t, tp);
-      remade[i] = ch.layers_recompute_bytes;
-    }
-    copy[i] = path.time_s(double(bytes[i]));
+    if (order[i].backward && ch.recompute_layers > 0) remade[i] = ch.layers_recompute_bytes;
     sw.window_s = std::min(sw.window_s, durations[i]);
   }
   // Where each unit is at compute op i: on the device from its forward to its backward, except
@@ -556,7 +577,7 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
       if (!away) device[i] = bytes_add(device[i], bytes[f]);
       if (swapped && i > f && i < b) host[i] = bytes_add(host[i], bytes[f]);
     }
-    if (swapped) {
+    if (swapped && order[f].step == counted_step) {
       sw.units_per_step += 1;
       sw.bytes_per_step = bytes_add(sw.bytes_per_step, bytes[f]);
       sw.copy_s = std::max(sw.copy_s, copy[f]);
@@ -573,7 +594,13 @@ StageSwap stage_swap(const Plan& plan, int stage, const std::vector<ChunkCost>& 
     sw.host_bytes = std::max(sw.host_bytes, host[i]);
   }
   if (n == 0) sw.window_s = 0;
-  sw.stall_s = swap_stall_s(order, sp, durations, copy, recompute);
+  sw.stall_s = swap_stall_s(order, sp, durations, copy, times.recompute);
+  if (stream) {  // per step: the three-step stream's stall less the two-step stream's
+    const std::vector<ComputeSlot> shorter = run_compute_order(p, stage, 2);
+    const OpTimes t2 = op_times(shorter);
+    sw.stall_s = std::max(0.0, sw.stall_s - swap_stall_s(shorter, swap_plan(p, stage, shorter),
+                                                         t2.durations, t2.copy, t2.recompute));
+  }
   return sw;
 }
 

@@ -468,6 +468,16 @@ std::vector<ComputeSlot> step_compute_order(const Plan& plan, int stage, int ste
   }
 }
 
+std::vector<ComputeSlot> run_compute_order(const Plan& plan, int stage, int steps) {
+  if (plan.schedule == Schedule::two_bw) return two_bw_stream(plan, stage, 0, steps);
+  std::vector<ComputeSlot> order;
+  for (int step = 0; step < steps; ++step) {
+    const std::vector<ComputeSlot> one = step_compute_order(plan, stage, step);
+    order.insert(order.end(), one.begin(), one.end());
+  }
+  return order;
+}
+
 SwapPlan swap_plan(const Plan& plan, int stage, const std::vector<ComputeSlot>& order) {
   SwapPlan sp;
   if (!plan.swaps(stage)) return sp;

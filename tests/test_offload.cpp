@@ -1401,10 +1401,10 @@ TEST(ActivationLayers, MixedPipelineProgramsAndSimulator) {
       EXPECT_LE(sim_peak, est_peak) << r;
       EXPECT_LE(est_peak - sim_peak, blk + blk / 100) << r;  // and a few KiB of messages
     }
-    // Bytes moved: flush schedules the same every step. 2bw: the closed form's order is one 1F1B
-    // step; the simulator's steady step (a 4-step run minus a 3-step run) moves more, as it does
-    // with per-stage choices (all stages swapping here: 1211 MB against 1060 MB, +14%; with
-    // these choices 606 MB against 505 MB, +20%): not closed here, only bounded.
+    // Bytes moved: flush schedules the same every step. 2bw: the closed form counts step 1 of a
+    // three-step stream (its steady state), the simulator's steady step is a 4-step run minus a
+    // 3-step run; equal but for the runs' per-step figures rounded down (at most 3 + 4 bytes).
+    // (When the closed form took one 1F1B step for 2bw: 505 MB against 606 MB, -17%.)
     auto bytes = [](const RunReport& x) {
       return x.extra["offload"]["activation_bytes_per_step"].get<std::int64_t>();
     };
@@ -1412,8 +1412,7 @@ TEST(ActivationLayers, MixedPipelineProgramsAndSimulator) {
     if (s == Schedule::two_bw) {
       const std::int64_t three = 3 * bytes(sim.report);
       const std::int64_t four = 4 * bytes(sim::simulate(model, trace, c, p, {.steps = 4}).report);
-      EXPECT_GE(four - three, est_bytes);
-      EXPECT_LE(double(four - three), 1.25 * double(est_bytes));
+      EXPECT_LE(std::abs(four - three - est_bytes), 7);
     } else {
       EXPECT_EQ(bytes(sim.report), est_bytes);
     }
