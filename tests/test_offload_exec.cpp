@@ -360,7 +360,11 @@ TEST(OffloadExec, TensorParallelIsBitIdenticalWithThePlannersPeakAndBytes) {
       if (mode & kActivations) {
         EXPECT_GT(r.ranks[0].activation_out_bytes, 0);  // the first stage's stashes really moved
       }
-      // The node's host memory: every device's, t per rank, in both reports.
+      // The node's host memory: every device's, t per rank, in both reports. Not for 2bw's swaps
+      // here: gpt-tiny's copies over PCIe do not hide behind its microsecond ops, so in 2BW's
+      // stream (no flush) the simulator's uploads end late and more stashes sit on the host than
+      // the closed form counts (each from the op after its forward to the op before its
+      // backward, as when copies hide; tests/test_offload.cpp checks the two equal where they do).
       ASSERT_EQ(e.report.hosts.size(), 1u);
       ASSERT_EQ(sim.hosts.size(), 1u);
       if (k.schedule != Schedule::two_bw || !(mode & kActivations)) {
