@@ -222,7 +222,8 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
                     const std::vector<double>& recompute_s = {});
 // KARMA's choice per layer (docs/formulas.md section 9, per-layer choices), one list per stage
 // with one entry per block (Plan::activation_layers). For each stage, with the window W the
-// shortest compute op of its step (forward or backward, without recompute) and the copy of a
+// shortest compute op of its step (forward or backward with its TP collectives, without
+// recompute; 2bw: its stream's steady state) and the copy of a
 // unit's swapped layers over the host path: the most leading blocks k whose swap, one direction,
 // hides behind W (copy_s(k) <= W) swap, the rest recompute (k = 0: the whole stage recomputes).
 // A stage where nothing can swap (1F1B's last stage: each backward right after its forward) gets
@@ -231,9 +232,9 @@ double swap_stall_s(const std::vector<ComputeSlot>& order, const SwapPlan& sp,
 // choice would not fit on the device (its peak above capacity_bytes; 0: the device's memory)
 // swaps fewer blocks, recomputing them, until it fits (unchanged when nothing fits). Then host
 // memory: a node whose ranks' host bytes (optimizer offload's and the swapped stashes', pinned)
-// exceed host.memory_bytes or host.pinned_memory_bytes swaps one block fewer on its stage with the
-// most swapped host bytes until it fits or nothing there swaps. `plan` placed and resolved,
-// t == 1. set_activation_layers(plan, choose_activations(...)) applies it.
+// exceed host.memory_bytes or host.pinned_memory_bytes (t GPUs' each per rank) swaps one block
+// fewer on its stage with the most swapped host bytes until it fits or nothing there swaps. `plan`
+// placed and resolved. set_activation_layers(plan, choose_activations(...)) applies it.
 std::vector<std::vector<ActivationChoice>> choose_activations(
     const models::ModelSpec& model, const traces::Trace& trace, const clusters::Cluster& cluster,
     const Plan& plan, bool keep_unswappable = true, double capacity_bytes = 0);
