@@ -94,17 +94,21 @@ const char* rc_label(const planner::Plan& p) {
 }
 
 void print_ranked(const std::vector<planner::Ranked>& ranked, std::size_t rows) {
-  fmt::print("  {:>4} {:<20} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12} {:>12} {:>12} {:>5}\n",
-             "rank", "schedule", "t", "w", "d", "b", "m", "rc", "est samp/s", "sim samp/s",
+  // The schedule column as wide as its longest label (offload modes make them long).
+  std::size_t width = 20;
+  for (std::size_t i = 0; i < std::min(rows, ranked.size()); ++i)
+    width = std::max(width, plan_label(ranked[i].candidate.plan).size());
+  fmt::print("  {:>4} {:<{}} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12} {:>12} {:>12} {:>5}\n",
+             "rank", "schedule", width, "t", "w", "d", "b", "m", "rc", "est samp/s", "sim samp/s",
              "peak mem", "fits");
   for (std::size_t i = 0; i < std::min(rows, ranked.size()); ++i) {
     const auto& r = ranked[i];
     const auto& p = r.candidate.plan;
     const bool sim = r.simulated && r.simulated->ok;
     fmt::print(
-        "  {:>4} {:<20} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,
-        plan_label(p), tp_label(p), p.w, p.d, p.b, p.m, rc_label(p), r.candidate.samples_per_s(),
-        sim ? fmt::format("{:.2f}", r.simulated->samples_per_s) : "-",
+        "  {:>4} {:<{}} {:>5} {:>4} {:>4} {:>4} {:>5} {:>4} {:>12.2f} {:>12} {:>12} {:>5}\n", i + 1,
+        plan_label(p), width, tp_label(p), p.w, p.d, p.b, p.m, rc_label(p),
+        r.candidate.samples_per_s(), sim ? fmt::format("{:.2f}", r.simulated->samples_per_s) : "-",
         human_bytes(double(sim ? r.simulated->peak_memory_bytes : r.candidate.peak_memory_bytes())),
         r.simulated ? (r.simulated->ok && r.simulated->fits ? "yes" : "NO") : "yes*");
   }
