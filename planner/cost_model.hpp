@@ -207,9 +207,9 @@ struct StageSwap {
   double stall_s = 0;           // per step: the stage alone, back to back, with its copies
 };
 // The figures of stage `stage` swapping (plan.swaps(stage) need not hold: computed as if it did).
-// `tp`: the TP group's link (t > 1), whose collectives lengthen each compute op.
+// `tp`: the TP group's link (tp_link; used when t > 1), whose collectives lengthen each compute op.
 StageSwap stage_swap(const Plan& p, int stage, const std::vector<ChunkCost>& chunks,
-                     const HostPath& path, const clusters::Link& tp = {});
+                     const HostPath& path, const clusters::Link& tp);
 // The stall of a compute order with swaps (docs/formulas.md section 9, activation offload): compute
 // ops back to back, each download after its forward, each upload issued with the op before its
 // backward, after its download, and each backward after its upload; durations[i] is slot i's
