@@ -387,6 +387,15 @@ int devices_where(const Plan& p, const Placement& pl, int node,
   return n;
 }
 
+// Rank j's GPUs on GPU g of `node`, and behind g's uplink (`per_uplink` GPUs to an uplink).
+int devices_on_gpu(const Plan& p, const Placement& pl, int node, int g) {
+  return devices_where(p, pl, node, [g](int x) { return x == g; });
+}
+int devices_behind_uplink(const Plan& p, const Placement& pl, int node, int g, int per_uplink) {
+  return devices_where(p, pl, node,
+                       [g, per_uplink](int x) { return x / per_uplink == g / per_uplink; });
+}
+
 }  // namespace
 
 HostPath host_path(const clusters::Cluster& c, const Plan& p, int rank) {
@@ -399,9 +408,8 @@ HostPath host_path(const clusters::Cluster& c, const Plan& p, int rank) {
     const int g = me.gpu + k;
     int on_gpu = 0, on_uplink = 0;
     for (const Placement& pl : p.placement) {
-      on_gpu += devices_where(p, pl, me.node, [g](int x) { return x == g; });
-      on_uplink += devices_where(
-          p, pl, me.node, [g, per_uplink](int x) { return x / per_uplink == g / per_uplink; });
+      on_gpu += devices_on_gpu(p, pl, me.node, g);
+      on_uplink += devices_behind_uplink(p, pl, me.node, g, per_uplink);
     }
     const double bw = std::min(c.host.pcie_bandwidth_bytes_per_s / on_gpu,
                                c.host.uplink_bandwidth_bytes_per_s / on_uplink);
@@ -457,12 +465,11 @@ HostPath upload_path(const clusters::Cluster& c, const Plan& p, int rank,
   for (int k = 0; k < p.t; ++k) {
     const int g = me.gpu + k;
     const double gpu = ps_share(p, rank, host_parameters, [&p, me, g](const Placement& pl) {
-      return devices_where(p, pl, me.node, [g](int x) { return x == g; });
+      return devices_on_gpu(p, pl, me.node, g);
     });
     const double uplink =
         ps_share(p, rank, host_parameters, [&p, me, g, per_uplink](const Placement& pl) {
-          return devices_where(p, pl, me.node,
-                               [g, per_uplink](int x) { return x / per_uplink == g / per_uplink; });
+          return devices_behind_uplink(p, pl, me.node, g, per_uplink);
         });
     const double bw = std::min(c.host.pcie_bandwidth_bytes_per_s * gpu,
                                c.host.uplink_bandwidth_bytes_per_s * uplink);
