@@ -451,7 +451,11 @@ void StageCompute::backward(const float*, const float*, const float*, int, float
 }
 
 float StageCompute::forward(LayerMemory&, const std::int32_t*, const float*, const std::int32_t*,
-                            int, float*, float*) {
+                            int, bool, float*, float*, float*) {
+  throw Error("this backend's stage does not run layer by layer (offload chunks)");
+}
+
+void StageCompute::recompute(LayerMemory&, const std::int32_t*, int, const float*, float*) {
   throw Error("this backend's stage does not run layer by layer (offload chunks)");
 }
 

@@ -155,11 +155,14 @@ class StageCompute {
   // that do not stream gradients refuse it (Error).
   virtual void backward(const float* params, const float* full_stash, const float* d_output, int b,
                         float loss_scale, GradientSink& grads, float* d_input, float* workspace);
-  // Forward (without recompute) and backward with the tensors where `memory` says, layer by layer
-  // (the same arithmetic, so the same bits). Backends that do not run layer by layer refuse them
-  // (Error).
+  // Forward, recompute and backward with the tensors where `memory` says, layer by layer (the same
+  // arithmetic as the calls above, so the same bits). Backends that do not run layer by layer
+  // refuse them (Error).
   virtual float forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
-                        const std::int32_t* targets, int b, float* stash, float* output);
+                        const std::int32_t* targets, int b, bool recompute, float* stash,
+                        float* output, float* scratch);
+  virtual void recompute(LayerMemory& memory, const std::int32_t* targets, int b, const float* kept,
+                         float* full_stash);
   virtual void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
                         float loss_scale, float* d_input, float* workspace);
 

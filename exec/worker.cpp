@@ -756,6 +756,7 @@ void Worker::forward_mixed(const Op& op, Chunk& c) {
 }
 
 void Worker::recompute(const Op& op) {
+  if (chunked_) return chunk_recompute(op);
   const Key key{op.step, op.microbatch, op.chunk};
   Chunk& c = chunks_[std::size_t(op.chunk)];
   // A mixed stage's chunk whose blocks all swap: nothing to re-make (as the simulator's op).

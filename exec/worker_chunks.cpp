@@ -21,18 +21,31 @@ using planner::Op;
 using planner::OpKind;
 
 // The stage's view of the chunks during a compute op: before each layer that moment's copies run
-// (chunk_moment) and the layer's stash is counted (a forward fills it layer by layer, a backward
-// empties it), as the planner's moments count the non-model memory (N_k). Tensors are where their
-// chunk is now; a layer's chunks are on the device (its uploads waited for).
+// (chunk_moment), then its activations are counted as the planner's moments count the non-model
+// memory (N_k; ChunkMoment's alloc_bytes and free_bytes). Without recompute a forward fills the
+// stash layer by layer and the backward empties it. With full recompute a forward takes the stage
+// input it keeps and its scratch at its first layer and gives the scratch back after its last,
+// the recompute op fills the stash layer by layer, and the backward empties it and gives the kept
+// input back after its last layer. Tensors are where their chunk is now; a layer's chunks are on
+// the device (its uploads waited for).
 class Worker::ChunkMemory : public LayerMemory {
  public:
-  explicit ChunkMemory(Worker& w) : w_(w) {}
-  void begin_layer(int layer, bool backward) override {
+  enum class Kind { forward, forward_recompute, recompute, backward };
+  ChunkMemory(Worker& w, Kind kind) : w_(w), kind_(kind) {}
+  void begin_layer(int layer, bool) override {
     w_.chunk_moment(layer);
-    if (!backward) w_.memory_->add(Category::activations, w_.layer_stash_bytes_.at(layer));
+    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
+    if (kind_ == Kind::forward || kind_ == Kind::recompute)
+      w_.memory_->add(Category::activations, stash);
+    if (kind_ == Kind::forward_recompute && layer == 0)
+      w_.memory_->add(Category::activations, w_.kept_bytes_ + w_.scratch_bytes_);
   }
-  void end_layer(int layer, bool backward) override {
-    if (backward) w_.memory_->add(Category::activations, -w_.layer_stash_bytes_.at(layer));
+  void end_layer(int layer, bool) override {
+    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
+    if (kind_ == Kind::backward)
+      w_.memory_->add(Category::activations, -stash - (layer == 0 ? w_.recompute_kept_ : 0));
+    if (kind_ == Kind::forward_recompute && layer + 1 == int(w_.layer_stash_bytes_.size()))
+      w_.memory_->add(Category::activations, -w_.scratch_bytes_);
   }
   const float* parameters(std::int64_t offset) override {
     const auto [c, at] = find(offset);
@@ -54,6 +67,7 @@ class Worker::ChunkMemory : public LayerMemory {
     return it->second;
   }
   Worker& w_;
+  Kind kind_;
 };
 
 // The chunks as the schedule starts a step (its fixed point): each on the device or the host, its
@@ -104,6 +118,11 @@ void Worker::setup_chunks() {
   if (stash != c.sizes.stash * std::int64_t(sizeof(float)))
     throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
                             stash, c.sizes.stash * std::int64_t(sizeof(float))));
+  // Full recompute: the stage input a forward keeps and the scratch it runs its layers through.
+  if (s_.plan().recomputes(stage_)) {
+    kept_bytes_ = c.sizes.stash_recompute * std::int64_t(sizeof(float));
+    scratch_bytes_ = c.sizes.scratch * std::int64_t(sizeof(float));
+  }
   // Pipeline messages (d > 1): the planner's count of them (planner::message_buffers: received,
   // produced, the last one sent), each a block's output, on the device for the whole run as the
   // schedule's non-model memory counts them at every moment; the messages themselves live in
@@ -293,20 +312,24 @@ void Worker::chunk_forward(const Op& op) {
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
+  const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
-  // One stash buffer per microbatch (the stage's carving), its bytes counted layer by layer as
-  // the forward fills it (ChunkMemory) and the backward empties it; the output to the next stage
-  // in a message buffer (counted by setup_chunks).
-  Buffer stash(nullptr, Category::activations, c.sizes.stash, &pool_);
+  // One stash buffer per microbatch (the stage's carving; with recompute the stage input it
+  // keeps), a scratch with recompute, their bytes counted by ChunkMemory as the planner's moments
+  // count them; the output to the next stage in a message buffer (counted by setup_chunks).
+  Buffer stash(nullptr, Category::activations, rc ? c.sizes.stash_recompute : c.sizes.stash,
+               &pool_);
+  Buffer scratch(nullptr, Category::activations, rc ? c.sizes.scratch : 0, &pool_);
   Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
   make_message_room(c.last ? 0 : 1);
-  ChunkMemory memory(*this);
+  ChunkMemory memory(*this, rc ? ChunkMemory::Kind::forward_recompute : ChunkMemory::Kind::forward);
   take_core();
   const auto t0 = Clock::now();
   const float loss = c.stage->forward(
       memory, c.first ? tokens.data() : nullptr, c.first ? nullptr : inputs_.at(key).data(),
-      c.last ? targets.data() : nullptr, s_.plan().b, stash.data(), c.last ? nullptr : out.data());
+      c.last ? targets.data() : nullptr, s_.plan().b, rc, stash.data(),
+      c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
@@ -319,20 +342,48 @@ void Worker::chunk_forward(const Op& op) {
   if (!c.last) outputs_[key] = std::move(out);
 }
 
+// The recompute op of full recompute: the stash re-made layer by layer from the kept stage
+// input, each layer after its moment's copies (the recompute moments of the backward after it).
+void Worker::chunk_recompute(const Op& op) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  Chunk& c = chunks_.front();
+  if (!s_.plan().recomputes(stage_))
+    throw Error(fmt::format("rank {}: a recompute op on a stage without recompute", rank_));
+  std::vector<std::int32_t> tokens, targets;
+  if (c.last) samples(op, tokens, targets);
+  Buffer full(nullptr, Category::activations, c.sizes.stash, &pool_);
+  ChunkMemory memory(*this, ChunkMemory::Kind::recompute);
+  take_core();
+  const auto t0 = Clock::now();
+  c.stage->recompute(memory, c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
+                     full.data());
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  if (!pending_copies_.empty())
+    throw Error(
+        fmt::format("rank {}: a chunk copy before layer {}, which the recompute did not run", rank_,
+                    pending_copies_.front().first.layer));
+  full_[key] = std::move(full);
+}
+
 void Worker::chunk_backward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
   const planner::Plan& p = s_.plan();
+  const bool rc = p.recomputes(stage_);
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   Buffer d_input(nullptr, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   make_message_room(c.first ? 0 : 1);
-  ChunkMemory memory(*this);
+  ChunkMemory memory(*this, ChunkMemory::Kind::backward);
+  recompute_kept_ = rc ? kept_bytes_ : 0;  // given back after the last layer
   take_core();
   const auto t0 = Clock::now();
-  c.stage->backward(memory, stash_.at(key).data(), c.last ? nullptr : d_outputs_.at(key).data(),
-                    p.b, scale, c.first ? nullptr : d_input.data(), workspace_.data());
+  c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
+                    c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
+                    c.first ? nullptr : d_input.data(), workspace_.data());
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
@@ -340,6 +391,7 @@ void Worker::chunk_backward(const Op& op) {
     throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the backward did not run",
                             rank_, pending_copies_.front().first.layer));
   stash_.erase(key);
+  full_.erase(key);
   d_outputs_.erase(key);
   if (!c.first) d_inputs_[key] = std::move(d_input);
 }

@@ -111,8 +111,7 @@ class DeviceChecker {
     if (op.kind == OpKind::all_reduce && !in_range(op.bucket, p_.buckets)) {
       bad("bucket out of range");
     }
-    if (!pending_.empty() && !is_chunk(op.kind) && op.kind != OpKind::forward &&
-        op.kind != OpKind::backward)
+    if (!pending_.empty() && !is_chunk(op.kind) && !is_compute(op.kind))
       bad(to_string(op.kind) + " between chunk copies and the compute op they precede");
     if (is_tied(op.kind)) return tied(op);
     if (is_offload(op.kind)) return offload_op(op);
@@ -201,16 +200,26 @@ class DeviceChecker {
     on_device_[std::size_t(op.bucket)] = up;
   }
 
-  // A compute op's layers in order (forward ascending, backward descending): each layer's copies,
-  // then its chunks must be on the device and the resident chunks, the device-resident optimizer
-  // state and the moment's non-model memory within the device's memory.
+  // A compute op's layers in order (forward and recompute ascending, backward descending): each
+  // layer's copies, then its chunks must be on the device and the resident chunks, the
+  // device-resident optimizer state and the moment's non-model memory within the device's memory.
+  // A recompute op has the moments of the backward that follows it (the same slot).
   void chunk_compute(const Op& op) {
     const ChunkLayout& L = chunks_->layout;
-    const bool back = op.kind == OpKind::backward;
-    const int index = chunk_slot_++;
+    const bool back = op.kind == OpKind::backward, again = op.kind == OpKind::recompute;
+    const int index = again ? chunk_slot_ : chunk_slot_++;
     std::size_t next = 0;
     for (const ChunkMoment& m : chunks_->moments) {
       if (m.slot != index) continue;
+      if (!back && m.backward) {
+        if (!again) bad("forward where the chunk schedule has a backward");
+        continue;  // the recompute op's moments come first
+      }
+      if (m.recompute != again) {
+        if (back) continue;  // the recompute op's, checked there
+        bad(to_string(op.kind) + " where the chunk schedule has a " +
+            (m.recompute ? "recompute" : "forward"));
+      }
       if (m.backward != back)
         bad(std::string(back ? "backward" : "forward") + " where the chunk schedule has a " +
             (back ? "forward" : "backward"));
@@ -226,14 +235,11 @@ class DeviceChecker {
         resident += d ? 1 : 0;
       for (int c : L.layer_chunks[std::size_t(m.layer)])
         if (!on_device_[std::size_t(c)])
-          bad(std::string(back ? "backward" : "forward") + " of " +
-              L.layer_names[std::size_t(m.layer)] + " uses chunk " + std::to_string(c) +
-              ", which is on the host");
+          bad(m.label(L) + " uses chunk " + std::to_string(c) + ", which is on the host");
       const std::int64_t device = std::int64_t(resident) * L.move_bytes + m.non_model_bytes +
                                   std::int64_t(chunks_->device_adam_chunks) * L.os_chunk_bytes;
       if (device > chunks_->budget_bytes)
-        bad(std::string(back ? "backward" : "forward") + " of " +
-            L.layer_names[std::size_t(m.layer)] + " holds " + std::to_string(device) +
+        bad(m.label(L) + " holds " + std::to_string(device) +
             " bytes on the device, more than its " + std::to_string(chunks_->budget_bytes));
     }
     if (next != pending_.size())
@@ -429,6 +435,7 @@ class DeviceChecker {
   }
 
   void recompute(const Op& op) {
+    if (chunks_) chunk_compute(op);
     require(op, kForward, "recompute before its forward");
     if (flags(op) & kBackward) bad("recompute after its backward");
     set_once(op, kRecompute, "recompute");

@@ -33,6 +33,14 @@ std::string gib(std::int64_t bytes) {
 
 }  // namespace
 
+std::string ChunkMoment::label(const ChunkLayout& layout) const {
+  return fmt::format("{} of {}",
+                     backward    ? "backward"
+                     : recompute ? "recompute"
+                                 : "forward",
+                     layout.layer_names.at(std::size_t(layer)));
+}
+
 std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s) {
   const models::ModelCosts mc = models::derive_costs(s);
   const std::int64_t C = s.hidden, F = s.ffn, V = models::padded_vocab(s, 1);
@@ -211,35 +219,67 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 }
 
 // One step's moments without copies: per compute op of the stage's step (its order: gpipe all
-// forwards then all backwards, 1f1b interleaved), its layers, with the non-model bytes (the
-// stashes held: every microbatch in flight, the current one up to its layer; the pipeline message
-// buffers the device holds beside them, planner::message_buffer_bytes, none with d = 1) and the
-// compute time.
+// forwards then all backwards, 1f1b interleaved), its layers, with full recompute the recompute
+// op's before each backward's, with the activations each takes and gives back and the non-model
+// bytes (the activations held: every microbatch in flight, the current one up to its layer; the
+// pipeline message buffers the device holds beside them, planner::message_buffer_bytes, none with
+// d = 1; the workspace) and the compute time. Full recompute (docs/formulas.md section 9, chunks):
+// a forward keeps the stage input I (ChunkCost::input_bytes) and runs its layers through one
+// scratch X (recompute_scratch_bytes), taken at its first layer and given back after its last; the
+// recompute op re-makes the layers' stashes one by one; the backward gives each back, and I last.
 std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
                                       const Plan& p, const ChunkLayout& L, std::int64_t workspace) {
   const traces::Entry& e = trace.at(p.b);
   const int layers = L.layers();
   auto kind = [&](int l) { return layer_kind(model, L, l); };
+  const bool rc = p.recomputes(L.stage);
+  // As ChunkCost's input_bytes and recompute_scratch_bytes: the token ids on the first stage, the
+  // first block's input elsewhere; the largest of the stage's layers' stashes.
+  std::int64_t input = 0, scratch = 0;
+  if (rc) {
+    input = e.layers[L.first_layer == 0 ? models::LayerKind::embedding : models::LayerKind::block]
+                .activation_recompute_bytes;
+    for (int l = 0; l < layers; ++l)
+      scratch = std::max(scratch, e.layers[kind(l)].activation_bytes);
+  }
   std::vector<ChunkMoment> out;
   std::int64_t held = 0;
   const std::int64_t messages = message_buffer_bytes(p, trace, L.stage);
   const std::vector<ComputeSlot> order = step_compute_order(p, L.stage);
+  auto moment = [&](int slot, bool back, bool again, int l, std::int64_t take, std::int64_t give) {
+    const traces::LayerTimes& t = e.layers[kind(l)];
+    held = add(held, take);
+    ChunkMoment m;
+    m.slot = slot;
+    m.backward = back;
+    m.recompute = again;
+    m.layer = l;
+    m.alloc_bytes = take;
+    m.free_bytes = give;
+    m.non_model_bytes = add(add(held, workspace), messages);
+    m.compute_s = back ? t.backward_s : again ? t.recompute_s : t.forward_s;
+    out.push_back(m);
+    held -= give;
+  };
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
-    for (int j = 0; j < layers; ++j) {
-      const int l = back ? layers - 1 - j : j;
-      const traces::LayerTimes& t = e.layers[kind(l)];
-      if (!back) held = add(held, t.activation_bytes);
-      out.push_back({i,
-                     back,
-                     l,
-                     t.activation_bytes,
-                     {},
-                     add(add(held, workspace), messages),
-                     0,
-                     back ? t.backward_s : t.forward_s});
-      if (back) held -= t.activation_bytes;
+    if (!back) {
+      for (int l = 0; l < layers; ++l) {
+        const std::int64_t stash = e.layers[kind(l)].activation_bytes;
+        if (rc)
+          moment(i, false, false, l, l == 0 ? add(input, scratch) : 0,
+                 l == layers - 1 ? scratch : 0);
+        else
+          moment(i, false, false, l, stash, 0);
+      }
+      continue;
     }
+    if (rc)
+      for (int l = 0; l < layers; ++l)
+        moment(i, false, true, l, e.layers[kind(l)].activation_bytes, 0);
+    for (int l = layers - 1; l >= 0; --l)
+      moment(i, true, false, l, 0,
+             add(e.layers[kind(l)].activation_bytes, rc && l == 0 ? input : 0));
   }
   return out;
 }
@@ -293,10 +333,9 @@ void run_step(ChunkSchedule& s, std::set<int>& resident, const std::string& wher
     const std::int64_t working = mul(std::int64_t(need.size()), L.move_bytes);
     if (working > room)
       throw InputError(fmt::format(
-          "offload chunks: {}the device's {} is smaller than the working set of the {} of {} "
+          "offload chunks: {}the device's {} is smaller than the working set of the {} "
           "({} chunks of {} = {}, non-model memory {}{}) by {}",
-          where, gib(s.budget_bytes), m.backward ? "backward" : "forward",
-          L.layer_names[std::size_t(m.layer)], need.size(), gib(L.move_bytes), gib(working),
+          where, gib(s.budget_bytes), m.label(L), need.size(), gib(L.move_bytes), gib(working),
           gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
           gib(working - room)));
     std::vector<int> missing;
@@ -411,7 +450,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     s.uploads += in;
     s.downloads += out;
     const double t = m.compute_s + (in + out) * s.copy_s;
-    (m.backward ? s.backward_s : s.forward_s) += t;
+    (m.backward || m.recompute ? s.backward_s : s.forward_s) += t;
     s.compute_s += m.compute_s;
     const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
     if (device > s.device_peak_bytes) {

@@ -77,17 +77,28 @@ struct ChunkCopy {
   bool operator==(const ChunkCopy&) const = default;
 };
 
-// One moment of the step: a layer's forward or backward, with the copies that run before it
-// (evictions to the host first, furthest next use first, then the uploads of its missing chunks).
+// One moment of the step: a layer's forward, recompute or backward, with the copies that run
+// before it (evictions to the host first, furthest next use first, then the uploads of its
+// missing chunks).
 struct ChunkMoment {
   int slot = 0;  // the compute op of the step (step_compute_order) it belongs to
   bool backward = false;
+  // With full recompute: a layer of the recompute op that comes right before the backward of
+  // `slot` (its forward again, ascending; backward false).
+  bool recompute = false;
   int layer = 0;
-  std::int64_t stash_bytes = 0;  // the layer's stash: held from its forward to its backward
+  // Activations taken after the moment's copies, before its layer runs, and given back after it
+  // (docs/formulas.md section 9, chunks): without recompute a forward takes its layer's stash and
+  // the backward gives it back; with full recompute a forward's first layer takes the stage
+  // input I and the scratch X, its last layer gives X back, the recompute op's layers take their
+  // stashes, the backward's layers give them back and its last one I too.
+  std::int64_t alloc_bytes = 0, free_bytes = 0;
   std::vector<ChunkCopy> copies;
-  std::int64_t non_model_bytes = 0;  // N_k: stashed activations held + workspace
+  std::int64_t non_model_bytes = 0;  // N_k: activations held (alloc_bytes in) + workspace
   int resident = 0;                  // parameter chunks on the device during the moment
-  double compute_s = 0;              // the layer's forward or backward (trace)
+  double compute_s = 0;              // the layer's forward, recompute or backward (trace)
+  // "forward of block 3", "recompute of head", ...
+  std::string label(const ChunkLayout& layout) const;
 };
 
 // The eviction plan of one rank (one pipeline stage: each stage has its own) for one step (every
@@ -99,7 +110,8 @@ struct ChunkSchedule {
   int device_adam_chunks = 0;         // K: chunks 0 .. K-1 keep their state on the device
   std::vector<bool> start_on_device;  // per chunk, at each step's start and end
   // Per compute op of the stage's step (m forwards and m backwards in its order,
-  // step_compute_order: 1f1b interleaves them), its layers: forward ascending, backward descending.
+  // step_compute_order: 1f1b interleaves them), its layers: forward ascending, backward descending,
+  // with full recompute the recompute op's (ascending) before each backward's.
   std::vector<ChunkMoment> moments;
   std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
   std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)

@@ -1131,25 +1131,21 @@ common::Json chunk_report(const ChunkSchedule& cs) {
   for (int c = 0; c < cs.layout.chunks(); ++c)
     (cs.device_resident(c) ? device_adam : host_adam) +=
         cs.device_resident(c) ? cs.device_adam_s[std::size_t(c)] : cs.host_adam_s[std::size_t(c)];
-  return {
-      {"chunk_bytes", cs.layout.chunk_bytes},
-      {"move_bytes", cs.layout.move_bytes},
-      {"chunks", cs.layout.chunks()},
-      {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
-      {"device_adam_chunks", cs.device_adam_chunks},
-      {"uploads_per_step", cs.uploads},
-      {"downloads_per_step", cs.downloads},
-      {"copy_s", cs.copy_s},
-      {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
-      {"cpu_adam_s", host_adam},
-      {"device_adam_s", device_adam},
-      {"optimizer_s", cs.optimizer_s},
-      {"device_peak_bytes", cs.device_peak_bytes},
-      {"peak_moment",
-       fmt::format(
-           "{} of {}", cs.moments[std::size_t(cs.peak_moment)].backward ? "backward" : "forward",
-           cs.layout.layer_names[std::size_t(cs.moments[std::size_t(cs.peak_moment)].layer)])},
-      {"host_peak_bytes", cs.host_peak_bytes}};
+  return {{"chunk_bytes", cs.layout.chunk_bytes},
+          {"move_bytes", cs.layout.move_bytes},
+          {"chunks", cs.layout.chunks()},
+          {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
+          {"device_adam_chunks", cs.device_adam_chunks},
+          {"uploads_per_step", cs.uploads},
+          {"downloads_per_step", cs.downloads},
+          {"copy_s", cs.copy_s},
+          {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
+          {"cpu_adam_s", host_adam},
+          {"device_adam_s", device_adam},
+          {"optimizer_s", cs.optimizer_s},
+          {"device_peak_bytes", cs.device_peak_bytes},
+          {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
+          {"host_peak_bytes", cs.host_peak_bytes}};
 }
 
 namespace {

@@ -274,11 +274,10 @@ void check(const Plan& p) {
              "offload chunks with the distributed optimizer is not "
              "supported yet");
     for (std::size_t s = 0; s < p.recompute.size(); ++s)
-      if (p.recompute[s] != Recompute::none)
-        reject("recompute", fmt::format("offload chunks with recompute {} is not supported yet "
-                                        "(a stage's recompute re-materializes every layer "
-                                        "before its backward); use none",
-                                        to_string(p.recompute[s])));
+      if (p.recompute[s] == Recompute::selective)
+        reject("recompute",
+               "offload chunks with recompute selective is not supported yet; use "
+               "none or full");
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");

@@ -283,7 +283,10 @@ class ProgramBuilder {
       return;
     }
     if (!last) add(OpKind::recv_gradient, slot, next);
-    if (plan_.has_recompute_op(s)) add(OpKind::recompute, slot, -1, version);
+    if (plan_.has_recompute_op(s)) {
+      if (chunks_) chunk_copies(slot, true);  // the recompute op's layers need their chunks too
+      add(OpKind::recompute, slot, -1, version);
+    }
     if (chunks_) chunk_copies(slot);
     add(OpKind::backward, slot, -1, version);
     if (!first) add(OpKind::send_gradient, slot, prev);
@@ -332,11 +335,12 @@ class ProgramBuilder {
 
   // Chunks (the stage's own schedule: each compute op holds the stage's layers): the copies of
   // each of its moments (the op's index in the stage's step, its layers in order), tagged with
-  // the moment's layer.
-  void chunk_copies(const Slot& slot) {
-    const int index = chunk_slot_++;
+  // the moment's layer. `recompute`: those of the recompute op before the backward of the slot
+  // (the backward's come after it and advance the index).
+  void chunk_copies(const Slot& slot, bool recompute = false) {
+    const int index = recompute ? chunk_slot_ : chunk_slot_++;
     for (const ChunkMoment& m : chunks_->moments) {
-      if (m.slot != index) continue;
+      if (m.slot != index || m.recompute != recompute) continue;
       for (const ChunkCopy& c : m.copies) {
         Op op{c.to_device ? OpKind::copy_chunk_to_device : OpKind::copy_chunk_to_host,
               slot.step,

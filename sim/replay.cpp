@@ -121,8 +121,7 @@ class Replayer {
   }
 
   void step(const Op& op) {
-    if (w_.programs->chunks && (op.kind == OpKind::forward || op.kind == OpKind::backward))
-      return chunk_compute(op);
+    if (w_.programs->chunks && planner::is_compute(op.kind)) return chunk_compute(op);
     switch (op.kind) {
       case OpKind::forward:
         allocate(&planner::MemoryBreakdown::activations, kept_bytes(chunk(op)));
@@ -324,25 +323,27 @@ class Replayer {
       ck_.cv->wait(lock);
   }
 
-  // A forward or backward with chunks: its layers in the schedule's moment order, each after the
-  // copies tagged with it (in program order) are done: evictions and uploads.
+  // A forward, recompute or backward with chunks: its layers in the schedule's moment order, each
+  // after the copies tagged with it (in program order) are done: evictions and uploads; the
+  // moment's activations taken before the layer runs and given back after it. A recompute op has
+  // the recompute moments of the backward after it (the same slot).
   void chunk_compute(const Op& op) {
     const planner::ChunkSchedule& cs = schedule();
-    const bool back = op.kind == OpKind::backward;
-    const int index = chunk_slot_++;
+    const bool back = op.kind == OpKind::backward, again = op.kind == OpKind::recompute;
+    const int index = again ? chunk_slot_ : chunk_slot_++;
     std::size_t next = 0;
     for (std::size_t k = 0; k < cs.moments.size(); ++k) {
       const planner::ChunkMoment& m = cs.moments[k];
-      if (m.slot != index) continue;
+      if (m.slot != index || m.recompute != again || m.backward != back) continue;
       for (; next < pending_chunks_.size() &&
              program_.ops[std::size_t(pending_chunks_[next])].layer == m.layer;
            ++next)
         chunk_enqueue(program_.ops[std::size_t(pending_chunks_[next])], pending_chunks_[next]);
       chunk_wait(0);  // the evictions make room for the layer's stash too
       chunk_wait(1);
-      if (!back) allocate(&planner::MemoryBreakdown::activations, m.stash_bytes);
+      allocate(&planner::MemoryBreakdown::activations, m.alloc_bytes);
       compute(m.compute_s);
-      if (back) allocate(&planner::MemoryBreakdown::activations, -m.stash_bytes);
+      allocate(&planner::MemoryBreakdown::activations, -m.free_bytes);
     }
     pending_chunks_.clear();
   }

@@ -115,8 +115,10 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   acc["m"] = 4;
   EXPECT_EQ(parse_plan(acc, "plan.json").m, 4);
   common::Json k = j;
-  k["recompute"] = "full";
-  refused(k, "offload chunks with recompute full is not supported yet");
+  k["recompute"] = "full";  // the recompute op's layers run with their chunks too
+  EXPECT_TRUE(parse_plan(k, "plan.json").recomputes(0));
+  k["recompute"] = "selective";
+  refused(k, "offload chunks with recompute selective is not supported yet; use none or full");
   k = j;
   k["schedule"] = "2bw";
   refused(k, "offload chunks with 2bw");
@@ -796,6 +798,136 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
                 est.chunks->at(0).host_peak_bytes + est.chunks->at(1).host_peak_bytes);
     }
   }
+}
+
+// Full recompute with chunks (docs/formulas.md section 9, chunks): each backward's slot has the
+// recompute op's moments (its layers ascending) before the backward's; a forward keeps the stage
+// input I and takes the scratch X at its first layer, giving X back after its last; the recompute
+// re-makes the stashes, the backward gives them back and I with its last layer. By hand for
+// gpipe, m = 3, d = 2 on the tiny model; the programs carry each recompute moment's copies
+// before the recompute op and pass the checker, and the simulator agrees with the closed form at
+// a budget that evicts inside the step.
+TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = uniform_trace(m, 1);
+  const traces::Entry& e = trace.entries[0];
+  const auto& emb = e.layers[models::LayerKind::embedding];
+  const auto& blk = e.layers[models::LayerKind::block];
+  const auto& head = e.layers[models::LayerKind::head];
+  const std::int64_t ae = emb.activation_bytes, ab = blk.activation_bytes,
+                     ah = head.activation_bytes;
+  const std::int64_t I0 = emb.activation_recompute_bytes, I1 = blk.activation_recompute_bytes;
+  const std::int64_t X0 = std::max(ae, ab), X1 = std::max(ab, ah);
+  const std::int64_t W0 = std::max(emb.workspace_bytes, blk.workspace_bytes),
+                     msg = blk.output_bytes;
+  ASSERT_GT(I0, 0);
+  ASSERT_GT(I1, 0);
+  ASSERT_LT(I1, ab);
+  clusters::Cluster c = eight();
+  Plan p = piped(c, Schedule::gpipe, 3, 2, 512);
+  p.recompute.assign(2, Recompute::full);
+  check(p);
+  const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
+  std::string order;
+  for (const ChunkMoment& k : s0.moments)
+    order += fmt::format("{}{}:{} ", k.backward ? 'B' : k.recompute ? 'R' : 'F', k.slot, k.layer);
+  EXPECT_EQ(order,
+            "F0:0 F0:1 F1:0 F1:1 F2:0 F2:1 R3:0 R3:1 B3:1 B3:0 R4:0 R4:1 B4:1 B4:0 R5:0 R5:1 B5:1 "
+            "B5:0 ");
+  // gpipe's stage 0 holds two message buffers (formulas §4).
+  const std::int64_t base = W0 + 2 * msg;
+  auto at = [&](int k) { return s0.moments[std::size_t(k)].non_model_bytes - base; };
+  EXPECT_EQ(at(0), I0 + X0);           // F0:0 takes I and X
+  EXPECT_EQ(at(1), I0 + X0);           // F0:1, then X goes
+  EXPECT_EQ(at(5), 3 * I0 + X0);       // the third forward
+  EXPECT_EQ(at(6), 3 * I0 + ae);       // R3:0 re-makes the embedding's stash
+  EXPECT_EQ(at(7), 3 * I0 + ae + ab);  // R3:1, the peak: three inputs and one whole stash
+  EXPECT_EQ(at(8), 3 * I0 + ae + ab);  // B3:1, then the block's stash goes
+  EXPECT_EQ(at(9), 3 * I0 + ae);       // B3:0, then the embedding's and I go
+  EXPECT_EQ(at(10), 2 * I0 + ae);      // R4:0
+  EXPECT_EQ(s0.moments[7].alloc_bytes, ab);
+  EXPECT_EQ(s0.moments[9].free_bytes, ae + I0);
+  EXPECT_EQ(s0.moments[0].alloc_bytes, I0 + X0);
+  EXPECT_EQ(s0.moments[1].free_bytes, X0);
+  // Stage 1 keeps the block's input.
+  const ChunkSchedule s1 = chunk_schedule(m, trace, c, p, 1);
+  EXPECT_EQ(s1.moments[0].alloc_bytes, I1 + X1);
+  // The recompute's time goes with the backward: forwards 1 ms a block, recompute the trace's.
+  EXPECT_NEAR(
+      s0.compute_s - 3 * (emb.forward_s + blk.forward_s) - 3 * (emb.backward_s + blk.backward_s),
+      3 * (emb.recompute_s + blk.recompute_s), 1e-12);
+  EXPECT_GT(blk.recompute_s, 0);
+  EXPECT_EQ(s0.moments[std::size_t(s0.peak_moment)].label(s0.layout), "recompute of block 0");
+
+  // Two blocks a stage, on the smallest device both stages fit: chunks move inside the step,
+  // before recompute layers too.
+  models::ModelSpec m4 = m;
+  m4.layers = 4;
+  const traces::Trace trace4 = uniform_trace(m4, 1);
+  p = piped(c, Schedule::gpipe, 3, 4, 512);
+  p.recompute.assign(2, Recompute::full);
+  check(p);
+  const auto low = [&](int stage) {
+    std::int64_t lo = 1, hi = std::int64_t(1) << 30;
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      clusters::Cluster k = c;
+      k.device.memory_bytes = mid;
+      try {
+        chunk_schedule(m4, trace4, k, p, stage);
+        hi = mid;
+      } catch (const InputError&) {
+        lo = mid;
+      }
+    }
+    return hi;
+  };
+  c.device.memory_bytes = std::max(low(0), low(1));
+  const auto all =
+      std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m4, trace4, c, p));
+  ProgramOptions o;
+  o.steps = 2;
+  o.tied_embeddings = true;
+  o.chunks = all;
+  const Programs ps = generate_programs(p, o);
+  EXPECT_NO_THROW(check_programs(ps));
+  int before_recompute = 0;
+  for (const Program& prog : ps.devices)
+    for (std::size_t i = 0; i + 1 < prog.ops.size(); ++i)
+      if (prog.ops[i].kind == OpKind::copy_chunk_to_device &&
+          prog.ops[i + 1].kind == OpKind::recompute)
+        ++before_recompute;
+  EXPECT_GT(before_recompute, 0);
+  // A program whose recompute op is missing its copies fails the checker.
+  Programs broken = ps;
+  bool swapped = false;
+  for (Program& prog : broken.devices)
+    for (std::size_t i = 0; i + 1 < prog.ops.size() && !swapped; ++i)
+      if (prog.ops[i].kind == OpKind::copy_chunk_to_device &&
+          prog.ops[i + 1].kind == OpKind::recompute) {
+        std::swap(prog.ops[i], prog.ops[i + 1]);
+        swapped = true;
+      }
+  ASSERT_TRUE(swapped);
+  const std::string why = error_of<ScheduleError>([&] { check_programs(broken); });
+  EXPECT_NE(why.find("recompute of block "), std::string::npos) << why;
+  EXPECT_NE(why.find(", which is on the host"), std::string::npos) << why;
+  const Estimate est = estimate(m4, trace4, c, p);
+  const sim::SimResult sim = sim::simulate(m4, trace4, c, p, {.steps = 3});
+  EXPECT_NEAR(sim.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(sim.report.devices[std::size_t(r)].peak_memory_bytes,
+              est.report.devices[std::size_t(r)].peak_memory_bytes)
+        << r;
+    EXPECT_LE(sim.report.devices[std::size_t(r)].peak_memory_bytes, c.device.memory_bytes);
+    for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+      EXPECT_EQ(sim.report.extra["offload"]["ranks"][std::size_t(r)][key],
+                est.report.extra["offload"]["ranks"][std::size_t(r)][key])
+          << key << r;
+  }
+  EXPECT_EQ(est.report.extra["offload"]["ranks"][0]["chunks"]["peak_moment"],
+            "recompute of block 1");
+  EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
 }
 
 // Eight stages on p3.16xlarge's V100-32GB (two GPUs per PCIe uplink), gpt3-6.7b's shape with 48

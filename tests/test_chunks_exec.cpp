@@ -30,12 +30,13 @@ using testing::adamw_options;
 using testing::expect_identical;
 
 Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes,
-               int d = 1) {
+               int d = 1, bool recompute = false) {
   Plan p;
   p.schedule = s;
   p.d = d;
   p.b = b;
   p.m = m;
+  if (recompute) p.recompute.assign(std::size_t(d), planner::Recompute::full);
   planner::resolve_stages(p, model.layers);
   if (chunk_bytes >= 0) {
     p.offload = Offload::chunks;
@@ -363,6 +364,79 @@ TEST(ChunksExec, PipelineResumeIsBitIdentical) {
     testing::expect_resume_is_bit_identical(model, p,
                                             adamw_options(4, pipeline_budget(model, p) + 100000),
                                             "chunkexec_d2_" + to_string(k.schedule));
+  }
+}
+
+// Chunks with full recompute (PatrickStar trains with activation checkpointing): a forward keeps
+// only its stage input and runs its layers through one scratch, the recompute op before each
+// backward re-makes the stash layer by layer, each of its layers after its own chunk copies. For
+// d = 1 and 2, gpipe, 1f1b and dp, tied and untied, at the tightest and a roomy budget: losses and
+// weights bit-identical to the same plan without offload (with recompute, itself bit-identical to
+// the plan without it); each rank's measured peak is its stage's schedule peak and the
+// simulator's exactly, inside the budget; the bytes moved are the schedule's and the simulator's.
+// Recompute lets a smaller device hold the plan where several stashes were the peak (m = 3).
+TEST(ChunksExec, FullRecomputeIsBitIdenticalWithEachStagesPeakAndBytes) {
+  const int steps = 3;
+  for (const PipeCase& k :
+       {PipeCase{Schedule::gpipe, 1, 1, 3, false}, PipeCase{Schedule::one_f_one_b, 1, 2, 2, true},
+        PipeCase{Schedule::dp, 1, 2, 2, false}, PipeCase{Schedule::gpipe, 2, 1, 3, true},
+        PipeCase{Schedule::one_f_one_b, 2, 1, 4, false}}) {
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const TrainResult plain = train_cpu(
+        model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, true), adamw_options(steps));
+    expect_identical(plain, train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d),
+                                      adamw_options(steps)));
+    const Plan p = make_plan(model, k.schedule, k.b, k.m, 65536, k.d, true);
+    const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
+    const std::int64_t without =
+        pipeline_budget(model, make_plan(model, k.schedule, k.b, k.m, 65536, k.d));
+    for (std::int64_t budget : {low, roomy}) {
+      SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
+                   " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
+                   (k.untied ? " untied" : " tied") + " budget=" + std::to_string(budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+      expect_identical(r, plain);
+      const planner::RunReport sim = simulated(model, p, budget, steps);
+      const planner::Estimate e = estimated(model, p, budget);
+      for (int stage = 0; stage < k.d; ++stage) {
+        SCOPED_TRACE("stage " + std::to_string(stage));
+        const int rank = p.rank_of(stage, 0);
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
+        // Each backward has its recompute op's moments: one per layer.
+        int again = 0;
+        for (const planner::ChunkMoment& mo : s.moments)
+          again += mo.recompute ? 1 : 0;
+        EXPECT_EQ(again, k.m * s.layout.layers());
+        EXPECT_LE(got.peak_memory_bytes, budget);
+        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
+        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+        EXPECT_EQ(got.memory.activations, e.report.devices[std::size_t(rank)].memory.activations);
+        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
+        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
+        if (budget == low) {
+          EXPECT_GT(got.copy_in_bytes, 0);
+        }
+        std::printf(
+            "%s d=%d m=%d budget=%lld (without recompute %lld) stage %d: n=%d K=%d "
+            "uploads=%d peak=%lld at %s\n",
+            to_string(k.schedule).c_str(), k.d, k.m, (long long)budget, (long long)without, stage,
+            s.layout.chunks(), s.device_adam_chunks, s.uploads, (long long)got.peak_memory_bytes,
+            s.moments[std::size_t(s.peak_moment)].label(s.layout).c_str());
+      }
+      const common::Json& so = sim.extra["offload"];
+      const common::Json& ranks = k.d > 1 ? so["ranks"] : common::Json::array({so});
+      for (int rank = 0; rank < k.d; ++rank) {
+        EXPECT_EQ(r.ranks[std::size_t(rank)].copy_out_bytes,
+                  steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
+        EXPECT_EQ(r.ranks[std::size_t(rank)].copy_in_bytes,
+                  steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+      }
+    }
+    if (k.schedule == Schedule::gpipe) {
+      EXPECT_LT(low, without);  // m stashes were the peak; now m stage inputs and one stash
+    }
   }
 }
 

@@ -104,7 +104,10 @@ class CpuGptStage final : public StageCompute {
   void backward(const float* params, const float* full_stash, const float* d_output, int b,
                 float loss_scale, GradientSink& grads, float* d_input, float* workspace) override;
   float forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
-                const std::int32_t* targets, int b, float* stash, float* output) override;
+                const std::int32_t* targets, int b, bool recompute, float* stash, float* output,
+                float* scratch) override;
+  void recompute(LayerMemory& memory, const std::int32_t* targets, int b, const float* kept,
+                 float* full_stash) override;
   void backward(LayerMemory& memory, const float* full_stash, const float* d_output, int b,
                 float loss_scale, float* d_input, float* workspace) override;
   MixedSizes mixed_sizes(int b, const std::vector<bool>& recomputed) const override;
@@ -165,6 +168,11 @@ class CpuGptStage final : public StageCompute {
   }
   void backward(const At& at, const std::vector<const float*>& acts, const float* d_output, int b,
                 float loss_scale, float* d_input, float* workspace);
+  float forward(const At& at, const std::int32_t* tokens, const float* input,
+                const std::int32_t* targets, int b, bool recompute, float* stash, float* output,
+                float* scratch) const;
+  void recompute(const At& at, const std::int32_t* targets, int b, const float* kept,
+                 float* full_stash) const;
   template <class F>
   BlockActs<F> carve_block(F* base, int64_t BT) const;
   template <class F>
@@ -424,12 +432,24 @@ HeadActs<F> CpuGptStage::carve_head(F* base, int64_t BT) const {
 float CpuGptStage::forward(const float* params, const std::int32_t* tokens, const float* input,
                            const std::int32_t* targets, int b, bool recompute, float* stash,
                            float* output, float* scratch) {
+  return forward(At{params}, tokens, input, targets, b, recompute, stash, output, scratch);
+}
+
+float CpuGptStage::forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                           const std::int32_t* targets, int b, bool recompute, float* stash,
+                           float* output, float* scratch) {
+  return forward(At{nullptr, nullptr, &memory}, tokens, input, targets, b, recompute, stash, output,
+                 scratch);
+}
+
+float CpuGptStage::forward(const At& at, const std::int32_t* tokens, const float* input,
+                           const std::int32_t* targets, int b, bool recompute, float* stash,
+                           float* output, float* scratch) const {
   const StageSpec& s = layout_.spec;
   if ((s.has_embedding ? !tokens : !input) || (s.has_head ? !targets : !output))
     throw Error("cpu stage forward: missing tokens, input, targets or output");
   if (recompute && !scratch)
     throw Error("cpu stage forward with recompute needs scratch (sizes().scratch floats)");
-  const At at{params};
   if (!recompute) return run(at, tokens, input, targets, b, stash, false, output);
   const int64_t BT = int64_t(b) * layout_.T;
   if (s.has_embedding)
@@ -439,20 +459,22 @@ float CpuGptStage::forward(const float* params, const std::int32_t* tokens, cons
   return run(at, tokens, input, targets, b, scratch, true, output);
 }
 
-float CpuGptStage::forward(LayerMemory& memory, const std::int32_t* tokens, const float* input,
-                           const std::int32_t* targets, int b, float* stash, float* output) {
-  const StageSpec& s = layout_.spec;
-  if ((s.has_embedding ? !tokens : !input) || (s.has_head ? !targets : !output))
-    throw Error("cpu stage forward: missing tokens, input, targets or output");
-  return run(At{nullptr, nullptr, &memory}, tokens, input, targets, b, stash, false, output);
-}
-
 void CpuGptStage::recompute(const float* params, const std::int32_t*, const std::int32_t* targets,
                             int b, const float* kept, float* full_stash) {
+  recompute(At{params}, targets, b, kept, full_stash);
+}
+
+void CpuGptStage::recompute(LayerMemory& memory, const std::int32_t* targets, int b,
+                            const float* kept, float* full_stash) {
+  recompute(At{nullptr, nullptr, &memory}, targets, b, kept, full_stash);
+}
+
+void CpuGptStage::recompute(const At& at, const std::int32_t* targets, int b, const float* kept,
+                            float* full_stash) const {
   // The kept stash is the stage input: token ids (bit-cast) on the first stage, else (B, T, C).
   const bool first = layout_.spec.has_embedding;
   const auto* tokens = first ? reinterpret_cast<const std::int32_t*>(kept) : nullptr;
-  run(At{params}, tokens, first ? nullptr : kept, targets, b, full_stash, false, nullptr);
+  run(at, tokens, first ? nullptr : kept, targets, b, full_stash, false, nullptr);
 }
 
 int64_t CpuGptStage::layer_elements(int layer, int64_t BT) const {
