@@ -82,9 +82,11 @@ struct Plan {
   int b = 1;                        // microbatch size (samples)
   int m = 1;                        // microbatches per optimizer step per replica
   int v = 1;                        // model chunks per device (interleaved only)
-  Offload offload = Offload::none;  // optimizer: needs w == 1, t == 1, no distributed optimizer
+  // optimizer: with w > 1 needs the distributed optimizer (sharded), with w == 1 none (check()).
+  Offload offload = Offload::none;
   // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
-  // Chunks need t = w = d = v = 1, no 2bw, no recompute, no activation offload (not yet).
+  // Chunks need t = w = v = 1 (d > 1: each stage its own chunks), recompute none or full, no
+  // 2bw, no distributed optimizer, no other offload mode (not yet; check() says so in one line).
   std::int64_t chunk_bytes = 0;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A

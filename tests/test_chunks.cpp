@@ -967,10 +967,12 @@ TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
   const clusters::Cluster one = clusters::load_cluster(
       "p3.16xlarge", {}, {"device=V100-32GB", "gpus_per_node=1", "host.gpus_per_uplink=1"});
   const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
-  auto fits = [](const models::ModelSpec& m, const clusters::Cluster& c, int d, int mb) {
+  auto fits = [](const models::ModelSpec& m, const clusters::Cluster& c, int d, int mb,
+                 bool recompute = false) {
     const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
     Plan p = plan_of(Schedule::one_f_one_b, 1, d, 1, mb, 1, m.layers, grid(c));
     p.offload = Offload::chunks;
+    if (recompute) p.recompute.assign(std::size_t(d), Recompute::full);
     p.chunk_bytes = default_chunk_bytes(m);
     try {
       return estimate(m, trace, c, p).report.fits();
@@ -993,6 +995,15 @@ TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
         r.fitting.empty() ? 0 : r.fitting.front().plan.d);
     EXPECT_GE(d8, d1);
     EXPECT_FALSE(r.fitting.empty());
+    // With full recompute stage 0 holds m stage inputs and one stash, not m stashes: at m = 8 the
+    // d = 8 pipeline is bound by host memory again (16 B per parameter), not by stage 0's device.
+    const std::int64_t rc8 =
+        deepest([&](const models::ModelSpec& m) { return fits(m, eight, 8, mb, true); });
+    fmt::print("  with full recompute, eight as a d = 8 pipeline: {} blocks ({:.2f}B, {:.2f}x)\n",
+               rc8, billions(rc8), billions(rc8) / billions(d1));
+    if (mb == 8) {
+      EXPECT_GT(rc8, d8 * 3 / 2);
+    }
   }
 }
 
