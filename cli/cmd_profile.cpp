@@ -19,11 +19,16 @@ namespace {
 // After check_backend: "cuda" only reaches here in a build with CUDA and a device.
 traces::Trace profile_on([[maybe_unused]] const std::string& backend,
                          const models::ModelSpec& model, const std::vector<std::int64_t>& sizes,
-                         int repeats) {
+                         int repeats, const models::Sharding& sharding) {
 #ifdef PW_HAVE_CUDA
-  if (backend == "cuda") return exec::cuda::profile_cuda(model, sizes, repeats);
+  if (backend == "cuda") {
+    if (sharding.t > 1)
+      throw InputError(
+          "--tp: the cuda profiler times whole layers (t = 1); use --backend cpu for a TP shard");
+    return exec::cuda::profile_cuda(model, sizes, repeats);
+  }
 #endif
-  return exec::profile_cpu(model, sizes, repeats);
+  return exec::profile_cpu(model, sizes, repeats, exec::ProfileStatistic::median, sharding);
 }
 
 }  // namespace
@@ -36,6 +41,8 @@ void add_profile_command(CLI::App& app) {
     std::string backend = "cpu";
     std::string microbatch = "1,2,4";
     int repeats = 3;
+    int t = 1;
+    bool sp = false;
     std::string out;
   };
   auto a = std::make_shared<Args>();
@@ -50,12 +57,19 @@ void add_profile_command(CLI::App& app) {
   cmd->add_option("--repeats", a->repeats, "timed runs per measurement (the median is kept)")
       ->capture_default_str()
       ->check(count_range());
+  cmd->add_option("--tp", a->t,
+                  "time one GPU of a tensor-parallel group of this size (cpu: TP rank 0's shard, "
+                  "its collectives left to the simulator; the trace's tensor_parallel)")
+      ->capture_default_str()
+      ->check(count_range());
+  cmd->add_flag("--sp", a->sp, "with --tp: sequence parallelism");
   cmd->add_option("--out,-o", a->out, "output trace (default: standard output)");
   cmd->callback([a] {
     check_backend(a->backend);
+    if (a->sp && a->t == 1) throw InputError("--sp: sequence parallelism needs --tp 2 or more");
     const std::vector<std::int64_t> sizes = parse_int_list(a->microbatch, "--microbatch");
-    const traces::Trace t =
-        profile_on(a->backend, exec::as_executed(models::load_model(a->model)), sizes, a->repeats);
+    const traces::Trace t = profile_on(a->backend, exec::as_executed(models::load_model(a->model)),
+                                       sizes, a->repeats, models::Sharding{a->t, a->sp});
     if (a->out.empty()) {
       fmt::print("{}\n", traces::to_json(t).dump(2));
       return;

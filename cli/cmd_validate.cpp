@@ -57,9 +57,10 @@ std::string percent(double error) {
 
 void print_validation(const planner::Validation& v) {
   const auto& p = v.plan;
-  fmt::print("{} {} w={} d={} b={} m={}: {} vs {}, error = (predicted - measured) / measured\n",
-             v.model, to_string(p.schedule), p.w, p.d, p.b, p.m, v.predicted_source,
-             v.measured_source);
+  fmt::print("{} {}{} w={} d={} b={} m={}: {} vs {}, error = (predicted - measured) / measured\n",
+             v.model, to_string(p.schedule),
+             p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? "+sp" : "") : "", p.w, p.d, p.b, p.m,
+             v.predicted_source, v.measured_source);
   fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", "", "predicted", "measured", "error");
   auto row = [](const char* what, const planner::Compared& c) {
     fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", what, human_seconds(c.predicted),
@@ -78,11 +79,16 @@ void print_validation(const planner::Validation& v) {
   fmt::print("  {:>4} {:>5}  {:>10} {:>10} {:>7}  {:>6} {:>6}  {:>10} {:>10} {:>7}\n", "rank",
              "stage", "busy pred", "busy meas", "error", "bubble", "meas", "peak pred", "peak meas",
              "error");
+  // t > 1: a row per GPU of each TP group, "rank.tp".
+  const auto name = [&](const planner::DeviceValidation& d) {
+    return p.t > 1 ? fmt::format("{}.{}", d.rank, d.tp) : fmt::format("{}", d.rank);
+  };
   for (const auto& d : v.devices)
     fmt::print("  {:>4} {:>5}  {:>10} {:>10} {:>7}  {:>5.1f}% {:>5.1f}%  {:>10} {:>10} {:>7}\n",
-               d.rank, d.stage, human_seconds(d.busy_s.predicted), human_seconds(d.busy_s.measured),
-               percent(d.busy_s.error), 100 * d.bubble_fraction.predicted,
-               100 * d.bubble_fraction.measured, human_bytes(d.peak_memory_bytes.predicted),
+               name(d), d.stage, human_seconds(d.busy_s.predicted),
+               human_seconds(d.busy_s.measured), percent(d.busy_s.error),
+               100 * d.bubble_fraction.predicted, 100 * d.bubble_fraction.measured,
+               human_bytes(d.peak_memory_bytes.predicted),
                human_bytes(d.peak_memory_bytes.measured), percent(d.peak_memory_bytes.error));
   // Where the step time error comes from: the busiest rank's compute (the profile against the
   // run) and the rest of its step (waiting, transfers and the runtime's own work).
@@ -93,7 +99,7 @@ void print_validation(const planner::Validation& v) {
     fmt::print(
         "  busiest rank {}: compute {} predicted, {} measured ({}); the rest of the step {} "
         "predicted, {} measured\n",
-        busiest->rank, human_seconds(busiest->busy_s.predicted),
+        name(*busiest), human_seconds(busiest->busy_s.predicted),
         human_seconds(busiest->busy_s.measured), percent(busiest->busy_s.error),
         human_seconds(std::max(0.0, v.iteration_time_s.predicted - busiest->busy_s.predicted)),
         human_seconds(std::max(0.0, v.iteration_time_s.measured - busiest->busy_s.measured)));
@@ -156,7 +162,15 @@ Machine probe_cpu(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   m.cluster = exec::cpu_host_cluster(m.devices, m.link, gemm);
   fmt::print("  latency {}, bandwidth {}; fp32 GEMM {} per core\n", human_seconds(m.link.latency_s),
              human_rate(m.link.bandwidth_bytes_per_s, "B"), human_rate(gemm, "FLOP"));
-  m.placement = place_on_cores(plan.ranks(), m.devices);
+  if (plan.t == 1) {
+    m.placement = place_on_cores(plan.ranks(), m.devices);
+  } else {
+    // A TP group's t threads each on a core of its own (a group shares no GPU, planner::place;
+    // run_and_compare checked that they fit), the groups one after the other: rank r on cores
+    // r*t .. r*t + t - 1.
+    for (int r = 0; r < plan.ranks(); ++r)
+      m.placement.push_back({0, r * plan.t});
+  }
   m.json = {{"cores", m.devices}, {"gemm_flops_per_s", gemm}};
   return m;
 }
@@ -396,18 +410,32 @@ void run_and_compare(const ValidateArgs& a) {
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
   const planner::Plan plan = a.plan.build(model.layers, 1);
-  if (plan.t > 1)
+  if (plan.t > 1 && gpu)
     throw InputError(fmt::format(
-        "plan: t: validate does not compare tensor-parallel runs yet (t = {}); train runs them "
-        "(--backend cpu), simulate and estimate predict them",
+        "plan: t: the cuda executor does not run tensor parallelism yet (t = {}); validate it "
+        "with --backend cpu",
         plan.t));
+  const models::Sharding sharding{plan.t, plan.sp};
   // Under mpirun: one rank per process; rank 0 profiles, simulates, compares and prints.
   const exec::MpiSession* job = process_count() > 1 ? mpi_session() : nullptr;
   if (job) {
     if (gpu) throw InputError("validate under mpirun: --backend cpu only (one rank per process)");
+    if (plan.t > 1)
+      throw InputError(fmt::format(
+          "plan: t: validate under mpirun does not compare tensor-parallel runs yet (t = {}); run "
+          "it without mpirun (threads), or train them under mpirun",
+          plan.t));
     exec::check_world_size(job->size(), plan.ranks(),
                            fmt::format("{} w={} d={}", to_string(plan.schedule), plan.w, plan.d));
     if (job->rank() != 0) return follow_validate(a, *job, model, plan);
+  }
+  if (plan.t > 1) {                               // before anything runs
+    (void)models::derive_costs(model, sharding);  // t against the heads, FFN and vocabulary
+    if (!gpu && plan.gpus() > exec::hardware_threads())
+      throw InputError(fmt::format(
+          "plan: t: validate with t = {} runs t*w*d = {} threads, each on a core of its own (a "
+          "TP group shares no device), but this machine has {} cores",
+          plan.t, plan.gpus(), exec::hardware_threads()));
   }
   std::vector<std::int64_t> sizes = a.microbatch.empty()
                                         ? std::vector<std::int64_t>{}
@@ -418,13 +446,16 @@ void run_and_compare(const ValidateArgs& a) {
   if (!a.trace.empty()) {  // read and checked before anything runs
     clusters::DeviceSpec device;
     device.name = "cpu";  // what profile writes on the CPU; a GPU trace names its GPU
-    trace = load_or_make_trace(a.trace, model, device, plan.b, models::Sharding{plan.t, plan.sp});
+    trace = load_or_make_trace(a.trace, model, device, plan.b, sharding);
     trace.at(plan.b);
   }
   const MeasuredOn on = measured_on(a.backend, model, plan);
-  fmt::print("{}: {} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n", model.name,
-             to_string(plan.schedule), plan.w, plan.d, plan.b, plan.m, plan.global_batch(),
-             a.train.steps, plan.ranks(),
+  fmt::print("{}: {}{} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
+             model.name, to_string(plan.schedule),
+             plan.t > 1 ? fmt::format(" t={}{}", plan.t, plan.sp ? "+sp" : "") : "", plan.w, plan.d,
+             plan.b, plan.m, plan.global_batch(), a.train.steps,
+             plan.t > 1 ? fmt::format("{} x t = {}", plan.ranks(), plan.gpus())
+                        : fmt::format("{}", plan.ranks()),
              gpu   ? on.device
              : job ? fmt::format("{} processes (mpirun)", job->size())
                    : fmt::format("{} cores", exec::hardware_threads()));
@@ -447,7 +478,7 @@ void run_and_compare(const ValidateArgs& a) {
         profiles.push_back(exec::cuda::profile_cuda(model, sizes, a.repeats, statistic));
       else
 #endif
-        profiles.push_back(exec::profile_cpu(model, sizes, a.repeats, statistic));
+        profiles.push_back(exec::profile_cpu(model, sizes, a.repeats, statistic, sharding));
     }
     if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
     profile_loads.push_back(phase_load(start, job));
@@ -505,8 +536,9 @@ void run_and_compare(const ValidateArgs& a) {
   exec::TrainOptions train = a.train;
   if (!gpu && !job && a.pin_cores) {
     const std::vector<int> cores = exec::allowed_cores();
-    for (const planner::Placement& p : placed.placement)
-      train.cores.push_back(cores[std::size_t(p.gpu) % cores.size()]);
+    for (const planner::Placement& p : placed.placement)  // a TP group's devices on its t cores
+      for (int k = 0; k < plan.t; ++k)
+        train.cores.push_back(cores[std::size_t(p.gpu + k) % cores.size()]);
   }
   exec::TrainResult r;
   for (int k = 0; k < blocks; ++k) {

@@ -29,9 +29,10 @@ double seconds_of(const std::function<void()>& f) {
 // One single-block stage (with the embedding, the head, or neither) and the buffers to run it.
 class ProfiledStage {
  public:
-  ProfiledStage(const models::ModelSpec& model, bool embedding, bool head, int b)
+  ProfiledStage(const models::ModelSpec& model, bool embedding, bool head, int b,
+                const models::Sharding& sharding)
       : embedding_(embedding), head_(head), b_(b) {
-    stage_ = make_cpu_stage(profiling::single_block_stage(model, embedding, head));
+    stage_ = make_cpu_stage(profiling::single_block_stage(model, embedding, head, sharding));
     sizes_ = stage_->sizes(b);
     const auto& z = sizes_;
     params_.resize(std::size_t(z.parameters));
@@ -45,6 +46,16 @@ class ProfiledStage {
     input_.assign(std::size_t(z.input), 0.01f);
     work_.resize(std::size_t(z.workspace));
     scratch_.resize(std::size_t(z.scratch));
+    if (sharding.t > 1) {
+      // One TP rank alone: its collectives do nothing (a sum of one; a gather leaves the other
+      // ranks' rows as they were, zeros or an earlier op's finite values), so only its compute
+      // is timed. SP gathers into the workspace, as the executor's ranks do.
+      TpComm alone;
+      alone.all_reduce = alone.all_gather = alone.reduce_scatter = [](float*, std::int64_t) {};
+      alone.scratch = work_.data();
+      alone.scratch_floats = std::int64_t(work_.size());
+      stage_->set_tp(alone);
+    }
     stage_->init_parameters(params_.data(), 1);
     profiling::Batch batch = profiling::synthetic_batch(model, b);
     tokens_ = std::move(batch.tokens);
@@ -90,9 +101,10 @@ class ProfiledStage {
 
 // The lone block, embedding + block and block + head, timed round-robin on the host clock.
 std::array<profiling::StageTimes, 3> time_stages(const models::ModelSpec& model, int b, int repeats,
-                                                 ProfileStatistic statistic) {
-  ProfiledStage block(model, false, false, b), embedding(model, true, false, b),
-      head(model, false, true, b);
+                                                 ProfileStatistic statistic,
+                                                 const models::Sharding& sharding) {
+  ProfiledStage block(model, false, false, b, sharding), embedding(model, true, false, b, sharding),
+      head(model, false, true, b, sharding);
   return profiling::time_round_robin(block, embedding, head, repeats, statistic,
                                      [](const auto& op) { return seconds_of(op); });
 }
@@ -124,19 +136,22 @@ std::string cpu_name() {
 
 traces::Trace profile_cpu(const models::ModelSpec& model,
                           const std::vector<std::int64_t>& microbatch_sizes, int repeats,
-                          ProfileStatistic statistic) {
+                          ProfileStatistic statistic, const models::Sharding& sharding) {
   if (model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));
-  const models::ModelCosts mc = models::derive_costs(model);
+  const models::ModelCosts mc = models::derive_costs(model, sharding);  // checks t against it
   traces::Trace t = profiling::measured_trace(
       model, "cpu", models::DType::fp32, cpu_name(), "OpenBLAS, one thread",
-      fmt::format("pipewright {} profile --backend cpu ({} of {} round-robin runs)", PW_VERSION,
-                  profiling::statistic_name(statistic), repeats),
-      4, [&](std::int64_t parameters) { return optimizer_time(parameters, repeats, statistic); });
+      fmt::format(
+          "pipewright {} profile --backend cpu{} ({} of {} round-robin runs)", PW_VERSION,
+          sharding.t > 1 ? fmt::format(" --tp {}{}", sharding.t, sharding.sp ? " --sp" : "") : "",
+          profiling::statistic_name(statistic), repeats),
+      4, [&](std::int64_t parameters) { return optimizer_time(parameters, repeats, statistic); },
+      sharding);
   for (std::int64_t b : profiling::distinct_sorted(microbatch_sizes))
     t.entries.push_back(
-        profiling::measured_entry(mc, b, time_stages(model, int(b), repeats, statistic)));
+        profiling::measured_entry(mc, b, time_stages(model, int(b), repeats, statistic, sharding)));
   return t;
 }
 

@@ -20,8 +20,13 @@ enum class ProfileStatistic { median, mean };
 // embedding and head times are the differences with the lone block (never below 0). Memory fields
 // are the stage's exact sizes. Optimizer times are AdamW over each layer's parameters.
 // backward_input_s / backward_weight_s are not separated (0).
+// With `sharding.t` > 1: one GPU of a TP group of that shape (trace `tensor_parallel`): TP rank
+// 0's shard of each stage, timed alone, its TP collectives doing nothing (the simulator and the
+// closed form add them from the cluster's link, as for any TP trace: docs/formulas.md §3a, §4);
+// sizes and parameters are the shard's.
 traces::Trace profile_cpu(const models::ModelSpec& model,
                           const std::vector<std::int64_t>& microbatch_sizes, int repeats = 3,
-                          ProfileStatistic statistic = ProfileStatistic::median);
+                          ProfileStatistic statistic = ProfileStatistic::median,
+                          const models::Sharding& sharding = {});
 
 }  // namespace pw::exec

@@ -36,9 +36,12 @@ std::string today_utc() {
   return date;
 }
 
-StageSpec single_block_stage(const models::ModelSpec& model, bool embedding, bool head) {
+StageSpec single_block_stage(const models::ModelSpec& model, bool embedding, bool head,
+                             const models::Sharding& sharding) {
   StageSpec spec;
   spec.model = model;
+  spec.t = sharding.t;
+  spec.sp = sharding.sp;
   spec.blocks = 1;
   spec.has_embedding = embedding;
   spec.has_head = head;
@@ -62,10 +65,12 @@ traces::Trace measured_trace(const models::ModelSpec& model, const std::string& 
                              models::DType dtype, const std::string& device_name,
                              const std::string& driver, const std::string& tool,
                              int bytes_per_parameter,
-                             const std::function<double(std::int64_t)>& optimizer_step_s) {
-  const models::ModelCosts mc = models::derive_costs(model);
+                             const std::function<double(std::int64_t)>& optimizer_step_s,
+                             const models::Sharding& sharding) {
+  const models::ModelCosts mc = models::derive_costs(model, sharding);
   traces::Trace t;
   t.model = model.name;
+  t.sharding = sharding;
   t.device = device;
   t.dtype = dtype;
   t.source.kind = "measured";

@@ -32,8 +32,9 @@ std::vector<std::int64_t> distinct_sorted(std::vector<std::int64_t> sizes);
 std::string today_utc();
 
 // A profiled stage: one block, with the embedding (block 0) or the head (the last block) or
-// neither.
-StageSpec single_block_stage(const models::ModelSpec& model, bool embedding, bool head);
+// neither; with `sharding.t` > 1 TP rank 0's shard of it (the CPU stage only).
+StageSpec single_block_stage(const models::ModelSpec& model, bool embedding, bool head,
+                             const models::Sharding& sharding = {});
 
 // The inputs and targets of samples 0..b-1 of the synthetic corpus (exec/data.hpp, seed 1).
 struct Batch {
@@ -89,13 +90,15 @@ std::array<StageTimes, 3> time_round_robin(Stage& block, Stage& embedding, Stage
 }
 
 // A measured trace's header and statics: model, device, dtype, source (kind "measured", today's
-// date) and, per layer kind, its parameters, their bytes at `bytes_per_parameter` and
-// `optimizer_step_s(parameters)` (called embedding, block, head, in that order).
+// date), its sharding (one GPU of a TP group of that shape) and, per layer kind, its parameters
+// on one GPU, their bytes at `bytes_per_parameter` and `optimizer_step_s(parameters)` (called
+// embedding, block, head, in that order).
 traces::Trace measured_trace(const models::ModelSpec& model, const std::string& device,
                              models::DType dtype, const std::string& device_name,
                              const std::string& driver, const std::string& tool,
                              int bytes_per_parameter,
-                             const std::function<double(std::int64_t)>& optimizer_step_s);
+                             const std::function<double(std::int64_t)>& optimizer_step_s,
+                             const models::Sharding& sharding = {});
 
 // The entry for microbatch size b from the timed stages (time_round_robin's order): the block's
 // times as measured, the embedding's and the head's as the differences with the lone block (never

@@ -103,25 +103,34 @@ Validation validate(const RunReport& predicted, const RunReport& measured,
       plan_difference(predicted.plan, measured.plan, predicted_name, measured_name);
   if (!diff.empty()) throw InputError("the plans differ: " + diff);
   const int ranks = predicted.plan.ranks();
-  auto by_rank = [&](const RunReport& r, const std::string& name) {
-    std::vector<const DeviceReport*> out(std::size_t(ranks), nullptr);
+  // A prediction has one entry per rank (a TP group's GPUs alike); a measurement with t > 1 one
+  // per GPU, `rank` then the device: rank * t + TP index (the executor's numbering).
+  const int t = predicted.plan.t;
+  auto by_rank = [&](const RunReport& r, const std::string& name, int per) {
+    const int entries = ranks * per;
+    std::vector<const DeviceReport*> out(std::size_t(entries), nullptr);
     for (std::size_t i = 0; i < r.devices.size(); ++i) {
       const DeviceReport& d = r.devices[i];
-      if (d.rank < 0 || d.rank >= ranks)
-        throw InputError(fmt::format("{}: /devices/{}/rank: {} is not a rank of a plan of {} ranks",
-                                     name, i, d.rank, ranks));
+      if (d.rank < 0 || d.rank >= entries)
+        throw InputError(fmt::format("{}: /devices/{}/rank: {} is not a {} of a plan of {}", name,
+                                     i, d.rank, per > 1 ? "device" : "rank",
+                                     per > 1 ? fmt::format("{} ranks x t = {}", ranks, per)
+                                             : fmt::format("{} ranks", ranks)));
       if (out[std::size_t(d.rank)])
         throw InputError(
             fmt::format("{}: /devices/{}/rank: rank {} appears twice", name, i, d.rank));
       out[std::size_t(d.rank)] = &d;
     }
-    for (int rank = 0; rank < ranks; ++rank)
+    for (int rank = 0; rank < entries; ++rank)
       if (!out[std::size_t(rank)])
-        throw InputError(fmt::format("{}: /devices: no entry for rank {}", name, rank));
+        throw InputError(fmt::format("{}: /devices: no entry for {} {}", name,
+                                     per > 1 ? "device" : "rank", rank));
     return out;
   };
-  const auto p = by_rank(predicted, predicted_name);
-  const auto m = by_rank(measured, measured_name);
+  const auto p = by_rank(predicted, predicted_name, 1);
+  // A measurement of a TP plan may list its ranks (one GPU each) or every GPU.
+  const int per = t > 1 && int(measured.devices.size()) == ranks * t ? t : 1;
+  const auto m = by_rank(measured, measured_name, per);
 
   Validation v;
   v.model = predicted.model;
@@ -143,11 +152,13 @@ Validation validate(const RunReport& predicted, const RunReport& measured,
     v.has_median_step = true;
     v.median_step_time_s = compare(predicted.iteration_time_s, median);
   }
-  for (int rank = 0; rank < ranks; ++rank) {
+  for (int device = 0; device < ranks * per; ++device) {
+    const int rank = device / per;
     const DeviceReport& a = *p[std::size_t(rank)];
-    const DeviceReport& b = *m[std::size_t(rank)];
+    const DeviceReport& b = *m[std::size_t(device)];
     DeviceValidation d;
     d.rank = rank;
+    d.tp = device % per;
     d.stage = a.stage;
     d.replica = a.replica;
     d.busy_s = compare(a.busy_s, b.busy_s);
@@ -165,7 +176,7 @@ Validation validate(const RunReport& predicted, const RunReport& measured,
 
 Json to_json(const Validation& v, const Json& machine, const Json& files) {
   Json devices = Json::array();
-  for (const auto& d : v.devices)
+  for (const auto& d : v.devices) {
     devices.push_back({{"rank", d.rank},
                        {"stage", d.stage},
                        {"replica", d.replica},
@@ -175,6 +186,8 @@ Json to_json(const Validation& v, const Json& machine, const Json& files) {
                        {"memory_breakdown_bytes",
                         {{"predicted", memory_json(d.predicted_memory)},
                          {"measured", memory_json(d.measured_memory)}}}});
+    if (v.plan.t > 1) devices.back()["tp"] = d.tp;  // one row per GPU of the rank's TP group
+  }
   Json measured = source_json(v.measured_source, v.measured_cluster, v.iteration_time_s.measured,
                               v.samples_per_s.measured);
   measured["step_times_s"] = v.measured_step_times_s;

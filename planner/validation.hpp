@@ -22,6 +22,9 @@ Compared compare(double predicted, double measured);
 
 struct DeviceValidation {
   int rank = 0;
+  // t > 1: one row per GPU of the rank's TP group, its TP index (the prediction is the rank's, one
+  // GPU's; the measurement that GPU's: device rank * t + tp).
+  int tp = 0;
   int stage = 0;
   int replica = 0;
   Compared busy_s;

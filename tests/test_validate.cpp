@@ -111,6 +111,47 @@ TEST(Validate, ErrorsPerRankAndOverall) {
   EXPECT_EQ(j["measured"]["cluster"], "cpu:2");
 }
 
+// Tensor parallelism: the prediction has a row per rank (one GPU of its group), the measurement
+// one per GPU (device rank * t + TP index); each GPU is compared with its rank's prediction, a
+// report listing the ranks only is compared rank by rank, and anything else is one line.
+TEST(Validate, TensorParallelMeasurementsPerGpu) {
+  RunReport sim = report("simulated", 0.030, {0.020, 0.030}, {3000, 1000});
+  RunReport meas = report("measured", 0.040, {0.025, 0.030}, {3000, 1000});
+  sim.plan.t = meas.plan.t = 2;
+  std::vector<planner::DeviceReport> gpus;
+  for (int device = 0; device < 4; ++device) {
+    planner::DeviceReport d = meas.devices[std::size_t(device / 2)];
+    d.rank = device;
+    d.busy_s = 0.020 + 0.001 * device;
+    d.memory.activations += device % 2;  // the second GPU of each group one byte more
+    gpus.push_back(d);
+  }
+  RunReport per_gpu = meas;
+  per_gpu.devices = gpus;
+  const planner::Validation v = planner::validate(sim, per_gpu);
+  ASSERT_EQ(v.devices.size(), 4u);
+  for (int device = 0; device < 4; ++device) {
+    const planner::DeviceValidation& d = v.devices[std::size_t(device)];
+    EXPECT_EQ(d.rank, device / 2);
+    EXPECT_EQ(d.tp, device % 2);
+    EXPECT_EQ(d.stage, device / 2);
+    EXPECT_DOUBLE_EQ(d.busy_s.predicted, device < 2 ? 0.020 : 0.030);
+    EXPECT_DOUBLE_EQ(d.busy_s.measured, 0.020 + 0.001 * device);
+    EXPECT_DOUBLE_EQ(d.peak_memory_bytes.measured - d.peak_memory_bytes.predicted, device % 2);
+  }
+  const common::Json j = planner::to_json(v, common::Json::object(), common::Json::object());
+  EXPECT_EQ(j["devices"][3]["tp"], 1);
+  EXPECT_EQ(j["devices"][3]["rank"], 1);
+  // The ranks only: compared as at t = 1.
+  EXPECT_EQ(planner::validate(sim, meas).devices.size(), 2u);
+  // Three GPUs of four: not a list per GPU, so read as ranks, where device 2 is none: one line.
+  RunReport three = per_gpu;
+  three.devices.pop_back();
+  const std::string msg = error_of([&] { planner::validate(sim, three); });
+  EXPECT_NE(msg.find("/devices/2/rank: 2 is not a rank of a plan of 2 ranks"), std::string::npos)
+      << msg;
+}
+
 TEST(Validate, MedianMeasuredStep) {
   const RunReport sim = report("simulated", 0.030, {0.02, 0.03}, {1, 1});
   RunReport meas = report("measured", 0.040, {0.02, 0.03}, {1, 1});

@@ -258,7 +258,26 @@ expect_ok "train --tp 2 (cpu, a thread per device)" $PW train --model gpt-tiny -
 python3 -c "import json; r = json.load(open('$TMP/train-tp.json')); assert len(r['devices']) == 4 and r['plan']['t'] == 2, r['devices']" && ok || bad "train --tp 2 reports every device"
 expect_ok "train --tp 2 --sp (cpu)" $PW train --model gpt-tiny --tp 2 --sp -d 2 -w 1 --steps 2
 expect_error "train --tp not dividing the heads" "/heads" "$O" $PW train --model gpt-tiny --tp 3 -d 1 -w 1 --steps 1 --out "$O"
-expect_error "validate refuses --tp" "validate does not compare tensor-parallel runs" "$O" $PW validate --model gpt-tiny --tp 2 -d 1 -w 1 --steps 2 --out "$O"
+expect_ok "validate --tp 2 (a thread per GPU)" $PW validate --model gpt-tiny --tp 2 -d 1 -w 1 --steps 3 --repeats 2 --round-trips 20 --out "$TMP/val-tp.json"
+grep -q "^  rank stage" "$TMP/out" && grep -q "^   0.1     0 " "$TMP/out" && ok || bad "validate --tp 2 prints a row per GPU (rank.tp)"
+python3 -c "
+import json
+v = json.load(open('$TMP/val-tp.json'))
+assert v['plan']['t'] == 2 and [(d['rank'], d['tp']) for d in v['devices']] == [(0, 0), (0, 1)], v['devices']
+assert v['max_abs_memory_error'] == 0, v['max_abs_memory_error']  # each GPU's peak: its rank's prediction
+assert v['iteration_time_s']['predicted'] > 0 and v['iteration_time_s']['measured'] > 0
+" && ok || bad "validate --tp 2 compares each GPU with its rank's prediction"
+expect_error "validate --tp not dividing the heads" "/heads" "$O" $PW validate --model gpt-tiny --tp 3 --steps 2 --out "$O"
+! grep -q "^profiling" "$TMP/out" && ok || bad "validate --tp 3 is refused before it profiles"
+expect_error "validate --tp with more threads than cores" "each on a core of its own" "$O" $PW validate --model gpt-tiny --tp 2 -w 4096 -m 1 --steps 2 --out "$O"
+expect_ok "profile --tp 2 --sp" $PW profile --model gpt-tiny --tp 2 --sp --microbatch 1 --repeats 2 -o "$TMP/prof-tp.json"
+python3 -c "
+import json
+t = json.load(open('$TMP/prof-tp.json'))
+assert t['tensor_parallel'] == 2 and t['sequence_parallel'] is True, (t.get('tensor_parallel'), t.get('sequence_parallel'))
+" && ok || bad "profile --tp 2 --sp writes a trace of one GPU of the TP group"
+expect_ok "estimate from a profiled TP trace" $PW estimate --model gpt-tiny --cluster dgx-a100 --tp 2 --sp -w 1 -d 1 --trace "$TMP/prof-tp.json"
+expect_error "profile --sp without --tp" "needs --tp 2 or more" "$O" $PW profile --model gpt-tiny --sp -o "$O"
 expect_ok "trace --tp --sp" $PW trace --model llama2-7b --device A100-80GB --tp 4 --sp --microbatch 1 --out "$TMP/t4.json"
 expect_ok "estimate from a TP trace" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 4 --sp -d 2 -w 1 --trace "$TMP/t4.json"
 expect_error "a TP trace for another t" "/tensor_parallel: trace is for t = 4 with SP" "$O" $PW estimate --model llama2-7b --cluster dgx-a100 --tp 2 -d 2 -w 1 --trace "$TMP/t4.json" --out "$O"
