@@ -77,11 +77,11 @@ struct Plan {
   // step's forward instead of before it (Megatron's --overlap-param-gather; simulator and closed
   // form only: the executors refuse it).
   bool overlap_param_gather = false;
-  int w = 1;                        // data-parallel width (replicas of each stage)
-  int d = 1;                        // pipeline depth (stages)
-  int b = 1;                        // microbatch size (samples)
-  int m = 1;                        // microbatches per optimizer step per replica
-  int v = 1;                        // model chunks per device (interleaved only)
+  int w = 1;  // data-parallel width (replicas of each stage)
+  int d = 1;  // pipeline depth (stages)
+  int b = 1;  // microbatch size (samples)
+  int m = 1;  // microbatches per optimizer step per replica
+  int v = 1;  // model chunks per device (interleaved only)
   // optimizer: with w > 1 needs the distributed optimizer (sharded), with w == 1 none (check()).
   Offload offload = Offload::none;
   // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
