@@ -55,12 +55,16 @@ std::string percent(double error) {
   return std::isnan(error) ? "n/a" : fmt::format("{:+.1f}%", 100 * error);
 }
 
+// " t=2+sp" for a tensor-parallel plan, "" at t = 1.
+std::string tp_text(const planner::Plan& p) {
+  return p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? "+sp" : "") : "";
+}
+
 void print_validation(const planner::Validation& v) {
   const auto& p = v.plan;
   fmt::print("{} {}{} w={} d={} b={} m={}: {} vs {}, error = (predicted - measured) / measured\n",
-             v.model, to_string(p.schedule),
-             p.t > 1 ? fmt::format(" t={}{}", p.t, p.sp ? "+sp" : "") : "", p.w, p.d, p.b, p.m,
-             v.predicted_source, v.measured_source);
+             v.model, to_string(p.schedule), tp_text(p), p.w, p.d, p.b, p.m, v.predicted_source,
+             v.measured_source);
   fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", "", "predicted", "measured", "error");
   auto row = [](const char* what, const planner::Compared& c) {
     fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", what, human_seconds(c.predicted),
@@ -451,9 +455,8 @@ void run_and_compare(const ValidateArgs& a) {
   }
   const MeasuredOn on = measured_on(a.backend, model, plan);
   fmt::print("{}: {}{} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
-             model.name, to_string(plan.schedule),
-             plan.t > 1 ? fmt::format(" t={}{}", plan.t, plan.sp ? "+sp" : "") : "", plan.w, plan.d,
-             plan.b, plan.m, plan.global_batch(), a.train.steps,
+             model.name, to_string(plan.schedule), tp_text(plan), plan.w, plan.d, plan.b, plan.m,
+             plan.global_batch(), a.train.steps,
              plan.t > 1 ? fmt::format("{} x t = {}", plan.ranks(), plan.gpus())
                         : fmt::format("{}", plan.ranks()),
              gpu   ? on.device

@@ -308,9 +308,8 @@ class Worker {
   // The next compute op's copies (with their op index), in its layers' order.
   std::deque<std::pair<planner::Op, int>> pending_copies_;
   std::vector<std::int64_t> layer_stash_bytes_;  // per layer: its stash (counted as it fills)
-  // Full recompute: a forward's kept stage input and its scratch, in bytes; the kept input the
-  // backward under way gives back after its last layer.
-  std::int64_t kept_bytes_ = 0, scratch_bytes_ = 0, recompute_kept_ = 0;
+  // Full recompute (0 without): a forward's kept stage input and its scratch, in bytes.
+  std::int64_t kept_bytes_ = 0, scratch_bytes_ = 0;
   double copy_wait_s_ = 0;  // inside compute ops: waiting for the moments' copies (not busy)
   std::deque<InFlight> in_flight_;  // sends' buffers (after pool_: destroyed before it)
   // Last: destroyed first, while what their work touches still lives.

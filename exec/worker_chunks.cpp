@@ -43,7 +43,7 @@ class Worker::ChunkMemory : public LayerMemory {
   void end_layer(int layer, bool) override {
     const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
     if (kind_ == Kind::backward)
-      w_.memory_->add(Category::activations, -stash - (layer == 0 ? w_.recompute_kept_ : 0));
+      w_.memory_->add(Category::activations, -stash - (layer == 0 ? w_.kept_bytes_ : 0));
     if (kind_ == Kind::forward_recompute && layer + 1 == int(w_.layer_stash_bytes_.size()))
       w_.memory_->add(Category::activations, -w_.scratch_bytes_);
   }
@@ -377,8 +377,7 @@ void Worker::chunk_backward(const Op& op) {
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   Buffer d_input(nullptr, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   make_message_room(c.first ? 0 : 1);
-  ChunkMemory memory(*this, ChunkMemory::Kind::backward);
-  recompute_kept_ = rc ? kept_bytes_ : 0;  // given back after the last layer
+  ChunkMemory memory(*this, ChunkMemory::Kind::backward);  // with recompute: the kept input too
   take_core();
   const auto t0 = Clock::now();
   c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),

@@ -211,18 +211,12 @@ class DeviceChecker {
     std::size_t next = 0;
     for (const ChunkMoment& m : chunks_->moments) {
       if (m.slot != index) continue;
-      if (!back && m.backward) {
-        if (!again) bad("forward where the chunk schedule has a backward");
-        continue;  // the recompute op's moments come first
-      }
-      if (m.recompute != again) {
-        if (back) continue;  // the recompute op's, checked there
+      // A forward's slot has forward moments; a backward's the recompute op's, then its own.
+      const bool backward_slot = m.backward || m.recompute;
+      if (backward_slot != (back || again))
         bad(to_string(op.kind) + " where the chunk schedule has a " +
-            (m.recompute ? "recompute" : "forward"));
-      }
-      if (m.backward != back)
-        bad(std::string(back ? "backward" : "forward") + " where the chunk schedule has a " +
-            (back ? "forward" : "backward"));
+            (backward_slot ? "backward" : "forward"));
+      if (m.backward != back || m.recompute != again) continue;  // the other op of the slot
       for (; next < pending_.size() && pending_[next].layer == m.layer; ++next) {
         for (int c : L.layer_chunks[std::size_t(m.layer)])
           if (pending_[next].kind == OpKind::copy_chunk_to_host && pending_[next].bucket == c)

@@ -233,14 +233,14 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   const int layers = L.layers();
   auto kind = [&](int l) { return layer_kind(model, L, l); };
   const bool rc = p.recomputes(L.stage);
-  // As ChunkCost's input_bytes and recompute_scratch_bytes: the token ids on the first stage, the
-  // first block's input elsewhere; the largest of the stage's layers' stashes.
+  // The stage's I and X, as §4 counts them for the stage without chunks (v = 1: one chunk).
   std::int64_t input = 0, scratch = 0;
   if (rc) {
-    input = e.layers[L.first_layer == 0 ? models::LayerKind::embedding : models::LayerKind::block]
-                .activation_recompute_bytes;
-    for (int l = 0; l < layers; ++l)
-      scratch = std::max(scratch, e.layers[kind(l)].activation_bytes);
+    if (int(p.stage_blocks.size()) != p.virtual_stages())
+      throw std::logic_error("step_moments: the plan's stages are not resolved");
+    const ChunkCost ch = chunk_cost(models::derive_costs(model), trace, p, L.stage, 0);
+    input = ch.input_bytes;
+    scratch = ch.recompute_scratch_bytes;
   }
   std::vector<ChunkMoment> out;
   std::int64_t held = 0;
