@@ -165,6 +165,15 @@ for phase in ('profile', 'train'):
     assert l is None or (0 <= l['others'] <= 1 and l['host'] and l['wall_s'] > 0), l
 print("ok: validate over 2 processes")
 EOF
+    # Tensor parallelism under mpirun is refused on one line, exit 1, no report.
+    if "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --tp 2 --steps 2 --out "$TMP/tp.json" \
+      >"$TMP/out" 2>"$TMP/err"; then
+      echo "FAIL: mpirun validate --tp 2 succeeded"; exit 1
+    fi
+    grep -q "validate under mpirun does not compare tensor-parallel runs yet" "$TMP/err" ||
+      { echo "FAIL: mpirun validate --tp 2: $(tail -3 "$TMP/err")"; exit 1; }
+    [ ! -e "$TMP/tp.json" ] || { echo "FAIL: mpirun validate --tp 2 wrote a report"; exit 1; }
+    echo "ok: validate --tp under mpirun is one line"
     ;;
   *)
     echo "unknown mode $MODE"
