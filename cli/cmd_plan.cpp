@@ -277,7 +277,8 @@ void add_plan_command(CLI::App& app) {
           "of a TP group its own shard), and "
           "chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
-          "the host for the chunks whose state does not fit; t = w = 1, each pipeline stage its "
+          "the host for the chunks whose state does not fit; t = 1, sharded over w > 1 "
+          "replicas, each pipeline stage its "
           "own chunks): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())

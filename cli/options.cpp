@@ -83,7 +83,8 @@ void PlanOptions::add(CLI::App& app) {
          "implying --distributed-optimizer); activations (KARMA: per "
          "stage, stashed activations swapped to the host or recomputed); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
-         "that move between host and device; t = w = 1, each pipeline stage its own chunks)")
+         "that move between host and device; t = 1, each pipeline stage its own chunks, "
+         "their optimizer state sharded over w > 1 replicas)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "

@@ -141,7 +141,7 @@ class Worker {
   // optimizer runs (chunks 0 .. K-1 on the device, the rest on the host).
   struct DataChunk {
     Buffer params, grads;  // chunk_elements each, where the chunk is now
-    Buffer m, v;           // Adam's state of its chunk_elements
+    Buffer m, v;           // Adam's state of the replica's part (shard_elements)
     bool on_device = false;
     CopyEngine::Ticket down = 0, up = 0, adam = 0;  // its last download, upload, CPU Adam
   };
@@ -149,6 +149,7 @@ class Worker {
   void setup_chunks();
   void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
   void chunk_moment(int layer);       // the pending copies of the next compute op's `layer`
+  double chunk_adam(int chunk, int step, int update);
   CopyEngine::Ticket download_chunk(int c, int op);
   void upload_chunk(int c, int op);
   void chunk_forward(const planner::Op& op);

@@ -144,9 +144,10 @@ void Worker::setup_chunks() {
     MemoryCounter* where = d.on_device ? memory_ : &host_;
     d.params = Buffer(where, Category::weights, e);
     d.grads = Buffer(where, Category::gradients, e);
+    // The Adam state of the replica's part of the chunk (all of it with w = 1).
     MemoryCounter* state = schedule_->device_resident(k) ? memory_ : &host_;
-    d.m = Buffer(state, Category::optimizer, e);
-    d.v = Buffer(state, Category::optimizer, e);
+    d.m = Buffer(state, Category::optimizer, L.shard_elements);
+    d.v = Buffer(state, Category::optimizer, L.shard_elements);
   }
   scatter_chunks(0, c.slots[0].data());
   scatter_chunks(1, c.m.data());
@@ -157,25 +158,86 @@ void Worker::setup_chunks() {
   c.m_at = c.v_at = nullptr;
 }
 
+// The stage's flat parameters (which 0), Adam m (1) or v (2) out of the chunks. With w > 1 each
+// replica holds its part of m and v: the stage's replicas all-gather them (every replica calls
+// this at the same point: a checkpoint), so every replica returns the whole state, as without
+// chunks.
 std::vector<float> Worker::gather_chunks(int which) const {
   const Chunk& c = chunks_.front();
+  const planner::ChunkLayout& L = schedule_->layout;
+  std::vector<std::vector<float>> whole;  // w > 1, state: each chunk's, all parts
+  if (which != 0 && L.replicas > 1) {
+    for (int k = 0; k < L.chunks(); ++k) {
+      const DataChunk& d = data_chunks_[std::size_t(k)];
+      const auto [lo, hi] = L.shard(k, replica_);
+      std::vector<float> all(std::size_t(L.chunk_elements), 0.0f);
+      std::copy_n((which == 1 ? d.m : d.v).data(), hi - lo, all.data() + lo);
+      s_.transport->all_gather(fmt::format("ck/{}/state{}/{}/{}", stage_, which, updates_, k),
+                               replica_group(), device_, all.data(), L.shard_bounds(k));
+      whole.push_back(std::move(all));
+    }
+  }
   std::vector<float> flat(std::size_t(c.sizes.parameters), 0.0f);
   for (const TensorSlot& slot : c.stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     const DataChunk& d = data_chunks_[std::size_t(k)];
-    const Buffer& from = which == 0 ? d.params : which == 1 ? d.m : d.v;
-    std::copy_n(from.data() + at, slot.size, flat.data() + slot.offset);
+    const float* from = which == 0       ? d.params.data()
+                        : !whole.empty() ? whole[std::size_t(k)].data()
+                        : which == 1     ? d.m.data()
+                                         : d.v.data();
+    std::copy_n(from + at, slot.size, flat.data() + slot.offset);
   }
   return flat;
 }
 
+// Into the chunks: the stage's flat parameters (which 0), or its Adam m (1) or v (2), of which
+// each replica keeps its part (ChunkLayout::shard).
 void Worker::scatter_chunks(int which, const float* flat) {
+  const planner::ChunkLayout& L = schedule_->layout;
   for (const TensorSlot& slot : chunks_.front().stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     DataChunk& d = data_chunks_[std::size_t(k)];
-    Buffer& to = which == 0 ? d.params : which == 1 ? d.m : d.v;
-    std::copy_n(flat + slot.offset, slot.size, to.data() + at);
+    if (which == 0) {
+      std::copy_n(flat + slot.offset, slot.size, d.params.data() + at);
+      continue;
+    }
+    const auto [lo, hi] = L.shard(k, replica_);
+    const std::int64_t begin = std::max(at, lo), end = std::min(at + slot.size, hi);
+    if (begin < end)
+      std::copy_n(flat + slot.offset + (begin - at), end - begin,
+                  (which == 1 ? d.m : d.v).data() + (begin - lo));
   }
+}
+
+// Adam on chunk k (wherever it is now) for update `update`: with w > 1 its gradient is first
+// reduce-scattered over the stage's replicas (the sum of the replica's part, in group order: the
+// all-reduce's bits), the replica's part stepped, its other gradients zeroed and the parameters
+// all-gathered. Returns the seconds spent in the collectives.
+double Worker::chunk_adam(int k, int step, int update) {
+  const planner::ChunkLayout& L = schedule_->layout;
+  DataChunk& d = data_chunks_[std::size_t(k)];
+  const auto [lo, hi] = L.shard(k, replica_);
+  double waited = 0;
+  const auto collective = [&](const char* what, auto&& call) {
+    const auto t0 = Clock::now();
+    call(fmt::format("ck/{}/{}/{}/{}", stage_, step, k, what), replica_group(), L.shard_bounds(k));
+    waited += std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  if (L.replicas > 1)
+    collective("rs", [&](const std::string& key, const std::vector<int>& group,
+                         const std::vector<std::int64_t>& bounds) {
+      s_.transport->reduce_scatter_sum(key, group, device_, d.grads.data(), bounds);
+    });
+  optimizer_update(*s_.options, update, d.params.data() + lo, d.params.data() + lo,
+                   d.grads.data() + lo, d.m.data(), d.v.data(), hi - lo);
+  if (L.replicas > 1) {
+    std::fill_n(d.grads.data(), L.chunk_owned[std::size_t(k)], 0.0f);  // the next step's sums
+    collective("ag", [&](const std::string& key, const std::vector<int>& group,
+                         const std::vector<std::int64_t>& bounds) {
+      s_.transport->all_gather(key, group, device_, d.params.data(), bounds);
+    });
+  }
+  return waited;
 }
 
 // A chunk (its parameters and gradient half) to the host on the device-to-host engine: the host
@@ -274,31 +336,34 @@ void Worker::chunk(const Op& op) {
     case OpKind::chunk_step_host: {
       if (d.on_device)
         throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank_, k));
-      DataChunk* dc = &d;
       Worker* w = this;
-      const std::int64_t n = schedule_->layout.chunk_owned[std::size_t(k)];
       const CopyEngine::Ticket down = d.down;
-      const int update = op.step + 1, at = op_;
-      d.adam = host_cpu_->submit([w, dc, n, down, update, at] {
+      const int step = op.step, at = op_;
+      const auto adam = [w, k, down, step, at] {
         w->d2h_->wait(down);
         const auto t0 = Clock::now();
-        optimizer_update(*w->s_.options, update, dc->params.data(), dc->params.data(),
-                         dc->grads.data(), dc->m.data(), dc->v.data(), n);
+        w->chunk_adam(k, step, step + 1);
         w->copy_record(planner::kHostStream, t0, Clock::now(), at);
-      });
+      };
+      // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
+      // where the transport takes calls from it only (MPI).
+      if (schedule_->layout.replicas > 1 && !s_.transport->concurrent()) {
+        host_cpu_->drain();
+        adam();
+      } else {
+        d.adam = host_cpu_->submit(adam);
+      }
       return;
     }
     case OpKind::chunk_step_device: {
       if (!d.on_device)
         throw Error(
             fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
-      const std::int64_t n = schedule_->layout.chunk_owned[std::size_t(k)];
       take_core();
       const auto t0 = Clock::now();
-      optimizer_update(*s_.options, op.step + 1, d.params.data(), d.params.data(), d.grads.data(),
-                       d.m.data(), d.v.data(), n);
+      const double waited = chunk_adam(k, op.step, op.step + 1);
       const auto t1 = Clock::now();
-      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+      busy_s_ += std::chrono::duration<double>(t1 - t0).count() - waited;
       record(planner::kComputeStream, t0, t1);
       return;
     }

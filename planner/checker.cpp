@@ -336,6 +336,9 @@ class DeviceChecker {
 
   // Tied messages done per step (gradient) or version (weights) on this device: the send or the
   // receive counts 1, the gather after a receive (w > 1) 1 more.
+  // The all_reduce ops a step has: none with w = 1, or with chunks (each chunk step reduce-scatters
+  // its chunk's gradient).
+  int step_reduces() const { return plan_.w > 1 && !chunks_ ? p_.buckets * plan_.v : 0; }
   int tied_complete_at(bool receiver) const { return receiver && plan_.w > 1 ? 2 : 1; }
 
   void tied(const Op& op) {
@@ -364,7 +367,7 @@ class DeviceChecker {
                          op.kind == OpKind::gather_tied_weights;
     if (!weights) {
       if (backwards_of(op.step, op.chunk) != plan_.m) bad(name + " before the step's backwards");
-      const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
+      const int reduces = step_reduces();
       if (all_reduces_[local(op.step)] != reduces) bad(name + " before the step's all_reduces");
       int& done = tied_gradient_[local(op.step)];
       if (gather && done != 1)
@@ -453,6 +456,7 @@ class DeviceChecker {
   }
 
   void all_reduce(const Op& op) {
+    if (chunks_) bad("all_reduce in an offload chunks program (its chunk steps reduce-scatter)");
     if (backwards_[local(op.step) * std::size_t(plan_.v) + std::size_t(op.chunk)] != plan_.m) {
       bad("all_reduce before the step's backwards of this chunk");
     }
@@ -466,7 +470,7 @@ class DeviceChecker {
         bad("optimizer step before the step's backwards");
       }
     }
-    const int reduces = plan_.w > 1 ? p_.buckets * plan_.v : 0;
+    const int reduces = step_reduces();
     if (all_reduces_[local(op.step)] != reduces) {
       bad("optimizer step after " + std::to_string(all_reduces_[local(op.step)]) +
           " all_reduces, expected " + std::to_string(reduces));

@@ -124,6 +124,7 @@ ChunkLayout layout_of(const models::ModelSpec& model, std::int64_t chunk_bytes,
   L.chunk_bytes = chunk_bytes;
   L.move_bytes = chunk_bytes;
   L.chunk_elements = chunk_bytes / e;
+  L.shard_elements = L.chunk_elements;
   L.os_chunk_bytes = mul(L.chunk_elements, optimizer_bytes_per_parameter(model.dtype));
   L.tensors = std::move(tensors);
   for (ChunkTensor& t : L.tensors)
@@ -172,6 +173,25 @@ std::string layer_name(const models::ModelSpec& model, int layer) {
 
 }  // namespace
 
+std::pair<std::int64_t, std::int64_t> ChunkLayout::shard(int chunk, int replica) const {
+  const std::int64_t owned = chunk_owned.at(std::size_t(chunk));
+  return {std::min(owned, mul(replica, shard_elements)),
+          std::min(owned, mul(replica + 1, shard_elements))};
+}
+
+std::vector<std::int64_t> ChunkLayout::shard_bounds(int chunk) const {
+  std::vector<std::int64_t> out;
+  for (int r = 0; r < replicas; ++r)
+    out.push_back(shard(chunk, r).first);
+  out.push_back(shard(chunk, replicas - 1).second);
+  return out;
+}
+
+std::int64_t ChunkLayout::adam_elements(int chunk) const {
+  const auto [b, e] = shard(chunk, 0);
+  return e - b;
+}
+
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
   std::vector<std::string> names;
   for (int l = 0; l < int(model.layers + 2); ++l)
@@ -180,7 +200,9 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
                    model.tied_embeddings);
 }
 
-ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
+namespace {
+
+ChunkLayout stage_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
                          int stage) {
   if (p.d == 1) return chunk_layout(model, chunk_bytes);
   if (int(p.stage_blocks.size()) != p.virtual_stages() || stage < 0 || stage >= p.d)
@@ -206,6 +228,24 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
     names.push_back(layer_name(model, l));
   ChunkLayout L = layout_of(model, chunk_bytes, std::move(tensors), lo, std::move(names), false);
   L.stage = stage;
+  return L;
+}
+
+}  // namespace
+
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
+                         int stage) {
+  if (p.w > 1 && p.d > 1 && model.tied_embeddings)
+    throw PlanError(fmt::format(
+        "plan: w: offload chunks with w = {} and tied embeddings across pipeline stages (d = {}) "
+        "is not supported yet; use w = 1, d = 1 or a model without tied embeddings",
+        p.w, p.d));
+  ChunkLayout L = stage_layout(model, chunk_bytes, p, stage);
+  if (p.w > 1) {
+    L.replicas = p.w;
+    L.shard_elements = (L.chunk_elements + p.w - 1) / p.w;
+    L.os_chunk_bytes = mul(L.shard_elements, optimizer_bytes_per_parameter(model.dtype));
+  }
   return L;
 }
 
@@ -286,17 +326,19 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
 
 // The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
 // chunk after the other, each after its download) as a two-stage pipeline, beside Adam on the
-// device for chunks 0 .. K-1.
+// device for chunks 0 .. K-1. With w > 1 each chunk's Adam (of its part) sits between the
+// reduce-scatter of its gradient and the all-gather of its parameters, the three one after the
+// other on the engine (host or device) that runs it.
 double optimizer_time(const ChunkSchedule& s) {
   std::vector<double> down, adam;
   double device_adam = 0;
   for (int c = 0; c < s.layout.chunks(); ++c) {
     if (s.device_resident(c)) {
-      device_adam += s.device_adam_s[std::size_t(c)];
+      device_adam += s.device_adam_s[std::size_t(c)] + s.collective_s;
       continue;
     }
     down.push_back(s.adam_download[std::size_t(c)] ? s.copy_s : 0.0);
-    adam.push_back(s.host_adam_s[std::size_t(c)]);
+    adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
 }
@@ -434,12 +476,18 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     const std::int64_t params = mc.layer(kind).parameters;
     return params > 0 ? trace.statics[kind].optimizer_step_s / double(params) : 0.0;
   };
-  for (const ChunkTensor& t : L.tensors)
-    if (!t.tied_copy)
-      s.device_adam_s[std::size_t(t.chunk)] += double(t.elements) * device_rate(t.layer);
+  // Replica 0's part of each chunk (all of it with w = 1): the elements of each tensor inside it.
+  for (const ChunkTensor& t : L.tensors) {
+    if (t.tied_copy) continue;
+    const auto [lo, hi] = L.shard(t.chunk, 0);
+    const std::int64_t in =
+        std::max<std::int64_t>(0, std::min(hi, t.offset + t.elements) - std::max(lo, t.offset));
+    s.device_adam_s[std::size_t(t.chunk)] += double(in) * device_rate(t.layer);
+  }
   for (int c = 0; c < n; ++c)
-    s.host_adam_s[std::size_t(c)] = rate > 0 ? double(L.chunk_owned[std::size_t(c)]) / rate
-                                             : std::numeric_limits<double>::infinity();
+    s.host_adam_s[std::size_t(c)] =
+        rate > 0 ? double(L.adam_elements(c)) / rate : std::numeric_limits<double>::infinity();
+  if (p.w > 1) s.collective_s = data_parallel_allreduce_s(cluster, p, stage, double(L.chunk_bytes));
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   int most_host = 0;
   for (std::size_t k = 0; k < s.moments.size(); ++k) {
@@ -544,7 +592,7 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     release[s] = run.end[s];
     for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c) {
       if (c == cs.device_adam_chunks && cs.adam_download[std::size_t(c)]) release[s] += cs.copy_s;
-      work[s] += double(cs.layout.chunk_owned[std::size_t(c)]);
+      work[s] += double(cs.layout.adam_elements(c));
     }
   }
   for (const auto& [node, stages] : by_node) {
@@ -559,7 +607,7 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
       ChunkSchedule& cs = out[stages[i]];
       const double rate = w[i] / (end[i] - rel[i]);
       for (int c = 0; c < cs.layout.chunks(); ++c)
-        cs.host_adam_s[std::size_t(c)] = double(cs.layout.chunk_owned[std::size_t(c)]) / rate;
+        cs.host_adam_s[std::size_t(c)] = double(cs.layout.adam_elements(c)) / rate;
       cs.optimizer_s = optimizer_time(cs);
     }
   }

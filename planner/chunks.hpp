@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "clusters/cluster.hpp"
@@ -47,7 +48,15 @@ struct ChunkLayout {
   // the weights a gradient would overwrite). Set by chunk_schedule.
   std::int64_t move_bytes = 0;
   std::int64_t chunk_elements = 0;  // S_p / e
-  std::int64_t os_chunk_bytes = 0;  // S_os: its fp32 master + Adam m, v (chunk_elements x 12)
+  // Data parallelism (w > 1 replicas of the stage): every replica holds every parameter chunk and
+  // its gradient; each chunk's Adam-stepped elements (its first chunk_owned) are split into w
+  // contiguous parts of shard_elements = ceil(chunk_elements / w), and replica r keeps the
+  // optimizer state of part r only and steps it (the distributed optimizer's rule, per chunk).
+  int replicas = 1;
+  std::int64_t shard_elements = 0;  // chunk_elements / replicas, rounded up
+  // S_os: one replica's fp32 master + Adam m, v of a chunk (shard_elements x 12; fp32 models
+  // m, v: x 8)
+  std::int64_t os_chunk_bytes = 0;
   std::vector<ChunkTensor> tensors;
   std::vector<std::int64_t> chunk_parameters;  // elements filled, per chunk
   // Per layer of the stage (layer k is model layer first_layer + k): the chunks its tensors use,
@@ -57,6 +66,13 @@ struct ChunkLayout {
   std::vector<std::int64_t> chunk_owned;  // per chunk: parameters Adam steps here (no tied copy)
   int chunks() const { return int(chunk_parameters.size()); }
   int layers() const { return int(layer_chunks.size()); }
+  // Replica r's part of chunk c: elements [first, second) of it, inside [0, chunk_owned[c]).
+  std::pair<std::int64_t, std::int64_t> shard(int chunk, int replica) const;
+  // The parts' replicas + 1 ascending bounds (what the transport's reduce-scatter and all-gather
+  // take); {0, chunk_owned[c]} with one replica.
+  std::vector<std::int64_t> shard_bounds(int chunk) const;
+  // The elements Adam steps on the replica with the most (replica 0): chunk_owned with w = 1.
+  std::int64_t adam_elements(int chunk) const;
 };
 
 // Tensors enter chunks in first-use order; one that does not fit in the current chunk's free
@@ -66,7 +82,9 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 
 // The layout of one pipeline stage of a resolved plan: its layers only (its blocks, the embedding
 // on stage 0, the head on stage d-1), renumbered from 0, with, when the model ties its
-// embeddings and d > 1, the last stage's copy of "wte" after the head's own tensors.
+// embeddings and d > 1, the last stage's copy of "wte" after the head's own tensors; its optimizer
+// state sharded over the plan's w replicas. Throws PlanError for w > 1 with tied embeddings across
+// stages (the tied exchange of shards is not built for chunks).
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& plan,
                          int stage);
 
@@ -113,10 +131,14 @@ struct ChunkSchedule {
   // step_compute_order: 1f1b interleaves them), its layers: forward ascending, backward descending,
   // with full recompute the recompute op's (ascending) before each backward's.
   std::vector<ChunkMoment> moments;
-  std::vector<bool> adam_download;    // per host-Adam chunk: on the device at the backward's end
-  std::vector<double> device_adam_s;  // per chunk: Adam on the device (trace's rate)
-  std::vector<double> host_adam_s;    // per chunk: CPU Adam (the node's rate, shared)
+  std::vector<bool> adam_download;  // per host-Adam chunk: on the device at the backward's end
+  // Per chunk, of replica 0's part (the largest; the whole chunk with w = 1):
+  std::vector<double> device_adam_s;  // Adam on the device (trace's rate)
+  std::vector<double> host_adam_s;    // CPU Adam (the node's rate, shared)
   double copy_s = 0;                  // one chunk copy, one direction: alpha_h + S_p / beta_h
+  // w > 1: a chunk's gradient reduce-scattered and its parameters all-gathered over the stage's
+  // replicas, each a ring over S_p (half an all-reduce of S_p: docs/formulas.md section 9).
+  double collective_s = 0;
   // Figures of one step.
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
   std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;

@@ -245,6 +245,11 @@ void add_layer(ChunkCost& ch, const traces::Trace& trace, const models::LayerCos
 
 }  // namespace
 
+double data_parallel_allreduce_s(const clusters::Cluster& c, const Plan& p, int stage,
+                                 double bytes) {
+  return replica_allreduce_s(c, p, stage, bytes);
+}
+
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& p,
                      int stage, int chunk) {
   const traces::Entry& e = trace.at(p.b);
@@ -1131,27 +1136,32 @@ common::Json chunk_report(const ChunkSchedule& cs) {
   for (int c = 0; c < cs.layout.chunks(); ++c)
     (cs.device_resident(c) ? device_adam : host_adam) +=
         cs.device_resident(c) ? cs.device_adam_s[std::size_t(c)] : cs.host_adam_s[std::size_t(c)];
-  return {{"chunk_bytes", cs.layout.chunk_bytes},
-          {"move_bytes", cs.layout.move_bytes},
-          {"chunks", cs.layout.chunks()},
-          {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
-          {"device_adam_chunks", cs.device_adam_chunks},
-          {"uploads_per_step", cs.uploads},
-          {"downloads_per_step", cs.downloads},
-          {"copy_s", cs.copy_s},
-          {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
-          {"cpu_adam_s", host_adam},
-          {"device_adam_s", device_adam},
-          {"optimizer_s", cs.optimizer_s},
-          {"device_peak_bytes", cs.device_peak_bytes},
-          {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
-          {"host_peak_bytes", cs.host_peak_bytes}};
+  common::Json j = {{"chunk_bytes", cs.layout.chunk_bytes},
+                    {"move_bytes", cs.layout.move_bytes},
+                    {"chunks", cs.layout.chunks()},
+                    {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
+                    {"device_adam_chunks", cs.device_adam_chunks},
+                    {"uploads_per_step", cs.uploads},
+                    {"downloads_per_step", cs.downloads},
+                    {"copy_s", cs.copy_s},
+                    {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
+                    {"cpu_adam_s", host_adam},
+                    {"device_adam_s", device_adam},
+                    {"optimizer_s", cs.optimizer_s},
+                    {"device_peak_bytes", cs.device_peak_bytes},
+                    {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
+                    {"host_peak_bytes", cs.host_peak_bytes}};
+  if (cs.layout.replicas > 1) {  // the optimizer state sharded over the stage's replicas
+    j["replicas"] = cs.layout.replicas;
+    j["collective_s"] = cs.collective_s;
+  }
+  return j;
 }
 
 namespace {
 
-// offload chunks (w = 1; one rank per stage): each stage's schedule's host memory (the stages on
-// one node share its host memory: their peaks add) and copy volumes.
+// offload chunks: each rank's stage's schedule's host memory (the ranks on one node share its host
+// memory: their peaks add) and copy volumes.
 void add_chunk_report(RunReport& rep, const std::vector<ChunkSchedule>& all,
                       const clusters::Cluster& cluster, const Plan& p) {
   std::map<int, HostReport> hosts;
@@ -1312,6 +1322,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
       st.forward_s = cs.forward_s / p.m;
       st.backward_s = cs.backward_s / p.m;
       st.optimizer_s = cs.optimizer_s;
+      st.allreduce_s = 0;  // w > 1: the gradients' sums are the optimizer step's (collective_s)
       st.memory = MemoryBreakdown{};
       st.memory.weights = bytes_mul(peak.resident, cs.layout.chunk_bytes);
       st.memory.gradients = bytes_mul(peak.resident, cs.layout.move_bytes - cs.layout.chunk_bytes);

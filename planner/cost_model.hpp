@@ -96,6 +96,11 @@ struct ChunkCost {
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
                      int stage, int chunk);
 
+// The all-reduce of `bytes` over stage `stage`'s w replicas as the simulator runs it (a ring, or
+// hierarchical over nodes; docs/formulas.md §4). A ring reduce-scatter or all-gather takes half.
+double data_parallel_allreduce_s(const clusters::Cluster& c, const Plan& p, int stage,
+                                 double bytes);
+
 // --- Optimizer offload (ZeRO-Offload, plan.offload == optimizer): docs/formulas.md, section 9 ---
 
 // Host bytes per parameter whose optimizer lives on the host: the optimizer state

@@ -259,10 +259,11 @@ void check(const Plan& p) {
   if (p.offload == Offload::chunks) {
     // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.
     // Pipeline stages (d > 1, gpipe or 1f1b) each manage their own chunks.
-    const std::pair<const char*, int> one[] = {{"t", p.t}, {"w", p.w}, {"v", p.v}};
-    const char* why[] = {"tensor parallelism", "data parallelism (chunk sharding over ranks)",
-                         "interleaving"};
-    for (std::size_t i = 0; i < 3; ++i)
+    // Data parallelism (w > 1) shards each chunk's optimizer state over the replicas
+    // (planner/chunks.hpp): the distributed optimizer's rule, built in.
+    const std::pair<const char*, int> one[] = {{"t", p.t}, {"v", p.v}};
+    const char* why[] = {"tensor parallelism", "interleaving"};
+    for (std::size_t i = 0; i < 2; ++i)
       if (one[i].second != 1)
         reject(one[i].first,
                fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",
@@ -271,8 +272,8 @@ void check(const Plan& p) {
       reject("schedule", "offload chunks with 2bw (two weight versions) is not supported yet");
     if (p.distributed_optimizer)
       reject("distributed_optimizer",
-             "offload chunks with the distributed optimizer is not "
-             "supported yet");
+             "offload chunks shard their optimizer state over the w replicas by themselves; "
+             "leave distributed_optimizer off");
     for (std::size_t s = 0; s < p.recompute.size(); ++s)
       if (p.recompute[s] == Recompute::selective)
         reject("recompute",

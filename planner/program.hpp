@@ -50,8 +50,10 @@ enum class OpKind {
   // its uploads start, and the layer waits for its uploads. `layer` -1: at the optimizer step.
   copy_chunk_to_host,    // the chunk's fp16 parameters (or gradients) to the host
   copy_chunk_to_device,  // the chunk back to the device
-  chunk_step_host,       // CPU Adam on chunk `bucket` (after its download), creating `version`
-  chunk_step_device,     // Adam on the device on chunk `bucket`, whose state lives there
+  // With w > 1 a chunk step reduce-scatters the chunk's gradient over the stage's replicas, steps
+  // the replica's part (ChunkLayout::shard) and all-gathers the parameters, one after the other.
+  chunk_step_host,    // CPU Adam on chunk `bucket` (after its download), creating `version`
+  chunk_step_device,  // Adam on the device on chunk `bucket`, whose state lives there
 };
 // "forward", "send_activation", ...
 std::string to_string(OpKind kind);

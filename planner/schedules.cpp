@@ -293,10 +293,11 @@ class ProgramBuilder {
     if (offload() && !plan_.offload_sharded()) add(OpKind::copy_gradient_to_host, slot, -1);
   }
 
-  // Gradient all-reduce (w > 1), then the weight update creating version step+1. Flush schedules
-  // free the step's version first; 2BW frees the shadow version step-1, whose last user is done.
+  // Gradient all-reduce (w > 1; with chunks each chunk's Adam op reduce-scatters its gradient),
+  // then the weight update creating version step+1. Flush schedules free the step's version
+  // first; 2BW frees the shadow version step-1, whose last user is done.
   void step_tail(int step) {
-    if (plan_.w > 1) {
+    if (plan_.w > 1 && !chunks_) {
       for (int chunk = plan_.v - 1; chunk >= 0; --chunk) {
         for (int bucket = 0; bucket < buckets_; ++bucket) {
           Op op{OpKind::all_reduce, step, -1, chunk, -1, -1, bucket};

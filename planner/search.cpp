@@ -203,7 +203,9 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
         for (auto [w, d] : shapes(int(ranks), model.layers, o))
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
-            if (offload == Offload::chunks && (w > 1 || t > 1)) continue;
+            // Chunks: t = 1; w > 1 shards the optimizer state, but not with a tied exchange.
+            if (offload == Offload::chunks && (t > 1 || (w > 1 && d > 1 && model.tied_embeddings)))
+              continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =
@@ -212,8 +214,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: w = 1, gpipe or 1f1b (each stage its own chunks), no selective
-                // recompute.
+                // Chunks: gpipe or 1f1b (each stage its own chunks), no selective recompute.
                 if (offload == Offload::chunks &&
                     (shape.recompute_of(0) == Recompute::selective ||
                      shape.schedule == Schedule::two_bw || shape.schedule == Schedule::interleaved))

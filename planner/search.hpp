@@ -34,7 +34,7 @@ struct SearchOptions {
   std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
   std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
   // When no candidate fits on the devices alone, search again with offload (optimizer: with w > 1
-  // sharded, the distributed optimizer; activations; both; chunks with t = w = 1; a cluster with
+  // sharded, the distributed optimizer; activations; both; chunks with t = 1; a cluster with
   // a CPU Adam rate and a host link).
   bool offload_when_nothing_fits = true;
 };

@@ -220,7 +220,9 @@ class Replayer {
         chunk_enqueue(op, op_);
         break;
       case OpKind::chunk_step_device:
+        chunk_collective(op.step, op.bucket, false, op_);  // w > 1: the gradient's sum first
         compute(schedule().device_adam_s[std::size_t(op.bucket)]);
+        chunk_collective(op.step, op.bucket, true, op_);  // and the parameters after
         break;
     }
   }
@@ -236,6 +238,7 @@ class Replayer {
     int kind = 0;  // 0 download, 1 upload, 2 CPU Adam
     int chunk = 0;
     int op = 0;
+    int step = 0;
     std::int64_t after_downs = 0;  // downloads issued before it
   };
   struct ChunkEngines {
@@ -261,7 +264,7 @@ class Replayer {
                      : op.kind == OpKind::copy_chunk_to_device ? 1
                                                                : 2;
     std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
-    ck_.queue[kind].push_back({kind, op.bucket, index, ck_.issued[0]});
+    ck_.queue[kind].push_back({kind, op.bucket, index, op.step, ck_.issued[0]});
     ++ck_.issued[kind];
     ck_.cv->notify_all();
   }
@@ -283,14 +286,17 @@ class Replayer {
           ck_.cv->wait(lock);
       }
       if (kind == 2) {
+        chunk_collective(job.step, job.chunk, false, job.op);  // w > 1: the gradient's sum first
         const double start = sg4::Engine::get_clock();
-        const double parameters = double(cs.layout.chunk_parameters[std::size_t(job.chunk)]);
+        // The replica's part of the chunk (all of its stepped elements with w = 1).
+        const auto [lo, hi] = cs.layout.shard(job.chunk, me_.replica);
         sg4::ExecPtr adam =
-            sg4::this_actor::exec_init(parameters / me_.cpu_adam_params_per_s * kCpuSpeed);
+            sg4::this_actor::exec_init(double(hi - lo) / me_.cpu_adam_params_per_s * kCpuSpeed);
         adam->set_host(me_.cpu);
         adam->start();
         adam->wait();
         record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
+        chunk_collective(job.step, job.chunk, true, job.op);  // the new parameters to all
       } else {
         const bool down = kind == 0;
         if (!down) {
@@ -314,6 +320,21 @@ class Replayer {
       ++ck_.done[kind];
       ck_.cv->notify_all();
     }
+  }
+
+  // w > 1 (else nothing): blocks until the stage's replicas have all reached chunk `chunk`'s
+  // reduce-scatter of its gradient (`gather` false) or all-gather of its parameters in step
+  // `step`, and the last to arrive has run it: a ring over S_p bytes, as an all-gather's.
+  void chunk_collective(int step, int chunk, bool gather, int op) {
+    if (w_.plan().w == 1) return;
+    Collective& c = collective(step, chunk, gather ? -21 : -20);
+    if (++c.arrived == w_.plan().w)
+      launch(c, gather ? "chunk-allgather" : "chunk-reducescatter", allgather, replica_groups(),
+             double(schedule().layout.chunk_bytes));
+    std::unique_lock<sg4::Mutex> lock(*c.mutex);
+    while (!c.done)
+      c.finished->wait(lock);
+    record(kCollective, c.start, c.end, op);
   }
 
   // Waits until every job of `kind` issued so far is done.
@@ -444,6 +465,8 @@ class Replayer {
 
   // Waits for the step's all-reduces (started by the bucketed backwards), once per step.
   void wait_collectives(int step) {
+    // Chunks have no all-reduce buckets: each chunk step sums its chunk (chunk_collective).
+    if (w_.plan().offload == planner::Offload::chunks) return;
     if (step <= waited_through_) return;  // the tail ops of a step come in step order
     waited_through_ = step;
     for (int chunk = 0; chunk < w_.plan().v && w_.plan().w > 1; ++chunk)

@@ -94,14 +94,20 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
     k["offload"] = combo;
     refused(k, "combines with no other mode");
   }
-  const std::pair<const char*, std::string> one[] = {
-      {"w", "data parallelism (chunk sharding over ranks) (w = 2) is not supported yet"},
-      {"t", "tensor parallelism (t = 2) is not supported yet"}};
-  for (const auto& [field, want] : one) {
+  {
     common::Json k = j;
-    k[field] = 2;
-    refused(k, want);
+    k["t"] = 2;
+    refused(k, "tensor parallelism (t = 2) is not supported yet");
   }
+  // Data parallelism shards each chunk's optimizer state over the replicas by itself: w > 1 is
+  // there, the distributed optimizer flag is refused.
+  common::Json dp = j;
+  dp["w"] = 2;
+  EXPECT_EQ(parse_plan(dp, "plan.json").w, 2);
+  dp["distributed_optimizer"] = true;
+  refused(dp,
+          "offload chunks shard their optimizer state over the w replicas by themselves; "
+          "leave distributed_optimizer off");
   // Pipelines are there (each stage its own chunks), and gradient accumulation: m > 1 gives each
   // chunk a gradient half.
   common::Json pipe = j;
@@ -963,6 +969,75 @@ TEST(ChunksPipeline, EightStagesAgreeWithTheSimulator) {
 // whose chunks plan fits on one V100-32GB (d = 1) and on eight of them as an 8-stage pipeline
 // (p3.16xlarge's node with V100-32GB: 488 GiB of host memory shared by its stages), 1f1b, b = 1,
 // m = 8, the default chunk size; and what `plan` picks for the latter.
+// Data parallelism with chunks (docs/formulas.md section 9, chunks): each replica keeps the
+// optimizer state of a w-th of every chunk (S_os / w), and each chunk step reduce-scatters the
+// chunk's gradient, steps the replica's part and all-gathers the parameters (collective_s: the
+// two rings of S_p over the replicas, an all-reduce's time). The closed form agrees with the
+// simulator in time, device and host peaks and bytes moved: the tiny model on two GPUs of 24 KiB,
+// and GPT-3 2.7B on the eight V100-32GBs of a p3.16xlarge.
+TEST(ChunksDataParallel, ClosedFormAgreesWithTheSimulatorAndShardsTheState) {
+  const models::ModelSpec tinym = tiny();
+  const models::ModelSpec big = models::load_model("gpt3-2.7b");
+  const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
+  const traces::Trace t1 = uniform_trace(tinym, 1);
+  const traces::Trace t2 = traces::analytic_trace(big, eight.device, {2});
+  struct Case {
+    const models::ModelSpec& m;
+    const traces::Trace& t;
+    clusters::Cluster c;
+    int w, b, m_;
+    std::int64_t chunk_bytes;
+    int ranks_per_gpu;
+  };
+  clusters::Cluster small = eight;
+  small.device.memory_bytes = 24 * 1024;  // a few of the tiny model's chunks at once
+  for (const Case& k :
+       {Case{tinym, t1, small, 2, 1, 2, 512, 1}, Case{big, t2, eight, 8, 2, 4, 0, 1}}) {
+    SCOPED_TRACE(fmt::format("{} w = {}", k.m.name, k.w));
+    Plan p = plan_of(Schedule::one_f_one_b, k.w, 1, k.b, k.m_, 1, k.m.layers, grid(k.c),
+                     k.ranks_per_gpu);
+    p.offload = Offload::chunks;
+    p.chunk_bytes = k.chunk_bytes > 0 ? k.chunk_bytes : default_chunk_bytes(k.m);
+    Plan alone = plan_of(Schedule::one_f_one_b, 1, 1, k.b, k.m_, 1, k.m.layers, grid(k.c));
+    alone.offload = Offload::chunks;
+    alone.chunk_bytes = p.chunk_bytes;
+    const Estimate est = estimate(k.m, k.t, k.c, p);
+    const Estimate solo = estimate(k.m, k.t, k.c, alone);
+    const sim::SimResult s = sim::simulate(k.m, k.t, k.c, p, {.steps = 3});
+    const ChunkSchedule& cs = est.chunks->at(0);
+    const ChunkSchedule& c1 = solo.chunks->at(0);
+    // A w-th of the state per replica; the same chunks, moments and copies as one replica alone.
+    EXPECT_EQ(cs.layout.replicas, k.w);
+    EXPECT_EQ(cs.layout.os_chunk_bytes * k.w, c1.layout.os_chunk_bytes);
+    EXPECT_EQ(cs.layout.chunks(), c1.layout.chunks());
+    EXPECT_GT(cs.collective_s, 0);
+    EXPECT_GE(cs.device_adam_chunks, c1.device_adam_chunks);
+    EXPECT_LT(cs.host_peak_bytes, c1.host_peak_bytes);
+    EXPECT_GT(cs.optimizer_s, 0);
+    EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
+    ASSERT_EQ(int(s.report.devices.size()), k.w);
+    for (int r = 0; r < k.w; ++r) {
+      EXPECT_EQ(s.report.devices[std::size_t(r)].peak_memory_bytes,
+                est.report.devices[std::size_t(r)].peak_memory_bytes)
+          << r;
+      for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+        EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)][key],
+                  est.report.extra["offload"]["ranks"][std::size_t(r)][key])
+            << key << r;
+    }
+    EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+    EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, k.w * cs.host_peak_bytes);
+    fmt::print(
+        "{} w = {}: n = {}, K = {} (alone {}), host per rank {:.2f} GiB (alone {:.2f}), optimizer "
+        "{:.4f} s (alone {:.4f}; collectives {:.4f} s a chunk), step {:.4f} s simulated {:.4f} "
+        "s\n",
+        k.m.name, k.w, cs.layout.chunks(), cs.device_adam_chunks, c1.device_adam_chunks,
+        double(cs.host_peak_bytes) / double(1LL << 30),
+        double(c1.host_peak_bytes) / double(1LL << 30), cs.optimizer_s, c1.optimizer_s,
+        cs.collective_s, est.report.iteration_time_s, s.report.iteration_time_s);
+  }
+}
+
 TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
   const clusters::Cluster one = clusters::load_cluster(
       "p3.16xlarge", {}, {"device=V100-32GB", "gpus_per_node=1", "host.gpus_per_uplink=1"});

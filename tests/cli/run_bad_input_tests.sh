@@ -179,7 +179,12 @@ python3 -c "
 import json
 r = json.load(open('$TMP/ckd2.json'))
 assert len(r['offload']['ranks']) == 2 and all(x['chunks']['chunks'] > 0 for x in r['offload']['ranks']), r.get('offload')" && ok || bad "chunks d = 2 report: offload.ranks per stage"
-expect_code "--offload chunks with w > 1" 1 "offload chunks with data parallelism (chunk sharding over ranks) (w = 2) is not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --offload chunks --out "$O"
+expect_ok "--offload chunks with w = 2" $PW estimate $WS -w 2 --ranks-per-gpu 2 --offload chunks --out "$TMP/ckw2.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/ckw2.json'))
+c = r['offload']['ranks'][0]['chunks']
+assert len(r['offload']['ranks']) == 2 and c['replicas'] == 2 and c['collective_s'] > 0, r.get('offload')" && ok || bad "chunks w = 2 report: offload.ranks per replica, replicas, collective_s"
 CK="--model gpt2-124m --cluster v100-32gb-ws -b 1 -m 1 --offload chunks"
 expect_ok "offload chunks estimate" $PW estimate $CK --out "$TMP/ck.json"
 python3 -c "
@@ -192,7 +197,9 @@ expect_code "--chunk-size below a tensor" 1 "is smaller than tensor wte" $PW est
 expect_code "--chunk-size without chunks" 1 "chunk_bytes: a chunk size needs offload chunks" $PW estimate $WS --chunk-size 1000000000 --out "$O"
 expect_code "chunks: device below a layer's working set" 1 "is smaller than the working set of the" $PW simulate $CK --set device.memory_bytes=2e8 --out "$O"
 expect_code "chunks: host memory too small" 1 "the host memory of node 0" $PW estimate --model gpt3-13b --cluster v100-32gb-ws -b 1 -m 1 --offload chunks --set host.memory_bytes=1e11 --out "$O"
-expect_code "chunks with w > 1" 1 "data parallelism (chunk sharding over ranks) (w = 8) is not supported yet" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --out "$O"
+expect_ok "chunks with w = 8" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --out "$O"
+expect_code "chunks with w > 1, tied embeddings and d > 1" 1 "plan: w: offload chunks with w = 4 and tied embeddings across pipeline stages (d = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 2 -d 2 -w 4 --offload chunks --out "$O"
+expect_code "chunks with the distributed optimizer" 1 "leave distributed_optimizer off" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --distributed-optimizer --out "$O"
 expect_code "schedule --offload chunks" 1 "programs need the chunk schedule" $PW schedule --offload chunks -d 1 -m 1
 echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
 expect_code "plan file: activations of the wrong length" 1 "plan: activations: has 1 entries but the plan has d = 2 stages" $PW estimate --model gpt2-124m --cluster p3.16xlarge --plan "$TMP/bad-swap.json" --out "$O"
