@@ -458,8 +458,26 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   // come right before their layers, so two on one uplink seldom overlap (one microbatch passes
   // the stages one after the other: never; against the simulator, which shares an uplink only
   // while two copies overlap, 1% at most: docs/formulas.md section 9, chunks).
-  path.bandwidth_bytes_per_s =
-      std::min(cluster.host.pcie_bandwidth_bytes_per_s, cluster.host.uplink_bandwidth_bytes_per_s);
+  // The stage's w replicas, though, run the same plan in lockstep: their copies overlap, sharing
+  // a GPU's link and an uplink where they share them (the most crowded replica's share).
+  int on_gpu = 1, on_uplink = 1;
+  if (!p.placement.empty())
+    for (int r = 0; r < p.w; ++r) {
+      const Placement& me = p.placement[std::size_t(p.rank_of(stage, r))];
+      int gpu = 0, uplink = 0;
+      for (int q = 0; q < p.w; ++q) {
+        const Placement& other = p.placement[std::size_t(p.rank_of(stage, q))];
+        if (other.node != me.node) continue;
+        gpu += other.gpu == me.gpu ? 1 : 0;
+        uplink += other.gpu / cluster.host.gpus_per_uplink == me.gpu / cluster.host.gpus_per_uplink
+                      ? 1
+                      : 0;
+      }
+      on_gpu = std::max(on_gpu, gpu);
+      on_uplink = std::max(on_uplink, uplink);
+    }
+  path.bandwidth_bytes_per_s = std::min(cluster.host.pcie_bandwidth_bytes_per_s / on_gpu,
+                                        cluster.host.uplink_bandwidth_bytes_per_s / on_uplink);
   s.copy_s = path.time_s(double(L.move_bytes));
   // The node's CPU Adam rate, shared by the ranks (stages) it holds as if their optimizer steps
   // ran at the same time (chunk_schedules then shares it from when each stage reaches its step).

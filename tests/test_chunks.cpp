@@ -974,13 +974,17 @@ TEST(ChunksPipeline, EightStagesAgreeWithTheSimulator) {
 // chunk's gradient, steps the replica's part and all-gathers the parameters (collective_s: the
 // two rings of S_p over the replicas, an all-reduce's time). The closed form agrees with the
 // simulator in time, device and host peaks and bytes moved: the tiny model on two GPUs of 24 KiB,
-// and GPT-3 2.7B on the eight V100-32GBs of a p3.16xlarge.
+// and GPT-3 2.7B (every chunk's state fits on the device at w = 8) and 6.7B (every chunk's state on
+// the host, chunks evicted inside the step) on the eight V100-32GBs of a p3.16xlarge, whose
+// replicas copy at the same moments over uplinks shared by two GPUs.
 TEST(ChunksDataParallel, ClosedFormAgreesWithTheSimulatorAndShardsTheState) {
   const models::ModelSpec tinym = tiny();
   const models::ModelSpec big = models::load_model("gpt3-2.7b");
   const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
   const traces::Trace t1 = uniform_trace(tinym, 1);
   const traces::Trace t2 = traces::analytic_trace(big, eight.device, {2});
+  const models::ModelSpec bigger = models::load_model("gpt3-6.7b");
+  const traces::Trace t3 = traces::analytic_trace(bigger, eight.device, {1});
   struct Case {
     const models::ModelSpec& m;
     const traces::Trace& t;
@@ -992,7 +996,8 @@ TEST(ChunksDataParallel, ClosedFormAgreesWithTheSimulatorAndShardsTheState) {
   clusters::Cluster small = eight;
   small.device.memory_bytes = 24 * 1024;  // a few of the tiny model's chunks at once
   for (const Case& k :
-       {Case{tinym, t1, small, 2, 1, 2, 512, 1}, Case{big, t2, eight, 8, 2, 4, 0, 1}}) {
+       {Case{tinym, t1, small, 2, 1, 2, 512, 1}, Case{big, t2, eight, 8, 2, 4, 0, 1},
+        Case{bigger, t3, eight, 8, 1, 4, 0, 1}}) {
     SCOPED_TRACE(fmt::format("{} w = {}", k.m.name, k.w));
     Plan p = plan_of(Schedule::one_f_one_b, k.w, 1, k.b, k.m_, 1, k.m.layers, grid(k.c),
                      k.ranks_per_gpu);
