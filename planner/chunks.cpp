@@ -334,7 +334,7 @@ double optimizer_time(const ChunkSchedule& s) {
   double device_adam = 0;
   for (int c = 0; c < s.layout.chunks(); ++c) {
     if (s.device_resident(c)) {
-      device_adam += s.device_adam_s[std::size_t(c)] + s.collective_s;
+      device_adam += s.device_adam_s[std::size_t(c)] * s.gpu_sharers + s.collective_s;
       continue;
     }
     down.push_back(s.adam_download[std::size_t(c)] ? s.copy_s : 0.0);
@@ -478,6 +478,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     }
   path.bandwidth_bytes_per_s = std::min(cluster.host.pcie_bandwidth_bytes_per_s / on_gpu,
                                         cluster.host.uplink_bandwidth_bytes_per_s / on_uplink);
+  s.gpu_sharers = on_gpu;  // and their compute its GPU (--ranks-per-gpu)
   s.copy_s = path.time_s(double(L.move_bytes));
   // The node's CPU Adam rate, shared by the ranks (stages) it holds as if their optimizer steps
   // ran at the same time (chunk_schedules then shares it from when each stage reaches its step).
@@ -515,7 +516,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
       (c.to_device ? in : out) += 1;
     s.uploads += in;
     s.downloads += out;
-    const double t = m.compute_s + (in + out) * s.copy_s;
+    const double t = m.compute_s * s.gpu_sharers + (in + out) * s.copy_s;
     (m.backward || m.recompute ? s.backward_s : s.forward_s) += t;
     s.compute_s += m.compute_s;
     const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
@@ -555,7 +556,8 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
     order[s] = step_compute_order(p, int(s));
     dur[s].assign(order[s].size(), 0.0);
     for (const ChunkMoment& m : all[s].moments)
-      dur[s].at(std::size_t(m.slot)) += m.compute_s + double(m.copies.size()) * all[s].copy_s;
+      dur[s].at(std::size_t(m.slot)) +=
+          m.compute_s * all[s].gpu_sharers + double(m.copies.size()) * all[s].copy_s;
   }
   ChunkPipeline out;
   out.start.assign(d, -1.0);

@@ -139,6 +139,9 @@ struct ChunkSchedule {
   // w > 1: a chunk's gradient reduce-scattered and its parameters all-gathered over the stage's
   // replicas, each a ring over S_p (half an all-reduce of S_p: docs/formulas.md section 9).
   double collective_s = 0;
+  // The most replicas of the stage on one GPU (ranks per GPU > 1): in lockstep, they share its
+  // compute (each layer and device Adam takes this many times its time) and its link.
+  int gpu_sharers = 1;
   // Figures of one step.
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
   std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;

@@ -1354,11 +1354,21 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     for (const StageCost& st : est.stages)
       hops.push_back(st.send_s);
     const ChunkPipeline run = chunk_pipeline(*est.chunks, p, hops);
+    // Ranks sharing a GPU that are not one stage's replicas in lockstep (stages of a pipeline on
+    // one GPU) serialize their compute: the GPU's summed compute bounds the step, as above.
+    std::map<std::pair<int, int>, double> gpu_compute;
+    double busiest = 0;
+    for (int r = 0; r < p.ranks(); ++r) {
+      double& g = gpu_compute[{p.placement[std::size_t(r)].node, p.placement[std::size_t(r)].gpu}];
+      for (const ChunkMoment& m : (*est.chunks)[std::size_t(p.stage_of(r))].moments)
+        g += m.compute_s;  // the layers (device Adam is the optimizer step's)
+      busiest = std::max(busiest, g);
+    }
     double period = 0;
     for (int s = 0; s < p.d; ++s)
       period = std::max(period, run.end[std::size_t(s)] + est.stages[std::size_t(s)].optimizer_s -
                                     run.start[std::size_t(s)]);
-    est.pipeline_s = run.makespan;
+    est.pipeline_s = std::max(run.makespan, busiest);
     est.optimizer_s = std::max(0.0, period - run.makespan);
   } else {
     for (const auto& st : est.stages)
