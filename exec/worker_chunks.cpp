@@ -209,35 +209,32 @@ void Worker::scatter_chunks(int which, const float* flat) {
   }
 }
 
-// Adam on chunk k (wherever it is now) for update `update`: with w > 1 its gradient is first
-// reduce-scattered over the stage's replicas (the sum of the replica's part, in group order: the
-// all-reduce's bits), the replica's part stepped, its other gradients zeroed and the parameters
-// all-gathered. Returns the seconds spent in the collectives.
-double Worker::chunk_adam(int k, int step, int update) {
+// A chunk step's collectives with w > 1 (none with w = 1): the chunk's gradient reduce-scattered
+// over the stage's replicas (`gather` false: the sum of the replica's part, in group order, the
+// all-reduce's bits) or its parameters all-gathered (true). Returns the seconds they took.
+double Worker::chunk_collective(int k, int step, bool gather) {
+  const planner::ChunkLayout& L = schedule_->layout;
+  if (L.replicas == 1) return 0;
+  DataChunk& d = data_chunks_[std::size_t(k)];
+  const auto t0 = Clock::now();
+  const std::string key = fmt::format("ck/{}/{}/{}/{}", stage_, step, k, gather ? "ag" : "rs");
+  if (gather)
+    s_.transport->all_gather(key, replica_group(), device_, d.params.data(), L.shard_bounds(k));
+  else
+    s_.transport->reduce_scatter_sum(key, replica_group(), device_, d.grads.data(),
+                                     L.shard_bounds(k));
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Adam on the replica's part of chunk k (all of it with w = 1) for update `update`; with w > 1
+// the rest of its gradient (other replicas' parts: this replica's unreduced sums) is zeroed too.
+void Worker::chunk_update(int k, int update) {
   const planner::ChunkLayout& L = schedule_->layout;
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto [lo, hi] = L.shard(k, replica_);
-  double waited = 0;
-  const auto collective = [&](const char* what, auto&& call) {
-    const auto t0 = Clock::now();
-    call(fmt::format("ck/{}/{}/{}/{}", stage_, step, k, what), replica_group(), L.shard_bounds(k));
-    waited += std::chrono::duration<double>(Clock::now() - t0).count();
-  };
-  if (L.replicas > 1)
-    collective("rs", [&](const std::string& key, const std::vector<int>& group,
-                         const std::vector<std::int64_t>& bounds) {
-      s_.transport->reduce_scatter_sum(key, group, device_, d.grads.data(), bounds);
-    });
   optimizer_update(*s_.options, update, d.params.data() + lo, d.params.data() + lo,
                    d.grads.data() + lo, d.m.data(), d.v.data(), hi - lo);
-  if (L.replicas > 1) {
-    std::fill_n(d.grads.data(), L.chunk_owned[std::size_t(k)], 0.0f);  // the next step's sums
-    collective("ag", [&](const std::string& key, const std::vector<int>& group,
-                         const std::vector<std::int64_t>& bounds) {
-      s_.transport->all_gather(key, group, device_, d.params.data(), bounds);
-    });
-  }
-  return waited;
+  if (L.replicas > 1) std::fill_n(d.grads.data(), L.chunk_owned[std::size_t(k)], 0.0f);
 }
 
 // A chunk (its parameters and gradient half) to the host on the device-to-host engine: the host
@@ -342,7 +339,9 @@ void Worker::chunk(const Op& op) {
       const auto adam = [w, k, down, step, at] {
         w->d2h_->wait(down);
         const auto t0 = Clock::now();
-        w->chunk_adam(k, step, step + 1);
+        w->chunk_collective(k, step, false);
+        w->chunk_update(k, step + 1);
+        w->chunk_collective(k, step, true);
         w->copy_record(planner::kHostStream, t0, Clock::now(), at);
       };
       // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
@@ -359,12 +358,18 @@ void Worker::chunk(const Op& op) {
       if (!d.on_device)
         throw Error(
             fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
+      // The collectives wait for the other replicas without the core (ranks taking turns on a
+      // core would wait for each other's turn otherwise); Adam holds it.
+      release_core();
+      chunk_collective(k, op.step, false);
       take_core();
       const auto t0 = Clock::now();
-      const double waited = chunk_adam(k, op.step, op.step + 1);
+      chunk_update(k, op.step + 1);
       const auto t1 = Clock::now();
-      busy_s_ += std::chrono::duration<double>(t1 - t0).count() - waited;
+      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
       record(planner::kComputeStream, t0, t1);
+      release_core();
+      chunk_collective(k, op.step, true);
       return;
     }
     default:

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "exec/machine_load.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "planner/chunks.hpp"
@@ -533,6 +534,25 @@ TEST(ChunksExec, DataParallelResumeIsBitIdentical) {
   const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 1, false, 2);
   testing::expect_resume_is_bit_identical(
       model, p, adamw_options(4, pipeline_budget(model, p) + 100000), "chunkexec_w2");
+}
+
+// Replicas taking turns on one core (--pin-cores, --core-turns) wait for each other in a chunk
+// step's collectives without holding the core: with each chunk's state on the device (a roomy
+// budget: Adam on the rank's thread) and on the host, the same bits as plain data parallelism.
+// (Until the collectives let go of the core, the device-Adam case hung.)
+TEST(ChunksExec, DataParallelReplicasTakingTurnsOnOneCore) {
+  const models::ModelSpec model = testing::gpt_tiny(2);
+  const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 1, false, 2);
+  const TrainResult plain = train_cpu(
+      model, make_plan(model, Schedule::one_f_one_b, 1, 2, -1, 1, false, 2), adamw_options(3));
+  for (std::int64_t budget : {pipeline_budget(model, p), roomy_budget(model, p)}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    TrainOptions o = adamw_options(3, budget);
+    o.cores.assign(2, allowed_cores().front());
+    o.core_turns = true;
+    expect_identical(train_cpu(model, p, o), plain);
+  }
+  EXPECT_GT(schedule_of(model, p, roomy_budget(model, p)).device_adam_chunks, 0);
 }
 
 // w > 1 with tied embeddings across stages is one line (from the planner, before anything runs).
