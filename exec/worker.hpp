@@ -149,7 +149,7 @@ class Worker {
   void setup_chunks();
   void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
   void chunk_moment(int layer);       // the pending copies of the next compute op's `layer`
-  double chunk_collective(int chunk, int step, bool gather);
+  void chunk_collective(int chunk, int step, bool gather, int op);
   void chunk_update(int chunk, int update);
   CopyEngine::Ticket download_chunk(int c, int op);
   void upload_chunk(int c, int op);

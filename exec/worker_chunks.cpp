@@ -211,10 +211,11 @@ void Worker::scatter_chunks(int which, const float* flat) {
 
 // A chunk step's collectives with w > 1 (none with w = 1): the chunk's gradient reduce-scattered
 // over the stage's replicas (`gather` false: the sum of the replica's part, in group order, the
-// all-reduce's bits) or its parameters all-gathered (true). Returns the seconds they took.
-double Worker::chunk_collective(int k, int step, bool gather) {
+// all-reduce's bits) or its parameters all-gathered (true); on the timeline's collective stream
+// as op `op`.
+void Worker::chunk_collective(int k, int step, bool gather, int op) {
   const planner::ChunkLayout& L = schedule_->layout;
-  if (L.replicas == 1) return 0;
+  if (L.replicas == 1) return;
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto t0 = Clock::now();
   const std::string key = fmt::format("ck/{}/{}/{}/{}", stage_, step, k, gather ? "ag" : "rs");
@@ -223,7 +224,7 @@ double Worker::chunk_collective(int k, int step, bool gather) {
   else
     s_.transport->reduce_scatter_sum(key, replica_group(), device_, d.grads.data(),
                                      L.shard_bounds(k));
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+  copy_record(planner::kCollectiveStream, t0, Clock::now(), op);
 }
 
 // Adam on the replica's part of chunk k (all of it with w = 1) for update `update`; with w > 1
@@ -339,9 +340,9 @@ void Worker::chunk(const Op& op) {
       const auto adam = [w, k, down, step, at] {
         w->d2h_->wait(down);
         const auto t0 = Clock::now();
-        w->chunk_collective(k, step, false);
+        w->chunk_collective(k, step, false, at);
         w->chunk_update(k, step + 1);
-        w->chunk_collective(k, step, true);
+        w->chunk_collective(k, step, true, at);
         w->copy_record(planner::kHostStream, t0, Clock::now(), at);
       };
       // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
@@ -361,7 +362,7 @@ void Worker::chunk(const Op& op) {
       // The collectives wait for the other replicas without the core (ranks taking turns on a
       // core would wait for each other's turn otherwise); Adam holds it.
       release_core();
-      chunk_collective(k, op.step, false);
+      chunk_collective(k, op.step, false, op_);
       take_core();
       const auto t0 = Clock::now();
       chunk_update(k, op.step + 1);
@@ -369,7 +370,7 @@ void Worker::chunk(const Op& op) {
       busy_s_ += std::chrono::duration<double>(t1 - t0).count();
       record(planner::kComputeStream, t0, t1);
       release_core();
-      chunk_collective(k, op.step, true);
+      chunk_collective(k, op.step, true, op_);
       return;
     }
     default:
