@@ -34,7 +34,7 @@ RUN_ASAN=1
 TSAN_BUILD=build-tsan
 # The test programs whose code runs on several threads: ranks as threads, copy engines, transports
 # (test_checkpoint runs the same paths again with resume: 1,053 s under TSan on the loaded VM, left out).
-TSAN_TARGETS="test_runtime test_offload_exec test_tensor_parallel_exec"
+TSAN_TARGETS="test_runtime test_offload_exec test_tensor_parallel_exec test_chunks_exec"
 ONLY=
 while (($#)); do
   case $1 in
