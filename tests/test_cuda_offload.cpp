@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -246,10 +247,15 @@ TEST(CudaOffload, BytesAndMemoryMatchThePlanner) {
       for (int rank = 0; rank < p.ranks(); ++rank) {
         const RankResult& got = r.ranks[std::size_t(rank)];
         const Moved& want = moved[std::size_t(rank)];
-        EXPECT_EQ(got.copy_out_bytes, want.out) << "rank " << rank;
-        EXPECT_EQ(got.copy_in_bytes, want.in) << "rank " << rank;
+        // The simulator's report gives bytes per step as its run's total / steps in whole bytes,
+        // truncated: where the steps differ (2bw's first step swaps less) steps times it is up
+        // to steps - 1 bytes short of the total (first run on an H100, 2026-11-27: 1,648,640
+        // moved against 3 x 549,546).
+        EXPECT_LT(std::abs(got.copy_out_bytes - want.out), steps) << "rank " << rank;
+        EXPECT_LT(std::abs(got.copy_in_bytes - want.in), steps) << "rank " << rank;
         if (mode & kActivations) {
-          EXPECT_EQ(got.activation_out_bytes, want.activations_out) << "rank " << rank;
+          EXPECT_LT(std::abs(got.activation_out_bytes - want.activations_out), steps)
+              << "rank " << rank;
         }
         const auto& wm = e.report.devices[std::size_t(rank)].memory;
         EXPECT_EQ(got.memory.weights, wm.weights) << "rank " << rank;
