@@ -874,9 +874,6 @@ std::vector<std::int64_t> Worker::shard_starts(const Chunk& c) const {
   return starts;
 }
 
-namespace {
-
-// The all-gather bounds of the w tied shards of an n-element tensor.
 std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
   std::vector<std::int64_t> bounds;
   for (int r = 0; r < w; ++r)
@@ -884,6 +881,8 @@ std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
   bounds.push_back(n);
   return bounds;
 }
+
+namespace {
 
 // `starts` (w + 1 ascending offsets) clipped to [a, b) and made relative to a: a collective's
 // bounds over that range.

@@ -78,6 +78,10 @@ struct Shared : StepBook {
 // The CPU backend trains fp32 models only: an InputError naming the model otherwise.
 void check_cpu_model(const models::ModelSpec& model);
 
+// The collective bounds (w + 1 ascending offsets) of the w shards of an n-element tied tensor
+// (planner::tied_shard's rule): what each replica sends of the tied exchange.
+std::vector<std::int64_t> tied_bounds(std::int64_t n, int w);
+
 // One worker per device: with tensor parallelism (t > 1) the t devices of pipeline rank r
 // (device = r * t + TP index, planner/plan.hpp's order) run r's program alike, each with its shard
 // of the layers; their point-to-point messages and data-parallel collectives go to the devices of
@@ -260,7 +264,9 @@ class Worker {
   Buffer workspace_;
   bool sharded_ = false;      // the distributed optimizer (w > 1): this rank updates its shard only
   Buffer shard_m_, shard_v_;  // its optimizer state: ceil(P / w) floats each
-  std::vector<float> tied_head_;  // stage 0, w > 1: the head's gradient shards until gathered
+  // Stage 0, w > 1: the head's gradient shards until gathered (with offload chunks, the gathered
+  // gradient until the wte chunk's step adds it to its part: chunk_update).
+  std::vector<float> tied_head_;
   VersionSlots slots_;
   int updates_ = 0;
   // stash_: the stash a forward keeps (the stage input with full recompute; a mixed chunk's

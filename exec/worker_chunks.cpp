@@ -233,6 +233,16 @@ void Worker::chunk_update(int k, int update) {
   const planner::ChunkLayout& L = schedule_->layout;
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto [lo, hi] = L.shard(k, replica_);
+  // Stage 0, w > 1: the head's gathered gradient joins wte's summed one (chunk_tied).
+  if (!tied_head_.empty()) {
+    const auto [tk, at] = tensor_at_.at(chunks_.front().tied_offset);
+    if (tk == k) {
+      float* grad = d.grads.data();
+      const std::int64_t end = std::min(hi, at + std::int64_t(tied_head_.size()));
+      for (std::int64_t i = std::max(lo, at); i < end; ++i)
+        grad[i] = grad[i] + tied_head_[std::size_t(i - at)];
+    }
+  }
   optimizer_update(*s_.options, update, d.params.data() + lo, d.params.data() + lo,
                    d.grads.data() + lo, d.m.data(), d.v.data(), hi - lo);
   if (L.replicas > 1) std::fill_n(d.grads.data(), L.chunk_owned[std::size_t(k)], 0.0f);
@@ -496,28 +506,34 @@ void Worker::make_message_room(int producing) {
                                 buffer.size(), message_floats_));
 }
 
-// The tied embedding with chunks (d > 1, w = 1): stage 0's wte and the last stage's copy are
-// tensors of their chunks, read and written wherever the chunk is now. No copy of a chunk runs
-// between compute ops (a moment's copies end inside its compute op, the step's downloads and CPU
-// Adam in the optimizer step: drained here all the same), and a send takes its values out at the
-// op, so a later copy or Adam of the chunk cannot race it. The last stage's copy sends its
-// gradient (then zeroes it) and gets the new weights; stage 0 adds that gradient to its own
-// (embedding + head, the order of the sum without chunks) and sends the weights after its Adam.
+// The tied embedding with chunks (d > 1): stage 0's wte and the last stage's copy are tensors of
+// their chunks, read and written wherever the chunk is now. No copy of a chunk runs between
+// compute ops (a moment's copies end inside its compute op, the step's downloads and CPU Adam in
+// the optimizer step: drained here all the same), and a send takes its values out at the op, so a
+// later copy or Adam of the chunk cannot race it. The last stage's copy sends its gradient (then
+// zeroes it) and gets the new weights; stage 0 adds that gradient to its own (embedding + head,
+// the order of the sum without chunks) and sends the weights after its Adam.
+// With w > 1 the exchange is the one without chunks, shard by shard (tied_bounds): the last
+// stage's replicas reduce-scatter the copy's gradient (the chunk steps sum only the stepped
+// elements), replica r sends its summed shard to stage 0's replica r, whose replicas all-gather
+// the head's gradient; the wte chunk's step adds it to the replica's part after that chunk's
+// reduce-scatter (chunk_update), so each element is (sum of wte) + (sum of head) as without
+// chunks. The weights go back shard by shard and the last stage's replicas all-gather them.
 void Worker::chunk_tied(const Op& op) {
-  if (op.kind == OpKind::gather_tied_gradient || op.kind == OpKind::gather_tied_weights)
-    throw Error(fmt::format("rank {}: {} with offload chunks (w = 1 only)", rank_,
-                            planner::to_string(op.kind)));
   Chunk& c = chunks_.front();
   const auto [k, at] = tensor_at_.at(c.tied_offset);
   DataChunk& d = data_chunks_[std::size_t(k)];
   const std::int64_t n = c.tied_size;
+  const int w = s_.plan().w;
+  const planner::TiedShard sh = planner::tied_shard(n, w, replica_);
   d2h_->drain();
   h2d_->drain();
   host_cpu_->drain();
   Worker* self = this;
-  const int op_at = op_, src = device_, dst = device_of(op.peer);
+  const int op_at = op_, src = device_;
+  const int dst = op.peer >= 0 ? device_of(op.peer) : -1;
   const auto send = [&](Channel channel, const float* from) {
-    auto message = std::make_shared<std::vector<float>>(from, from + n);
+    auto message = std::make_shared<std::vector<float>>(from + sh.begin, from + sh.end);
     issue(send_engine_.get(), [self, message, channel, op_at, src, dst] {
       const auto t1 = Clock::now();
       self->s_.transport->send(src, dst, channel, std::move(*message));
@@ -526,36 +542,60 @@ void Worker::chunk_tied(const Op& op) {
   };
   const auto recv = [&](Channel channel) {
     std::vector<float> got = s_.transport->recv(dst, device_, channel);
-    if (std::int64_t(got.size()) != n)
-      throw Error(fmt::format("rank {}: {} of {} floats, the tied tensor has {}", rank_,
-                              planner::to_string(op.kind), got.size(), n));
+    if (std::int64_t(got.size()) != sh.end - sh.begin)
+      throw Error(fmt::format("rank {}: {} of {} floats, the tied tensor's shard has {}", rank_,
+                              planner::to_string(op.kind), got.size(), sh.end - sh.begin));
     return got;
   };
   const auto t0 = Clock::now();
   switch (op.kind) {
     case OpKind::send_tied_gradient: {
       float* grad = d.grads.data() + at;
+      if (w > 1) {
+        s_.transport->reduce_scatter_sum(fmt::format("ck/tg/{}/{}", stage_, op.step),
+                                         replica_group(), device_, grad, tied_bounds(n, w));
+        record(planner::kCollectiveStream, t0, Clock::now());
+      }
       send(Channel::tied, grad);
       std::fill_n(grad, n, 0.0f);  // the next step accumulates from zero
       return;
     }
     case OpKind::recv_tied_gradient: {
       const std::vector<float> head = recv(Channel::tied);
-      float* grad = d.grads.data() + at;
-      for (std::int64_t i = 0; i < n; ++i)
-        grad[i] = grad[i] + head[std::size_t(i)];
+      if (w > 1) {
+        tied_head_.assign(std::size_t(n), 0.0f);
+        std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
+      } else {
+        float* grad = d.grads.data() + at;
+        for (std::int64_t i = 0; i < n; ++i)
+          grad[i] = grad[i] + head[std::size_t(i)];
+      }
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
+    case OpKind::gather_tied_gradient:
+      if (std::int64_t(tied_head_.size()) != n)
+        throw Error(fmt::format("rank {}: gather_tied_gradient before recv_tied_gradient", rank_));
+      s_.transport->all_gather(fmt::format("ck/tgg/{}/{}", stage_, op.step), replica_group(),
+                               device_, tied_head_.data(), tied_bounds(n, w));
+      record(planner::kCollectiveStream, t0, Clock::now());
+      return;
     case OpKind::send_tied_weights:
       send(Channel::tied_weights, d.params.data() + at);
       return;
-    default: {  // recv_tied_weights
-      const std::vector<float> w = recv(Channel::tied_weights);
-      std::copy(w.begin(), w.end(), d.params.data() + at);
+    case OpKind::recv_tied_weights: {
+      const std::vector<float> got = recv(Channel::tied_weights);
+      float* out = d.params.data() + at;
+      if (w > 1) std::fill_n(out, n, 0.0f);
+      std::copy(got.begin(), got.end(), out + sh.begin);
       record(planner::kRecvStream, t0, Clock::now());
       return;
     }
+    default:  // gather_tied_weights
+      s_.transport->all_gather(fmt::format("ck/tgw/{}/{}", stage_, op.version), replica_group(),
+                               device_, d.params.data() + at, tied_bounds(n, w));
+      record(planner::kCollectiveStream, t0, Clock::now());
+      return;
   }
 }
 
@@ -566,6 +606,7 @@ void Worker::chunk_optimizer_step(const Op& op) {
     throw Error(fmt::format("rank {}: chunk copies left before the optimizer step", rank_));
   d2h_->drain();
   host_cpu_->drain();
+  tied_head_ = {};  // w > 1: added by the wte chunk's step
   ++updates_;
   bool allocate = false;
   slots_.place(op.version, slots_.target_for(op.version, allocate));

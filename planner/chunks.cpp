@@ -235,11 +235,6 @@ ChunkLayout stage_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
                          int stage) {
-  if (p.w > 1 && p.d > 1 && model.tied_embeddings)
-    throw PlanError(fmt::format(
-        "plan: w: offload chunks with w = {} and tied embeddings across pipeline stages (d = {}) "
-        "is not supported yet; use w = 1, d = 1 or a model without tied embeddings",
-        p.w, p.d));
   ChunkLayout L = stage_layout(model, chunk_bytes, p, stage);
   if (p.w > 1) {
     L.replicas = p.w;

@@ -83,8 +83,7 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 // The layout of one pipeline stage of a resolved plan: its layers only (its blocks, the embedding
 // on stage 0, the head on stage d-1), renumbered from 0, with, when the model ties its
 // embeddings and d > 1, the last stage's copy of "wte" after the head's own tensors; its optimizer
-// state sharded over the plan's w replicas. Throws PlanError for w > 1 with tied embeddings across
-// stages (the tied exchange of shards is not built for chunks).
+// state sharded over the plan's w replicas.
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& plan,
                          int stage);
 

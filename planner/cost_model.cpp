@@ -1039,12 +1039,13 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
 }
 
 // Exposed part of the tied-embedding exchange (d > 1): the last stage sends its head's gradient
-// (w > 1: each replica its 1/w shard of the all-reduced gradient) to stage 0 after its last
-// backward and all-reduce; stage 0 needs it after its own last backward, up to d-1 backward slots
-// later, then (w > 1) all-gathers the shards over its replicas. Flush schedules then wait for the
-// new weights on the last stage, whose first forward of the next step comes d-1 forwards and hops
-// after stage 0's; 2BW needs them one step later, where they hide. The last stage all-gathers the
-// weights' shards (w > 1) before that forward, on its critical path either way.
+// (w > 1: each replica its 1/w shard of the all-reduced gradient; with offload chunks of the
+// reduce-scattered one) to stage 0 after its last backward and all-reduce; stage 0 needs it after
+// its own last backward, up to d-1 backward slots later, then (w > 1) all-gathers the shards over
+// its replicas. Flush schedules then wait for the new weights on the last stage, whose first
+// forward of the next step comes d-1 forwards and hops after stage 0's; 2BW needs them one step
+// later, where they hide. The last stage all-gathers the weights' shards (w > 1) before that
+// forward, on its critical path either way.
 double tied_exchange_time(const models::ModelSpec& model, const models::ModelCosts& mc,
                           const clusters::Cluster& cluster, const Plan& p,
                           const std::vector<StageCost>& st) {
@@ -1068,8 +1069,12 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
     backwards += st[std::size_t(s)].backward_s / p.v;
   for (int s = 0; s < last; ++s)
     forwards += (st[std::size_t(s)].forward_s + st[std::size_t(s)].send_s) / p.v;
-  const double gradient_s = std::max(0.0, st[std::size_t(last)].allreduce_s + transfer_s -
-                                              backwards - st[0].allreduce_s) +
+  // Offload chunks (w > 1): no all-reduce sums the last stage's tied copy (its chunk steps sum
+  // only what they step), so its replicas reduce-scatter the copy's gradient before sending, a
+  // ring as long as the all-gather's.
+  const double copy_sum_s = p.offload == Offload::chunks ? gather_s(last) : 0.0;
+  const double gradient_s = std::max(0.0, st[std::size_t(last)].allreduce_s + copy_sum_s +
+                                              transfer_s - backwards - st[0].allreduce_s) +
                             gather_s(0);
   const double weights_s =
       (p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, transfer_s - forwards)) +
@@ -1136,21 +1141,23 @@ common::Json chunk_report(const ChunkSchedule& cs) {
   for (int c = 0; c < cs.layout.chunks(); ++c)
     (cs.device_resident(c) ? device_adam : host_adam) +=
         cs.device_resident(c) ? cs.device_adam_s[std::size_t(c)] : cs.host_adam_s[std::size_t(c)];
-  common::Json j = {{"chunk_bytes", cs.layout.chunk_bytes},
-                    {"move_bytes", cs.layout.move_bytes},
-                    {"chunks", cs.layout.chunks()},
-                    {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
-                    {"device_adam_chunks", cs.device_adam_chunks},
-                    {"uploads_per_step", cs.uploads},
-                    {"downloads_per_step", cs.downloads},
-                    {"copy_s", cs.copy_s},
-                    {"copy_stall_s", cs.forward_s + cs.backward_s - (cs.compute_s - device_adam)},
-                    {"cpu_adam_s", host_adam},
-                    {"device_adam_s", device_adam},
-                    {"optimizer_s", cs.optimizer_s},
-                    {"device_peak_bytes", cs.device_peak_bytes},
-                    {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
-                    {"host_peak_bytes", cs.host_peak_bytes}};
+  common::Json j = {
+      {"chunk_bytes", cs.layout.chunk_bytes},
+      {"move_bytes", cs.layout.move_bytes},
+      {"chunks", cs.layout.chunks()},
+      {"optimizer_state_bytes_per_chunk", cs.layout.os_chunk_bytes},
+      {"device_adam_chunks", cs.device_adam_chunks},
+      {"uploads_per_step", cs.uploads},
+      {"downloads_per_step", cs.downloads},
+      {"copy_s", cs.copy_s},
+      // No copies: rounding of the sums, not a negative stall.
+      {"copy_stall_s", std::max(0.0, cs.forward_s + cs.backward_s - (cs.compute_s - device_adam))},
+      {"cpu_adam_s", host_adam},
+      {"device_adam_s", device_adam},
+      {"optimizer_s", cs.optimizer_s},
+      {"device_peak_bytes", cs.device_peak_bytes},
+      {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
+      {"host_peak_bytes", cs.host_peak_bytes}};
   if (cs.layout.replicas > 1) {  // the optimizer state sharded over the stage's replicas
     j["replicas"] = cs.layout.replicas;
     j["collective_s"] = cs.collective_s;

@@ -203,9 +203,8 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
         for (auto [w, d] : shapes(int(ranks), model.layers, o))
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
-            // Chunks: t = 1; w > 1 shards the optimizer state, but not with a tied exchange.
-            if (offload == Offload::chunks && (t > 1 || (w > 1 && d > 1 && model.tied_embeddings)))
-              continue;
+            // Chunks: t = 1 (w > 1 shards the optimizer state).
+            if (offload == Offload::chunks && t > 1) continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =

@@ -170,6 +170,7 @@ class Replayer {
         break;
       case OpKind::send_tied_gradient:
         wait_collectives(op.step);  // as the executor: the head's gradient summed over replicas
+        tied_reduce_scatter(op);    // chunks: the copy's gradient is not in any chunk's sum
         send(op);
         break;
       case OpKind::send_activation:
@@ -335,6 +336,20 @@ class Replayer {
     while (!c.done)
       c.finished->wait(lock);
     record(kCollective, c.start, c.end, op);
+  }
+
+  // Offload chunks with w > 1 (else nothing): the last stage's tied copy gets no chunk step, so
+  // its replicas reduce-scatter its gradient before each sends its shard (as the executor):
+  // blocks until every replica arrived and the last has run a ring over the tied tensor's bytes.
+  void tied_reduce_scatter(const Op& op) {
+    if (w_.plan().offload != planner::Offload::chunks || w_.plan().w == 1) return;
+    Collective& c = collective(op.step, op.chunk, -22);
+    if (++c.arrived == w_.plan().w)
+      launch(c, "chunk-tied-reducescatter", allgather, replica_groups(), double(me_.tied_bytes));
+    std::unique_lock<sg4::Mutex> lock(*c.mutex);
+    while (!c.done)
+      c.finished->wait(lock);
+    record(kCollective, c.start, c.end, op_);
   }
 
   // Waits until every job of `kind` issued so far is done.

@@ -461,9 +461,12 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
                           DpCase{Schedule::one_f_one_b, 1, 2, 2, 2, true, false},
                           DpCase{Schedule::dp, 1, 3, 2, 1, false, false},
                           DpCase{Schedule::one_f_one_b, 1, 2, 1, 2, false, true},
-                          DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, false}}) {
-    // d = 2 needs an untied model (a tied exchange of shards is not built for chunks).
-    const bool untie = k.untied || k.d > 1;
+                          DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, false},
+                          DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, false, false},
+                          DpCase{Schedule::gpipe, 2, 3, 1, 2, false, true}}) {
+    // d = 2 tied: the last stage's replicas reduce-scatter the head's copy's gradient, send their
+    // shards, stage 0's replicas gather them and add them in the wte chunk's step.
+    const bool untie = k.untied;
     const models::ModelSpec model =
         untie ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
@@ -555,17 +558,13 @@ TEST(ChunksExec, DataParallelReplicasTakingTurnsOnOneCore) {
   EXPECT_GT(schedule_of(model, p, roomy_budget(model, p)).device_adam_chunks, 0);
 }
 
-// w > 1 with tied embeddings across stages is one line (from the planner, before anything runs).
-TEST(ChunksExec, DataParallelTiedPipelineIsOneLine) {
+// With w > 1 and tied embeddings across stages the exchange runs shard by shard; a checkpoint
+// holds the last stage's copy as without chunks: a resumed run gives the bits of an unbroken one.
+TEST(ChunksExec, DataParallelTiedPipelineResumeIsBitIdentical) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 2, false, 2);
-  const std::string msg =
-      testing::error_of<PlanError>([&] { train_cpu(model, p, adamw_options(2, 1 << 24)); });
-  EXPECT_NE(msg.find("plan: w: offload chunks with w = 2 and tied embeddings across pipeline "
-                     "stages (d = 2) is not supported yet"),
-            std::string::npos)
-      << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  testing::expect_resume_is_bit_identical(
+      model, p, adamw_options(4, pipeline_budget(model, p) + 100000), "chunkexec_w2_d2_tied");
 }
 
 }  // namespace

@@ -198,7 +198,12 @@ expect_code "--chunk-size without chunks" 1 "chunk_bytes: a chunk size needs off
 expect_code "chunks: device below a layer's working set" 1 "is smaller than the working set of the" $PW simulate $CK --set device.memory_bytes=2e8 --out "$O"
 expect_code "chunks: host memory too small" 1 "the host memory of node 0" $PW estimate --model gpt3-13b --cluster v100-32gb-ws -b 1 -m 1 --offload chunks --set host.memory_bytes=1e11 --out "$O"
 expect_ok "chunks with w = 8" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --out "$TMP/ckw8.json"
-expect_code "chunks with w > 1, tied embeddings and d > 1" 1 "plan: w: offload chunks with w = 4 and tied embeddings across pipeline stages (d = 2) is not supported yet" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 2 -d 2 -w 4 --offload chunks --out "$O"
+expect_ok "chunks with w > 1, tied embeddings and d > 1" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 2 -d 2 -w 4 --offload chunks --out "$TMP/ckw4d2.json"
+python3 -c "
+import json
+r = json.load(open('$TMP/ckw4d2.json'))
+assert r['estimate']['tied_s'] > 0 and r['offload']['ranks'][7]['chunks']['replicas'] == 4, r['estimate']" && ok || bad "chunks w = 4 d = 2 tied: the tied exchange and 4 replicas per stage"
+expect_ok "train: chunks with w = 2, tied embeddings and d = 2" $PW train --backend cpu --model gpt-tiny --steps 2 -w 2 -d 2 -b 1 -m 2 --offload chunks --chunk-size 65536 --device-memory 3000000 --out "$TMP/ckw2d2-train.json"
 expect_code "chunks with the distributed optimizer" 1 "leave distributed_optimizer off" $PW estimate --model gpt2-124m --cluster p3.16xlarge -b 1 -m 1 -d 1 -w 8 --offload chunks --distributed-optimizer --out "$O"
 expect_code "schedule --offload chunks" 1 "programs need the chunk schedule" $PW schedule --offload chunks -d 1 -m 1
 echo '{"format": "pipewright.plan/1", "schedule": "gpipe", "w": 1, "d": 2, "b": 1, "m": 4, "offload": "activations", "activations": ["swap"]}' > "$TMP/bad-swap.json"
