@@ -23,11 +23,13 @@
 #include "exec/mpi/probe.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
+#include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #ifdef PW_HAVE_CUDA
 #include "exec/cuda/probe.hpp"
 #include "exec/cuda/profile.hpp"
 #endif
+#include "planner/chunks.hpp"
 #include "planner/validation.hpp"
 #include "sim/simulator.hpp"
 
@@ -74,6 +76,10 @@ void print_validation(const planner::Validation& v) {
   if (v.has_median_step) row("vs the median step", v.median_step_time_s);
   fmt::print("  {:<19} {:>11.1f} {:>11.1f} {:>8}\n", "samples/s", v.samples_per_s.predicted,
              v.samples_per_s.measured, percent(v.samples_per_s.error));
+  if (v.has_copies)
+    fmt::print("  {:<19} {:>11} {:>11} {:>8}\n", "copied per step",
+               human_bytes(v.copy_bytes_per_step.predicted),
+               human_bytes(v.copy_bytes_per_step.measured), percent(v.copy_bytes_per_step.error));
   if (v.measured_step_times_s.size() > 1) {
     const auto [lo, hi] =
         std::minmax_element(v.measured_step_times_s.begin() + 1, v.measured_step_times_s.end());
@@ -413,7 +419,16 @@ void run_and_compare(const ValidateArgs& a) {
                                  model.name, models::to_string(model.dtype)));
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
-  const planner::Plan plan = a.plan.build(model.layers, 1);
+  planner::Plan plan = a.plan.build(model.layers, 1);
+  // Activation offload without per-stage choices: every stage swaps what it can, as train runs it.
+  if (plan.offload_activations && plan.activations.empty()) {
+    planner::set_activations(plan, std::vector<planner::ActivationChoice>(
+                                       std::size_t(plan.d), planner::ActivationChoice::swap));
+    planner::check(plan);
+  }
+  // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
+  // before the profile and the probes take their minutes.
+  if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
   if (plan.t > 1 && gpu)
     throw InputError(fmt::format(
         "plan: t: the cuda executor does not run tensor parallelism yet (t = {}); validate it "
@@ -502,13 +517,34 @@ void run_and_compare(const ValidateArgs& a) {
   std::int64_t shared_sizes[4] = {probe_sizes[0], probe_sizes[1], probe_sizes[2], probe_sizes[3]};
   if (job) job->broadcast(shared_sizes, int(sizeof shared_sizes), 0);
 #ifdef PW_HAVE_CUDA
-  const Machine machine_probe = gpu   ? probe_gpu(plan, probe_sizes, a.round_trips)
-                                : job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
-                                      : probe_cpu(plan, probe_sizes, a.round_trips);
+  Machine machine_probe = gpu   ? probe_gpu(plan, probe_sizes, a.round_trips)
+                          : job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
+                                : probe_cpu(plan, probe_sizes, a.round_trips);
 #else
-  const Machine machine_probe = job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
-                                    : probe_cpu(plan, probe_sizes, a.round_trips);
+  Machine machine_probe = job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
+                              : probe_cpu(plan, probe_sizes, a.round_trips);
 #endif
+  // Offload: the copies between the emulated device and the host pool, and CPU Adam, measured;
+  // each device as large as the executor's (--device-memory), so that both plan the same chunks.
+  if (!gpu && plan.any_offload()) {
+    const std::int64_t chunk =
+        plan.offload == planner::Offload::chunks
+            ? (plan.chunk_bytes > 0 ? plan.chunk_bytes : planner::default_chunk_bytes(model))
+            : 4 * message;
+    fmt::print("probing the host side of offload (copies up to {}, the optimizer update)...\n",
+               human_bytes(double(2 * chunk)));
+    std::fflush(stdout);
+    const exec::HostFit host = exec::measure_host({4096, chunk, 2 * chunk}, a.train);
+    exec::add_host(machine_probe.cluster, host, job ? 1 : plan.ranks());
+    if (a.train.device_memory > 0)
+      machine_probe.cluster.device.memory_bytes = a.train.device_memory;
+    fmt::print("  copy {} + bytes / {}; {} {} parameters/s per core\n",
+               human_seconds(host.copy.latency_s), human_rate(host.copy.bandwidth_bytes_per_s, "B"),
+               a.train.optimizer, fmt::format("{:.3g}", host.optimizer_params_per_s));
+    machine_probe.json["host"] = {{"copy_latency_s", host.copy.latency_s},
+                                  {"copy_bandwidth_bytes_per_s", host.copy.bandwidth_bytes_per_s},
+                                  {"optimizer_params_per_s", host.optimizer_params_per_s}};
+  }
   const clusters::Cluster& cluster = machine_probe.cluster;
   const exec::TransportFit& link = machine_probe.link;
 
@@ -727,6 +763,11 @@ void add_validate_command(CLI::App& app) {
                 "CPU threads: run each rank's thread on the core the simulation puts it on "
                 "(under mpirun, mpirun binds)")
       ->capture_default_str();
+  cmd->add_option("--device-memory", a->train.device_memory,
+                  "bytes of each rank's emulated device (train --device-memory; the simulation "
+                  "plans on devices of this size; --offload chunks needs it)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t(0), std::int64_t(1) << 50));
   cmd->add_option("--out,-o", a->out, "write the validation report (JSON) here");
   cmd->add_option("--trace-out", a->trace_out, "keep the profiled trace here");
   cmd->add_option("--simulated-out", a->simulated_out, "keep the simulated run report here");

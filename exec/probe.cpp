@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include "common/error.hpp"
+#include "exec/copy_engine.hpp"
+#include "exec/optimizer.hpp"
 #include "exec/transport.hpp"
 
 namespace pw::exec {
@@ -203,6 +205,61 @@ clusters::Cluster cpu_host_cluster(int cores, const TransportFit& transport,
       "kind pcie for a port per device with no per-pair division",
       cores, transport.latency_s * 1e6, transport.bandwidth_bytes_per_s / 1e9);
   return c;
+}
+
+HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOptions& options,
+                     std::int64_t params, int repeats) {
+  if (sizes_bytes.size() < 2 || params < 1 || repeats < 1)
+    throw Error("measure_host: two sizes or more, one parameter and one repeat at least");
+  const auto median = [](std::vector<double> t) {
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  HostFit fit;
+  CopyEngine engine;
+  std::vector<TransportSample> samples;
+  for (std::int64_t bytes : sizes_bytes) {
+    const std::size_t n = std::size_t(std::max<std::int64_t>(bytes / 4, 1));
+    std::vector<float> from(n, 1.0f), to(n, 0.0f);
+    std::vector<double> times;
+    for (int k = -2; k < repeats; ++k) {  // two warm-up copies
+      const auto t0 = Clock::now();
+      engine.wait(engine.submit([&] { std::memcpy(to.data(), from.data(), n * sizeof(float)); }));
+      if (k >= 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    samples.push_back({std::int64_t(n * sizeof(float)), median(times)});
+  }
+  fit.copy = fit_transport(samples);
+  const std::size_t n = std::size_t(params);
+  std::vector<float> w(n, 0.5f), g(n), m(n, 0.0f), v(n, 0.0f);
+  std::vector<double> times;
+  for (int k = -1; k < repeats; ++k) {
+    std::fill(g.begin(), g.end(), 1e-3f);  // the update zeroes the gradient
+    const auto t0 = Clock::now();
+    optimizer_update(options, k + 2, w.data(), w.data(), g.data(), m.data(), v.data(), params);
+    if (k >= 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  fit.optimizer_params_per_s = double(params) / std::max(median(times), 1e-12);
+  return fit;
+}
+
+void add_host(clusters::Cluster& cluster, const HostFit& host, int ranks) {
+  if (host.copy.bandwidth_bytes_per_s <= 0 || host.optimizer_params_per_s <= 0)
+    throw Error("cpu-host cluster: the host copy bandwidth and optimizer rate must be positive");
+  clusters::Host& h = cluster.host;
+  h.pcie_bandwidth_bytes_per_s = host.copy.bandwidth_bytes_per_s;
+  h.pcie_latency_s = host.copy.latency_s;
+  h.link = clusters::HostLinkKind::pcie;
+  h.pinned_memory_bytes = h.memory_bytes;
+  h.gpus_per_uplink = 1;
+  h.uplink_bandwidth_bytes_per_s = h.pcie_bandwidth_bytes_per_s;
+  h.cpu_cores = std::max(1, std::min(ranks, hardware_threads()));
+  h.cpu_adam_params_per_s_per_core = host.optimizer_params_per_s;
+  cluster.notes += fmt::format(
+      "; host link: a copy engine's memcpy ({:.3g} us + bytes / {:.3g} GB/s), CPU Adam {:.3g} "
+      "parameters/s per core over {} cores (one engine thread per rank)",
+      host.copy.latency_s * 1e6, host.copy.bandwidth_bytes_per_s / 1e9, host.optimizer_params_per_s,
+      h.cpu_cores);
 }
 
 }  // namespace pw::exec

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "clusters/cluster.hpp"
+#include "exec/runtime.hpp"
 
 namespace pw::exec {
 
@@ -60,5 +61,23 @@ int hardware_threads();
 // network, no host-device PCIe.
 clusters::Cluster cpu_host_cluster(int cores, const TransportFit& transport,
                                    double gemm_flops_per_s);
+
+// What offload runs on in the CPU executor, measured: a copy between the emulated device and the
+// host pool (a memcpy of a buffer on a copy engine's thread, handed over and waited for as the
+// workers do: `copy` fitted as latency + bytes / bandwidth over `sizes_bytes`, median of
+// `repeats` each), and the optimizer update of one core (exec::optimizer_update with `options`
+// over `params` floats: parameters per second, median of `repeats`).
+struct HostFit {
+  TransportFit copy;
+  double optimizer_params_per_s = 0;
+};
+HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOptions& options,
+                     std::int64_t params = 1 << 20, int repeats = 20);
+
+// `cluster` with the host side that offload plans need, from `host`: each device's host link the
+// measured copy (kind pcie: no ceiling, one device per uplink), pinned memory the host's RAM, the
+// CPU Adam rate the measured one per core over min(`ranks`, cores) cores (each rank's host work
+// runs on one engine thread of its own).
+void add_host(clusters::Cluster& cluster, const HostFit& host, int ranks);
 
 }  // namespace pw::exec

@@ -152,6 +152,14 @@ Validation validate(const RunReport& predicted, const RunReport& measured,
     v.has_median_step = true;
     v.median_step_time_s = compare(predicted.iteration_time_s, median);
   }
+  const auto copied = [](const RunReport& r) {
+    const Json& o = r.extra["offload"];
+    return o.value("copy_out_bytes_per_step", 0.0) + o.value("copy_in_bytes_per_step", 0.0);
+  };
+  if (predicted.extra.contains("offload") && measured.extra.contains("offload")) {
+    v.has_copies = true;
+    v.copy_bytes_per_step = compare(copied(predicted), copied(measured));
+  }
   for (int device = 0; device < ranks * per; ++device) {
     const int rank = device / per;
     const DeviceReport& a = *p[std::size_t(rank)];
@@ -205,6 +213,8 @@ Json to_json(const Validation& v, const Json& machine, const Json& files) {
           {"samples_per_s", compared_json(v.samples_per_s)},
           {"max_abs_busy_error", v.max_abs_busy_error},
           {"max_abs_memory_error", v.max_abs_memory_error},
+          {"copy_bytes_per_step",
+           v.has_copies ? compared_bytes_json(v.copy_bytes_per_step) : Json(nullptr)},
           {"devices", devices}};
 }
 

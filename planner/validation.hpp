@@ -46,6 +46,10 @@ struct Validation {
   // of the machine); has_median_step is false without at least two measured step times.
   bool has_median_step = false;
   Compared median_step_time_s;
+  // Offload plans (both reports with an "offload" section): the bytes the copies moved per step,
+  // both directions, summed over the ranks.
+  bool has_copies = false;
+  Compared copy_bytes_per_step;
   std::vector<DeviceValidation> devices;  // by rank
   double max_abs_busy_error = 0;
   double max_abs_memory_error = 0;

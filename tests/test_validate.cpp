@@ -111,6 +111,23 @@ TEST(Validate, ErrorsPerRankAndOverall) {
   EXPECT_EQ(j["measured"]["cluster"], "cpu:2");
 }
 
+// Offload: the bytes the copies moved per step (both directions, over the ranks) are compared when
+// both reports have them; without an offload section there is nothing to compare (null in JSON).
+TEST(Validate, OffloadBytesMovedPerStep) {
+  RunReport sim = report("simulated", 0.030, {0.020, 0.030}, {3000, 1000});
+  RunReport meas = report("measured", 0.040, {0.025, 0.030}, {3000, 1000});
+  EXPECT_FALSE(planner::validate(sim, meas).has_copies);
+  EXPECT_TRUE(planner::to_json(planner::validate(sim, meas))["copy_bytes_per_step"].is_null());
+  sim.extra["offload"] = {{"copy_out_bytes_per_step", 3000}, {"copy_in_bytes_per_step", 1000}};
+  meas.extra["offload"] = {{"copy_out_bytes_per_step", 3000}, {"copy_in_bytes_per_step", 2000}};
+  const planner::Validation v = planner::validate(sim, meas);
+  ASSERT_TRUE(v.has_copies);
+  EXPECT_DOUBLE_EQ(v.copy_bytes_per_step.predicted, 4000);
+  EXPECT_DOUBLE_EQ(v.copy_bytes_per_step.measured, 5000);
+  EXPECT_DOUBLE_EQ(v.copy_bytes_per_step.error, -0.2);
+  EXPECT_EQ(planner::to_json(v)["copy_bytes_per_step"]["measured"], 5000);
+}
+
 // Tensor parallelism: the prediction has a row per rank (one GPU of its group), the measurement
 // one per GPU (device rank * t + TP index); each GPU is compared with its rank's prediction, a
 // report listing the ranks only is compared rank by rank, and anything else is one line.
@@ -282,6 +299,32 @@ TEST(CpuHostCluster, IsAValidClusterWithTheMeasuredLink) {
   const clusters::Cluster one = exec::cpu_host_cluster(1, f, 5e10);
   EXPECT_EQ(one.intra_node.kind, clusters::IntraKind::none);
   EXPECT_EQ(clusters::parse_cluster(clusters::to_json(one), "one.json"), one);
+}
+
+// The host side of offload on this machine: a copy engine's memcpy and one core's optimizer update,
+// positive and finite; the cluster gets them as its host link and CPU Adam rate, one core per rank
+// up to the machine's, and still reads back from its file.
+TEST(CpuHostCluster, OffloadGetsTheMeasuredHostSide) {
+  exec::TrainOptions o;
+  const exec::HostFit h = exec::measure_host({4096, 1 << 20}, o, 1 << 16, 3);
+  EXPECT_GT(h.copy.bandwidth_bytes_per_s, 0);
+  EXPECT_TRUE(std::isfinite(h.copy.bandwidth_bytes_per_s));
+  EXPECT_GE(h.copy.latency_s, 0);
+  EXPECT_GT(h.optimizer_params_per_s, 0);
+  EXPECT_TRUE(std::isfinite(h.optimizer_params_per_s));
+  exec::TransportFit f;
+  f.latency_s = 4e-6;
+  f.bandwidth_bytes_per_s = 1e10;
+  clusters::Cluster c = exec::cpu_host_cluster(2, f, 5e10);
+  exec::add_host(c, h, 1);
+  EXPECT_EQ(c.host.pcie_bandwidth_bytes_per_s, h.copy.bandwidth_bytes_per_s);
+  EXPECT_EQ(c.host.cpu_cores, 1);
+  EXPECT_EQ(c.host.cpu_adam_params_per_s(), h.optimizer_params_per_s);
+  EXPECT_EQ(c.host.pinned_memory_bytes, c.host.memory_bytes);
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(c), "cpu-host.json"), c);
+  exec::add_host(c, h, 1 << 20);  // more ranks than cores: the cores
+  EXPECT_EQ(c.host.cpu_cores, exec::hardware_threads());
+  EXPECT_THROW(exec::measure_host({4096}, o), pw::Error);
 }
 
 // /proc/stat's first line, in ticks: busy = user + nice + system + irq + softirq; total adds idle,

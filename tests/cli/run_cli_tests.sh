@@ -362,6 +362,26 @@ assert json.load(open('$TMP/val-sim.json'))['source'] == 'simulated'
 assert json.load(open('$TMP/val-meas.json'))['source'] == 'measured'
 " && ok || bad "validate writes the validation report"
 expect_ok "simulate on the cpu-host cluster" $PW simulate --model gpt-tiny --cluster "$TMP/cpu-host.json" --trace "$TMP/val-trace.json" --schedule 1f1b -d 2 -m 2 -b 2
+# Offload: the host side measured (copies, CPU Adam) into the cpu-host cluster, the devices the
+# executor's --device-memory; bytes moved and peaks exact, the step time's error as it comes.
+expect_ok "validate --offload chunks" $PW validate --model gpt-tiny --schedule 1f1b -d 2 -m 2 -b 2 --steps 3 --repeats 2 --round-trips 10 --blocks 1 \
+  --offload chunks --chunk-size 65536 --device-memory 2600000 --out "$TMP/val-ck.json" --cluster-out "$TMP/cpu-host-ck.json"
+grep -q "^probing the host side of offload" "$TMP/out" && grep -q "^  copied per step " "$TMP/out" && ok || bad "validate --offload chunks prints the host probe and the bytes moved"
+python3 -c "
+import json
+v = json.load(open('$TMP/val-ck.json'))
+c = v['copy_bytes_per_step']
+assert c['predicted'] > 0 and c['predicted'] == c['measured'] and c['error'] == 0, c
+assert v['max_abs_memory_error'] == 0, v['max_abs_memory_error']
+h = v['machine']['host']
+assert h['copy_bandwidth_bytes_per_s'] > 0 and h['optimizer_params_per_s'] > 0, h
+k = json.load(open('$TMP/cpu-host-ck.json'))
+assert k['device']['memory_bytes'] == 2600000 and k['host']['cpu_adam_params_per_s_per_core'] > 0, k['host']
+" && ok || bad "validate --offload chunks: bytes and peaks exact, the host measured"
+expect_error "validate --offload chunks without --device-memory" "needs --device-memory" "$O" $PW validate --model gpt-tiny --offload chunks --steps 2 --out "$O"
+! grep -q "^profiling" "$TMP/out" && ok || bad "validate --offload chunks without a device is refused before it profiles"
+expect_error "validate: an offload the executor refuses" "needs the tied embedding and LM head on different stages" "$O" $PW validate --model gpt-tiny --offload optimizer -d 1 --steps 2 --out "$O"
+! grep -q "^profiling" "$TMP/out" && ok || bad "validate --offload optimizer at d = 1 (tied) is refused before it profiles"
 expect_ok "validate with a given trace" $PW validate --model gpt-tiny --trace "$TMP/val-trace.json" --schedule 2bw -d 2 -m 2 -b 2 --steps 2 --round-trips 10
 ! grep -q "^profiling" "$TMP/out" && ok || bad "validate --trace does not profile"
 expect_ok "validate files" $PW validate --predicted "$TMP/val-sim.json" --measured "$TMP/val-meas.json" --out "$TMP/val-files.json"
