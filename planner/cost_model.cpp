@@ -968,6 +968,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     const double piece = double(message_piece_bytes(p, e.layers[LayerKind::block].output_bytes));
     const int sharers = nic_sharers(cluster, p, s) * tp_nic_sharers(cluster, p, link);
     st.send_s = p.v * (link.latency_s + sharers * piece / link.bandwidth_bytes_per_s);
+    st.send_bytes = sharers * piece;
   }
   // Each GPU of a TP group all-reduces its own shard over the stage's w replicas, the t rings at
   // once (sharing a node's NIC). The distributed optimizer's reduce-scatter of the gradients and
@@ -1064,6 +1065,31 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
     ring.bandwidth_bytes_per_s /= tp_nic_sharers(cluster, p, ring);
     return (p.w - 1) * (ring.latency_s + shard / ring.bandwidth_bytes_per_s);
   };
+  // Flush schedules (v = 1) across nodes: while the new weights cross, the next step's fill sends
+  // its activations over the same NICs (out of stage 0's node, into the last stage's). The stage
+  // s before such a boundary ends its first forward at a_s (the forwards and hops before it) and
+  // sends one activation per forward after it while the weights are under way (transfer_s), up
+  // to its sends before it needs a gradient back, which cannot come until the last stage has the
+  // weights (1f1b: min(d - s, m); gpipe: m). They share the NIC, so the weights take longer by
+  // those bytes (docs/formulas.md §4, the tied exchange).
+  double fill_bytes = 0;
+  if (link.via == "network" && p.v == 1 && p.schedule != Schedule::two_bw) {
+    const auto node_of = [&](int s) { return p.placement[std::size_t(p.rank_of(s, 0))].node; };
+    double first_end = 0;  // a_s
+    for (int s = 0; s + 1 < p.d; ++s) {
+      const StageCost& x = st[std::size_t(s)];
+      first_end += x.forward_s;
+      const bool crossing = node_of(s) != node_of(s + 1) &&
+                            (node_of(s) == node_of(0) || node_of(s + 1) == node_of(last));
+      if (crossing && transfer_s > first_end && x.forward_s > 0) {
+        const int most = p.schedule == Schedule::gpipe ? p.m : std::min(p.d - s, p.m);
+        const double during = std::floor((transfer_s - first_end) / x.forward_s) + 1;
+        fill_bytes = std::max(fill_bytes, std::min(double(most), during) * x.send_bytes);
+      }
+      first_end += x.send_s;
+    }
+  }
+  const double weights_transfer_s = transfer_s + fill_bytes / link.bandwidth_bytes_per_s;
   double backwards = 0, forwards = 0;
   for (int s = 1; s < p.d; ++s)
     backwards += st[std::size_t(s)].backward_s / p.v;
@@ -1077,7 +1103,7 @@ double tied_exchange_time(const models::ModelSpec& model, const models::ModelCos
                                               transfer_s - backwards - st[0].allreduce_s) +
                             gather_s(0);
   const double weights_s =
-      (p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, transfer_s - forwards)) +
+      (p.schedule == Schedule::two_bw ? 0.0 : std::max(0.0, weights_transfer_s - forwards)) +
       gather_s(last);
   return gradient_s + weights_s;
 }

@@ -254,15 +254,18 @@ struct StageCost {
   bool has_embedding = false;
   bool has_head = false;
   Recompute recompute = Recompute::none;
-  std::int64_t parameters = 0;       // per GPU, including the tied-embedding copy on the last stage
-  double forward_s = 0;              // t_f(s), TP collectives included
-  double backward_s = 0;             // t_b(s), including the recompute forward when recomputing
-  double tp_s = 0;                   // TP collectives inside forward_s + backward_s
-  double optimizer_s = 0;            // AdamW over the stage's parameters (its shard with the
-                                     // distributed optimizer); with offload the host step
-  RankOffload offload;               // offload figures of one rank (plan.offload != none)
-  StageSwap swap;                    // activation offload of one rank (plan.swaps(stage))
-  double send_s = 0;                 // activation to stage s+1 (and gradient back), one microbatch
+  std::int64_t parameters = 0;  // per GPU, including the tied-embedding copy on the last stage
+  double forward_s = 0;         // t_f(s), TP collectives included
+  double backward_s = 0;        // t_b(s), including the recompute forward when recomputing
+  double tp_s = 0;              // TP collectives inside forward_s + backward_s
+  double optimizer_s = 0;       // AdamW over the stage's parameters (its shard with the
+                                // distributed optimizer); with offload the host step
+  RankOffload offload;          // offload figures of one rank (plan.offload != none)
+  StageSwap swap;               // activation offload of one rank (plan.swaps(stage))
+  double send_s = 0;            // activation to stage s+1 (and gradient back), one microbatch
+  // What that send moves through its link's bottleneck: the activation piece times the replicas
+  // (and TP GPUs) sharing a node's NIC with it.
+  double send_bytes = 0;
   double allreduce_s = 0;            // ring all-reduce of the stage's gradients over w replicas
   std::int64_t in_flight = 0;        // microbatches stashed at once (n_s)
   std::int64_t stash_bytes = 0;      // A_s(b): one microbatch's stash without recompute
