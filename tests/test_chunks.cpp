@@ -965,6 +965,21 @@ TEST(ChunksPipeline, EightStagesAgreeWithTheSimulator) {
     }
 }
 
+// Each rank's device peak and offload figures (bytes moved each way, host bytes) the same in the
+// simulated report as in the closed form's.
+void expect_same_ranks(const planner::RunReport& sim, const planner::RunReport& est, int ranks) {
+  ASSERT_EQ(int(sim.devices.size()), ranks);
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(sim.devices[std::size_t(r)].peak_memory_bytes,
+              est.devices[std::size_t(r)].peak_memory_bytes)
+        << r;
+    for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+      EXPECT_EQ(sim.extra["offload"]["ranks"][std::size_t(r)][key],
+                est.extra["offload"]["ranks"][std::size_t(r)][key])
+          << key << r;
+  }
+}
+
 // Issue 15's capacity question with a pipeline: the deepest C = 4096 GPT (gpt3-6.7b's shape)
 // whose chunks plan fits on one V100-32GB (d = 1) and on eight of them as an 8-stage pipeline
 // (p3.16xlarge's node with V100-32GB: 488 GiB of host memory shared by its stages), 1f1b, b = 1,
@@ -1020,16 +1035,7 @@ TEST(ChunksDataParallel, ClosedFormAgreesWithTheSimulatorAndShardsTheState) {
     EXPECT_LT(cs.host_peak_bytes, c1.host_peak_bytes);
     EXPECT_GT(cs.optimizer_s, 0);
     EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
-    ASSERT_EQ(int(s.report.devices.size()), k.w);
-    for (int r = 0; r < k.w; ++r) {
-      EXPECT_EQ(s.report.devices[std::size_t(r)].peak_memory_bytes,
-                est.report.devices[std::size_t(r)].peak_memory_bytes)
-          << r;
-      for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
-        EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)][key],
-                  est.report.extra["offload"]["ranks"][std::size_t(r)][key])
-            << key << r;
-    }
+    expect_same_ranks(s.report, est.report, k.w);
     EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
     EXPECT_EQ(est.report.hosts[0].peak_memory_bytes, k.w * cs.host_peak_bytes);
     fmt::print(
@@ -1063,16 +1069,7 @@ TEST(ChunksDataParallel, TiedPipelineAgreesWithTheSimulator) {
     const sim::SimResult s = sim::simulate(m, t, c, p, {.steps = 3});
     EXPECT_GT(est.tied_s, 0);
     EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
-    ASSERT_EQ(int(s.report.devices.size()), p.ranks());
-    for (int r = 0; r < p.ranks(); ++r) {
-      EXPECT_EQ(s.report.devices[std::size_t(r)].peak_memory_bytes,
-                est.report.devices[std::size_t(r)].peak_memory_bytes)
-          << r;
-      for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
-        EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)][key],
-                  est.report.extra["offload"]["ranks"][std::size_t(r)][key])
-            << key << r;
-    }
+    expect_same_ranks(s.report, est.report, p.ranks());
     fmt::print(
         "gpt3-6.7b d = 4 w = {}: step {:.4f} s (tied exchange {:.4f} s) simulated {:.4f} s\n", w,
         est.report.iteration_time_s, est.tied_s, s.report.iteration_time_s);
