@@ -328,14 +328,8 @@ class Replayer {
   // `step`, and the last to arrive has run it: a ring over S_p bytes, as an all-gather's.
   void chunk_collective(int step, int chunk, bool gather, int op) {
     if (w_.plan().w == 1) return;
-    Collective& c = collective(step, chunk, gather ? -21 : -20);
-    if (++c.arrived == w_.plan().w)
-      launch(c, gather ? "chunk-allgather" : "chunk-reducescatter", allgather, replica_groups(),
-             double(schedule().layout.chunk_bytes));
-    std::unique_lock<sg4::Mutex> lock(*c.mutex);
-    while (!c.done)
-      c.finished->wait(lock);
-    record(kCollective, c.start, c.end, op);
+    all_gather(collective(step, chunk, gather ? -21 : -20), double(schedule().layout.chunk_bytes),
+               gather ? "chunk-allgather" : "chunk-reducescatter", op);
   }
 
   // Offload chunks with w > 1 (else nothing): the last stage's tied copy gets no chunk step, so
@@ -343,13 +337,8 @@ class Replayer {
   // blocks until every replica arrived and the last has run a ring over the tied tensor's bytes.
   void tied_reduce_scatter(const Op& op) {
     if (w_.plan().offload != planner::Offload::chunks || w_.plan().w == 1) return;
-    Collective& c = collective(op.step, op.chunk, -22);
-    if (++c.arrived == w_.plan().w)
-      launch(c, "chunk-tied-reducescatter", allgather, replica_groups(), double(me_.tied_bytes));
-    std::unique_lock<sg4::Mutex> lock(*c.mutex);
-    while (!c.done)
-      c.finished->wait(lock);
-    record(kCollective, c.start, c.end, op_);
+    all_gather(collective(op.step, op.chunk, -22), double(me_.tied_bytes),
+               "chunk-tied-reducescatter", op_);
   }
 
   // Waits until every job of `kind` issued so far is done.
@@ -715,16 +704,14 @@ class Replayer {
   }
 
   // Blocks until every replica of the stage arrived at `c` and the last to arrive has
-  // all-gathered `bytes` (the whole tensor) among them.
-  void all_gather(Collective& c, double bytes) {
-    if (++c.arrived == w_.plan().w) {
-      const auto groups = replica_groups();
-      launch(c, "allgather", allgather, groups, bytes);
-    }
+  // all-gathered `bytes` (the whole tensor) among them: a ring, which a reduce-scatter of the same
+  // bytes takes as long as (named `name`, recorded as op `op`, the current one when -1).
+  void all_gather(Collective& c, double bytes, const char* name = "allgather", int op = -1) {
+    if (++c.arrived == w_.plan().w) launch(c, name, allgather, replica_groups(), bytes);
     std::unique_lock<sg4::Mutex> lock(*c.mutex);
     while (!c.done)
       c.finished->wait(lock);
-    record(kCollective, c.start, c.end, op_);
+    record(kCollective, c.start, c.end, op < 0 ? op_ : op);
   }
 
   Collective& collective(int step, int chunk, int bucket) {
