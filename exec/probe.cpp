@@ -6,6 +6,7 @@
 #include <cstring>
 #include <exception>
 #include <thread>
+#include <utility>
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -14,6 +15,7 @@
 #include "common/error.hpp"
 #include "exec/copy_engine.hpp"
 #include "exec/optimizer.hpp"
+#include "exec/profile_driver.hpp"
 #include "exec/transport.hpp"
 
 namespace pw::exec {
@@ -212,8 +214,7 @@ HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOp
   if (sizes_bytes.size() < 2 || params < 1 || repeats < 1)
     throw Error("measure_host: two sizes or more, one parameter and one repeat at least");
   const auto median = [](std::vector<double> t) {
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    return profiling::summarize(std::move(t), ProfileStatistic::median);
   };
   HostFit fit;
   CopyEngine engine;
