@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -64,6 +65,15 @@ exec::TrainResult train_on(const std::string& backend, const models::ModelSpec& 
   check_backend(backend);
   return {};
 #endif
+}
+
+planner::Plan executed_plan(planner::Plan plan) {
+  if (plan.offload_activations && plan.activations.empty()) {
+    planner::set_activations(plan, std::vector<planner::ActivationChoice>(
+                                       std::size_t(plan.d), planner::ActivationChoice::swap));
+    planner::check(plan);
+  }
+  return plan;
 }
 
 MeasuredOn measured_on(const std::string& backend, const models::ModelSpec& model,

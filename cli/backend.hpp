@@ -6,6 +6,7 @@
 #include <string>
 
 #include "exec/runtime.hpp"
+#include "planner/plan.hpp"
 
 namespace pw::exec {
 class MpiSession;
@@ -26,6 +27,11 @@ exec::TrainResult train_on(const std::string& backend, const models::ModelSpec& 
                            const planner::Plan& plan, const exec::TrainOptions& options,
                            const std::function<void(const exec::StepLog&)>& on_step,
                            double comm_timeout_s = 300);
+
+// The plan as the executor runs it: activation offload without per-stage choices (a plan file's
+// "activations") swaps on every stage (the rule that picks swap or recompute needs a cluster's
+// link; this machine's copies are memcpys). `train` and `validate` both start from it.
+planner::Plan executed_plan(planner::Plan plan);
 
 // What a measured run ran on, for its report: the cluster text ("cpu:<ranks>", or "<GPU name>:1"
 // for ranks sharing GPU 0, "<GPU name>:<N>" under mpirun) and the devices' summed peak flops for

@@ -117,15 +117,7 @@ void add_train_command(CLI::App& app) {
     check_backend(a->backend);
     const models::ModelSpec model = exec::as_executed(models::load_model(a->model));
     // Without -w the width is 1 (build() checks the plan).
-    planner::Plan plan = a->plan.build(model.layers, 1);
-    // Activation offload without per-stage choices (a plan file's "activations"): every stage
-    // swaps what it can (the rule that picks swap or recompute needs a cluster's link; this
-    // machine's copies are memcpys).
-    if (plan.offload_activations && plan.activations.empty()) {
-      planner::set_activations(plan, std::vector<planner::ActivationChoice>(
-                                         std::size_t(plan.d), planner::ActivationChoice::swap));
-      planner::check(plan);
-    }
+    const planner::Plan plan = executed_plan(a->plan.build(model.layers, 1));
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
     if (lead)

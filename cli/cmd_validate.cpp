@@ -419,13 +419,7 @@ void run_and_compare(const ValidateArgs& a) {
                                  model.name, models::to_string(model.dtype)));
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
-  planner::Plan plan = a.plan.build(model.layers, 1);
-  // Activation offload without per-stage choices: every stage swaps what it can, as train runs it.
-  if (plan.offload_activations && plan.activations.empty()) {
-    planner::set_activations(plan, std::vector<planner::ActivationChoice>(
-                                       std::size_t(plan.d), planner::ActivationChoice::swap));
-    planner::check(plan);
-  }
+  const planner::Plan plan = executed_plan(a.plan.build(model.layers, 1));
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
