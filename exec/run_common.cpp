@@ -67,11 +67,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: sp: the {} executor does not run sequence parallelism yet; "
                     "simulate or estimate it instead",
                     backend));
-  if (plan.distributed_optimizer && plan.w > 1 && backend != "cpu")
+  if (plan.offload_sharded() && backend != "cpu")
     throw InputError(
-        fmt::format("plan: distributed_optimizer: the {} executor does not shard the "
-                    "optimizer yet (the cpu backend does); simulate or estimate it instead",
-                    backend));
+        fmt::format("plan: offload: the {} executor does not shard optimizer offload over "
+                    "replicas yet (w = {}; the cpu backend does, and the {} executor runs the "
+                    "distributed optimizer without offload); simulate or estimate it instead",
+                    backend, plan.w, backend));
   if (plan.offload == planner::Offload::chunks && backend != "cpu")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
@@ -353,6 +354,49 @@ std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bo
   }
   std::erase_if(ranges, [](const auto& r) { return r.second <= r.first; });
   return ranges;
+}
+
+std::vector<std::int64_t> shard_starts(std::int64_t flat, std::int64_t base, int w) {
+  std::vector<std::int64_t> starts;
+  for (int r = 0; r < w; ++r)
+    starts.push_back(planner::tied_shard(flat, w, r).begin - base);
+  starts.push_back(flat - base);
+  return starts;
+}
+
+std::vector<std::int64_t> clip_bounds(const std::vector<std::int64_t>& starts, std::int64_t a,
+                                      std::int64_t b) {
+  std::vector<std::int64_t> bounds;
+  for (std::int64_t x : starts)
+    bounds.push_back(std::clamp(x, a, b) - a);
+  bounds.front() = 0;
+  bounds.back() = b - a;
+  return bounds;
+}
+
+std::vector<BucketPiece> bucket_pieces(bool first, std::int64_t tied_offset, std::int64_t tied_size,
+                                       int d, int w, std::int64_t begin, std::int64_t end) {
+  const bool apart = tied_offset >= 0 && (d == 1 || !first);
+  const std::int64_t to = apart ? tied_offset : end, te = apart ? to + tied_size : end;
+  std::vector<std::int64_t> tied_starts;
+  for (int r = 0; r < w; ++r)
+    tied_starts.push_back(to + planner::tied_shard(te - to, w, r).begin);
+  tied_starts.push_back(te);
+  const std::int64_t cuts[4] = {begin, std::clamp(to, begin, end), std::clamp(te, begin, end), end};
+  std::vector<BucketPiece> pieces;
+  for (int i = 0; i < 3; ++i) {
+    BucketPiece piece;
+    piece.index = i;
+    piece.begin = cuts[i];
+    piece.end = cuts[i + 1];
+    if (piece.begin >= piece.end) continue;
+    if (i == 1) {
+      piece.kind = d == 1 ? BucketPiece::tied_whole : BucketPiece::tied_shards;
+      if (d > 1) piece.bounds = clip_bounds(tied_starts, piece.begin, piece.end);
+    }
+    pieces.push_back(std::move(piece));
+  }
+  return pieces;
 }
 
 void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,

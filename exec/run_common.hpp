@@ -93,6 +93,34 @@ std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bo
                                                                   std::int64_t tied_size, int d,
                                                                   std::int64_t n);
 
+// The distributed optimizer's shard rule (docs/formulas.md; planner::tied_shard over the rank's
+// parameters, its chunks' in order, split into w contiguous ranges of ceil(P / w)): for a chunk at
+// `base` of the rank's `flat` parameters, replica r's range starts at [r] relative to the chunk
+// (w + 1 values, the last flat - base; unclipped: clip_bounds cuts them to a range).
+std::vector<std::int64_t> shard_starts(std::int64_t flat, std::int64_t base, int w);
+// `starts` (w + 1 ascending offsets) clipped to [a, b) and made relative to a: a collective's
+// bounds over that range.
+std::vector<std::int64_t> clip_bounds(const std::vector<std::int64_t>& starts, std::int64_t a,
+                                      std::int64_t b);
+
+// A bucket [begin, end) of a chunk's gradients under the distributed optimizer, cut where the tied
+// tensor's rule differs from the shard rule. `index` (0, 1, 2: before, inside, after the tied
+// tensor) names the piece in collective keys. Kinds:
+//  - by_shards: reduce-scattered by the rank's shards (shard_starts; bounds left empty);
+//  - tied_whole: both tied ends on one device (d == 1): all-reduced whole, as without sharding,
+//    since each end's update adds the other's gradient wherever its shard lies;
+//  - tied_shards: the last stage's lm_head copy (d > 1), which its optimizer skips: by tied_shard
+//    over the tensor, so that replica r holds the shard it sends stage 0 (bounds given).
+struct BucketPiece {
+  enum Kind { by_shards, tied_whole, tied_shards };
+  int index = 0;
+  Kind kind = by_shards;
+  std::int64_t begin = 0, end = 0;
+  std::vector<std::int64_t> bounds;
+};
+std::vector<BucketPiece> bucket_pieces(bool first, std::int64_t tied_offset, std::int64_t tied_size,
+                                       int d, int w, std::int64_t begin, std::int64_t end);
+
 // The samples of (step, microbatch) for `replica`: the global batch of step t is samples
 // [t B, (t+1) B); replica r takes its m*b consecutive ones, microbatch j the b after j*b.
 void microbatch_samples(const StepBook& book, int replica, int step, int microbatch,

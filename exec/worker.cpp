@@ -864,16 +864,6 @@ std::vector<int> Worker::replica_group() const {
   return group;
 }
 
-std::vector<std::int64_t> Worker::shard_starts(const Chunk& c) const {
-  const planner::Plan& p = s_.plan();
-  const std::int64_t flat = chunks_.back().base + chunks_.back().sizes.parameters;
-  std::vector<std::int64_t> starts;
-  for (int r = 0; r < p.w; ++r)
-    starts.push_back(planner::tied_shard(flat, p.w, r).begin - c.base);
-  starts.push_back(flat - c.base);
-  return starts;
-}
-
 std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
   std::vector<std::int64_t> bounds;
   for (int r = 0; r < w; ++r)
@@ -881,22 +871,6 @@ std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
   bounds.push_back(n);
   return bounds;
 }
-
-namespace {
-
-// `starts` (w + 1 ascending offsets) clipped to [a, b) and made relative to a: a collective's
-// bounds over that range.
-std::vector<std::int64_t> clip(const std::vector<std::int64_t>& starts, std::int64_t a,
-                               std::int64_t b) {
-  std::vector<std::int64_t> bounds;
-  for (std::int64_t x : starts)
-    bounds.push_back(std::clamp(x, a, b) - a);
-  bounds.front() = 0;
-  bounds.back() = b - a;
-  return bounds;
-}
-
-}  // namespace
 
 // The distributed optimizer's gradient sum of one bucket [begin, end) of a chunk: a reduce-scatter
 // by the shard rule (each replica gets the sum over its shard, the only part its optimizer reads),
@@ -910,24 +884,15 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const std::vector<int> group = replica_group();
   const auto t0 = Clock::now();
-  const bool apart = c.tied_offset >= 0 && (p.d == 1 || !c.first);
-  const std::int64_t to = apart ? c.tied_offset : end, te = apart ? to + c.tied_size : end;
-  std::vector<std::int64_t> tied_starts;
-  for (int r = 0; r < p.w; ++r)
-    tied_starts.push_back(to + planner::tied_shard(te - to, p.w, r).begin);
-  tied_starts.push_back(te);
-  // The bucket's pieces before, inside and after the tied tensor.
-  const std::int64_t cuts[4] = {begin, std::clamp(to, begin, end), std::clamp(te, begin, end), end};
-  for (int piece = 0; piece < 3; ++piece) {
-    const std::int64_t a = cuts[piece], b = cuts[piece + 1];
-    if (a >= b) continue;
+  for (const BucketPiece& piece :
+       bucket_pieces(c.first, c.tied_offset, c.tied_size, p.d, p.w, begin, end)) {
+    const std::int64_t a = piece.begin, b = piece.end;
     const std::string key =
-        fmt::format("rs/{}.{}/{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket, piece);
-    if (piece == 1 && p.d == 1) {
+        fmt::format("rs/{}.{}/{}/{}/{}/{}", stage_, tp_, op.step, op.chunk, op.bucket, piece.index);
+    if (piece.kind == BucketPiece::tied_whole) {
       s_.transport->all_reduce_sum(key, group, device_, c.grads.data() + a, b - a);
-    } else if (piece == 1) {
-      s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a,
-                                       clip(tied_starts, a, b));
+    } else if (piece.kind == BucketPiece::tied_shards) {
+      s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a, piece.bounds);
     } else {
       const std::vector<Piece> parts = shard_pieces(std::size_t(op.chunk), a, b);
       for (std::size_t k = 0; k < parts.size(); ++k)
@@ -942,7 +907,11 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
 std::vector<Worker::Piece> Worker::shard_pieces(std::size_t chunk, std::int64_t a,
                                                 std::int64_t b) const {
   const planner::Plan& p = s_.plan();
-  if (!offload_sharded_) return {{a, b, clip(shard_starts(chunks_[chunk]), a, b)}};
+  if (!offload_sharded_) {
+    const Chunk& c = chunks_[chunk];
+    const std::int64_t flat = chunks_.back().base + chunks_.back().sizes.parameters;
+    return {{a, b, clip_bounds(shard_starts(flat, c.base, p.w), a, b)}};
+  }
   // Sharded offload: the tiles' shards (what each replica's host updates); the last stage's tied
   // copy, in no tile, takes no part (it receives stage 0's weights).
   std::vector<Piece> parts;
@@ -953,7 +922,7 @@ std::vector<Worker::Piece> Worker::shard_pieces(std::size_t chunk, std::int64_t 
     for (int r = 0; r < p.w; ++r)
       starts.push_back(t.begin + planner::tile_shard(t.size(), p.w, r).begin);
     starts.push_back(t.end);
-    parts.push_back({lo, hi, clip(starts, lo, hi)});
+    parts.push_back({lo, hi, clip_bounds(starts, lo, hi)});
   }
   return parts;
 }

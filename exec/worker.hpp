@@ -232,9 +232,6 @@ class Worker {
   std::vector<Piece> shard_pieces(std::size_t chunk, std::int64_t a, std::int64_t b) const;
   void all_gather(int step, int target);
   std::vector<int> replica_group() const;
-  // The rank's flat parameters [0, P) split into w contiguous shards: where shard i begins
-  // (w + 1 entries, the last P), as offsets into `c`.
-  std::vector<std::int64_t> shard_starts(const Chunk& c) const;
   void optimizer_step(const planner::Op& op);
   void tied(const planner::Op& op);
   void sum_local_tied();

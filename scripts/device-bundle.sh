@@ -5,6 +5,7 @@
 # shared libraries it loads except the big CUDA ones (cuBLASLt, NCCL) that such a machine has.
 #
 #   bash scripts/device-bundle.sh            # -> .device/bundle.tar.xz (git-ignored)
+#   bash scripts/device-bundle.sh --no-build --build-dir build   # pack a CUDA build as it is
 #   # on the GPU machine, in a copy of this repository:
 #   mkdir -p /tmp/pw && tar -xJf .device/bundle.tar.xz -C /tmp/pw
 #   bash scripts/gpu-check.sh --no-build --build-dir /tmp/pw/build --quick
@@ -19,12 +20,14 @@ cd "$(dirname "$0")/.."
 
 usage() {
   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
-  echo "Usage: bash scripts/device-bundle.sh [--build-dir DIR] [--out FILE]"
+  echo "Usage: bash scripts/device-bundle.sh [--build-dir DIR] [--out FILE] [--no-build]"
 }
 BUILD=build-device
 OUT_FILE=.device/bundle.tar.xz
+BUILD_IT=1
 while (($#)); do
   case $1 in
+    --no-build) BUILD_IT=0 ;;
     --build-dir) BUILD=$2; shift ;;
     --out) OUT_FILE=$2; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -37,13 +40,19 @@ LIMIT=$((60 * 1024 * 1024))  # leaves room under the 64 MiB carry limit for the 
 command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] ||
   { echo "device-bundle: no nvcc: the bundle is a CUDA build" >&2; exit 1; }
 
-echo "== configure and build $BUILD (CUDA on, MPI off: single-process GPU runs) =="
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DPW_ENABLE_CUDA=ON -DPW_ENABLE_MPI=OFF \
-  -DPW_BUILD_BENCH=OFF -DPW_BUILD_TESTS=ON >/dev/null
-grep -q '^PW_ENABLE_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt"
 tests=()
 for src in tests/test_cuda_*.cpp; do tests+=("$(basename "$src" .cpp)"); done
-cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target pipewright "${tests[@]}"
+if ((BUILD_IT)); then
+  echo "== configure and build $BUILD (CUDA on, MPI off: single-process GPU runs) =="
+  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DPW_ENABLE_CUDA=ON -DPW_ENABLE_MPI=OFF \
+    -DPW_BUILD_BENCH=OFF -DPW_BUILD_TESTS=ON >/dev/null
+  cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target pipewright "${tests[@]}"
+fi
+grep -q '^PW_ENABLE_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt" ||
+  { echo "device-bundle: $BUILD is not a CUDA build (PW_ENABLE_CUDA)" >&2; exit 1; }
+for t in pipewright "tests/${tests[0]}"; do
+  [ -x "$BUILD/$t" ] || { echo "device-bundle: $BUILD/$t is missing: build it first" >&2; exit 1; }
+done
 
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT

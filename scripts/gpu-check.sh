@@ -35,13 +35,17 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  the same global batch on one rank (losses within 1e-3 relative: bf16 sums in
                  another order), interleaved d=2 v=2, 1f1b w=2 d=2 with 3 buckets; and the
                  profiler's spread: the same shape (b=4) profiled 5 times
-  7. offload     the CUDA executor's offload (compile-checked, never run on a GPU before):
+  7. dopt        the distributed optimizer (ZeRO-1) in the CUDA executor, gpt2-124m w=2 d=2 b=2
+                 m=4, 6 steps, 1f1b and 2bw (3 buckets), with and without
+                 --distributed-optimizer: losses equal bit for bit, each rank's optimizer
+                 state about 1/w; 2bw stopped after 3 steps and --resumed to 6: the same losses
+  8. offload     the CUDA executor's offload (compile-checked, never run on a GPU before):
                  tests/test_cuda_offload (when built), then gpt2-124m gpipe d=2 b=4 m=4 (stage 0
                  swaps) trained 6 steps with --offload none, optimizer, activations and
                  optimizer,activations, and simulate of the same plans on dgx-h100 for 6 steps:
                  activations' losses equal to none's bit for bit, optimizer's within 1e-2
                  relative, bytes moved per step equal to the simulator's, step times printed
-  8. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
+  9. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
 
 Options:
   --quick          gpt2-124m only, fewer steps and repeats, b=8 training, validate at b=4 m=4,
@@ -54,7 +58,7 @@ Options:
   --python PY      interpreter with PyTorch for scripts/torch_reference.py and the summary
                    (default: python3)
   --timeout S      limit for each step in seconds (default 1800; the build: 3600)
-  --only LIST      run only these of tests,profile,train,validate,executor,offload
+  --only LIST      run only these of tests,profile,train,validate,executor,dopt,offload
                    (comma-separated; the machine, build and summary steps always run), e.g. to
                    split the full check over two sessions of a time-limited machine
   --help           this text
@@ -71,7 +75,7 @@ BUILD=$ROOT/build
 PY=python3
 STEP_TIMEOUT=1800
 OUT_DIR=${OUT:-$ROOT/traces/data}
-ONLY=tests,profile,train,validate,executor,offload
+ONLY=tests,profile,train,validate,executor,dopt,offload
 while (($#)); do
   case $1 in
     --quick) QUICK=1 ;;
@@ -107,9 +111,9 @@ if ! [[ $STEP_TIMEOUT =~ ^[0-9]+$ ]] || ((STEP_TIMEOUT < 1)); then
 fi
 for part in ${ONLY//,/ }; do
   case $part in
-    tests | profile | train | validate | executor | offload) ;;
+    tests | profile | train | validate | executor | dopt | offload) ;;
     *)
-      echo "gpu-check: --only: unknown step '$part' (tests, profile, train, validate, executor or offload)" >&2
+      echo "gpu-check: --only: unknown step '$part' (tests, profile, train, validate, executor, dopt or offload)" >&2
       exit 2
       ;;
   esac
@@ -445,7 +449,58 @@ else
   skip executor "--only $ONLY"
 fi
 
-# --- 7. Offload in the CUDA executor (docs/formats.md, offload in the CUDA executor) ---
+# --- 7. The distributed optimizer in the CUDA executor ---
+DOPT_DIR=$RUN_DIR/dopt
+if wants dopt; then
+  mkdir -p "$DOPT_DIR"
+  rm -rf "$DOPT_DIR/ckpt" "$DOPT_DIR"/*.json
+  for s in 1f1b 2bw; do
+    c=(--backend cuda --model gpt2-124m -s "$s" -d 2 -w 2 -b 2 -m 4 --buckets 3 --steps 6)
+    pw_step "dopt $s w=2 d=2, plain" "$PW" train "${c[@]}" -o "$DOPT_DIR/$s-plain.json"
+    pw_step "dopt $s w=2 d=2, --distributed-optimizer" "$PW" train "${c[@]}" \
+      --distributed-optimizer -o "$DOPT_DIR/$s-dopt.json"
+  done
+  c=(--backend cuda --model gpt2-124m -s 2bw -d 2 -w 2 -b 2 -m 4 --buckets 3 --distributed-optimizer)
+  pw_step "dopt 2bw, 3 steps + checkpoint" "$PW" train "${c[@]}" --steps 3 \
+    --checkpoint-dir "$DOPT_DIR/ckpt" -o "$DOPT_DIR/part1.json"
+  pw_step "dopt 2bw, --resume to 6" "$PW" train "${c[@]}" --steps 6 --checkpoint-dir "$DOPT_DIR/ckpt" \
+    --resume -o "$DOPT_DIR/part2.json"
+  run_step "dopt: losses bit-identical, optimizer state sharded" 60 "$PY" - "$DOPT_DIR" <<'EOF'
+import json, sys
+d = sys.argv[1]
+ok = True
+def load(n):
+    return json.load(open(f"{d}/{n}.json"))
+for s in ("1f1b", "2bw"):
+    try:
+        plain, dopt = load(f"{s}-plain"), load(f"{s}-dopt")
+    except (OSError, ValueError) as e:
+        print(s, "no report:", e); ok = False; continue
+    same = plain["losses"] == dopt["losses"]
+    print(f"{s}: losses plain {plain['losses']}")
+    print(f"{s}: losses dopt  {dopt['losses']}  bit-identical: {same}")
+    print(f"{s}: tokens/s plain {plain['tokens_per_s']:.0f}, dopt {dopt['tokens_per_s']:.0f}")
+    for a, b in zip(plain["devices"], dopt["devices"]):
+        oa = a["memory_breakdown_bytes"]["optimizer"]; ob = b["memory_breakdown_bytes"]["optimizer"]
+        print(f"  rank {a['rank']}: optimizer {oa / 2**20:.1f} -> {ob / 2**20:.1f} MiB, "
+              f"peak {a['peak_memory_bytes'] / 2**30:.2f} -> {b['peak_memory_bytes'] / 2**30:.2f} GiB")
+        ok = ok and ob < 0.6 * oa
+    ok = ok and same
+try:
+    straight = load("2bw-dopt")["losses"]
+    part1, part2 = load("part1")["losses"], load("part2")["losses"]
+    resumed = part1 + part2[len(part2) - (len(straight) - len(part1)):]
+    print("2bw dopt 3 + resumed:", resumed, "equal:", resumed == straight)
+    ok = ok and resumed == straight
+except (OSError, KeyError, ValueError) as e:
+    print("resume: no report:", e); ok = False
+sys.exit(0 if ok else 1)
+EOF
+else
+  skip dopt "--only $ONLY"
+fi
+
+# --- 8. Offload in the CUDA executor (docs/formats.md, offload in the CUDA executor) ---
 OFF_DIR=$RUN_DIR/offload
 if wants offload; then
   mkdir -p "$OFF_DIR"
@@ -517,7 +572,7 @@ else
   skip offload "--only $ONLY"
 fi
 
-# --- 8. Summary ---
+# --- 9. Summary ---
 SUMMARY=$RUN_DIR/summary.txt
 summary_py() {
   "$PY" - "$MANIFEST" "$STEPS_TSV" "$GPU_NAME" "$PW_VERSION" "$GIT_REV" "$VAL_MODEL" <<'EOF'

@@ -4,6 +4,7 @@
 // (closer to the CPU's 2BW than to its 1F1B); a resumed run is bit-identical to an unbroken one;
 // the per-rank memory counts are the planner's. The input checks run everywhere; the rest need a
 // GPU and report themselves skipped without one.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -201,6 +202,109 @@ TEST(CudaRuntime, MemoryMatchesThePlanner) {
       EXPECT_NEAR(double(got.activations), double(want.activations), 0.05 * want.activations)
           << "rank " << rank;
     }
+  }
+}
+
+// ---- the distributed optimizer (ZeRO-1) --------------------------------------------------------
+
+struct DoptCase {
+  Schedule schedule;
+  int w, d, v, m, buckets;
+};
+
+Plan dopt_plan(const DoptCase& c, bool sharded) {
+  Plan p;
+  p.schedule = c.schedule;
+  p.w = c.w;
+  p.d = c.d;
+  p.v = c.v;
+  p.b = 1;
+  p.m = c.m;
+  p.distributed_optimizer = sharded;
+  pw::planner::resolve_stages(p, 4);
+  return p;
+}
+
+TrainOptions adamw(int steps, int buckets) {
+  TrainOptions o;
+  o.steps = steps;
+  o.seed = 7;
+  o.lr = 3e-3f;
+  o.gradient_buckets = buckets;
+  return o;
+}
+
+// Gradients reduce-scattered by the shard rule, each replica's AdamW on its shard of the fp32
+// master and moments, the new bf16 weights all-gathered: every loss and every rank's final
+// weights equal plain data parallelism's, bit for bit (the local transport's reduce-scatter sums
+// as its all-reduce does). Tied embeddings across stages (d > 1) and on one device (v > 1), shards
+// of 2 and 3 replicas (uneven), buckets cutting the tied tensor, every schedule.
+TEST(CudaRuntime, DistributedOptimizerGivesThePlainWeightsBitForBit) {
+  PW_SKIP_WITHOUT_GPU();
+  for (const DoptCase& c :
+       {DoptCase{Schedule::one_f_one_b, 2, 2, 1, 2, 1}, DoptCase{Schedule::two_bw, 2, 2, 1, 2, 3},
+        DoptCase{Schedule::gpipe, 3, 1, 1, 2, 2}, DoptCase{Schedule::interleaved, 2, 2, 2, 4, 1}}) {
+    SCOPED_TRACE(fmt::format("{} w={} d={} v={} buckets={}", pw::planner::to_string(c.schedule),
+                             c.w, c.d, c.v, c.buckets));
+    const TrainResult plain =
+        pw::exec::cuda::train_cuda(kGpu, dopt_plan(c, false), adamw(4, c.buckets));
+    const TrainResult sharded =
+        pw::exec::cuda::train_cuda(kGpu, dopt_plan(c, true), adamw(4, c.buckets));
+    ASSERT_EQ(sharded.steps.size(), plain.steps.size());
+    for (std::size_t i = 0; i < plain.steps.size(); ++i)
+      EXPECT_EQ(sharded.steps[i].loss, plain.steps[i].loss) << "step " << i;
+    ASSERT_EQ(sharded.ranks.size(), plain.ranks.size());
+    for (std::size_t r = 0; r < plain.ranks.size(); ++r) {
+      EXPECT_EQ(sharded.ranks[r].weights, plain.ranks[r].weights) << "rank " << r;
+      // The state of ceil(P / w) parameters instead of P.
+      EXPECT_LT(sharded.ranks[r].memory.optimizer, plain.ranks[r].memory.optimizer) << "rank " << r;
+    }
+  }
+}
+
+// Per rank: 12 bytes of optimizer state for ceil(P / w) parameters, the planner's figure, exactly.
+TEST(CudaRuntime, DistributedOptimizerMemoryMatchesThePlanner) {
+  PW_SKIP_WITHOUT_GPU();
+  const pw::clusters::Cluster one = pw::clusters::load_cluster("h100-x1");
+  const Plan p = dopt_plan({Schedule::one_f_one_b, 3, 2, 1, 2, 1}, true);
+  const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, adamw(2, 1));
+  Plan placed = p;
+  pw::planner::place(placed, {1, 1}, p.ranks());
+  const auto t = pw::traces::analytic_trace(kGpu, one.device, {p.b});
+  const auto e = pw::planner::estimate(kGpu, t, one, placed);
+  for (int rank = 0; rank < p.ranks(); ++rank) {
+    const auto& want = e.report.devices[std::size_t(rank)].memory;
+    const auto& got = r.ranks[std::size_t(rank)].memory;
+    EXPECT_EQ(got.weights, want.weights) << "rank " << rank;
+    EXPECT_EQ(got.gradients, want.gradients) << "rank " << rank;
+    EXPECT_EQ(got.optimizer, want.optimizer) << "rank " << rank;
+  }
+}
+
+// Checkpoints hold each rank's shard of the state: stop after 2 of 4 steps, resume, and the
+// losses and weights are the unbroken run's, bit for bit.
+TEST(CudaRuntime, DistributedOptimizerResumeIsExact) {
+  PW_SKIP_WITHOUT_GPU();
+  for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(pw::planner::to_string(s));
+    const Plan p = dopt_plan({s, 2, 2, 1, 2, 1}, true);
+    TrainOptions o = adamw(4, 1);
+    o.checkpoint_dir = temp_dir("dopt-unbroken").string();
+    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.checkpoint_dir = temp_dir("dopt-resumed").string();
+    o.steps = 2;
+    pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.steps = 4;
+    o.resume = true;
+    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
+    ASSERT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(resumed.steps.size(), 2u);
+    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
+    fs::remove_all(temp_dir("dopt-unbroken"));
+    fs::remove_all(temp_dir("dopt-resumed"));
   }
 }
 

@@ -44,6 +44,24 @@ TEST(TransportMessages, OneLineFormats) {
   EXPECT_EQ(group_text({2, 0, 1}), "{2,0,1}");
 }
 
+// The distributed optimizer's parts: group.size() + 1 ascending offsets from 0, else one line.
+TEST(TransportMessages, BoundsAreAscendingOffsetsFromZero) {
+  using namespace exec::cuda;
+  EXPECT_NO_THROW(check_bounds(0, "reduce_scatter bf16 over {0,1}", {0, 1}, {0, 5, 5}));
+  for (const std::vector<std::int64_t>& bad :
+       {std::vector<std::int64_t>{0, 5}, {1, 5, 9}, {0, 6, 5}, {}}) {
+    try {
+      check_bounds(2, "all_gather fp32 over {0,2}", {0, 2}, bad);
+      FAIL() << "accepted " << bad.size() << " bounds";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind("rank 2: all_gather fp32 over {0,2}: bounds [", 0), 0u) << what;
+      EXPECT_NE(what.find("are not 3 ascending offsets from 0"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  }
+}
+
 TEST(TransportMessages, PollUntilTimesOutAndAborts) {
   using namespace exec::cuda;
   std::atomic<bool> aborted{false};
@@ -345,6 +363,64 @@ TEST(LocalTransport, AllReduceEqualsHostSumInGroupOrder) {
   EXPECT_EQ(from_device<float>(df[2].data(), 16), before);
 }
 
+// Reduce-scatter then all-gather over uneven parts (one empty) is the all-reduce: each owner's part
+// is the group-order sum, bit for bit, the other members' elements untouched until the gather.
+TEST(LocalTransport, ReduceScatterAndAllGatherFollowTheParts) {
+  PW_SKIP_WITHOUT_GPU();
+  DeviceArena arena(64 << 20);
+  LocalTransport t(arena, 4, 60);
+  Streams streams(4);
+  const std::vector<int> group = {2, 0, 3};
+  const std::int64_t n = 100003;
+  const std::vector<std::int64_t> bounds = {0, 50001, 50001, n};  // rank 0's part is empty
+  std::map<int, Vec> f, h;
+  std::map<int, DeviceBuffer> df, dh;
+  for (int r : group) {
+    f[r] = randn(std::size_t(n), 30 + unsigned(r), 3.0f);
+    h[r] = randn(std::size_t(n), 40 + unsigned(r), 3.0f);
+    df[r] = to_device(arena, f[r]);
+    dh[r] = to_device_bf16(arena, h[r]);
+  }
+  Vec want_f(std::size_t(n), 0.0f), want_h(std::size_t(n), 0.0f);
+  for (int r : group)
+    for (std::int64_t i = 0; i < n; ++i) {
+      want_f[std::size_t(i)] += f[r][std::size_t(i)];
+      want_h[std::size_t(i)] += h[r][std::size_t(i)];
+    }
+  round_in_place(want_h);
+  on_threads(4, [&](int r) {
+    if (r == 1) return;
+    t.reduce_scatter_sum(group, r, df.at(r).data(), bounds, exec::cuda::DType::fp32, streams[r]);
+    t.reduce_scatter_sum(group, r, dh.at(r).data(), bounds, exec::cuda::DType::bf16, streams[r]);
+    t.synchronize(r, streams[r], "test synchronize");
+  });
+  for (std::size_t k = 0; k < group.size(); ++k) {
+    const int r = group[k];
+    const Vec got_f = from_device<float>(df[r].data(), n);
+    const Vec got_h = from_device_bf16(dh[r].data(), n);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const bool own = i >= bounds[k] && i < bounds[k + 1];
+      ASSERT_EQ(got_f[std::size_t(i)], own ? want_f[std::size_t(i)] : f[r][std::size_t(i)])
+          << "rank " << r << " element " << i;
+      ASSERT_EQ(got_h[std::size_t(i)], own ? want_h[std::size_t(i)] : h[r][std::size_t(i)])
+          << "rank " << r << " element " << i;
+    }
+  }
+  on_threads(4, [&](int r) {
+    if (r == 1) return;
+    t.all_gather(group, r, df.at(r).data(), bounds, exec::cuda::DType::fp32, streams[r]);
+    t.all_gather(group, r, dh.at(r).data(), bounds, exec::cuda::DType::bf16, streams[r]);
+    t.synchronize(r, streams[r], "test synchronize");
+  });
+  for (int r : group) {
+    EXPECT_EQ(from_device<float>(df[r].data(), n), want_f) << "rank " << r;
+    EXPECT_EQ(from_device_bf16(dh[r].data(), n), want_h) << "rank " << r;
+  }
+  // Bad parts are refused before anything is enqueued.
+  EXPECT_THROW(t.all_gather(group, 2, df[2].data(), {0, 5}, exec::cuda::DType::fp32, streams[2]),
+               Error);
+}
+
 TEST(LocalTransport, AbortWakesABlockedReceive) {
   PW_SKIP_WITHOUT_GPU();
   DeviceArena arena(1 << 20);
@@ -426,6 +502,8 @@ TEST(NcclTransport, SingleRankWorld) {
   DeviceBuffer df = to_device(arena, f), dh = to_device_bf16(arena, h);
   t.all_reduce_sum_fp32({0}, 0, df.as<float>(), 4099, streams[0]);  // one member: identity
   t.all_reduce_sum_bf16({0}, 0, dh.as<bf16>(), 4099, streams[0]);
+  t.reduce_scatter_sum({0}, 0, df.data(), {0, 4099}, exec::cuda::DType::fp32, streams[0]);
+  t.all_gather({0}, 0, dh.data(), {0, 4099}, exec::cuda::DType::bf16, streams[0]);
   t.connect(Channel::tied, {0});
   // A send to itself is only possible grouped with its receive (all-to-all style).
   DeviceBuffer rx(arena, Category::activations, df.bytes());
@@ -464,7 +542,7 @@ TEST(NcclTransport, TwoGpusP2pAllReduceAndDeadPeer) {
                      dead_id = exec::cuda::nccl_unique_id();
   const std::vector<Vec> part = {randn(std::size_t(n), 1), randn(std::size_t(n), 2)};
   std::vector<std::vector<unsigned char>> got(2);
-  std::vector<Vec> tied(2), sum(2);
+  std::vector<Vec> tied(2), sum(2), gathered(2);
   std::vector<std::string> dead(2);
   std::atomic<bool> rank0_done{false};
   std::vector<std::exception_ptr> errors(2);
@@ -514,6 +592,13 @@ TEST(NcclTransport, TwoGpusP2pAllReduceAndDeadPeer) {
           t.all_reduce_sum_fp32({0, 1}, r, d.as<float>(), n, st[0]);
           t.synchronize(r, st[0], "test all_reduce");
           sum[std::size_t(r)] = from_device<float>(d.data(), n);
+          // The distributed optimizer's pair over uneven parts: the sum again.
+          DeviceBuffer e = to_device(arena, part[std::size_t(r)]);
+          const std::vector<std::int64_t> bounds = {0, n / 3, n};
+          t.reduce_scatter_sum({0, 1}, r, e.data(), bounds, DType::fp32, st[0]);
+          t.all_gather({0, 1}, r, e.data(), bounds, DType::fp32, st[0]);
+          t.synchronize(r, st[0], "test reduce_scatter and all_gather");
+          gathered[std::size_t(r)] = from_device<float>(e.data(), n);
         }
         {
           // A peer that stops answering: rank 0 waits for a gradient that never comes.
@@ -553,6 +638,8 @@ TEST(NcclTransport, TwoGpusP2pAllReduceAndDeadPeer) {
     const float want = part[0][std::size_t(i)] + part[1][std::size_t(i)];
     ASSERT_EQ(sum[0][std::size_t(i)], want) << i;
     ASSERT_EQ(sum[1][std::size_t(i)], want) << i;
+    ASSERT_EQ(gathered[0][std::size_t(i)], want) << i;
+    ASSERT_EQ(gathered[1][std::size_t(i)], want) << i;
   }
   EXPECT_EQ(dead[0], "rank 0: wait for gradient timed out after 2s");
 }

@@ -26,6 +26,16 @@ std::string group_text(const std::vector<int>& group) {
   return fmt::format("{{{}}}", fmt::join(group, ","));
 }
 
+void check_bounds(int rank, const std::string& op, const std::vector<int>& group,
+                  const std::vector<std::int64_t>& bounds) {
+  bool ok = bounds.size() == group.size() + 1 && !bounds.empty() && bounds.front() == 0;
+  for (std::size_t k = 1; ok && k < bounds.size(); ++k)
+    ok = bounds[k] >= bounds[k - 1];
+  if (!ok)
+    throw Error(fmt::format("rank {}: {}: bounds [{}] are not {} ascending offsets from 0", rank,
+                            op, fmt::join(bounds, ","), group.size() + 1));
+}
+
 std::string timeout_message(int rank, const std::string& op, double seconds) {
   char s[32];
   std::snprintf(s, sizeof s, "%g", seconds);

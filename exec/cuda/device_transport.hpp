@@ -33,6 +33,10 @@ class TransportTimeout : public Error {
 std::string p2p_op_name(const char* verb, Channel c, const char* dir, int peer);
 std::string group_text(const std::vector<int>& group);  // "{0,2,4}"
 
+// Throws "rank R: OP: ..." unless `bounds` has group.size() + 1 ascending offsets from 0.
+void check_bounds(int rank, const std::string& op, const std::vector<int>& group,
+                  const std::vector<std::int64_t>& bounds);
+
 // The one-line messages (tested on their own, so the formats stay stable).
 std::string timeout_message(int rank, const std::string& op, double seconds);
 std::string aborted_message(int rank, const std::string& op);  // "transport aborted: rank R: OP"
@@ -60,6 +64,12 @@ void poll_until(int rank, const std::string& op, double timeout_s, const std::at
 //  - all_reduce_sum(group, rank, p, count, t, s): every member of `group` calls it, with the same
 //    count and type; the k-th call of each member on a group forms the k-th reduction. Afterwards
 //    p holds the sum for work enqueued on s. Determinism: see each implementation.
+//  - reduce_scatter_sum / all_gather(group, rank, p, bounds, t, s): the distributed optimizer's
+//    collectives, exec/transport.hpp's on a stream. Every member passes the same `bounds`
+//    (group.size() + 1 ascending element offsets from 0; member k's part [bounds[k],
+//    bounds[k + 1]), possibly empty). reduce_scatter_sum: the caller's part of p becomes the sum of
+//    every member's part (the rest of p is unspecified afterwards); all_gather: every member's part
+//    is copied into the others' p. Call order per group as for all_reduce_sum.
 //  - Rendezvous: an NCCL send completes only when the receiver runs the recv. Issue sends and
 //    recvs on their own streams (not the compute stream) and put a send and a recv that wait on
 //    each other (the tied-weights exchange) between group_start() and group_end().
@@ -78,6 +88,12 @@ class DeviceTransport {
                     cudaStream_t stream) = 0;
   virtual void all_reduce_sum(const std::vector<int>& group, int rank, void* data,
                               std::int64_t count, DType type, cudaStream_t stream) = 0;
+  virtual void reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
+                                  const std::vector<std::int64_t>& bounds, DType type,
+                                  cudaStream_t stream) = 0;
+  virtual void all_gather(const std::vector<int>& group, int rank, void* data,
+                          const std::vector<std::int64_t>& bounds, DType type,
+                          cudaStream_t stream) = 0;
   void all_reduce_sum_bf16(const std::vector<int>& group, int rank, bf16* data, std::int64_t count,
                            cudaStream_t stream) {
     all_reduce_sum(group, rank, data, count, DType::bf16, stream);

@@ -195,8 +195,35 @@ void LocalTransport::recv(int src, int dst, Channel channel, void* data, std::in
 
 void LocalTransport::all_reduce_sum(const std::vector<int>& group, int rank, void* data,
                                     std::int64_t count, DType type, cudaStream_t stream) {
+  collective(int(Collective::all_reduce),
+             std::string("all_reduce ") + dtype_name(type) + " over " + group_text(group), group,
+             rank, data, count, {}, type, stream);
+}
+
+void LocalTransport::reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
+                                        const std::vector<std::int64_t>& bounds, DType type,
+                                        cudaStream_t stream) {
   const std::string op =
-      std::string("all_reduce ") + dtype_name(type) + " over " + group_text(group);
+      std::string("reduce_scatter ") + dtype_name(type) + " over " + group_text(group);
+  check_bounds(rank, op, group, bounds);
+  collective(int(Collective::reduce_scatter), op, group, rank, data, bounds.back(), bounds, type,
+             stream);
+}
+
+void LocalTransport::all_gather(const std::vector<int>& group, int rank, void* data,
+                                const std::vector<std::int64_t>& bounds, DType type,
+                                cudaStream_t stream) {
+  const std::string op =
+      std::string("all_gather ") + dtype_name(type) + " over " + group_text(group);
+  check_bounds(rank, op, group, bounds);
+  collective(int(Collective::all_gather), op, group, rank, data, bounds.back(), bounds, type,
+             stream);
+}
+
+void LocalTransport::collective(int kind, const std::string& op, const std::vector<int>& group,
+                                int rank, void* data, std::int64_t count,
+                                const std::vector<std::int64_t>& bounds, DType type,
+                                cudaStream_t stream) {
   const std::set<int> members(group.begin(), group.end());
   if (group.empty() || members.size() != group.size() || !members.count(rank))
     throw Error("rank " + std::to_string(rank) + ": " + op +
@@ -208,7 +235,7 @@ void LocalTransport::all_reduce_sum(const std::vector<int>& group, int rank, voi
     check_rank(r, rank, op);
   if (count < 0) throw Error("rank " + std::to_string(rank) + ": " + op + ": negative count");
   if (aborted_.load()) throw Error(aborted_message(rank, op));
-  if (group.size() == 1) return;  // the sum of one buffer is itself
+  if (group.size() == 1) return;  // one member: its sum, and its parts, are its own
   PW_TRANSPORT_CUDA(rank, op, cudaSetDevice(device_));
 
   cudaEvent_t ready = take_event(rank, op);
@@ -230,13 +257,17 @@ void LocalTransport::all_reduce_sum(const std::vector<int>& group, int rank, voi
   if (r.members.empty()) {
     r.count = count;
     r.type = type;
-  } else if (r.count != count || r.type != type) {
+    r.kind = kind;
+    r.bounds = bounds;
+  } else if (r.count != count || r.type != type || r.kind != kind || r.bounds != bounds) {
     give_event_locked(ready);
     give_event_locked(done);
-    fail_locked();  // the other members would wait for a reduction that cannot happen
+    fail_locked();  // the other members would wait for a collective that cannot happen
     throw Error("rank " + std::to_string(rank) + ": " + op + ": " + std::to_string(count) + " " +
-                dtype_name(type) + " values, another member passed " + std::to_string(r.count) +
-                " " + dtype_name(r.type));
+                dtype_name(type) + " values" + (bounds.empty() ? "" : " in its parts") +
+                ", another member passed " + std::to_string(r.count) + " " + dtype_name(r.type) +
+                (r.kind == kind ? "" : " to another collective") +
+                (r.kind == kind && r.bounds != bounds ? " in other parts" : ""));
   }
   r.members[rank] = {data, ready};
 
@@ -249,10 +280,13 @@ void LocalTransport::all_reduce_sum(const std::vector<int>& group, int rank, voi
         buffers[k] = m.data;
         PW_TRANSPORT_CUDA(rank, op, cudaStreamWaitEvent(stream, m.ready, 0));
       }
+      const Collective what = Collective(kind);
+      const std::int64_t* parts = bounds.empty() ? nullptr : bounds.data();
       const cudaError_t launched =
-          type == DType::bf16 ? sum_into_all_bf16(buffers, int(group.size()), count, stream)
-                              : sum_into_all_fp32(buffers, int(group.size()), count, stream);
-      if (launched != cudaSuccess) throw_cuda_op(rank, op, "sum_into_all<<<>>>", launched);
+          type == DType::bf16
+              ? collective_bf16(what, buffers, int(group.size()), parts, count, stream)
+              : collective_fp32(what, buffers, int(group.size()), parts, count, stream);
+      if (launched != cudaSuccess) throw_cuda_op(rank, op, "group_collective<<<>>>", launched);
       PW_TRANSPORT_CUDA(rank, op, cudaEventRecord(done, stream));
     } catch (...) {
       fail_locked();

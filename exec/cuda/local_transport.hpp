@@ -27,8 +27,11 @@ namespace pw::exec::cuda {
 // all_reduce_sum: the last member to arrive makes its stream wait on every member's "ready" event
 // and launches one kernel that sums the members' buffers in group order in fp32 (one rounding for
 // bf16) and writes the sum into every member's buffer; every other member's stream waits on its
-// "done" event. Bit-identical on every member and every run, and for fp32 equal to the CPU
-// InProcessTransport's sum. Groups of up to kMaxGroup ranks; a group of one is the identity.
+// "done" event. reduce_scatter_sum and all_gather meet the same way and launch the same kernel,
+// which writes each part's sum only into its owner's buffer, or copies each owner's part into the
+// others' (transport_kernels.cuh): a reduce-scatter's part is bit-identical to the all-reduce's.
+// Bit-identical on every member and every run, and for fp32 equal to the CPU InProcessTransport's
+// sum. Groups of up to kMaxGroup ranks; a group of one is the identity.
 //
 // Thread-safe: one thread per rank (each with its own streams, the device current) calls it at
 // once. The arena must outlive the transport.
@@ -46,6 +49,12 @@ class LocalTransport : public DeviceTransport {
             cudaStream_t stream) override;
   void all_reduce_sum(const std::vector<int>& group, int rank, void* data, std::int64_t count,
                       DType type, cudaStream_t stream) override;
+  void reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
+                          const std::vector<std::int64_t>& bounds, DType type,
+                          cudaStream_t stream) override;
+  void all_gather(const std::vector<int>& group, int rank, void* data,
+                  const std::vector<std::int64_t>& bounds, DType type,
+                  cudaStream_t stream) override;
   void synchronize(int rank, cudaStream_t stream, const std::string& op) override;
   void abort() override;
 
@@ -72,6 +81,8 @@ class LocalTransport : public DeviceTransport {
     std::map<int, Member> members;
     std::int64_t count = 0;
     DType type = DType::fp32;
+    int kind = 0;                      // Collective (transport_kernels.cuh)
+    std::vector<std::int64_t> bounds;  // reduce-scatter and all-gather
     cudaStream_t launched_on = nullptr;
     cudaEvent_t done = nullptr;
     bool launched = false;
@@ -83,6 +94,10 @@ class LocalTransport : public DeviceTransport {
   };
 
   void check_rank(int rank, int self, const std::string& op) const;
+  // The three collectives: kind is a Collective; bounds empty for the all-reduce.
+  void collective(int kind, const std::string& op, const std::vector<int>& group, int rank,
+                  void* data, std::int64_t count, const std::vector<std::int64_t>& bounds,
+                  DType type, cudaStream_t stream);
   void fail_locked();  // abort() with mutex_ held: a reduction the others wait for cannot happen
   std::int64_t queued_locked() const;
   cudaEvent_t take_event(int rank, const std::string& op);  // from the pool; mutex_ not held

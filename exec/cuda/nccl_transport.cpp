@@ -243,6 +243,66 @@ void NcclTransport::all_reduce_sum(const std::vector<int>& group, int rank, void
       stage_comm_);
 }
 
+void NcclTransport::reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
+                                       const std::vector<std::int64_t>& bounds, DType type,
+                                       cudaStream_t stream) {
+  rooted(true, group, rank, data, bounds, type, stream);
+}
+
+void NcclTransport::all_gather(const std::vector<int>& group, int rank, void* data,
+                               const std::vector<std::int64_t>& bounds, DType type,
+                               cudaStream_t stream) {
+  rooted(false, group, rank, data, bounds, type, stream);
+}
+
+void NcclTransport::rooted(bool reduce, const std::vector<int>& group, int rank, void* data,
+                           const std::vector<std::int64_t>& bounds, DType type,
+                           cudaStream_t stream) {
+  const std::string op = std::string(reduce ? "reduce_scatter " : "all_gather ") +
+                         dtype_name(type) + " over " + group_text(group);
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  entry_check(op);
+  std::vector<int> sorted = group;
+  std::sort(sorted.begin(), sorted.end());
+  if (rank != rank_ || sorted != stage_members_)
+    throw Error("rank " + std::to_string(rank_) + ": " + op + ": the group must be this stage's " +
+                "replicas " + group_text(stage_members_) + ", called by rank " +
+                std::to_string(rank_));
+  check_bounds(rank_, op, group, bounds);
+  // The stage communicator's ranks are the members in ascending world rank (ncclCommSplit's key).
+  const auto root = [&](std::size_t k) {
+    return int(std::lower_bound(stage_members_.begin(), stage_members_.end(), group[k]) -
+               stage_members_.begin());
+  };
+  char* base = static_cast<char*>(data);
+  const std::int64_t e = dtype_bytes(type);
+  group_start();  // the parts progress together; group_end polls them with the deadline
+  try {
+    for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
+      const std::int64_t n = bounds[k + 1] - bounds[k];
+      if (n == 0) continue;
+      void* part = base + bounds[k] * e;
+      if (reduce)
+        check(op, "ncclReduce",
+              ncclReduce(part, part, std::size_t(n), nccl_type(type), ncclSum, root(k), stage_comm_,
+                         stream),
+              stage_comm_);
+      else
+        check(op, "ncclBroadcast",
+              ncclBroadcast(part, part, std::size_t(n), nccl_type(type), root(k), stage_comm_,
+                            stream),
+              stage_comm_);
+    }
+  } catch (...) {
+    try {
+      group_end();
+    } catch (...) {
+    }
+    throw;
+  }
+  group_end();
+}
+
 void NcclTransport::group_start() {
   mutex_.lock();  // held until group_end: one thread issues the whole group
   try {

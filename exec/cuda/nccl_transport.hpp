@@ -73,6 +73,14 @@ class NcclTransport : public DeviceTransport {
   // A lists B, B lists A. E.g. activation and gradient: the previous and next stage's ranks; tied:
   // the partner. Before the step loop (it allocates 2 x peers bytes with cudaMalloc).
   void connect(Channel channel, const std::vector<int>& peers);
+  // Parts of any size: a grouped ncclReduce (reduce-scatter) or ncclBroadcast (all-gather) per
+  // member, rooted at the part's owner.
+  void reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
+                          const std::vector<std::int64_t>& bounds, DType type,
+                          cudaStream_t stream) override;
+  void all_gather(const std::vector<int>& group, int rank, void* data,
+                  const std::vector<std::int64_t>& bounds, DType type,
+                  cudaStream_t stream) override;
   void group_start() override;
   void group_end() override;
   // Polls cudaEventQuery and every communicator's async error: a peer that died or hangs becomes
@@ -97,7 +105,11 @@ class NcclTransport : public DeviceTransport {
   // Throws the first communicator's async error; false while one is still in progress.
   bool comms_idle(const std::string& op);
   [[noreturn]] void fail(const std::string& op, const char* call, ncclResult_t r, ncclComm_t comm);
-  void entry_check(const std::string& op);  // throws once aborted (aborting the comms first)
+  void entry_check(const std::string& op);
+  // reduce_scatter_sum (reduce true) and all_gather: the checks, then one rooted op per part.
+  void rooted(bool reduce, const std::vector<int>& group, int rank, void* data,
+              const std::vector<std::int64_t>& bounds, DType type,
+              cudaStream_t stream);  // throws once aborted (aborting the comms first)
   void abort_comms_locked() noexcept;
   std::vector<ncclComm_t> comms() const;  // the distinct live ones, children first
 

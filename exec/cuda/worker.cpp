@@ -87,12 +87,14 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
   slots_.set_rank(rank);
   const planner::Plan& p = s.plan();
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  sharded_ = p.distributed_optimizer && p.w > 1;
   swaps_ = p.swaps(stage_);
   if (offload_optimizer_ && p.w > 1)  // planner::check refuses it; the all-reduce needs grads
     throw Error(
         fmt::format("rank {}: optimizer offload with w = {} (data parallelism)", rank, p.w));
   std::int64_t workspace = 0;
-  std::vector<std::vector<float>> initial;  // each chunk's fp32 initial weights (optimizer offload)
+  // Each chunk's fp32 initial weights (optimizer offload, the distributed optimizer's shards).
+  std::vector<std::vector<float>> initial;
   for (int c = 0; c < p.v; ++c) {
     const StageSpec spec = exec::detail::chunk_spec(*s.model, p, stage_, c);
     Chunk ch;
@@ -105,20 +107,27 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = tensor(Category::weights, 2 * n);
     // Optimizer offload: gradients leave the device layer by layer and the master weights and
-    // the optimizer state live on the host (setup_offload).
-    if (!offload_optimizer_) {
-      ch.grads = tensor(Category::gradients, 2 * n);
+    // the optimizer state live on the host (setup_offload). The distributed optimizer: the state
+    // of the rank's shard only, allocated below.
+    if (!offload_optimizer_) ch.grads = tensor(Category::gradients, 2 * n);
+    const bool whole = !offload_optimizer_ && !sharded_;
+    if (whole) {
       ch.master = tensor(Category::optimizer, 4 * n);
       ch.m = tensor(Category::optimizer, 4 * n);
       if (s.options->optimizer == "adamw") ch.v = tensor(Category::optimizer, 4 * n);
+      ch.own_end = n;
+      ch.master_at = ch.master.as<float>();
+      ch.m_at = ch.m.as<float>();
+      ch.v_at = ch.v.bytes() > 0 ? ch.v.as<float>() : nullptr;
     }
     // The CPU backend's initialisation (fp32, deterministic in seed and tensor name), rounded.
     std::vector<float> host(std::size_t(n), 0.0f);
     make_cpu_stage(spec)->init_parameters(host.data(), s.options->seed);
     ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(),
-                                offload_optimizer_ ? nullptr : ch.master.as<float>());
-    if (!offload_optimizer_) {
+                                whole ? ch.master.as<float>() : nullptr);
+    if (!offload_optimizer_)
       CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
+    if (whole) {
       CUDA_CHECK(cudaMemsetAsync(ch.m.as<void>(), 0, std::size_t(4 * n), compute_));
       if (ch.v.bytes() > 0)
         CUDA_CHECK(cudaMemsetAsync(ch.v.as<void>(), 0, std::size_t(4 * n), compute_));
@@ -132,8 +141,11 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
           ch.tied_size = slot.size;
         }
     workspace = std::max(workspace, ch.sizes.workspace);
+    ch.base = flat_;
+    flat_ += n;
     chunks_.push_back(std::move(ch));
   }
+  if (sharded_) setup_shards(initial);
   workspace_ = tensor(Category::workspace, 2 * workspace);
   if (chunks_.back().last) losses_ = tensor(Category::workspace, 4 * 2 * std::int64_t(p.m));
   setup_offload(initial);
@@ -572,21 +584,102 @@ void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
 }
 
 void CudaWorker::all_reduce(const Op& op) {
-  const planner::Plan& p = s_.plan();
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const auto [begin, end] =
       exec::detail::bucket_range(c.sizes.parameters, s_.programs->buckets, op.bucket);
-  std::vector<int> group;
-  for (int r = 0; r < p.w; ++r)
-    group.push_back(p.rank_of(stage_, r));
   const cudaEvent_t produced = record(compute_);
   wait(reduce_, produced);
   pool_.push_back(produced);
   begin_timed(planner::kCollectiveStream, reduce_);
-  transport_.all_reduce_sum_bf16(group, rank_, c.grads.as<bf16>() + begin, end - begin, reduce_);
+  if (sharded_)
+    reduce_scatter(c, begin, end);
+  else
+    transport_.all_reduce_sum_bf16(replica_group(), rank_, c.grads.as<bf16>() + begin, end - begin,
+                                   reduce_);
   end_timed(reduce_);
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = record(reduce_);
+}
+
+std::vector<int> CudaWorker::replica_group() const {
+  std::vector<int> group;
+  for (int r = 0; r < s_.plan().w; ++r)
+    group.push_back(s_.plan().rank_of(stage_, r));
+  return group;
+}
+
+// The distributed optimizer's state: ceil(P / w) fp32 values each of master, m and v on every
+// replica (the last shard padded: the planner's figure), each chunk pointing at its part of the
+// rank's shard; the master starts from the initial weights, unrounded.
+void CudaWorker::setup_shards(const std::vector<std::vector<float>>& initial) {
+  const planner::Plan& p = s_.plan();
+  const planner::TiedShard own = planner::tied_shard(flat_, p.w, replica_);
+  const std::int64_t per = (flat_ + p.w - 1) / p.w;
+  shard_master_ = tensor(Category::optimizer, 4 * per);
+  shard_m_ = tensor(Category::optimizer, 4 * per);
+  CUDA_CHECK(cudaMemsetAsync(shard_m_.as<void>(), 0, std::size_t(4 * per), compute_));
+  if (s_.options->optimizer == "adamw") {
+    shard_v_ = tensor(Category::optimizer, 4 * per);
+    CUDA_CHECK(cudaMemsetAsync(shard_v_.as<void>(), 0, std::size_t(4 * per), compute_));
+  }
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    const std::int64_t n = c.sizes.parameters;
+    c.own_begin = std::clamp(own.begin - c.base, std::int64_t(0), n);
+    c.own_end = std::max(c.own_begin, std::clamp(own.end - c.base, std::int64_t(0), n));
+    // A chunk wholly before or after the shard owns nothing: its (empty) state at either end.
+    const std::int64_t at = std::clamp(c.base + c.own_begin - own.begin, std::int64_t(0), per);
+    c.master_at = shard_master_.as<float>() + at;
+    c.m_at = shard_m_.as<float>() + at;
+    c.v_at = shard_v_.bytes() > 0 ? shard_v_.as<float>() + at : nullptr;
+    CUDA_CHECK(cudaMemcpy(c.master_at, initial[i].data() + c.own_begin,
+                          std::size_t(4 * (c.own_end - c.own_begin)), cudaMemcpyHostToDevice));
+  }
+}
+
+// A bucket [begin, end) of chunk c's bf16 gradients, on the reduce stream: each replica gets the
+// sum over its shard (the only part its optimizer reads), except where the tied tensor's rule
+// differs (bucket_pieces). The transport's reduce-scatter sums as its all-reduce does, so each
+// shard's bits are those of the plain data-parallel sum.
+void CudaWorker::reduce_scatter(Chunk& c, std::int64_t begin, std::int64_t end) {
+  const planner::Plan& p = s_.plan();
+  const std::vector<int> group = replica_group();
+  bf16* grads = c.grads.as<bf16>();
+  for (const exec::detail::BucketPiece& piece :
+       exec::detail::bucket_pieces(c.first, c.tied_offset, c.tied_size, p.d, p.w, begin, end)) {
+    bf16* at = grads + piece.begin;
+    if (piece.kind == exec::detail::BucketPiece::tied_whole)
+      transport_.all_reduce_sum_bf16(group, rank_, at, piece.end - piece.begin, reduce_);
+    else
+      transport_.reduce_scatter_sum(
+          group, rank_, at,
+          piece.kind == exec::detail::BucketPiece::tied_shards
+              ? piece.bounds
+              : exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w),
+                                          piece.begin, piece.end),
+          DType::bf16, reduce_);
+  }
+}
+
+// After the sharded update into slot `target` (enqueued on compute): every replica's shards of
+// every chunk to the others, on the reduce stream; the compute stream's next work waits for it.
+void CudaWorker::all_gather(int target) {
+  const planner::Plan& p = s_.plan();
+  const cudaEvent_t updated = record(compute_);
+  wait(reduce_, updated);
+  pool_.push_back(updated);
+  begin_timed(planner::kCollectiveStream, reduce_);
+  for (Chunk& c : chunks_) {
+    const std::int64_t n = c.sizes.parameters;
+    transport_.all_gather(
+        replica_group(), rank_, c.slots[target].as<bf16>(),
+        exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w), 0, n),
+        DType::bf16, reduce_);
+  }
+  end_timed(reduce_);
+  const cudaEvent_t gathered = record(reduce_);
+  wait(compute_, gathered);
+  pool_.push_back(gathered);
 }
 
 // The token embedding (stage 0) and the LM head's copy (last stage) are one parameter; stage 0
@@ -603,9 +696,7 @@ void CudaWorker::tied(const Op& op) {
   const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   const std::int64_t shard_bytes = 2 * (sh.end - sh.begin);
   bf16* grad = tied_grad(c);
-  std::vector<int> group;
-  for (int r = 0; r < p.w; ++r)
-    group.push_back(p.rank_of(stage_, r));
+  const std::vector<int> group = replica_group();
   switch (op.kind) {
     case OpKind::send_tied_gradient: {
       const cudaStream_t stream = send_[int(Channel::tied)];
@@ -747,15 +838,21 @@ void CudaWorker::optimizer_step(const Op& op) {
     slot_sent_[target] = nullptr;
   }
   begin_timed(planner::kComputeStream, compute_);
-  for (Chunk& c : chunks_)
+  for (Chunk& c : chunks_) {
     update(c, c.slots[target].as<bf16>());
+    // The other replicas' shards hold this replica's unreduced sums: zeroed for the next step.
+    if (sharded_)
+      CUDA_CHECK(cudaMemsetAsync(c.grads.as<void>(), 0, std::size_t(c.grads.bytes()), compute_));
+  }
   end_timed(compute_);
+  if (sharded_) all_gather(target);
   slots_.place(op.version, target);
   end_of_step(op.step);
 }
 
-// fp32 master weights (always the newest version) -> the target slot's bf16 copy. The last
-// stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
+// fp32 master weights (always the newest version) -> the target slot's bf16 copy, over the
+// parameters the rank keeps the state of (the distributed optimizer: its shard). The last stage's
+// copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
 void CudaWorker::update(Chunk& c, bf16* target) {
   const TrainOptions& o = *s_.options;
   AdamWParams a;
@@ -764,14 +861,18 @@ void CudaWorker::update(Chunk& c, bf16* target) {
   a.beta2 = o.beta2;
   a.eps = o.eps;
   a.weight_decay = o.weight_decay;
-  for (const auto& [begin, end] : exec::detail::updated_ranges(
-           c.first, c.last, c.tied_offset, c.tied_size, s_.plan().d, c.sizes.parameters)) {
-    float* master = c.master.as<float>() + begin;
+  for (auto [begin, end] : exec::detail::updated_ranges(c.first, c.last, c.tied_offset, c.tied_size,
+                                                        s_.plan().d, c.sizes.parameters)) {
+    begin = std::max(begin, c.own_begin);
+    end = std::min(end, c.own_end);
+    if (begin >= end) continue;
+    const std::int64_t at = begin - c.own_begin;
+    float* master = c.master_at + at;
     bf16* grads = c.grads.as<bf16>() + begin;
-    float* m = c.m.as<float>() + begin;
+    float* m = c.m_at + at;
     if (o.optimizer == "adamw")
-      adamw_update(master, target + begin, grads, m, c.v.as<float>() + begin, end - begin, a,
-                   updates_, compute_);
+      adamw_update(master, target + begin, grads, m, c.v_at + at, end - begin, a, updates_,
+                   compute_);
     else
       sgd_momentum_update(master, target + begin, grads, m, end - begin, o.lr, o.momentum,
                           compute_);
@@ -1084,7 +1185,8 @@ void CudaWorker::offload_step(const Op& op) {
   end_of_step(op.step);
 }
 
-// Every weight version held (bf16 values as fp32, exact), then the fp32 master and moments.
+// Every weight version held (bf16 values as fp32, exact), then the fp32 master and moments of the
+// parameters the rank keeps the state of (the distributed optimizer: its shard of the chunk).
 std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versions,
                                                    std::vector<std::vector<float>>& host) {
   std::vector<ShardTensor> tensors;
@@ -1098,7 +1200,7 @@ std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versi
       tensors.push_back({fmt::format("c{}.w{}", i, version), host.back().data(), n});
     }
     // Under optimizer offload the host's: its host-updated parameters [0, n_h).
-    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n : n;
+    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n : c.own_end - c.own_begin;
     for (const char* name : {"master", "m", "v"}) {
       if (std::string(name) == "v" && s_.options->optimizer != "adamw") continue;
       host.emplace_back(std::size_t(n_h));
@@ -1137,10 +1239,10 @@ void CudaWorker::save_checkpoint(int step) {
       }
       continue;
     }
-    for (const Tensor* t : {&c.master, &c.m, &c.v}) {
-      if (t->bytes() == 0) continue;
+    for (const float* t : {c.master_at, c.m_at, c.v_at}) {
+      if (!t) continue;
       CUDA_CHECK(
-          cudaMemcpy(tensors[k].data, t->as<float>(), std::size_t(4 * n), cudaMemcpyDeviceToHost));
+          cudaMemcpy(tensors[k].data, t, std::size_t(4 * tensors[k].size), cudaMemcpyDeviceToHost));
       ++k;
     }
   }
@@ -1199,10 +1301,10 @@ void CudaWorker::load_checkpoint(int step) {
       }
       continue;
     }
-    for (Tensor* t : {&c.master, &c.m, &c.v}) {
-      if (t->bytes() == 0) continue;
+    for (float* t : {c.master_at, c.m_at, c.v_at}) {
+      if (!t) continue;
       CUDA_CHECK(
-          cudaMemcpy(t->as<float>(), tensors[k].data, std::size_t(4 * n), cudaMemcpyHostToDevice));
+          cudaMemcpy(t, tensors[k].data, std::size_t(4 * tensors[k].size), cudaMemcpyHostToDevice));
       ++k;
     }
   }

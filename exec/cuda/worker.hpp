@@ -120,9 +120,15 @@ class CudaWorker {
     StageSizes sizes;     // bf16 elements
     Tensor slots[2];      // bf16 weight versions: slot 0 counted as weights, 1 as versions
     Tensor grads;         // bf16
-    Tensor master, m, v;  // fp32 (optimizer)
+    Tensor master, m, v;  // fp32 (optimizer); the distributed optimizer's: shard_master_ etc.
     std::int64_t tied_offset = -1, tied_size = 0;  // elements; "wte" or "lm_head" across stages
     bool first = false, last = false;
+    std::int64_t base = 0;  // its first parameter among the rank's (the chunks' in order)
+    // The parameters [own_begin, own_end) whose optimizer state this rank keeps on the device:
+    // all, or under the distributed optimizer its shard of them (shard_starts' rule), with that
+    // state at master_at, m_at, v_at (v_at null for SGD; none under optimizer offload).
+    std::int64_t own_begin = 0, own_end = 0;
+    float *master_at = nullptr, *m_at = nullptr, *v_at = nullptr;
   };
   struct Timed {
     int stream, op;
@@ -143,6 +149,13 @@ class CudaWorker {
   void recv(const planner::Op& op, Channel channel, std::map<Key, Held>& into,
             std::int64_t elements);
   void all_reduce(const planner::Op& op);
+  // The distributed optimizer (ZeRO-1, w > 1; the CPU worker's rules, exec/run_common.hpp): each
+  // bucket's gradients reduce-scattered by the shard rule (bucket_pieces), the update of the
+  // rank's shard, then every chunk's new version all-gathered into the target slot.
+  void setup_shards(const std::vector<std::vector<float>>& initial);
+  void reduce_scatter(Chunk& c, std::int64_t begin, std::int64_t end);
+  void all_gather(int target);
+  std::vector<int> replica_group() const;
   void tied(const planner::Op& op);
   void sum_local_tied();
   void optimizer_step(const planner::Op& op);
@@ -227,6 +240,9 @@ class CudaWorker {
   cudaStream_t send_[kChannels] = {}, recv_[kChannels] = {};
   std::vector<cudaStream_t*> all_streams();
   std::vector<Chunk> chunks_;
+  bool sharded_ = false;                     // the distributed optimizer, w > 1
+  std::int64_t flat_ = 0;                    // the rank's parameters, every chunk's
+  Tensor shard_master_, shard_m_, shard_v_;  // fp32, ceil(flat_ / w) each: the planner's figure
   Tensor workspace_, losses_;  // losses_: 2 x m floats (by step parity), on the last stage
   exec::detail::VersionSlots slots_;
   int updates_ = 0;
