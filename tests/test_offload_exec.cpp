@@ -432,7 +432,8 @@ TEST(OffloadExec, ResumeIsBitIdentical) {
 }
 
 // What the executor does not run: offload on a backend other than cpu and cuda, optimizer
-// offload with both tied ends on one stage. The CUDA backend's checks pass every mode.
+// offload with both tied ends on one stage, sharded optimizer offload on cuda. The CUDA
+// backend's checks pass every unsharded mode and the distributed optimizer.
 TEST(OffloadExec, RefusesWhatItDoesNotRun) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const Plan p = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kOptimizer);
@@ -443,6 +444,23 @@ TEST(OffloadExec, RefusesWhatItDoesNotRun) {
     EXPECT_NO_THROW(detail::prepare_run(
         model, make_plan(model, Schedule::one_f_one_b, 4, 1, 4, mode), adamw_options(2), "cuda"))
         << mode_name(mode);
+  // The distributed optimizer runs on both backends; optimizer offload sharded over replicas
+  // (w > 1, ZeRO-Offload's shards) on the cpu backend only.
+  Plan dopt = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, 0);
+  dopt.w = 2;
+  dopt.distributed_optimizer = true;
+  planner::check(dopt);
+  EXPECT_NO_THROW(detail::prepare_run(model, dopt, adamw_options(2), "cuda"));
+  Plan sharded = dopt;
+  sharded.offload = Offload::optimizer;
+  planner::check(sharded);
+  EXPECT_NO_THROW(detail::prepare_run(model, sharded, adamw_options(2), "cpu"));
+  msg = testing::error_of([&] { detail::prepare_run(model, sharded, adamw_options(2), "cuda"); });
+  EXPECT_NE(msg.find("plan: offload: the cuda executor does not shard optimizer offload over "
+                     "replicas yet (w = 2;"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   // A stage mixing swapped and recomputed blocks (per-layer choices): the cpu backend runs it
   // (MixedStage* below), the cuda backend refuses it in one line naming the field.
   Plan mixed = make_plan(model, Schedule::one_f_one_b, 2, 2, 4, kActivations);
