@@ -185,8 +185,10 @@ Machine probe_cpu(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   return m;
 }
 
-// cpu under `mpirun -np N` (one rank per process): N nodes of one core each, joined by the MPI
-// link as ranks 0 and 1 measure it with a ping-pong (latency and bandwidth as the network).
+// cpu under `mpirun -np N` (one rank per process): N / t nodes of t one-core devices each (a TP
+// group is a node's, as the planner places it), every link the MPI link as ranks 0 and 1 measure
+// it with a ping-pong (latency and bandwidth: the network, and with t > 1 the nodes' own link,
+// which the TP collectives take).
 Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& probe_sizes,
                   int round_trips, const exec::MpiSession& job) {
   Machine m;
@@ -197,11 +199,13 @@ Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   std::fflush(stdout);
   m.link = exec::measure_mpi_transport(job, probe_sizes, round_trips);
   const double gemm = exec::measure_sgemm_flops_per_s();
-  m.cluster = exec::cpu_host_cluster(1, m.link, gemm);
-  m.cluster.name = fmt::format("mpi-{}-nodes", job.size());
-  m.cluster.nodes = job.size();
-  m.cluster.intra_node = {};
-  m.cluster.intra_node.kind = clusters::IntraKind::none;
+  m.cluster = exec::cpu_host_cluster(plan.t, m.link, gemm);
+  m.cluster.name = fmt::format("mpi-{}-nodes", job.size() / plan.t);
+  m.cluster.nodes = job.size() / plan.t;
+  if (plan.t == 1) {
+    m.cluster.intra_node = {};
+    m.cluster.intra_node.kind = clusters::IntraKind::none;
+  }
   m.cluster.network.nic_per = clusters::NicPer::node;
   m.cluster.network.bandwidth_bytes_per_s = m.link.bandwidth_bytes_per_s;
   m.cluster.network.latency_s = m.link.latency_s;
@@ -211,11 +215,11 @@ Machine probe_mpi(const planner::Plan& plan, const std::vector<std::int64_t>& pr
   m.cluster.network.send_overhead_s = m.link.send_overhead_s;
   m.cluster.network.send_overhead_bytes_per_s = m.link.send_overhead_bytes_per_s;
   m.cluster.notes = fmt::format(
-      "the processes of an mpirun job as measured by pipewright validate: {} nodes of one core "
-      "(rank 0's single-threaded OpenBLAS sgemm rate) joined by the MPI link between ranks 0 and "
-      "1 (MpiTransport ping-pong fit: {:.3g} us + bytes / {:.3g} MB/s; a send holds its rank "
-      "{:.3g} us + bytes / {:.3g} MB/s)",
-      job.size(), m.link.latency_s * 1e6, m.link.bandwidth_bytes_per_s / 1e6,
+      "the processes of an mpirun job as measured by pipewright validate: {} nodes of {} one-core "
+      "devices (rank 0's single-threaded OpenBLAS sgemm rate) joined by the MPI link between "
+      "ranks 0 and 1 (MpiTransport ping-pong fit: {:.3g} us + bytes / {:.3g} MB/s; a send holds "
+      "its rank {:.3g} us + bytes / {:.3g} MB/s)",
+      m.cluster.nodes, plan.t, m.link.latency_s * 1e6, m.link.bandwidth_bytes_per_s / 1e6,
       m.link.send_overhead_s * 1e6, m.link.send_overhead_bytes_per_s / 1e6);
   fmt::print(
       "  latency {}, bandwidth {}; a send holds its rank {} + bytes / {}; fp32 GEMM {} per "
@@ -433,13 +437,9 @@ void run_and_compare(const ValidateArgs& a) {
   const exec::MpiSession* job = process_count() > 1 ? mpi_session() : nullptr;
   if (job) {
     if (gpu) throw InputError("validate under mpirun: --backend cpu only (one rank per process)");
-    if (plan.t > 1)
-      throw InputError(fmt::format(
-          "plan: t: validate under mpirun does not compare tensor-parallel runs yet (t = {}); run "
-          "it without mpirun (threads), or train them under mpirun",
-          plan.t));
-    exec::check_world_size(job->size(), plan.ranks(),
-                           fmt::format("{} w={} d={}", to_string(plan.schedule), plan.w, plan.d));
+    exec::check_world_size(
+        job->size(), plan.gpus(),
+        fmt::format("{}{} w={} d={}", to_string(plan.schedule), tp_text(plan), plan.w, plan.d));
     if (job->rank() != 0) return follow_validate(a, *job, model, plan);
   }
   if (plan.t > 1) {                               // before anything runs

@@ -12,6 +12,7 @@
 
 #include "exec/optimizer.hpp"
 #include "exec/profile_driver.hpp"
+#include "exec/run_common.hpp"
 #include "exec/stage_compute.hpp"
 
 namespace pw::exec {
@@ -137,6 +138,7 @@ std::string cpu_name() {
 traces::Trace profile_cpu(const models::ModelSpec& model,
                           const std::vector<std::int64_t>& microbatch_sizes, int repeats,
                           ProfileStatistic statistic, const models::Sharding& sharding) {
+  detail::keep_freed_memory();  // as in training: its buffers are reused, not mapped anew
   if (model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
                                  model.name, models::to_string(model.dtype)));

@@ -1,9 +1,12 @@
 // What every backend's workers share (see run_common.hpp).
 #include "exec/run_common.hpp"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <exception>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -43,8 +46,17 @@ clusters::Cluster chunk_cluster(std::int64_t device_memory) {
 
 namespace detail {
 
+void keep_freed_memory() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    (void)mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+    (void)mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  });
+}
+
 PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& plan,
                         const TrainOptions& options, const std::string& backend, bool tidy) {
+  keep_freed_memory();
   if (options.optimizer != "adamw" && options.optimizer != "sgd")
     throw InputError(fmt::format("--optimizer: unknown \"{}\" (adamw or sgd)", options.optimizer));
   if (options.steps < 1) throw InputError("--steps must be at least 1");

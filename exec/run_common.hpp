@@ -21,6 +21,15 @@ namespace pw::exec::detail {
 
 using Clock = std::chrono::steady_clock;
 
+// Keeps the memory of freed large blocks in the process for the next allocation (glibc: blocks
+// up to 32 MiB from the heap instead of fresh mmaps, and no trimming of the heap's top below
+// 1 GiB). A training process frees and allocates the same message, activation and gradient
+// buffers every step; by default glibc maps each block of 128 KiB or more anew and unmaps it on
+// free, so every such buffer page-faults and zero-fills again (measured: a 256 KiB message of
+// the MPI transport 18x slower than with the memory kept; docs/performance.md, "Freed memory
+// kept"). Process-wide, idempotent; prepare_run and the CPU profiler call it.
+void keep_freed_memory();
+
 // What a run needs before its workers start: the options checked, the checkpoint directory
 // checked (and resumed from), the programs generated.
 struct PreparedRun {

@@ -165,15 +165,30 @@ for phase in ('profile', 'train'):
     assert l is None or (0 <= l['others'] <= 1 and l['host'] and l['wall_s'] > 0), l
 print("ok: validate over 2 processes")
 EOF
-    # Tensor parallelism under mpirun is refused on one line, exit 1, no report.
-    if "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --tp 2 --steps 2 --out "$TMP/tp.json" \
+    # Tensor parallelism: one process per TP rank, the TP group a node of t one-core devices
+    # whose own link is the MPI link (the TP collectives take it).
+    "${MPIRUN[@]}" -np 2 "$PW" validate --model "$MODEL" --tp 2 -d 1 -m 2 -b 2 --steps 3 \
+      --repeats 3 --round-trips 20 --out "$TMP/tp.json" >"$TMP/out" 2>"$TMP/err" ||
+      { echo "FAIL: mpirun validate --tp 2: $(tail -5 "$TMP/err")"; exit 1; }
+    python3 - "$TMP/tp.json" <<'EOF' || exit 1
+import json, sys
+v = json.load(open(sys.argv[1]))
+c = v['machine']['cluster']
+t = v['machine']['transport']
+assert v['plan']['t'] == 2 and c['nodes'] == 1 and c['gpus_per_node'] == 2, c
+assert c['intra_node']['bandwidth_bytes_per_s'] == t['bandwidth_bytes_per_s'], c
+assert len(v['devices']) == 2 and v['measured']['step_times_s'], v['measured']
+print("ok: validate --tp 2 over 2 processes")
+EOF
+    # A world that is not t*w*d processes: one line, exit 1, no report.
+    if "${MPIRUN[@]}" -np 3 "$PW" validate --model "$MODEL" --tp 2 --steps 2 --out "$TMP/tp3.json" \
       >"$TMP/out" 2>"$TMP/err"; then
-      echo "FAIL: mpirun validate --tp 2 succeeded"; exit 1
+      echo "FAIL: mpirun -np 3 validate --tp 2 succeeded"; exit 1
     fi
-    grep -q "validate under mpirun does not compare tensor-parallel runs yet" "$TMP/err" ||
-      { echo "FAIL: mpirun validate --tp 2: $(tail -3 "$TMP/err")"; exit 1; }
-    [ ! -e "$TMP/tp.json" ] || { echo "FAIL: mpirun validate --tp 2 wrote a report"; exit 1; }
-    echo "ok: validate --tp under mpirun is one line"
+    grep -q "3 processes" "$TMP/err" || grep -q "world" "$TMP/err" ||
+      { echo "FAIL: mpirun -np 3 validate --tp 2: $(tail -3 "$TMP/err")"; exit 1; }
+    [ ! -e "$TMP/tp3.json" ] || { echo "FAIL: mpirun -np 3 validate --tp 2 wrote a report"; exit 1; }
+    echo "ok: validate --tp 2 on 3 processes is refused"
     ;;
   *)
     echo "unknown mode $MODE"
