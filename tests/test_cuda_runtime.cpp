@@ -287,24 +287,11 @@ TEST(CudaRuntime, DistributedOptimizerResumeIsExact) {
   PW_SKIP_WITHOUT_GPU();
   for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(pw::planner::to_string(s));
-    const Plan p = dopt_plan({s, 2, 2, 1, 2, 1}, true);
-    TrainOptions o = adamw(4, 1);
-    o.checkpoint_dir = temp_dir("dopt-unbroken").string();
-    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.checkpoint_dir = temp_dir("dopt-resumed").string();
-    o.steps = 2;
-    pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
-    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
-    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
-      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
-    fs::remove_all(temp_dir("dopt-unbroken"));
-    fs::remove_all(temp_dir("dopt-resumed"));
+    pw::testing::expect_resume_is_bit_identical(
+        kGpu, dopt_plan({s, 2, 2, 1, 2, 1}, true), adamw(4, 1),
+        "cuda_dopt_" + pw::planner::to_string(s), [](const auto& m, const auto& p, const auto& o) {
+          return pw::exec::cuda::train_cuda(m, p, o);
+        });
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -205,22 +206,29 @@ inline std::int64_t largest_peak(const exec::TrainResult& r) {
   return peak;
 }
 
+// A backend's training entry (exec::train_cpu, exec::cuda::train_cuda) with its defaults.
+using Trainer = std::function<exec::TrainResult(const models::ModelSpec&, const planner::Plan&,
+                                                const exec::TrainOptions&)>;
+
 // Trains options.steps (even) steps unbroken, then again in two halves through a checkpoint in a
 // scratch folder named after `tag`: the resumed half's losses and every rank's final weights are
-// the unbroken run's, bit for bit.
+// the unbroken run's, bit for bit. `train`: the CPU backend unless given.
 inline void expect_resume_is_bit_identical(const models::ModelSpec& model, const planner::Plan& p,
                                            const exec::TrainOptions& options,
-                                           const std::string& tag) {
-  const exec::TrainResult whole = exec::train_cpu(model, p, options);
+                                           const std::string& tag, const Trainer& given = {}) {
+  const Trainer train = given ? given : [](const auto& m, const auto& plan, const auto& o) {
+    return exec::train_cpu(m, plan, o);
+  };
+  const exec::TrainResult whole = train(model, p, options);
   const int half = options.steps / 2;
   TempDir dir(tag);
   exec::TrainOptions o = options;
   o.steps = half;
   o.checkpoint_dir = dir.file("ckpt");
-  exec::train_cpu(model, p, o);
+  train(model, p, o);
   o.steps = options.steps;
   o.resume = true;
-  const exec::TrainResult resumed = exec::train_cpu(model, p, o);
+  const exec::TrainResult resumed = train(model, p, o);
   ASSERT_EQ(resumed.first_step, half);
   ASSERT_EQ(resumed.steps.size(), std::size_t(options.steps - half));
   for (std::size_t i = 0; i < resumed.steps.size(); ++i)
