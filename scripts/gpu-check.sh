@@ -39,7 +39,7 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  m=4, 6 steps, 1f1b and 2bw (3 buckets), with and without
                  --distributed-optimizer: losses equal bit for bit, each rank's optimizer
                  state about 1/w; 2bw stopped after 3 steps and --resumed to 6: the same losses
-  8. offload     the CUDA executor's offload (compile-checked, never run on a GPU before):
+  8. offload     the CUDA executor's offload (first run on an H100 on 2026-11-27):
                  tests/test_cuda_offload (when built), then gpt2-124m gpipe d=2 b=4 m=4 (stage 0
                  swaps) trained 6 steps with --offload none, optimizer, activations and
                  optimizer,activations, and simulate of the same plans on dgx-h100 for 6 steps:
