@@ -430,6 +430,7 @@ except (OSError, KeyError, ValueError) as e:
 sys.exit(0 if ok else 1)
 EOF
   fi
+  rm -rf "$EXE_DIR/ckpt"  # gigabytes of checkpoints: compared above, not kept
   for i in 1 2 3 4 5; do
     pw_step "executor profile spread $i/5" "$PW" profile --backend cuda --model gpt2-124m \
       --microbatch 4 --repeats 10 -o "$EXE_DIR/spread-$i.json"
@@ -496,6 +497,7 @@ except (OSError, KeyError, ValueError) as e:
     print("resume: no report:", e); ok = False
 sys.exit(0 if ok else 1)
 EOF
+  rm -rf "$DOPT_DIR/ckpt"  # gigabytes (every rank's fp32 shard per step): not worth keeping
 else
   skip dopt "--only $ONLY"
 fi
