@@ -390,10 +390,7 @@ std::vector<BucketPiece> bucket_pieces(bool first, std::int64_t tied_offset, std
                                        int d, int w, std::int64_t begin, std::int64_t end) {
   const bool apart = tied_offset >= 0 && (d == 1 || !first);
   const std::int64_t to = apart ? tied_offset : end, te = apart ? to + tied_size : end;
-  std::vector<std::int64_t> tied_starts;
-  for (int r = 0; r < w; ++r)
-    tied_starts.push_back(to + planner::tied_shard(te - to, w, r).begin);
-  tied_starts.push_back(te);
+  const std::vector<std::int64_t> tied_starts = shard_starts(te - to, -to, w);  // [to, te) split
   const std::int64_t cuts[4] = {begin, std::clamp(to, begin, end), std::clamp(te, begin, end), end};
   std::vector<BucketPiece> pieces;
   for (int i = 0; i < 3; ++i) {

@@ -26,8 +26,9 @@ using Clock = std::chrono::steady_clock;
 // 1 GiB). A training process frees and allocates the same message, activation and gradient
 // buffers every step; by default glibc maps each block of 128 KiB or more anew and unmaps it on
 // free, so every such buffer page-faults and zero-fills again (measured: a 256 KiB message of
-// the MPI transport 18x slower than with the memory kept; docs/performance.md, "Freed memory
-// kept"). Process-wide, idempotent; prepare_run and the CPU profiler call it.
+// the MPI transport 16x slower than with the memory kept; docs/performance.md, "Tensor
+// parallelism under mpirun, and freed memory kept"). Process-wide, idempotent; prepare_run and the
+// CPU profiler call it.
 void keep_freed_memory();
 
 // What a run needs before its workers start: the options checked, the checkpoint directory
@@ -105,7 +106,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bo
 // The distributed optimizer's shard rule (docs/formulas.md; planner::tied_shard over the rank's
 // parameters, its chunks' in order, split into w contiguous ranges of ceil(P / w)): for a chunk at
 // `base` of the rank's `flat` parameters, replica r's range starts at [r] relative to the chunk
-// (w + 1 values, the last flat - base; unclipped: clip_bounds cuts them to a range).
+// (w + 1 values, the last flat - base; unclipped: clip_bounds cuts them to a range). With base 0
+// over one tensor of n elements: its w shards' collective bounds (the tied exchange's).
 std::vector<std::int64_t> shard_starts(std::int64_t flat, std::int64_t base, int w);
 // `starts` (w + 1 ascending offsets) clipped to [a, b) and made relative to a: a collective's
 // bounds over that range.

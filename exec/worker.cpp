@@ -864,14 +864,6 @@ std::vector<int> Worker::replica_group() const {
   return group;
 }
 
-std::vector<std::int64_t> tied_bounds(std::int64_t n, int w) {
-  std::vector<std::int64_t> bounds;
-  for (int r = 0; r < w; ++r)
-    bounds.push_back(planner::tied_shard(n, w, r).begin);
-  bounds.push_back(n);
-  return bounds;
-}
-
 // The distributed optimizer's gradient sum of one bucket [begin, end) of a chunk: a reduce-scatter
 // by the shard rule (each replica gets the sum over its shard, the only part its optimizer reads),
 // except for the tied tensor where the chunk holds one:
@@ -994,7 +986,7 @@ void Worker::tied(const Op& op) {
     }
     case OpKind::gather_tied_gradient:
       s_.transport->all_gather(fmt::format("tg/{}.{}/{}", stage_, tp_, op.step), group, device_,
-                               tied_head_.data(), tied_bounds(n, p.w));
+                               tied_head_.data(), shard_starts(n, 0, p.w));
       for (std::int64_t i = 0; i < n; ++i)
         grad[i] = grad[i] + tied_head_[std::size_t(i)];
       tied_head_ = {};
@@ -1025,7 +1017,7 @@ void Worker::tied(const Op& op) {
     default: {  // gather_tied_weights
       float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
       s_.transport->all_gather(fmt::format("tw/{}.{}/{}", stage_, tp_, op.version), group, device_,
-                               out, tied_bounds(n, p.w));
+                               out, shard_starts(n, 0, p.w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     }

@@ -78,10 +78,6 @@ struct Shared : StepBook {
 // The CPU backend trains fp32 models only: an InputError naming the model otherwise.
 void check_cpu_model(const models::ModelSpec& model);
 
-// The collective bounds (w + 1 ascending offsets) of the w shards of an n-element tied tensor
-// (planner::tied_shard's rule): what each replica sends of the tied exchange.
-std::vector<std::int64_t> tied_bounds(std::int64_t n, int w);
-
 // One worker per device: with tensor parallelism (t > 1) the t devices of pipeline rank r
 // (device = r * t + TP index, planner/plan.hpp's order) run r's program alike, each with its shard
 // of the layers; their point-to-point messages and data-parallel collectives go to the devices of

@@ -513,11 +513,11 @@ void Worker::make_message_room(int producing) {
 // later copy or Adam of the chunk cannot race it. The last stage's copy sends its gradient (then
 // zeroes it) and gets the new weights; stage 0 adds that gradient to its own (embedding + head,
 // the order of the sum without chunks) and sends the weights after its Adam.
-// With w > 1 the exchange is the one without chunks, shard by shard (tied_bounds): the last
-// stage's replicas reduce-scatter the copy's gradient (the chunk steps sum only the stepped
-// elements), replica r sends its summed shard to stage 0's replica r, whose replicas all-gather
-// the head's gradient; the wte chunk's step adds it to the replica's part after that chunk's
-// reduce-scatter (chunk_update), so each element is (sum of wte) + (sum of head) as without
+// With w > 1 the exchange is the one without chunks, shard by shard (shard_starts over the tensor):
+// the last stage's replicas reduce-scatter the copy's gradient (the chunk steps sum only the
+// stepped elements), replica r sends its summed shard to stage 0's replica r, whose replicas
+// all-gather the head's gradient; the wte chunk's step adds it to the replica's part after that
+// chunk's reduce-scatter (chunk_update), so each element is (sum of wte) + (sum of head) as without
 // chunks. The weights go back shard by shard and the last stage's replicas all-gather them.
 void Worker::chunk_tied(const Op& op) {
   Chunk& c = chunks_.front();
@@ -553,7 +553,7 @@ void Worker::chunk_tied(const Op& op) {
       float* grad = d.grads.data() + at;
       if (w > 1) {
         s_.transport->reduce_scatter_sum(fmt::format("ck/tg/{}/{}", stage_, op.step),
-                                         replica_group(), device_, grad, tied_bounds(n, w));
+                                         replica_group(), device_, grad, shard_starts(n, 0, w));
         record(planner::kCollectiveStream, t0, Clock::now());
       }
       send(Channel::tied, grad);
@@ -577,7 +577,7 @@ void Worker::chunk_tied(const Op& op) {
       if (std::int64_t(tied_head_.size()) != n)
         throw Error(fmt::format("rank {}: gather_tied_gradient before recv_tied_gradient", rank_));
       s_.transport->all_gather(fmt::format("ck/tgg/{}/{}", stage_, op.step), replica_group(),
-                               device_, tied_head_.data(), tied_bounds(n, w));
+                               device_, tied_head_.data(), shard_starts(n, 0, w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     case OpKind::send_tied_weights:
@@ -593,7 +593,7 @@ void Worker::chunk_tied(const Op& op) {
     }
     default:  // gather_tied_weights
       s_.transport->all_gather(fmt::format("ck/tgw/{}/{}", stage_, op.version), replica_group(),
-                               device_, d.params.data() + at, tied_bounds(n, w));
+                               device_, d.params.data() + at, shard_starts(n, 0, w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
   }
