@@ -28,7 +28,7 @@ std::string group_text(const std::vector<int>& group) {
 
 void check_bounds(int rank, const std::string& op, const std::vector<int>& group,
                   const std::vector<std::int64_t>& bounds) {
-  bool ok = bounds.size() == group.size() + 1 && !bounds.empty() && bounds.front() == 0;
+  bool ok = bounds.size() == group.size() + 1 && bounds.front() == 0;
   for (std::size_t k = 1; ok && k < bounds.size(); ++k)
     ok = bounds[k] >= bounds[k - 1];
   if (!ok)

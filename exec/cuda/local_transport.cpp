@@ -195,7 +195,7 @@ void LocalTransport::recv(int src, int dst, Channel channel, void* data, std::in
 
 void LocalTransport::all_reduce_sum(const std::vector<int>& group, int rank, void* data,
                                     std::int64_t count, DType type, cudaStream_t stream) {
-  collective(int(Collective::all_reduce),
+  collective(Collective::all_reduce,
              std::string("all_reduce ") + dtype_name(type) + " over " + group_text(group), group,
              rank, data, count, {}, type, stream);
 }
@@ -206,7 +206,7 @@ void LocalTransport::reduce_scatter_sum(const std::vector<int>& group, int rank,
   const std::string op =
       std::string("reduce_scatter ") + dtype_name(type) + " over " + group_text(group);
   check_bounds(rank, op, group, bounds);
-  collective(int(Collective::reduce_scatter), op, group, rank, data, bounds.back(), bounds, type,
+  collective(Collective::reduce_scatter, op, group, rank, data, bounds.back(), bounds, type,
              stream);
 }
 
@@ -216,14 +216,13 @@ void LocalTransport::all_gather(const std::vector<int>& group, int rank, void* d
   const std::string op =
       std::string("all_gather ") + dtype_name(type) + " over " + group_text(group);
   check_bounds(rank, op, group, bounds);
-  collective(int(Collective::all_gather), op, group, rank, data, bounds.back(), bounds, type,
-             stream);
+  collective(Collective::all_gather, op, group, rank, data, bounds.back(), bounds, type, stream);
 }
 
-void LocalTransport::collective(int kind, const std::string& op, const std::vector<int>& group,
-                                int rank, void* data, std::int64_t count,
-                                const std::vector<std::int64_t>& bounds, DType type,
-                                cudaStream_t stream) {
+void LocalTransport::collective(Collective kind, const std::string& op,
+                                const std::vector<int>& group, int rank, void* data,
+                                std::int64_t count, const std::vector<std::int64_t>& bounds,
+                                DType type, cudaStream_t stream) {
   const std::set<int> members(group.begin(), group.end());
   if (group.empty() || members.size() != group.size() || !members.count(rank))
     throw Error("rank " + std::to_string(rank) + ": " + op +
@@ -280,12 +279,11 @@ void LocalTransport::collective(int kind, const std::string& op, const std::vect
         buffers[k] = m.data;
         PW_TRANSPORT_CUDA(rank, op, cudaStreamWaitEvent(stream, m.ready, 0));
       }
-      const Collective what = Collective(kind);
       const std::int64_t* parts = bounds.empty() ? nullptr : bounds.data();
       const cudaError_t launched =
           type == DType::bf16
-              ? collective_bf16(what, buffers, int(group.size()), parts, count, stream)
-              : collective_fp32(what, buffers, int(group.size()), parts, count, stream);
+              ? collective_bf16(kind, buffers, int(group.size()), parts, count, stream)
+              : collective_fp32(kind, buffers, int(group.size()), parts, count, stream);
       if (launched != cudaSuccess) throw_cuda_op(rank, op, "group_collective<<<>>>", launched);
       PW_TRANSPORT_CUDA(rank, op, cudaEventRecord(done, stream));
     } catch (...) {

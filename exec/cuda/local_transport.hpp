@@ -12,6 +12,7 @@
 
 #include "exec/cuda/arena.hpp"
 #include "exec/cuda/device_transport.hpp"
+#include "exec/cuda/transport_kernels.cuh"
 
 namespace pw::exec::cuda {
 
@@ -81,7 +82,7 @@ class LocalTransport : public DeviceTransport {
     std::map<int, Member> members;
     std::int64_t count = 0;
     DType type = DType::fp32;
-    int kind = 0;                      // Collective (transport_kernels.cuh)
+    Collective kind = Collective::all_reduce;
     std::vector<std::int64_t> bounds;  // reduce-scatter and all-gather
     cudaStream_t launched_on = nullptr;
     cudaEvent_t done = nullptr;
@@ -94,8 +95,8 @@ class LocalTransport : public DeviceTransport {
   };
 
   void check_rank(int rank, int self, const std::string& op) const;
-  // The three collectives: kind is a Collective; bounds empty for the all-reduce.
-  void collective(int kind, const std::string& op, const std::vector<int>& group, int rank,
+  // The three collectives; bounds empty for the all-reduce.
+  void collective(Collective kind, const std::string& op, const std::vector<int>& group, int rank,
                   void* data, std::int64_t count, const std::vector<std::int64_t>& bounds,
                   DType type, cudaStream_t stream);
   void fail_locked();  // abort() with mutex_ held: a reduction the others wait for cannot happen

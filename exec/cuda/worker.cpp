@@ -669,10 +669,11 @@ void CudaWorker::all_gather(int target) {
   wait(reduce_, updated);
   pool_.push_back(updated);
   begin_timed(planner::kCollectiveStream, reduce_);
+  const std::vector<int> group = replica_group();
   for (Chunk& c : chunks_) {
     const std::int64_t n = c.sizes.parameters;
     transport_.all_gather(
-        replica_group(), rank_, c.slots[target].as<bf16>(),
+        group, rank_, c.slots[target].as<bf16>(),
         exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w), 0, n),
         DType::bf16, reduce_);
   }
