@@ -60,6 +60,15 @@ std::vector<double> losses(const TrainResult& r) {
   return out;
 }
 
+// What `estimate` predicts per rank for plan p with every rank on one H100 (the runs below).
+std::vector<pw::planner::DeviceReport> planned(const Plan& p) {
+  const pw::clusters::Cluster one = pw::clusters::load_cluster("h100-x1");
+  Plan placed = p;
+  pw::planner::place(placed, {1, 1}, p.ranks());
+  const auto t = pw::traces::analytic_trace(kGpu, one.device, {p.b});
+  return pw::planner::estimate(kGpu, t, one, placed).report.devices;
+}
+
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("pw-cuda-runtime-" + name);
   fs::remove_all(p);
@@ -181,19 +190,15 @@ TEST(CudaRuntime, ResumeIsExact) {
 // 12 bytes per parameter); activations within 5% (messages in flight, recompute scratch).
 TEST(CudaRuntime, MemoryMatchesThePlanner) {
   PW_SKIP_WITHOUT_GPU();
-  const pw::clusters::Cluster one = pw::clusters::load_cluster("h100-x1");
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(pw::planner::to_string(s));
     const Plan p = make_plan(s, 1, 2, 2, 4);
     TrainOptions o;
     o.steps = 2;
     const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, o);
-    Plan placed = p;
-    pw::planner::place(placed, {1, 1}, p.ranks());
-    const auto t = pw::traces::analytic_trace(kGpu, one.device, {p.b});
-    const auto e = pw::planner::estimate(kGpu, t, one, placed);
+    const auto devices = planned(p);
     for (int rank = 0; rank < p.ranks(); ++rank) {
-      const auto& want = e.report.devices[std::size_t(rank)].memory;
+      const auto& want = devices[std::size_t(rank)].memory;
       const auto& got = r.ranks[std::size_t(rank)].memory;
       EXPECT_EQ(got.weights, want.weights) << "rank " << rank;
       EXPECT_EQ(got.weight_versions, want.weight_versions) << "rank " << rank;
@@ -265,15 +270,11 @@ TEST(CudaRuntime, DistributedOptimizerGivesThePlainWeightsBitForBit) {
 // Per rank: 12 bytes of optimizer state for ceil(P / w) parameters, the planner's figure, exactly.
 TEST(CudaRuntime, DistributedOptimizerMemoryMatchesThePlanner) {
   PW_SKIP_WITHOUT_GPU();
-  const pw::clusters::Cluster one = pw::clusters::load_cluster("h100-x1");
   const Plan p = dopt_plan({Schedule::one_f_one_b, 3, 2, 1, 2, 1}, true);
   const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, adamw(2, 1));
-  Plan placed = p;
-  pw::planner::place(placed, {1, 1}, p.ranks());
-  const auto t = pw::traces::analytic_trace(kGpu, one.device, {p.b});
-  const auto e = pw::planner::estimate(kGpu, t, one, placed);
+  const auto devices = planned(p);
   for (int rank = 0; rank < p.ranks(); ++rank) {
-    const auto& want = e.report.devices[std::size_t(rank)].memory;
+    const auto& want = devices[std::size_t(rank)].memory;
     const auto& got = r.ranks[std::size_t(rank)].memory;
     EXPECT_EQ(got.weights, want.weights) << "rank " << rank;
     EXPECT_EQ(got.gradients, want.gradients) << "rank " << rank;
