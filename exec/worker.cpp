@@ -520,13 +520,15 @@ void Worker::save_checkpoint(int step) {
   // Offload chunks: the same tensors as without (the stage's flat weights, m and v), gathered.
   std::vector<std::vector<float>> gathered;
   if (chunked_) {
-    for (int which = 0; which < 3; ++which)
+    for (int version : versions)  // 2bw: both live versions, each from its part
+      gathered.push_back(gather_chunks(0, version));
+    for (int which = 1; which < 3; ++which)
       gathered.push_back(gather_chunks(which));
     const std::int64_t n = chunks_.front().sizes.parameters;
-    for (int version : versions)
-      tensors.push_back({fmt::format("c0.w{}", version), gathered[0].data(), n});
-    tensors.push_back({"c0.m", gathered[1].data(), n});
-    tensors.push_back({"c0.v", gathered[2].data(), n});
+    for (std::size_t i = 0; i < versions.size(); ++i)
+      tensors.push_back({fmt::format("c0.w{}", versions[i]), gathered[i].data(), n});
+    tensors.push_back({"c0.m", gathered[versions.size()].data(), n});
+    tensors.push_back({"c0.v", gathered[versions.size() + 1].data(), n});
   } else {
     tensors = shard_tensors(versions);
   }
@@ -551,9 +553,10 @@ void Worker::save_checkpoint(int step) {
 void Worker::load_checkpoint(int step) {
   const std::vector<int> versions = planner::initial_versions(s_.plan(), step);
   slots_.resume(versions);
-  if (versions.size() == 2)
+  if (versions.size() == 2)  // offload chunks: staged uncounted, then into the chunks' parts
     for (Chunk& c : chunks_)
-      c.slots[1] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+      c.slots[1] =
+          Buffer(chunked_ ? nullptr : memory_, Category::weight_versions, c.sizes.parameters);
   updates_ = step;
   read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), device_),
              shard_tensors(versions));
@@ -1095,7 +1098,7 @@ RankResult Worker::result() const {
   r.copy_in_bytes = bytes_in_;
   r.activation_out_bytes = activation_bytes_out_;
   r.activation_in_bytes = activation_bytes_in_;
-  if (chunked_) r.weights.push_back(gather_chunks(0));
+  if (chunked_) r.weights.push_back(gather_chunks(0, updates_));  // the newest version
   for (const Chunk& c : chunks_) {
     if (chunked_) break;
     r.weights.emplace_back(c.slots[slots_.newest()].data(),

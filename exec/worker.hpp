@@ -138,13 +138,22 @@ class Worker {
   // Offload chunks (PatrickStar; docs/formulas.md section 9, chunks): the stage's parameters and
   // gradients (a gradient half beside the parameters) in the schedule's fixed-size chunks, each
   // on the device (counted by memory_) or in the host pool, and each chunk's Adam state where its
-  // optimizer runs (chunks 0 .. K-1 on the device, the rest on the host).
+  // optimizer runs (chunks 0 .. K-1 on the device, the rest on the host). With 2bw a chunk holds
+  // both live weight versions (version v in part v % 2) and its gradient (part 2), each moved on
+  // its own (a unit, ChunkLayout::parts); without, one unit moves parts 0 and 2 together.
   struct DataChunk {
-    Buffer params, grads;  // chunk_elements each, where the chunk is now
-    Buffer m, v;           // Adam's state of the replica's part (shard_elements)
-    bool on_device = false;
-    CopyEngine::Ticket down = 0, up = 0, adam = 0;  // its last download, upload, CPU Adam
+    Buffer part[3];          // chunk_elements each, where the unit holding it is now
+    Buffer m, v;             // Adam's state of the replica's part (shard_elements)
+    bool on_device[3] = {};  // per unit (one unit: [0])
+    CopyEngine::Ticket down[3] = {}, up[3] = {};  // per unit: its last download, upload
+    CopyEngine::Ticket adam = 0;                  // its last CPU Adam
   };
+  int parts_ = 1;          // ChunkLayout::parts: 3 with 2bw
+  int chunk_version_ = 0;  // the weight version of the compute op under way
+  // The parts unit `unit` of its chunk moves, and where a version's weights and the gradient are.
+  std::vector<int> unit_parts(int unit) const;
+  int weight_part(int version) const { return parts_ == 1 ? 0 : version % 2; }
+  int gradient_unit() const { return parts_ == 1 ? 0 : 2; }  // the unit holding the gradient
   class ChunkMemory;
   void setup_chunks();
   void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
@@ -165,8 +174,8 @@ class Worker {
   int message_buffers_ = 0;
   std::int64_t message_floats_ = 0;
   // The stage's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and back.
-  std::vector<float> gather_chunks(int which) const;
-  void scatter_chunks(int which, const float* flat);
+  std::vector<float> gather_chunks(int which, int version = 0) const;
+  void scatter_chunks(int which, const float* flat, int version = 0);
   bool chunked_ = false;
   void offload_op(const planner::Op& op);
   void offload_step(const planner::Op& op);

@@ -47,23 +47,26 @@ class Worker::ChunkMemory : public LayerMemory {
     if (kind_ == Kind::forward_recompute && layer + 1 == int(w_.layer_stash_bytes_.size()))
       w_.memory_->add(Category::activations, -w_.scratch_bytes_);
   }
+  // The weights of the op's version (2bw: its part of the chunk) and the gradient.
   const float* parameters(std::int64_t offset) override {
-    const auto [c, at] = find(offset);
-    return w_.data_chunks_[std::size_t(c)].params.data() + at;
+    const int part = w_.weight_part(w_.chunk_version_);
+    const auto [c, at] = find(offset, part);
+    return w_.data_chunks_[std::size_t(c)].part[part].data() + at;
   }
   float* gradients(std::int64_t offset) override {
-    const auto [c, at] = find(offset);
-    return w_.data_chunks_[std::size_t(c)].grads.data() + at;
+    const auto [c, at] = find(offset, w_.gradient_unit());
+    return w_.data_chunks_[std::size_t(c)].part[2].data() + at;
   }
 
  private:
-  std::pair<int, std::int64_t> find(std::int64_t offset) const {
+  std::pair<int, std::int64_t> find(std::int64_t offset, int unit) const {
     const auto it = w_.tensor_at_.find(offset);
     if (it == w_.tensor_at_.end())
       throw Error(fmt::format("rank {}: no chunk holds the tensor at {}", w_.rank_, offset));
-    if (!w_.data_chunks_[std::size_t(it->second.first)].on_device)
-      throw Error(fmt::format("rank {}: a layer uses chunk {}, which is on the host", w_.rank_,
-                              it->second.first));
+    if (!w_.data_chunks_[std::size_t(it->second.first)].on_device[unit])
+      throw Error(fmt::format("rank {}: a layer uses chunk {}{}, which is on the host", w_.rank_,
+                              it->second.first,
+                              w_.parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
     return it->second;
   }
   Worker& w_;
@@ -137,22 +140,28 @@ void Worker::setup_chunks() {
   h2d_ = std::make_unique<CopyEngine>();
   host_cpu_ = std::make_unique<CopyEngine>();
   const std::int64_t e = L.chunk_elements;
+  parts_ = L.parts;
   data_chunks_.resize(std::size_t(L.chunks()));
   for (int k = 0; k < L.chunks(); ++k) {
     DataChunk& d = data_chunks_[std::size_t(k)];
-    d.on_device = schedule_->start_on_device[std::size_t(k)];
-    MemoryCounter* where = d.on_device ? memory_ : &host_;
-    d.params = Buffer(where, Category::weights, e);
-    d.grads = Buffer(where, Category::gradients, e);
+    for (int u = 0; u < parts_; ++u) {
+      d.on_device[u] = schedule_->start_on_device[std::size_t(k * parts_ + u)];
+      MemoryCounter* where = d.on_device[u] ? memory_ : &host_;
+      for (int part : unit_parts(u))
+        d.part[part] = Buffer(where, part == 2 ? Category::gradients : Category::weights, e);
+    }
     // The Adam state of the replica's part of the chunk (all of it with w = 1).
     MemoryCounter* state = schedule_->device_resident(k) ? memory_ : &host_;
     d.m = Buffer(state, Category::optimizer, L.shard_elements);
     d.v = Buffer(state, Category::optimizer, L.shard_elements);
   }
-  scatter_chunks(0, c.slots[0].data());
+  // The live versions' weights (2bw resumed: two) into their parts.
+  for (int version : planner::initial_versions(s_.plan(), s_.first_step))
+    scatter_chunks(0, c.slots[slots_.slot_of(version)].data(), version);
   scatter_chunks(1, c.m.data());
   scatter_chunks(2, c.v.data());
   c.slots[0] = Buffer();
+  c.slots[1] = Buffer();
   c.m = Buffer();
   c.v = Buffer();
   c.m_at = c.v_at = nullptr;
@@ -162,7 +171,7 @@ void Worker::setup_chunks() {
 // replica holds its part of m and v: the stage's replicas all-gather them (every replica calls
 // this at the same point: a checkpoint), so every replica returns the whole state, as without
 // chunks.
-std::vector<float> Worker::gather_chunks(int which) const {
+std::vector<float> Worker::gather_chunks(int which, int version) const {
   const Chunk& c = chunks_.front();
   const planner::ChunkLayout& L = schedule_->layout;
   std::vector<std::vector<float>> whole;  // w > 1, state: each chunk's, all parts
@@ -181,7 +190,7 @@ std::vector<float> Worker::gather_chunks(int which) const {
   for (const TensorSlot& slot : c.stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     const DataChunk& d = data_chunks_[std::size_t(k)];
-    const float* from = which == 0       ? d.params.data()
+    const float* from = which == 0       ? d.part[weight_part(version)].data()
                         : !whole.empty() ? whole[std::size_t(k)].data()
                         : which == 1     ? d.m.data()
                                          : d.v.data();
@@ -192,13 +201,13 @@ std::vector<float> Worker::gather_chunks(int which) const {
 
 // Into the chunks: the stage's flat parameters (which 0), or its Adam m (1) or v (2), of which
 // each replica keeps its part (ChunkLayout::shard).
-void Worker::scatter_chunks(int which, const float* flat) {
+void Worker::scatter_chunks(int which, const float* flat, int version) {
   const planner::ChunkLayout& L = schedule_->layout;
   for (const TensorSlot& slot : chunks_.front().stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     DataChunk& d = data_chunks_[std::size_t(k)];
     if (which == 0) {
-      std::copy_n(flat + slot.offset, slot.size, d.params.data() + at);
+      std::copy_n(flat + slot.offset, slot.size, d.part[weight_part(version)].data() + at);
       continue;
     }
     const auto [lo, hi] = L.shard(k, replica_);
@@ -219,10 +228,12 @@ void Worker::chunk_collective(int k, int step, bool gather, int op) {
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto t0 = Clock::now();
   const std::string key = fmt::format("ck/{}/{}/{}/{}", stage_, step, k, gather ? "ag" : "rs");
+  // The new version's weights (the update's: step + 1) after Adam, the gradient before it.
   if (gather)
-    s_.transport->all_gather(key, replica_group(), device_, d.params.data(), L.shard_bounds(k));
+    s_.transport->all_gather(key, replica_group(), device_, d.part[weight_part(step + 1)].data(),
+                             L.shard_bounds(k));
   else
-    s_.transport->reduce_scatter_sum(key, replica_group(), device_, d.grads.data(),
+    s_.transport->reduce_scatter_sum(key, replica_group(), device_, d.part[2].data(),
                                      L.shard_bounds(k));
   copy_record(planner::kCollectiveStream, t0, Clock::now(), op);
 }
@@ -237,66 +248,83 @@ void Worker::chunk_update(int k, int update) {
   if (!tied_head_.empty()) {
     const auto [tk, at] = tensor_at_.at(chunks_.front().tied_offset);
     if (tk == k) {
-      float* grad = d.grads.data();
+      float* grad = d.part[2].data();
       const std::int64_t end = std::min(hi, at + std::int64_t(tied_head_.size()));
       for (std::int64_t i = std::max(lo, at); i < end; ++i)
         grad[i] = grad[i] + tied_head_[std::size_t(i - at)];
     }
   }
-  optimizer_update(*s_.options, update, d.params.data() + lo, d.params.data() + lo,
-                   d.grads.data() + lo, d.m.data(), d.v.data(), hi - lo);
-  if (L.replicas > 1) std::fill_n(d.grads.data(), L.chunk_owned[std::size_t(k)], 0.0f);
+  // 2bw: W(t + 1) from W(t) (the newest version) into the older one's part, as the version
+  // slots do without chunks; otherwise in place.
+  const float* in = d.part[weight_part(update - 1)].data() + lo;
+  float* out = d.part[weight_part(update)].data() + lo;
+  optimizer_update(*s_.options, update, in, out, d.part[2].data() + lo, d.m.data(), d.v.data(),
+                   hi - lo);
+  if (L.replicas > 1) std::fill_n(d.part[2].data(), L.chunk_owned[std::size_t(k)], 0.0f);
 }
 
-// A chunk (its parameters and gradient half) to the host on the device-to-host engine: the host
-// buffers are taken now, the device's given back when the copy has ended.
-CopyEngine::Ticket Worker::download_chunk(int k, int op) {
+std::vector<int> Worker::unit_parts(int unit) const {
+  if (parts_ == 1) return {0, 2};  // the parameters and their gradient half
+  return {unit};
+}
+
+// A unit (a chunk, or with 2bw one of its parts) to the host on the device-to-host engine: the
+// host buffers are taken now, the device's given back when the copy has ended. `u` is the unit's
+// index in the schedule (chunk * parts + unit).
+CopyEngine::Ticket Worker::download_chunk(int u, int op) {
+  const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (!d.on_device)
-    throw Error(fmt::format("rank {}: chunk {} to the host, where it is already", rank_, k));
+  if (!d.on_device[unit])
+    throw Error(fmt::format("rank {}: chunk {}{} to the host, where it is already", rank_, k,
+                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
   const std::int64_t e = schedule_->layout.chunk_elements;
-  auto host = std::make_shared<std::pair<Buffer, Buffer>>(
-      Buffer(&host_, Category::weights, e, &host_buffers_),
-      Buffer(&host_, Category::gradients, e, &host_buffers_));
-  d.on_device = false;
+  const std::vector<int> parts = unit_parts(unit);
+  auto host = std::make_shared<std::vector<Buffer>>();
+  for (int part : parts)
+    host->emplace_back(&host_, part == 2 ? Category::gradients : Category::weights, e,
+                       &host_buffers_);
+  d.on_device[unit] = false;
   DataChunk* dc = &d;
   Worker* w = this;
-  d.down = d2h_->submit([w, dc, host, e, op] {
+  d.down[unit] = d2h_->submit([w, dc, host, parts, e, op] {
     const auto t0 = Clock::now();
-    std::copy_n(dc->params.data(), e, host->first.data());
-    std::copy_n(dc->grads.data(), e, host->second.data());
-    dc->params = std::move(host->first);  // the device's buffers go back to the arena
-    dc->grads = std::move(host->second);
-    w->bytes_out_ += 2 * e * std::int64_t(sizeof(float));
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      std::copy_n(dc->part[parts[i]].data(), e, (*host)[i].data());
+      dc->part[parts[i]] = std::move((*host)[i]);  // the device's buffer goes back to the arena
+    }
+    w->bytes_out_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
     w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
   });
-  return d.down;
+  return d.down[unit];
 }
 
-// A chunk back to the device on the host-to-device engine, after its download and its CPU Adam:
-// the device's buffers are taken now (the moment's evictions have made room), the host's given
-// back when the copy has ended.
-void Worker::upload_chunk(int k, int op) {
+// A unit back to the device on the host-to-device engine, after its download and its chunk's CPU
+// Adam: the device's buffers are taken now (the moment's evictions have made room), the host's
+// given back when the copy has ended.
+void Worker::upload_chunk(int u, int op) {
+  const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (d.on_device)
-    throw Error(fmt::format("rank {}: chunk {} to the device, where it is already", rank_, k));
+  if (d.on_device[unit])
+    throw Error(fmt::format("rank {}: chunk {}{} to the device, where it is already", rank_, k,
+                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
   const std::int64_t e = schedule_->layout.chunk_elements;
-  auto device =
-      std::make_shared<std::pair<Buffer, Buffer>>(Buffer(memory_, Category::weights, e, &pool_),
-                                                  Buffer(memory_, Category::gradients, e, &pool_));
-  d.on_device = true;
+  const std::vector<int> parts = unit_parts(unit);
+  auto device = std::make_shared<std::vector<Buffer>>();
+  for (int part : parts)
+    device->emplace_back(memory_, part == 2 ? Category::gradients : Category::weights, e, &pool_);
+  d.on_device[unit] = true;
   DataChunk* dc = &d;
   Worker* w = this;
-  const CopyEngine::Ticket down = d.down, adam = d.adam;
-  d.up = h2d_->submit([w, dc, device, e, down, adam, op] {
+  const CopyEngine::Ticket down = d.down[unit], adam = d.adam;
+  d.up[unit] = h2d_->submit([w, dc, device, parts, e, down, adam, op] {
     w->d2h_->wait(down);
     w->host_cpu_->wait(adam);
     const auto t0 = Clock::now();
-    std::copy_n(dc->params.data(), e, device->first.data());
-    std::copy_n(dc->grads.data(), e, device->second.data());
-    dc->params = std::move(device->first);  // the host's buffers go back to the host pool
-    dc->grads = std::move(device->second);
-    w->bytes_in_ += 2 * e * std::int64_t(sizeof(float));
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      std::copy_n(dc->part[parts[i]].data(), e, (*device)[i].data());
+      dc->part[parts[i]] = std::move((*device)[i]);  // the host's buffer goes back to the pool
+    }
+    w->bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
     w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
   });
 }
@@ -313,7 +341,7 @@ void Worker::chunk_moment(int layer) {
     pending_copies_.pop_front();
   }
   for (const auto& [op, at] : out)
-    download_chunk(op.bucket, at);
+    download_chunk(op.bucket, at);  // a unit
   d2h_->drain();
   for (const auto& [op, at] : in)
     upload_chunk(op.bucket, at);
@@ -325,11 +353,19 @@ void Worker::chunk(const Op& op) {
   if (!chunked_)
     throw Error(fmt::format("rank {}: {} in a program without offload chunks", rank_,
                             planner::to_string(op.kind)));
-  const int k = op.bucket;
-  if (k < 0 || k >= int(data_chunks_.size()))
+  // A copy names a unit (chunk * parts + unit), an Adam step a chunk.
+  const bool copy =
+      op.kind == OpKind::copy_chunk_to_host || op.kind == OpKind::copy_chunk_to_device;
+  const int k = copy ? op.bucket / parts_ : op.bucket;
+  if (op.bucket < 0 || k >= int(data_chunks_.size()))
     throw Error(fmt::format("rank {}: {} of chunk {}, which does not exist", rank_,
                             planner::to_string(op.kind), k));
   DataChunk& d = data_chunks_[std::size_t(k)];
+  bool any_on_device = false, all_on_device = true;
+  for (int u = 0; u < parts_; ++u) {
+    any_on_device = any_on_device || d.on_device[u];
+    all_on_device = all_on_device && d.on_device[u];
+  }
   switch (op.kind) {
     case OpKind::copy_chunk_to_host:
     case OpKind::copy_chunk_to_device:
@@ -339,13 +375,14 @@ void Worker::chunk(const Op& op) {
       }
       if (op.kind == OpKind::copy_chunk_to_device)
         throw Error(fmt::format("rank {}: an upload of chunk {} at the optimizer step", rank_, k));
-      download_chunk(k, op_);  // for CPU Adam
+      download_chunk(op.bucket, op_);  // for CPU Adam
       return;
     case OpKind::chunk_step_host: {
-      if (d.on_device)
+      if (any_on_device)
         throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank_, k));
       Worker* w = this;
-      const CopyEngine::Ticket down = d.down;
+      // The chunk's downloads (the engine runs them in order: the last one's ticket).
+      const CopyEngine::Ticket down = std::max({d.down[0], d.down[1], d.down[2]});
       const int step = op.step, at = op_;
       const auto adam = [w, k, down, step, at] {
         w->d2h_->wait(down);
@@ -366,7 +403,7 @@ void Worker::chunk(const Op& op) {
       return;
     }
     case OpKind::chunk_step_device: {
-      if (!d.on_device)
+      if (!all_on_device)
         throw Error(
             fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
       // The collectives wait for the other replicas without the core (ranks taking turns on a
@@ -390,6 +427,7 @@ void Worker::chunk(const Op& op) {
 
 void Worker::chunk_forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  chunk_version_ = op.version;
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
@@ -427,6 +465,7 @@ void Worker::chunk_forward(const Op& op) {
 // input, each layer after its moment's copies (the recompute moments of the backward after it).
 void Worker::chunk_recompute(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  chunk_version_ = op.version;
   Chunk& c = chunks_.front();
   if (!s_.plan().recomputes(stage_))
     throw Error(fmt::format("rank {}: a recompute op on a stage without recompute", rank_));
@@ -450,6 +489,7 @@ void Worker::chunk_recompute(const Op& op) {
 
 void Worker::chunk_backward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
+  chunk_version_ = op.version;
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
@@ -550,7 +590,7 @@ void Worker::chunk_tied(const Op& op) {
   const auto t0 = Clock::now();
   switch (op.kind) {
     case OpKind::send_tied_gradient: {
-      float* grad = d.grads.data() + at;
+      float* grad = d.part[2].data() + at;
       if (w > 1) {
         s_.transport->reduce_scatter_sum(fmt::format("ck/tg/{}/{}", stage_, op.step),
                                          replica_group(), device_, grad, shard_starts(n, 0, w));
@@ -566,7 +606,7 @@ void Worker::chunk_tied(const Op& op) {
         tied_head_.assign(std::size_t(n), 0.0f);
         std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
       } else {
-        float* grad = d.grads.data() + at;
+        float* grad = d.part[2].data() + at;
         for (std::int64_t i = 0; i < n; ++i)
           grad[i] = grad[i] + head[std::size_t(i)];
       }
@@ -581,11 +621,11 @@ void Worker::chunk_tied(const Op& op) {
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     case OpKind::send_tied_weights:
-      send(Channel::tied_weights, d.params.data() + at);
+      send(Channel::tied_weights, d.part[weight_part(op.version)].data() + at);
       return;
     case OpKind::recv_tied_weights: {
       const std::vector<float> got = recv(Channel::tied_weights);
-      float* out = d.params.data() + at;
+      float* out = d.part[weight_part(op.version)].data() + at;
       if (w > 1) std::fill_n(out, n, 0.0f);
       std::copy(got.begin(), got.end(), out + sh.begin);
       record(planner::kRecvStream, t0, Clock::now());
@@ -593,7 +633,8 @@ void Worker::chunk_tied(const Op& op) {
     }
     default:  // gather_tied_weights
       s_.transport->all_gather(fmt::format("ck/tgw/{}/{}", stage_, op.version), replica_group(),
-                               device_, d.params.data() + at, shard_starts(n, 0, w));
+                               device_, d.part[weight_part(op.version)].data() + at,
+                               shard_starts(n, 0, w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
   }

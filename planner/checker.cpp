@@ -72,6 +72,8 @@ class DeviceChecker {
       chunks_ = &(*p.chunks)[std::size_t(prog_.stage)];
       on_device_ = chunks_->start_on_device;
       stepped_.assign(std::size_t(chunks_->layout.chunks()), 0);
+      if (int(on_device_.size()) != chunks_->layout.units())
+        throw ScheduleError("offload chunks programs with a chunk schedule of another layout");
     }
   }
 
@@ -163,12 +165,13 @@ class DeviceChecker {
   void chunk_op(const Op& op) {
     const std::string name = to_string(op.kind);
     if (!chunks_) bad(name + " in a plan without offload chunks");
-    const int n = chunks_->layout.chunks();
-    if (!in_range(op.bucket, n))
-      bad(name + " of chunk " + std::to_string(op.bucket) + ", out of range (" + std::to_string(n) +
-          " chunks)");
     const bool copy =
         op.kind == OpKind::copy_chunk_to_host || op.kind == OpKind::copy_chunk_to_device;
+    // A copy moves a unit (with 2bw a chunk's part), an Adam step a chunk.
+    const int n = copy ? chunks_->layout.units() : chunks_->layout.chunks();
+    if (!in_range(op.bucket, n))
+      bad(name + " of " + unit_name(copy) + " " + std::to_string(op.bucket) + ", out of range (" +
+          std::to_string(n) + " " + unit_name(copy) + "s)");
     if (copy && op.layer >= 0) {
       if (!in_range(op.layer, chunks_->layout.layers())) bad(name + " before a layer out of range");
       pending_.push_back(op);
@@ -185,31 +188,45 @@ class DeviceChecker {
     if (host == chunks_->device_resident(c))
       bad(name + " of chunk " + std::to_string(c) + ", whose optimizer state is on the " +
           (host ? "device" : "host"));
-    if (host == bool(on_device_[std::size_t(c)]))
-      bad(name + " of chunk " + std::to_string(c) + " while it is on the " +
-          (host ? "device" : "host"));
+    const int parts = chunks_->layout.parts;
+    for (int u = c * parts; u < (c + 1) * parts; ++u)
+      if (host == bool(on_device_[std::size_t(u)]))
+        bad(name + " of chunk " + std::to_string(c) + " while it" +
+            (parts > 1 ? " (part " + std::to_string(u % parts) + ")" : std::string()) +
+            " is on the " + (host ? "device" : "host"));
     if (stepped_[std::size_t(c)]++) bad(name + " of chunk " + std::to_string(c) + " twice");
+  }
+
+  // "chunk", or with 2bw (a copy moves one of a chunk's three parts) "chunk part".
+  std::string unit_name(bool copy) const {
+    return copy && chunks_->layout.parts > 1 ? "chunk part" : "chunk";
   }
 
   void move_chunk(const Op& op) {
     const bool up = op.kind == OpKind::copy_chunk_to_device;
     auto here = on_device_[std::size_t(op.bucket)];
     if (bool(here) == up)
-      bad(to_string(op.kind) + " of chunk " + std::to_string(op.bucket) + ", already on the " +
-          (up ? "device" : "host"));
+      bad(to_string(op.kind) + " of " + unit_name(true) + " " + std::to_string(op.bucket) +
+          ", already on the " + (up ? "device" : "host"));
     on_device_[std::size_t(op.bucket)] = up;
   }
 
   // A compute op's layers in order (forward and recompute ascending, backward descending): each
   // layer's copies, then its chunks must be on the device and the resident chunks, the
   // device-resident optimizer state and the moment's non-model memory within the device's memory.
-  // A recompute op has the moments of the backward that follows it (the same slot).
+  // A recompute op has the moments of the backward that follows it (the same slot). With 2bw a
+  // layer uses its chunks' part of the op's version (version % 2) and a backward their gradients,
+  // and the moments are those of the segment under way.
   void chunk_compute(const Op& op) {
     const ChunkLayout& L = chunks_->layout;
     const bool back = op.kind == OpKind::backward, again = op.kind == OpKind::recompute;
     const int index = again ? chunk_slot_ : chunk_slot_++;
+    std::vector<int> used;
     std::size_t next = 0;
-    for (const ChunkMoment& m : chunks_->moments) {
+    const int segment = p_.first_step + steps_done_;
+    if (L.parts > 1 && op.version < 0) bad(to_string(op.kind) + " without its weight version");
+    for (const ChunkMoment& m : chunks_->moments_of(
+             p_.first_step, p_.steps, std::min(segment, p_.first_step + p_.steps - 1))) {
       if (m.slot != index) continue;
       // A forward's slot has forward moments; a backward's the recompute op's, then its own.
       const bool backward_slot = m.backward || m.recompute;
@@ -217,19 +234,25 @@ class DeviceChecker {
         bad(to_string(op.kind) + " where the chunk schedule has a " +
             (backward_slot ? "backward" : "forward"));
       if (m.backward != back || m.recompute != again) continue;  // the other op of the slot
+      used.clear();
+      for (int c : L.layer_chunks[std::size_t(m.layer)]) {
+        used.push_back(L.parts == 1 ? c : c * L.parts + op.version % 2);
+        if (L.parts > 1 && back) used.push_back(c * L.parts + 2);
+      }
       for (; next < pending_.size() && pending_[next].layer == m.layer; ++next) {
-        for (int c : L.layer_chunks[std::size_t(m.layer)])
-          if (pending_[next].kind == OpKind::copy_chunk_to_host && pending_[next].bucket == c)
-            bad("evicts chunk " + std::to_string(c) + " before layer " + std::to_string(m.layer) +
-                ", which uses it");
+        for (int u : used)
+          if (pending_[next].kind == OpKind::copy_chunk_to_host && pending_[next].bucket == u)
+            bad("evicts " + unit_name(true) + " " + std::to_string(u) + " before layer " +
+                std::to_string(m.layer) + ", which uses it");
         move_chunk(pending_[next]);
       }
       int resident = 0;
       for (auto d : on_device_)
         resident += d ? 1 : 0;
-      for (int c : L.layer_chunks[std::size_t(m.layer)])
-        if (!on_device_[std::size_t(c)])
-          bad(m.label(L) + " uses chunk " + std::to_string(c) + ", which is on the host");
+      for (int u : used)
+        if (!on_device_[std::size_t(u)])
+          bad(m.label(L) + " uses " + unit_name(true) + " " + std::to_string(u) +
+              ", which is on the host");
       const std::int64_t device = std::int64_t(resident) * L.move_bytes + m.non_model_bytes +
                                   std::int64_t(chunks_->device_adam_chunks) * L.os_chunk_bytes;
       if (device > chunks_->budget_bytes)

@@ -192,6 +192,66 @@ std::int64_t ChunkLayout::adam_elements(int chunk) const {
   return e - b;
 }
 
+std::int64_t ChunkLayout::unit_weight_bytes(int unit) const {
+  return parts == 1 ? chunk_bytes : unit % parts < 2 ? move_bytes : 0;
+}
+
+std::int64_t ChunkLayout::unit_gradient_bytes(int unit) const {
+  return parts == 1 ? move_bytes - chunk_bytes : unit % parts == 2 ? move_bytes : 0;
+}
+
+ChunkSegment chunk_segment(int first_step, int steps, int step) {
+  if (steps < 1 || step < first_step || step >= first_step + steps)
+    throw std::logic_error("chunk_segment: a step outside the run");
+  const bool last = step == first_step + steps - 1;
+  if (step > first_step) return last ? ChunkSegment::last : ChunkSegment::steady;
+  if (first_step == 0) return last ? ChunkSegment::fill_last : ChunkSegment::fill;
+  return last ? ChunkSegment::resumed_last : ChunkSegment::resumed;
+}
+
+const char* to_string(ChunkSegment segment) {
+  switch (segment) {
+    case ChunkSegment::fill:
+      return "fill";
+    case ChunkSegment::fill_last:
+      return "fill and last";
+    case ChunkSegment::resumed:
+      return "resumed fill";
+    case ChunkSegment::resumed_last:
+      return "resumed fill and last";
+    case ChunkSegment::steady:
+      return "steady";
+    case ChunkSegment::last:
+      return "last";
+  }
+  return "?";
+}
+
+const std::vector<ChunkMoment>& ChunkSchedule::moments_of(int first_step, int steps,
+                                                          int step) const {
+  if (segments.empty()) return moments;
+  return segments.at(std::size_t(chunk_segment(first_step, steps, step))).moments;
+}
+
+const std::vector<bool>& ChunkSchedule::adam_download_of(int first_step, int steps,
+                                                         int step) const {
+  if (segments.empty()) return adam_download;
+  return segments.at(std::size_t(chunk_segment(first_step, steps, step))).adam_download;
+}
+
+int ChunkSchedule::unit_in(int unit, int step) const {
+  const int parts = layout.parts;
+  if (parts == 1 || unit % parts == 2) return unit;
+  const int chunk = unit / parts, newer = unit % parts;
+  return chunk * parts + (newer ? step % 2 : (step + 1) % 2);
+}
+
+const ChunkMoment& ChunkSchedule::peak() const {
+  const std::vector<ChunkMoment>& from =
+      peak_segment < 0 ? moments : segments.at(std::size_t(peak_segment)).moments;
+  return from.at(std::size_t(peak_moment));
+}
+
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
   std::vector<std::string> names;
   for (int l = 0; l < int(model.layers + 2); ++l)
@@ -262,8 +322,9 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 // a forward keeps the stage input I (ChunkCost::input_bytes) and runs its layers through one
 // scratch X (recompute_scratch_bytes), taken at its first layer and given back after its last; the
 // recompute op re-makes the layers' stashes one by one; the backward gives each back, and I last.
-std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const traces::Trace& trace,
-                                      const Plan& p, const ChunkLayout& L, std::int64_t workspace) {
+std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const traces::Trace& trace,
+                                       const Plan& p, const ChunkLayout& L, std::int64_t workspace,
+                                       const std::vector<ComputeSlot>& order) {
   const traces::Entry& e = trace.at(p.b);
   const int layers = L.layers();
   auto kind = [&](int l) { return layer_kind(model, L, l); };
@@ -272,7 +333,7 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   std::int64_t input = 0, scratch = 0;
   if (rc) {
     if (int(p.stage_blocks.size()) != p.virtual_stages())
-      throw std::logic_error("step_moments: the plan's stages are not resolved");
+      throw std::logic_error("order_moments: the plan's stages are not resolved");
     const ChunkCost ch = chunk_cost(models::derive_costs(model), trace, p, L.stage, 0);
     input = ch.input_bytes;
     scratch = ch.recompute_scratch_bytes;
@@ -280,7 +341,6 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   std::vector<ChunkMoment> out;
   std::int64_t held = 0;
   const std::int64_t messages = message_buffer_bytes(p, trace, L.stage);
-  const std::vector<ComputeSlot> order = step_compute_order(p, L.stage);
   auto moment = [&](int slot, bool back, bool again, int l, std::int64_t take, std::int64_t give) {
     const traces::LayerTimes& t = e.layers[kind(l)];
     held = add(held, take);
@@ -319,6 +379,62 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
   return out;
 }
 
+// 2bw: each segment shape's moments (ChunkSegment), cut out of a run that has that segment, so
+// that the stashes in flight across an optimizer step are held where the segment starts; slots
+// numbered within the segment, and each moment's version role (the newer version: the one made at
+// the segment's opening optimizer step).
+std::vector<std::vector<ChunkMoment>> segment_moments(const models::ModelSpec& model,
+                                                      const traces::Trace& trace, const Plan& p,
+                                                      const ChunkLayout& L,
+                                                      std::int64_t workspace) {
+  std::vector<std::vector<ChunkMoment>> out(kChunkSegments);
+  std::vector<bool> filled(kChunkSegments, false);
+  // (first step, steps): fill, steady, last; fill_last; resumed, last; resumed_last.
+  const std::pair<int, int> runs[] = {{0, 3}, {0, 1}, {1, 2}, {1, 1}};
+  for (const auto& [first, steps] : runs) {
+    const std::vector<ComputeSlot> order = run_compute_order(p, L.stage, steps, first);
+    std::vector<int> segment(order.size()), index(order.size());
+    for (int i = 0, t = first, at = 0; i < int(order.size()); ++i) {
+      segment[std::size_t(i)] = t;
+      index[std::size_t(i)] = at++;
+      if (order[std::size_t(i)].backward && order[std::size_t(i)].microbatch == p.m - 1) {
+        ++t;
+        at = 0;
+      }
+    }
+    std::vector<std::vector<ChunkMoment>> run(static_cast<std::size_t>(steps));
+    for (ChunkMoment m : order_moments(model, trace, p, L, workspace, order)) {
+      const ComputeSlot& slot = order[std::size_t(m.slot)];
+      const int t = segment[std::size_t(m.slot)];
+      m.newer = expected_version(p, slot.step, slot.microbatch) == t;
+      m.slot = index[std::size_t(m.slot)];
+      run[std::size_t(t - first)].push_back(m);
+    }
+    for (int t = first; t < first + steps; ++t) {
+      const auto kind = std::size_t(chunk_segment(first, steps, t));
+      if (filled[kind]) continue;
+      out[kind] = std::move(run[std::size_t(t - first)]);
+      filled[kind] = true;
+    }
+  }
+  return out;
+}
+
+// The units moment m uses, ascending: its layer's chunks (with 2bw each chunk's part of the
+// moment's version role, and for a backward its gradient part).
+std::vector<int> moment_units(const ChunkLayout& L, const ChunkMoment& m) {
+  std::vector<int> out;
+  for (int c : L.layer_chunks[std::size_t(m.layer)]) {
+    if (L.parts == 1) {
+      out.push_back(c);
+      continue;
+    }
+    out.push_back(c * L.parts + (m.newer ? 1 : 0));
+    if (m.backward) out.push_back(c * L.parts + 2);
+  }
+  return out;
+}
+
 // The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
 // chunk after the other, each after its download) as a two-stage pipeline, beside Adam on the
 // device for chunks 0 .. K-1. With w > 1 each chunk's Adam (of its part) sits between the
@@ -327,80 +443,100 @@ std::vector<ChunkMoment> step_moments(const models::ModelSpec& model, const trac
 double optimizer_time(const ChunkSchedule& s) {
   std::vector<double> down, adam;
   double device_adam = 0;
+  const int parts = s.layout.parts;
   for (int c = 0; c < s.layout.chunks(); ++c) {
     if (s.device_resident(c)) {
       device_adam += s.device_adam_s[std::size_t(c)] * s.gpu_sharers + s.collective_s;
       continue;
     }
-    down.push_back(s.adam_download[std::size_t(c)] ? s.copy_s : 0.0);
+    int units = 0;  // of the chunk's parts on the device at the step's end: each goes down
+    for (int u = c * parts; u < (c + 1) * parts; ++u)
+      units += s.adam_download[std::size_t(u)] ? 1 : 0;
+    down.push_back(units * s.copy_s);
     adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
 }
 
-// Runs one step's eviction plan from `resident` (updated to the step's end). Belady: before
-// moment k, while the resident chunks and the moment's missing ones pass the room left by the
-// non-model memory and the device-resident optimizer state, the resident chunk not needed at k
-// whose next use on the device is furthest (this step's remaining moments, then the next step's,
-// cyclically; device-Adam chunks are used at the optimizer step) goes to the host, the larger
-// chunk index first on a tie. Then the missing chunks come up, ascending.
+// Runs one step's (2bw: one segment's) eviction plan from `resident` (updated to its end), over
+// units (ChunkLayout::parts: whole chunks, or with 2bw each chunk's two version slots and its
+// gradient). Belady: before moment k, while the resident units and the moment's missing ones pass
+// the room left by the non-model memory and the device-resident optimizer state, the resident
+// unit not needed at k whose next use on the device is furthest (this step's remaining moments,
+// then the next step's, cyclically; device-Adam chunks' units are used at the optimizer step)
+// goes to the host, the larger unit index first on a tie. Then the missing units come up,
+// ascending. At the optimizer step every host-Adam chunk's unit still on the device goes down.
 // `where`: "stage s: " in a pipeline (each stage's device has its own plan), else empty.
-void run_step(ChunkSchedule& s, std::set<int>& resident, const std::string& where) {
+void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& moments_,
+              std::vector<bool>& adam_download, std::set<int>& resident, const std::string& where) {
   const ChunkLayout& L = s.layout;
-  const int n = L.chunks(), moments = int(s.moments.size());
+  const int units = L.units(), moments = int(moments_.size());
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
-  // uses[c]: the moments (0 .. moments-1, and `moments` for the optimizer step) using c.
-  std::vector<std::vector<int>> uses(static_cast<std::size_t>(n));
-  for (int k = 0; k < moments; ++k)
-    for (int c : L.layer_chunks[std::size_t(s.moments[std::size_t(k)].layer)])
-      uses[std::size_t(c)].push_back(k);
-  for (int c = 0; c < s.device_adam_chunks; ++c)
-    uses[std::size_t(c)].push_back(moments);
-  auto next_use = [&](int c, int k) {  // distance from moment k to c's next use after it
-    for (int u : uses[std::size_t(c)])
-      if (u > k) return u - k;
-    return uses[std::size_t(c)].empty() ? std::numeric_limits<int>::max()
-                                        : uses[std::size_t(c)].front() + moments + 1 - k;
+  std::vector<std::vector<int>> need(static_cast<std::size_t>(moments));
+  // uses[u]: the moments (0 .. moments-1, and `moments` for the optimizer step) using u.
+  std::vector<std::vector<int>> uses(static_cast<std::size_t>(units));
+  for (int k = 0; k < moments; ++k) {
+    need[std::size_t(k)] = moment_units(L, moments_[std::size_t(k)]);
+    for (int u : need[std::size_t(k)])
+      uses[std::size_t(u)].push_back(k);
+  }
+  for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
+    uses[std::size_t(u)].push_back(moments);
+  auto next_use = [&](int u, int k) {  // distance from moment k to u's next use after it
+    for (int at : uses[std::size_t(u)])
+      if (at > k) return at - k;
+    return uses[std::size_t(u)].empty() ? std::numeric_limits<int>::max()
+                                        : uses[std::size_t(u)].front() + moments + 1 - k;
+  };
+  auto weight_bytes = [&](bool gradient) {
+    std::int64_t sum = 0;
+    for (int u : resident)
+      sum = add(sum, gradient ? L.unit_gradient_bytes(u) : L.unit_weight_bytes(u));
+    return sum;
   };
   for (int k = 0; k < moments; ++k) {
-    ChunkMoment& m = s.moments[std::size_t(k)];
+    ChunkMoment& m = moments_[std::size_t(k)];
     m.copies.clear();
-    const std::vector<int>& need = L.layer_chunks[std::size_t(m.layer)];
+    const std::vector<int>& here = need[std::size_t(k)];
     const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
-    const std::int64_t working = mul(std::int64_t(need.size()), L.move_bytes);
+    const std::int64_t working = mul(std::int64_t(here.size()), L.move_bytes);
     if (working > room)
       throw InputError(fmt::format(
           "offload chunks: {}the device's {} is smaller than the working set of the {} "
-          "({} chunks of {} = {}, non-model memory {}{}) by {}",
-          where, gib(s.budget_bytes), m.label(L), need.size(), gib(L.move_bytes), gib(working),
+          "({} {} of {} = {}, non-model memory {}{}) by {}",
+          where, gib(s.budget_bytes), m.label(L), here.size(),
+          L.parts == 1 ? "chunks" : "chunk parts", gib(L.move_bytes), gib(working),
           gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
           gib(working - room)));
     std::vector<int> missing;
-    for (int c : need)
-      if (!resident.count(c)) missing.push_back(c);
+    for (int u : here)
+      if (!resident.count(u)) missing.push_back(u);
     while (mul(std::int64_t(resident.size() + missing.size()), L.move_bytes) > room) {
       int victim = -1, far = -1;
-      for (int c : resident) {
-        if (std::binary_search(need.begin(), need.end(), c)) continue;
-        const int d = next_use(c, k);
-        if (d >= far) far = d, victim = c;  // ascending: a tie goes to the larger index
+      for (int u : resident) {
+        if (std::binary_search(here.begin(), here.end(), u)) continue;
+        const int d = next_use(u, k);
+        if (d >= far) far = d, victim = u;  // ascending: a tie goes to the larger index
       }
       m.copies.push_back({false, victim});
       resident.erase(victim);
     }
-    for (int c : missing) {
-      m.copies.push_back({true, c});
-      resident.insert(c);
+    for (int u : missing) {
+      m.copies.push_back({true, u});
+      resident.insert(u);
     }
     m.resident = int(resident.size());
+    m.weight_bytes = weight_bytes(false);
+    m.gradient_bytes = weight_bytes(true);
   }
-  // The optimizer step: host-Adam chunks on the device go to the host (their gradients are in the
-  // parameters' slots); device-Adam chunks stay (K > 0 only when every chunk fits).
-  s.adam_download.assign(std::size_t(n), false);
-  for (int c = s.device_adam_chunks; c < n; ++c)
-    if (resident.erase(c)) s.adam_download[std::size_t(c)] = true;
-  for (int c = 0; c < s.device_adam_chunks; ++c)
-    if (!resident.count(c))
+  // The optimizer step: host-Adam chunks' units on the device go to the host (CPU Adam reads the
+  // gradients and, with 2bw, writes the new version into the older one's slot there);
+  // device-Adam chunks stay (K > 0 only when every unit fits).
+  adam_download.assign(std::size_t(units), false);
+  for (int u = s.device_adam_chunks * L.parts; u < units; ++u)
+    if (resident.erase(u)) adam_download[std::size_t(u)] = true;
+  for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
+    if (!resident.count(u))
       throw std::logic_error("chunk_schedule: a device-Adam chunk is not on the device");
 }
 
@@ -413,39 +549,70 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   ChunkSchedule s;
   s.layout =
       chunk_layout(model, p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model), p, stage);
-  // A gradient half beside the parameters when m > 1 (later microbatches still need them), and
-  // always for fp32: no separate fp32 master keeps the weights, so a gradient written over its
-  // parameter would lose them (the optimizer state is m and v only, 8 B).
-  if (p.m > 1 || model.dtype == models::DType::fp32)
+  const bool two_bw = p.schedule == Schedule::two_bw;
+  if (two_bw) {
+    // Two live weight versions and the gradient, each moving on its own (ChunkLayout::parts).
+    s.layout.parts = 3;
+  } else if (p.m > 1 || model.dtype == models::DType::fp32) {
+    // A gradient half beside the parameters when m > 1 (later microbatches still need them), and
+    // always for fp32: no separate fp32 master keeps the weights, so a gradient written over its
+    // parameter would lose them (the optimizer state is m and v only, 8 B).
     s.layout.move_bytes = mul(2, s.layout.chunk_bytes);
+  }
   const ChunkLayout& L = s.layout;
-  const int n = L.chunks();
+  const int n = L.chunks(), units = L.units();
   const traces::Entry& e = trace.at(p.b);
   s.budget_bytes = cluster.device.memory_bytes;
   for (int l = 0; l < s.layout.layers(); ++l)  // the stage's own layers
     s.workspace_bytes =
         std::max(s.workspace_bytes, e.layers[layer_kind(model, s.layout, l)].workspace_bytes);
-  s.moments = step_moments(model, trace, p, s.layout, s.workspace_bytes);
+  if (two_bw) {
+    for (std::vector<ChunkMoment>& m : segment_moments(model, trace, p, L, s.workspace_bytes))
+      s.segments.push_back({std::move(m), {}, 0, 0});
+  } else {
+    s.moments = order_moments(model, trace, p, L, s.workspace_bytes, step_compute_order(p, stage));
+  }
   std::int64_t non_model_peak = 0;
   for (const ChunkMoment& m : s.moments)
     non_model_peak = std::max(non_model_peak, m.non_model_bytes);
-  // K: optimizer state on the device only in the margin left by every parameter chunk and the
-  // peak non-model memory (PatrickStar's device-aware placement of the OS chunks).
-  const std::int64_t margin = s.budget_bytes - mul(n, L.move_bytes) - non_model_peak;
+  for (const ChunkSegmentPlan& g : s.segments)
+    for (const ChunkMoment& m : g.moments)
+      non_model_peak = std::max(non_model_peak, m.non_model_bytes);
+  // K: optimizer state on the device only in the margin left by every unit and the peak
+  // non-model memory (PatrickStar's device-aware placement of the OS chunks).
+  const std::int64_t margin = s.budget_bytes - mul(units, L.move_bytes) - non_model_peak;
   s.device_adam_chunks = margin > 0 ? int(std::min<std::int64_t>(n, margin / L.os_chunk_bytes)) : 0;
-  // The fixed point: from every chunk on the host, steps until one ends where it started (two at
-  // most: host-Adam chunks always end on the host, device-Adam ones on the device).
+  // The fixed point: from the device-Adam chunks' units on the device and the rest on the host,
+  // steps (2bw: steady segments) until one ends where it started (host-Adam chunks always end on
+  // the host, device-Adam ones on the device). With 2bw every segment then runs from it and must
+  // end there.
+  const std::string where = p.d > 1 ? fmt::format("stage {}: ", stage) : std::string();
+  std::vector<ChunkMoment>& basis =
+      two_bw ? s.segments[std::size_t(ChunkSegment::steady)].moments : s.moments;
   std::set<int> start;
+  for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
+    start.insert(u);
   for (int round = 0;; ++round) {
     std::set<int> resident = start;
-    run_step(s, resident, p.d > 1 ? fmt::format("stage {}: ", stage) : std::string());
+    run_step(s, basis, s.adam_download, resident, where);
     if (resident == start) break;
     if (round == 8) throw std::logic_error("chunk_schedule: no fixed point");
     start = resident;
   }
-  s.start_on_device.assign(std::size_t(n), false);
-  for (int c : start)
-    s.start_on_device[std::size_t(c)] = true;
+  for (ChunkSegmentPlan& g : s.segments) {
+    std::set<int> resident = start;
+    run_step(s, g.moments, g.adam_download, resident, where);
+    if (resident != start)
+      throw std::logic_error("chunk_schedule: a 2bw segment off the fixed point");
+  }
+  if (two_bw) {
+    const ChunkSegmentPlan& steady = s.segments[std::size_t(ChunkSegment::steady)];
+    s.moments = steady.moments;
+    s.adam_download = steady.adam_download;
+  }
+  s.start_on_device.assign(std::size_t(units), false);
+  for (int u : start)
+    s.start_on_device[std::size_t(u)] = true;
 
   // Times and figures (docs/formulas.md, section 9, chunks).
   HostPath path = host_path(cluster, p, p.rank_of(stage, 0));
@@ -504,8 +671,30 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   if (p.w > 1) s.collective_s = data_parallel_allreduce_s(cluster, p, stage, double(L.chunk_bytes));
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   int most_host = 0;
-  for (std::size_t k = 0; k < s.moments.size(); ++k) {
-    const ChunkMoment& m = s.moments[k];
+  // The peaks: of the step (2bw: of every segment; the first segment's on a tie).
+  auto peak_of = [&](const std::vector<ChunkMoment>& moments, std::int64_t& peak, int& at) {
+    for (std::size_t k = 0; k < moments.size(); ++k) {
+      const ChunkMoment& m = moments[k];
+      const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
+      if (device > peak) {
+        peak = device;
+        at = int(k);
+      }
+      most_host = std::max(most_host, units - m.resident);
+    }
+  };
+  if (!two_bw) peak_of(s.moments, s.device_peak_bytes, s.peak_moment);
+  for (int g = 0; g < int(s.segments.size()); ++g) {
+    ChunkSegmentPlan& seg = s.segments[std::size_t(g)];
+    peak_of(seg.moments, seg.device_peak_bytes, seg.peak_moment);
+    if (seg.device_peak_bytes > s.device_peak_bytes) {
+      s.device_peak_bytes = seg.device_peak_bytes;
+      s.peak_moment = seg.peak_moment;
+      s.peak_segment = g;
+    }
+  }
+  // One step's copies and times: the step's (2bw: the steady segment's).
+  for (const ChunkMoment& m : s.moments) {
     int in = 0, out = 0;
     for (const ChunkCopy& c : m.copies)
       (c.to_device ? in : out) += 1;
@@ -514,21 +703,13 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     const double t = m.compute_s * s.gpu_sharers + (in + out) * s.copy_s;
     (m.backward || m.recompute ? s.backward_s : s.forward_s) += t;
     s.compute_s += m.compute_s;
-    const std::int64_t device = add(add(mul(m.resident, L.move_bytes), m.non_model_bytes), os);
-    if (device > s.device_peak_bytes) {
-      s.device_peak_bytes = device;
-      s.peak_moment = int(k);
-    }
-    most_host = std::max(most_host, n - m.resident);
   }
   double device_adam = 0;
-  for (int c = 0; c < n; ++c) {
-    if (s.device_resident(c))
-      device_adam += s.device_adam_s[std::size_t(c)];
-    else
-      s.downloads += s.adam_download[std::size_t(c)] ? 1 : 0;
-  }
-  most_host = std::max(most_host, n - s.device_adam_chunks);
+  for (int c = 0; c < n; ++c)
+    if (s.device_resident(c)) device_adam += s.device_adam_s[std::size_t(c)];
+  for (int u = 0; u < units; ++u)
+    s.downloads += s.adam_download[std::size_t(u)] ? 1 : 0;
+  most_host = std::max(most_host, units - s.device_adam_chunks * L.parts);
   s.optimizer_s = optimizer_time(s);
   s.compute_s += device_adam;
   s.copy_in_bytes = mul(s.uploads, L.move_bytes);
@@ -542,28 +723,43 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
                              const std::vector<double>& hop_s) {
   const std::size_t d = all.size();
   if (hop_s.size() != d) throw std::logic_error("chunk_pipeline: one hop per stage");
+  // 2bw has no flush: a run of four steps (fill, two steady segments, last), each stage's
+  // optimizer step after its step's last backward; the steady period is between the optimizer
+  // steps ending steps 1 and 2.
+  const bool two_bw = p.schedule == Schedule::two_bw;
+  const int steps = two_bw ? 4 : 1;
+  const std::size_t mbs = std::size_t(steps) * std::size_t(p.m);
   std::vector<std::vector<ComputeSlot>> order(d);
   std::vector<std::vector<double>> dur(d);
-  // When stage s's forward and backward of microbatch j end (-1: not yet).
-  std::vector<std::vector<double>> forward_end(d, std::vector<double>(std::size_t(p.m), -1.0));
+  // When stage s's forward and backward of microbatch j (over the run) end (-1: not yet).
+  std::vector<std::vector<double>> forward_end(d, std::vector<double>(mbs, -1.0));
   std::vector<std::vector<double>> backward_end = forward_end;
   for (std::size_t s = 0; s < d; ++s) {
-    order[s] = step_compute_order(p, int(s));
+    order[s] = two_bw ? run_compute_order(p, int(s), steps) : step_compute_order(p, int(s));
     dur[s].assign(order[s].size(), 0.0);
-    for (const ChunkMoment& m : all[s].moments)
-      dur[s].at(std::size_t(m.slot)) +=
-          m.compute_s * all[s].gpu_sharers + double(m.copies.size()) * all[s].copy_s;
+    // The ops of each segment (a step) are numbered from 0 in its moments.
+    std::size_t first = 0;
+    for (int t = 0; t < steps; ++t) {
+      std::size_t ops = 0;
+      for (const ChunkMoment& m : all[s].moments_of(0, steps, t)) {
+        const std::size_t at = first + std::size_t(m.slot);
+        dur[s].at(at) += m.compute_s * all[s].gpu_sharers + double(m.copies.size()) * all[s].copy_s;
+        ops = std::max(ops, std::size_t(m.slot) + 1);
+      }
+      first += ops;
+    }
   }
   ChunkPipeline out;
   out.start.assign(d, -1.0);
   out.end.assign(d, 0.0);
+  std::vector<std::vector<double>> tail_end(d);
   std::vector<std::size_t> next(d, 0);
   for (bool moved = true; moved;) {
     moved = false;
     for (std::size_t s = 0; s < d; ++s)
       for (std::size_t& i = next[s]; i < order[s].size(); ++i) {
         const ComputeSlot& op = order[s][i];
-        const std::size_t j = std::size_t(op.microbatch);
+        const std::size_t j = std::size_t(op.step) * std::size_t(p.m) + std::size_t(op.microbatch);
         double ready = out.end[s];
         const std::size_t from = op.backward ? s + 1 : s - 1;  // the stage it receives from
         if (op.backward ? s + 1 < d : s > 0) {
@@ -574,13 +770,24 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
         if (out.start[s] < 0) out.start[s] = ready;
         out.end[s] = ready + dur[s][i];
         (op.backward ? backward_end : forward_end)[s][j] = out.end[s];
+        if (two_bw && op.backward && op.microbatch == p.m - 1) {  // the step's optimizer step
+          out.end[s] += all[s].optimizer_s;
+          tail_end[s].push_back(out.end[s]);
+        }
         moved = true;
       }
   }
-  for (std::size_t s = 0; s < d; ++s) {
+  for (std::size_t s = 0; s < d; ++s)
     if (next[s] < order[s].size())
       throw std::logic_error("chunk_pipeline: the stages' orders wait for each other");
-    out.makespan = std::max(out.makespan, out.end[s]);
+  for (std::size_t s = 0; s < d; ++s) {
+    if (two_bw) {  // the steady step: from the end of step 1's optimizer step to step 2's compute
+      out.start[s] = tail_end[s].at(1);
+      out.end[s] = tail_end[s].at(2) - all[s].optimizer_s;
+      out.makespan = std::max(out.makespan, out.end[s] - out.start[s]);
+    } else {
+      out.makespan = std::max(out.makespan, out.end[s]);
+    }
   }
   return out;
 }
@@ -606,7 +813,9 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
         .push_back(s);
     release[s] = run.end[s];
     for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c) {
-      if (c == cs.device_adam_chunks && cs.adam_download[std::size_t(c)]) release[s] += cs.copy_s;
+      if (c == cs.device_adam_chunks)  // its units on the device go down first
+        for (int u = c * cs.layout.parts; u < (c + 1) * cs.layout.parts; ++u)
+          release[s] += cs.adam_download[std::size_t(u)] ? cs.copy_s : 0.0;
       work[s] += double(cs.layout.adam_elements(c));
     }
   }

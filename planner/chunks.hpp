@@ -47,6 +47,11 @@ struct ChunkLayout {
   // still need the parameter) or the model is fp32 (no fp32 master beside the parameters to keep
   // the weights a gradient would overwrite). Set by chunk_schedule.
   std::int64_t move_bytes = 0;
+  // What one copy moves (a unit): with the flush schedules the whole chunk (parts = 1: its
+  // parameters and gradient half, move_bytes); with 2bw three parts of S_p each (parts = 3,
+  // move_bytes = S_p): the slots of the two live weight versions (version v in part v % 2) and the
+  // gradient. Unit u is part u % parts of chunk u / parts. Set by chunk_schedule.
+  int parts = 1;
   std::int64_t chunk_elements = 0;  // S_p / e
   // Data parallelism (w > 1 replicas of the stage): every replica holds every parameter chunk and
   // its gradient; each chunk's Adam-stepped elements (its first chunk_owned) are split into w
@@ -65,7 +70,12 @@ struct ChunkLayout {
   std::vector<std::string> layer_names;
   std::vector<std::int64_t> chunk_owned;  // per chunk: parameters Adam steps here (no tied copy)
   int chunks() const { return int(chunk_parameters.size()); }
+  int units() const { return chunks() * parts; }
   int layers() const { return int(layer_chunks.size()); }
+  // The bytes of unit u that are weights and gradients (the report's categories): a whole chunk's
+  // S_p and move_bytes - S_p; with 2bw a version slot's S_p or the gradient's.
+  std::int64_t unit_weight_bytes(int unit) const;
+  std::int64_t unit_gradient_bytes(int unit) const;
   // Replica r's part of chunk c: elements [first, second) of it, inside [0, chunk_owned[c]).
   std::pair<std::int64_t, std::int64_t> shard(int chunk, int replica) const;
   // The parts' replicas + 1 ascending bounds (what the transport's reduce-scatter and all-gather
@@ -87,10 +97,13 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& plan,
                          int stage);
 
-// A copy of one whole chunk (S_p bytes) between host and device.
+// A copy of one unit (ChunkLayout::parts: a whole chunk, or with 2bw one of its three parts)
+// between host and device, move_bytes. In a 2bw segment's plan the unit's part is a role (0 the
+// older live version, 1 the newer, 2 the gradient); the programs carry the part it is in that
+// segment (ChunkSchedule::unit_in).
 struct ChunkCopy {
   bool to_device = false;
-  int chunk = 0;
+  int unit = 0;
   bool operator==(const ChunkCopy&) const = default;
 };
 
@@ -104,6 +117,9 @@ struct ChunkMoment {
   // `slot` (its forward again, ascending; backward false).
   bool recompute = false;
   int layer = 0;
+  // 2bw: the op computes with the newer of the two live weight versions (the one the segment's
+  // opening optimizer step made), else the older; a backward also uses the gradient.
+  bool newer = false;
   // Activations taken after the moment's copies, before its layer runs, and given back after it
   // (docs/formulas.md section 9, chunks): without recompute a forward takes its layer's stash and
   // the backward gives it back; with full recompute a forward's first layer takes the stage
@@ -112,25 +128,58 @@ struct ChunkMoment {
   std::int64_t alloc_bytes = 0, free_bytes = 0;
   std::vector<ChunkCopy> copies;
   std::int64_t non_model_bytes = 0;  // N_k: activations held (alloc_bytes in) + workspace
-  int resident = 0;                  // parameter chunks on the device during the moment
-  double compute_s = 0;              // the layer's forward, recompute or backward (trace)
+  int resident = 0;                  // units on the device during the moment
+  std::int64_t weight_bytes = 0, gradient_bytes = 0;  // of those units (resident x move_bytes)
+  double compute_s = 0;  // the layer's forward, recompute or backward (trace)
   // "forward of block 3", "recompute of head", ...
   std::string label(const ChunkLayout& layout) const;
 };
 
+// 2bw: the stream of compute ops between two optimizer steps (a segment: the backwards of step t
+// beside the forwards of step t + 1 on the stages before the last) has one of these shapes, each
+// with its own eviction plan from the same fixed point: the first segment of a run from step 0
+// (one live version), or of a resumed run (two, and the warm-up's forwards), each also as the
+// run's only segment; the steady state; the run's last segment (no forwards of a next step).
+enum class ChunkSegment { fill, fill_last, resumed, resumed_last, steady, last };
+inline constexpr int kChunkSegments = 6;
+// The shape of segment `step` (the ops before step's optimizer step, after the previous one's) in
+// a run of steps first_step .. first_step + steps - 1.
+ChunkSegment chunk_segment(int first_step, int steps, int step);
+const char* to_string(ChunkSegment segment);
+
+// One segment's plan (2bw): its moments with their copies (parts as roles), and per unit whether
+// it goes to the host for CPU Adam at the segment's optimizer step.
+struct ChunkSegmentPlan {
+  std::vector<ChunkMoment> moments;
+  std::vector<bool> adam_download;
+  std::int64_t device_peak_bytes = 0;
+  int peak_moment = 0;
+};
+
 // The eviction plan of one rank (one pipeline stage: each stage has its own) for one step (every
-// step the same: it starts from where the step ends, its fixed point).
+// step the same: it starts from where the step ends, its fixed point). With 2bw one plan per
+// segment shape (ChunkSegment), each from and back to the same fixed point; the figures of one
+// step are the steady segment's, the peaks the largest of any segment's.
 struct ChunkSchedule {
   ChunkLayout layout;
   std::int64_t budget_bytes = 0;      // B: the device's memory
   std::int64_t workspace_bytes = 0;   // W: the largest layer workspace, held throughout
   int device_adam_chunks = 0;         // K: chunks 0 .. K-1 keep their state on the device
-  std::vector<bool> start_on_device;  // per chunk, at each step's start and end
+  std::vector<bool> start_on_device;  // per unit, at each step's start and end
   // Per compute op of the stage's step (m forwards and m backwards in its order,
   // step_compute_order: 1f1b interleaves them), its layers: forward ascending, backward descending,
-  // with full recompute the recompute op's (ascending) before each backward's.
+  // with full recompute the recompute op's (ascending) before each backward's. 2bw: the steady
+  // segment's (the others' in `segments`).
   std::vector<ChunkMoment> moments;
-  std::vector<bool> adam_download;  // per host-Adam chunk: on the device at the backward's end
+  std::vector<bool> adam_download;  // per unit of a host-Adam chunk: on the device at the end
+  std::vector<ChunkSegmentPlan> segments;  // 2bw: per ChunkSegment
+  // The moments and downloads of the segment that ends with step `step`'s optimizer step in a run
+  // of steps first_step .. first_step + steps - 1 (flush schedules: every step's).
+  const std::vector<ChunkMoment>& moments_of(int first_step, int steps, int step) const;
+  const std::vector<bool>& adam_download_of(int first_step, int steps, int step) const;
+  // The unit a plan's (role) unit is in the segment of step `step`: with 2bw the older version of
+  // that segment is in part (step + 1) % 2, the newer in step % 2; else the unit itself.
+  int unit_in(int unit, int step) const;
   // Per chunk, of replica 0's part (the largest; the whole chunk with w = 1):
   std::vector<double> device_adam_s;  // Adam on the device (trace's rate)
   std::vector<double> host_adam_s;    // CPU Adam (the node's rate, shared)
@@ -144,8 +193,10 @@ struct ChunkSchedule {
   // Figures of one step.
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
   std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;
-  std::int64_t device_peak_bytes = 0;      // max_k (resident_k S_p + N_k) + K S_os
-  int peak_moment = 0;                     // the moment of that peak
+  std::int64_t device_peak_bytes = 0;  // max_k (resident_k move_bytes + N_k) + K S_os
+  int peak_moment = 0;                 // the moment of that peak
+  int peak_segment = -1;               // 2bw: in that segment's moments, else in `moments`
+  const ChunkMoment& peak() const;
   std::int64_t host_peak_bytes = 0;        // (n - K) S_os + max_k (n - resident_k) S_p
   std::int64_t host_chunk_peak_bytes = 0;  // its parameter-chunk part (pinned)
   double forward_s = 0, backward_s = 0;    // compute + the copies before each moment
@@ -167,7 +218,10 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
 // its moments (its layers and the copies before them), every stage in its step order, a forward
 // after the previous stage's forward of its microbatch plus that stage's hop_s, a backward after
 // the next stage's backward of it plus that stage's hop_s. Per stage the start of its first op and
-// the end of its last, from the step's start; makespan: the latest end.
+// the end of its last, from the step's start; makespan: the latest end. 2bw (no flush): a run of
+// four steps, each stage's optimizer step (optimizer_s) after its step's last backward; per stage
+// the steady step's start (the end of step 1's optimizer step) and the end of its last compute op
+// (step 2's), makespan the longest of those.
 struct ChunkPipeline {
   std::vector<double> start, end;
   double makespan = 0;

@@ -1182,8 +1182,12 @@ common::Json chunk_report(const ChunkSchedule& cs) {
       {"device_adam_s", device_adam},
       {"optimizer_s", cs.optimizer_s},
       {"device_peak_bytes", cs.device_peak_bytes},
-      {"peak_moment", cs.moments[std::size_t(cs.peak_moment)].label(cs.layout)},
+      {"peak_moment", cs.peak().label(cs.layout)},
       {"host_peak_bytes", cs.host_peak_bytes}};
+  if (cs.layout.parts > 1) {  // 2bw: a chunk's version slots and gradient move on their own
+    j["parts"] = cs.layout.parts;
+    j["peak_segment"] = to_string(ChunkSegment(cs.peak_segment));
+  }
   if (cs.layout.replicas > 1) {  // the optimizer state sharded over the stage's replicas
     j["replicas"] = cs.layout.replicas;
     j["collective_s"] = cs.collective_s;
@@ -1349,7 +1353,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     for (int s = 0; s < p.d; ++s) {
       const ChunkSchedule& cs = (*all)[std::size_t(s)];
       StageCost& st = est.stages[std::size_t(s)];
-      const ChunkMoment& peak = cs.moments[std::size_t(cs.peak_moment)];
+      const ChunkMoment& peak = cs.peak();
       // Per microbatch (the stage's m forwards and backwards: the pipeline formulas give m times
       // these back).
       st.forward_s = cs.forward_s / p.m;
@@ -1357,8 +1361,8 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
       st.optimizer_s = cs.optimizer_s;
       st.allreduce_s = 0;  // w > 1: the gradients' sums are the optimizer step's (collective_s)
       st.memory = MemoryBreakdown{};
-      st.memory.weights = bytes_mul(peak.resident, cs.layout.chunk_bytes);
-      st.memory.gradients = bytes_mul(peak.resident, cs.layout.move_bytes - cs.layout.chunk_bytes);
+      st.memory.weights = peak.weight_bytes;
+      st.memory.gradients = peak.gradient_bytes;
       st.memory.optimizer = bytes_mul(cs.device_adam_chunks, cs.layout.os_chunk_bytes);
       st.memory.workspace = cs.workspace_bytes;
       st.memory.activations = peak.non_model_bytes - cs.workspace_bytes;

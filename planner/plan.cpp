@@ -268,8 +268,6 @@ void check(const Plan& p) {
         reject(one[i].first,
                fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",
                            why[i], one[i].first, one[i].second, one[i].first));
-    if (p.schedule == Schedule::two_bw)
-      reject("schedule", "offload chunks with 2bw (two weight versions) is not supported yet");
     if (p.distributed_optimizer)
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "

@@ -97,10 +97,12 @@ struct ComputeSlot {
 };
 // The compute order of `stage` in one step (2bw: a 1F1B step, as its steady state runs).
 std::vector<ComputeSlot> step_compute_order(const Plan& plan, int stage, int step = 0);
-// The compute order of `stage` over steps 0 .. steps-1 as its program runs them: 2bw one
-// continuous stream (no flush: a step's forwards run beside the previous step's backwards), the
-// flush schedules their steps back to back.
-std::vector<ComputeSlot> run_compute_order(const Plan& plan, int stage, int steps);
+// The compute order of `stage` over steps first_step .. first_step + steps - 1 as its program
+// runs them: 2bw one continuous stream (no flush: a step's forwards run beside the previous step's
+// backwards; a run from first_step > 0, resumed, fills the pipeline again), the flush schedules
+// their steps back to back.
+std::vector<ComputeSlot> run_compute_order(const Plan& plan, int stage, int steps,
+                                           int first_step = 0);
 
 // Activation offload on a stage that swaps: a microbatch-chunk is swapped when at least
 // kSwapGap compute ops run between its forward and its backward (its download overlaps the first,

@@ -261,9 +261,16 @@ std::vector<Slot> two_bw_stream(const Plan& plan, int stage, int first_step, int
 // Appends the ops of one device: communication around compute, per-step tails.
 class ProgramBuilder {
  public:
-  ProgramBuilder(const Plan& plan, int buckets, bool tied, Program& program,
-                 const ChunkSchedule* chunks = nullptr)
-      : plan_(plan), buckets_(buckets), tied_(tied), program_(program), chunks_(chunks) {}
+  ProgramBuilder(const Plan& plan, int first_step, int steps, int buckets, bool tied,
+                 Program& program, const ChunkSchedule* chunks = nullptr)
+      : plan_(plan),
+        buckets_(buckets),
+        tied_(tied),
+        program_(program),
+        chunks_(chunks),
+        first_step_(first_step),
+        steps_(steps),
+        segment_step_(first_step) {}
 
   // `out`: the forward's stash goes to the host; `prefetch`: a stash to bring back first.
   void compute(const Slot& slot, bool out = false, const Slot* prefetch = nullptr) {
@@ -340,7 +347,8 @@ class ProgramBuilder {
   // (the backward's come after it and advance the index).
   void chunk_copies(const Slot& slot, bool recompute = false) {
     const int index = recompute ? chunk_slot_ : chunk_slot_++;
-    for (const ChunkMoment& m : chunks_->moments) {
+    const int t = segment_step_;
+    for (const ChunkMoment& m : chunks_->moments_of(first_step_, steps_, t)) {
       if (m.slot != index || m.recompute != recompute) continue;
       for (const ChunkCopy& c : m.copies) {
         Op op{c.to_device ? OpKind::copy_chunk_to_device : OpKind::copy_chunk_to_host,
@@ -349,7 +357,7 @@ class ProgramBuilder {
               slot.chunk,
               -1,
               -1,
-              c.chunk};
+              chunks_->unit_in(c.unit, t)};
         op.layer = m.layer;
         program_.ops.push_back(op);
       }
@@ -358,12 +366,17 @@ class ProgramBuilder {
 
   // The optimizer step of the chunks: each host-Adam chunk (to the host first when it ended the
   // backward on the device) on the host CPU, then the device-Adam chunks on the device.
+  // With 2bw a chunk's parts on the device go down one by one (those of the segment's plan).
   void chunk_steps(int step) {
+    const std::vector<bool>& down = chunks_->adam_download_of(first_step_, steps_, step);
     chunk_slot_ = 0;
-    const int n = chunks_->layout.chunks();
+    ++segment_step_;
+    const int n = chunks_->layout.chunks(), parts = chunks_->layout.parts;
     for (int c = chunks_->device_adam_chunks; c < n; ++c) {
-      if (chunks_->adam_download[std::size_t(c)])
-        program_.ops.push_back(Op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, c});
+      for (int u = c * parts; u < (c + 1) * parts; ++u)
+        if (down[std::size_t(u)])
+          program_.ops.push_back(
+              Op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, chunks_->unit_in(u, step)});
       program_.ops.push_back(Op{OpKind::chunk_step_host, step, -1, 0, -1, step + 1, c});
     }
     for (int c = 0; c < chunks_->device_adam_chunks; ++c)
@@ -414,8 +427,10 @@ class ProgramBuilder {
   bool tied_;
   Program& program_;
   const ChunkSchedule* chunks_;
-  int chunk_slot_ = 0;           // chunks: compute ops of the current step so far
-  std::vector<int> unreceived_;  // tied weight versions created here, not yet received
+  int first_step_ = 0, steps_ = 1;  // the run's
+  int chunk_slot_ = 0;              // chunks: compute ops of the current step (segment) so far
+  int segment_step_ = 0;            // chunks: the step whose optimizer step ends the segment
+  std::vector<int> unreceived_;     // tied weight versions created here, not yet received
 };
 
 // The compute slots in order, with their activation swaps.
@@ -434,7 +449,7 @@ void run_slots(const Plan& plan, int stage, const std::vector<Slot>& slots, Prog
 
 void generate_device(const Plan& plan, int first_step, int steps, int buckets, bool tied,
                      Program& program, const ChunkSchedule* chunks) {
-  ProgramBuilder builder(plan, buckets, tied, program, chunks);
+  ProgramBuilder builder(plan, first_step, steps, buckets, tied, program, chunks);
   const int s = program.stage;
   if (plan.schedule == Schedule::two_bw) {
     run_slots(plan, s, two_bw_stream(plan, s, first_step, steps), builder, true);
@@ -473,10 +488,10 @@ std::vector<ComputeSlot> step_compute_order(const Plan& plan, int stage, int ste
   }
 }
 
-std::vector<ComputeSlot> run_compute_order(const Plan& plan, int stage, int steps) {
-  if (plan.schedule == Schedule::two_bw) return two_bw_stream(plan, stage, 0, steps);
+std::vector<ComputeSlot> run_compute_order(const Plan& plan, int stage, int steps, int first_step) {
+  if (plan.schedule == Schedule::two_bw) return two_bw_stream(plan, stage, first_step, steps);
   std::vector<ComputeSlot> order;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = first_step; step < first_step + steps; ++step) {
     const std::vector<ComputeSlot> one = step_compute_order(plan, stage, step);
     order.insert(order.end(), one.begin(), one.end());
   }
@@ -574,9 +589,16 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
           plan.stage_blocks[std::size_t(s)] + (s == 0 ? 1 : 0) + (s == plan.d - 1 ? 1 : 0);
       if (cs.layout.layers() != int(layers) || cs.layout.stage != s)
         throw PlanError("plan: offload chunks: the chunk schedule is of another model");
-      // Per step: the moments' copies (at most one per chunk and moment each way) and two ops
-      // per chunk at the optimizer step.
-      most = std::max(most, (cs.uploads + cs.downloads) + 2.0 * cs.layout.chunks());
+      // Per step: the moments' copies (at most one per unit and moment each way; 2bw: the
+      // segment with the most) and two ops per unit at the optimizer step.
+      double copies = cs.uploads + cs.downloads;
+      for (const ChunkSegmentPlan& g : cs.segments) {
+        double here = 0;
+        for (const ChunkMoment& m : g.moments)
+          here += double(m.copies.size());
+        copies = std::max(copies, here + cs.layout.units());
+      }
+      most = std::max(most, copies + 2.0 * cs.layout.units());
     }
     offload_ops += most;
   }

@@ -213,10 +213,10 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: gpipe or 1f1b (each stage its own chunks), no selective recompute.
-                if (offload == Offload::chunks &&
-                    (shape.recompute_of(0) == Recompute::selective ||
-                     shape.schedule == Schedule::two_bw || shape.schedule == Schedule::interleaved))
+                // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks), no selective
+                // recompute.
+                if (offload == Offload::chunks && (shape.recompute_of(0) == Recompute::selective ||
+                                                   shape.schedule == Schedule::interleaved))
                   continue;
                 Plan p = shape;
                 p.t = t;

@@ -241,6 +241,7 @@ class Replayer {
     int op = 0;
     int step = 0;
     std::int64_t after_downs = 0;  // downloads issued before it
+    bool edge = false;             // in the run's first or last segment (2bw)
   };
   struct ChunkEngines {
     sg4::MutexPtr mutex;
@@ -252,6 +253,7 @@ class Replayer {
   };
 
   void open_chunk_engines() {
+    chunk_step_ = w_.programs->first_step;
     ck_.mutex = sg4::Mutex::create();
     ck_.cv = sg4::ConditionVariable::create();
     const char* names[] = {"chunk-d2h", "chunk-h2d", "chunk-adam"};
@@ -265,15 +267,18 @@ class Replayer {
                      : op.kind == OpKind::copy_chunk_to_device ? 1
                                                                : 2;
     std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
-    ck_.queue[kind].push_back({kind, op.bucket, index, op.step, ck_.issued[0]});
+    const int first = w_.programs->first_step, last = first + w_.programs->steps - 1;
+    ck_.queue[kind].push_back({kind, op.bucket, index, op.step, ck_.issued[0],
+                               chunk_step_ == first || chunk_step_ == last});
     ++ck_.issued[kind];
     ck_.cv->notify_all();
   }
 
   void chunk_loop(int kind) {
     const planner::ChunkSchedule& cs = schedule();
-    // A chunk's parameters and, with m > 1, its gradient half (docs/formulas.md section 9, chunks).
-    const std::int64_t bytes = cs.layout.move_bytes, params = cs.layout.chunk_bytes;
+    // A unit: a chunk's parameters and, with m > 1, its gradient half; with 2bw one of its parts
+    // (a weight version's slot or the gradient; docs/formulas.md section 9, chunks).
+    const std::int64_t bytes = cs.layout.move_bytes;
     for (;;) {
       ChunkJob job;
       {
@@ -300,9 +305,11 @@ class Replayer {
         chunk_collective(job.step, job.chunk, true, job.op);  // the new parameters to all
       } else {
         const bool down = kind == 0;
+        const std::int64_t params = cs.layout.unit_weight_bytes(job.chunk),
+                           grads = cs.layout.unit_gradient_bytes(job.chunk);
         if (!down) {
           allocate(&planner::MemoryBreakdown::weights, params);
-          allocate(&planner::MemoryBreakdown::gradients, bytes - params);
+          allocate(&planner::MemoryBreakdown::gradients, grads);
         }
         sg4::Host* from = down ? me_.host : me_.cpu;
         sg4::Host* to = down ? me_.cpu : me_.host;
@@ -312,9 +319,13 @@ class Replayer {
         record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
         (down ? me_.copied_out_bytes : me_.copied_in_bytes) += bytes;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
+        if (job.edge) {
+          (down ? me_.edge_out_bytes : me_.edge_in_bytes) += bytes;
+          (down ? me_.edge_downloads : me_.edge_uploads) += 1;
+        }
         if (down) {
           allocate(&planner::MemoryBreakdown::weights, -params);
-          allocate(&planner::MemoryBreakdown::gradients, -(bytes - params));
+          allocate(&planner::MemoryBreakdown::gradients, -grads);
         }
       }
       std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
@@ -357,8 +368,11 @@ class Replayer {
     const bool back = op.kind == OpKind::backward, again = op.kind == OpKind::recompute;
     const int index = again ? chunk_slot_ : chunk_slot_++;
     std::size_t next = 0;
-    for (std::size_t k = 0; k < cs.moments.size(); ++k) {
-      const planner::ChunkMoment& m = cs.moments[k];
+    // The step's moments (2bw: of the segment before step chunk_step_'s optimizer step).
+    const std::vector<planner::ChunkMoment>& moments =
+        cs.moments_of(w_.programs->first_step, w_.programs->steps, chunk_step_);
+    for (std::size_t k = 0; k < moments.size(); ++k) {
+      const planner::ChunkMoment& m = moments[k];
       if (m.slot != index || m.recompute != again || m.backward != back) continue;
       for (; next < pending_chunks_.size() &&
              program_.ops[std::size_t(pending_chunks_[next])].layer == m.layer;
@@ -784,6 +798,7 @@ class Replayer {
     else if (ck_.mutex) {
       chunk_wait(2);  // chunks: the host's Adam steps (the device's ran as their own ops)
       chunk_slot_ = 0;
+      ++chunk_step_;
     } else
       compute(opt);
     // The distributed optimizer: each replica updated its 1/w; the stage's replicas all-gather
@@ -840,6 +855,7 @@ class Replayer {
   }
 
   void set_versions() {
+    if (w_.programs->chunks) return;  // offload chunks: both versions live in the chunks' parts
     const std::int64_t extra = std::max<std::int64_t>(versions_ - 1, 0) * me_.version_bytes;
     allocate(&planner::MemoryBreakdown::weight_versions, extra - me_.memory.now.weight_versions);
   }
@@ -890,7 +906,8 @@ class Replayer {
   std::set<Unit> swapped_out_, downloaded_, uploaded_;
   ChunkEngines ck_;                  // offload chunks
   std::vector<int> pending_chunks_;  // chunk copies (op indices) waiting for their compute op
-  int chunk_slot_ = 0;               // chunks: compute ops of this step so far
+  int chunk_slot_ = 0;               // chunks: compute ops of this step (2bw: segment) so far
+  int chunk_step_ = 0;               // chunks: the step whose optimizer step ends the segment
 };
 
 }  // namespace

@@ -78,12 +78,14 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
                             common::kMaxBytes);
     if (p.offload == planner::Offload::chunks) {  // model data in the schedule's chunks
       const planner::ChunkSchedule& cs = (*w.programs->chunks)[std::size_t(rs.stage)];
-      // The chunks a step starts with on the device (each step ends with them there): their
-      // parameters and, with m > 1, their gradient halves.
-      const std::int64_t resident =
-          std::count(cs.start_on_device.begin(), cs.start_on_device.end(), true);
-      fixed.weights = resident * cs.layout.chunk_bytes;
-      fixed.gradients = resident * (cs.layout.move_bytes - cs.layout.chunk_bytes);
+      // The units a step starts with on the device (each step ends with them there): their
+      // parameters and, with m > 1, their gradient halves (2bw: version slots and gradients).
+      fixed.weights = fixed.gradients = 0;
+      for (int u = 0; u < cs.layout.units(); ++u)
+        if (cs.start_on_device[std::size_t(u)]) {
+          fixed.weights += cs.layout.unit_weight_bytes(u);
+          fixed.gradients += cs.layout.unit_gradient_bytes(u);
+        }
       fixed.optimizer = std::int64_t(cs.device_adam_chunks) * cs.layout.os_chunk_bytes;
       fixed.workspace = cs.workspace_bytes;
       rs.offload.host_bytes = cs.host_peak_bytes;
@@ -173,6 +175,13 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
   common::Json ranks = common::Json::array();
   const std::int64_t steps = w.programs->steps;
   std::int64_t out = 0, in = 0, swapped = 0;
+  // 2bw with chunks: a step's copies are a steady segment's (the run's first and last segments,
+  // which fill and drain the pipeline, left out when there are others).
+  const bool segments =
+      w.programs->chunks && w.plan().schedule == planner::Schedule::two_bw && steps >= 3;
+  const auto per_step = [&](std::int64_t all, std::int64_t edges) {
+    return segments ? (all - edges) / (steps - 2) : all / steps;
+  };
   for (const RankState& r : w.ranks) {
     planner::HostReport& h = hosts[r.node];
     h.node = r.node;
@@ -182,17 +191,19 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
     h.pinned_bytes += t * (r.offload.pinned_bytes + r.swap_host_peak);
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-    out += t * (r.copied_out_bytes / steps);
-    in += t * (r.copied_in_bytes / steps);
+    const std::int64_t rank_out = per_step(r.copied_out_bytes, r.edge_out_bytes),
+                       rank_in = per_step(r.copied_in_bytes, r.edge_in_bytes);
+    out += t * rank_out;
+    in += t * rank_in;
     common::Json rank = {{"rank", r.rank},
                          {"host_bytes", r.offload.host_bytes + r.swap_host_peak},
                          {"pinned_bytes", r.offload.pinned_bytes + r.swap_host_peak},
-                         {"copy_out_bytes_per_step", r.copied_out_bytes / steps},
-                         {"copy_in_bytes_per_step", r.copied_in_bytes / steps}};
+                         {"copy_out_bytes_per_step", rank_out},
+                         {"copy_in_bytes_per_step", rank_in}};
     if (w.programs->chunks) {  // the schedule's figures; the bytes above are the flows'
       rank["chunks"] = planner::chunk_report((*w.programs->chunks)[std::size_t(r.stage)]);
-      rank["chunks"]["uploads_per_step"] = r.chunk_uploads / steps;
-      rank["chunks"]["downloads_per_step"] = r.chunk_downloads / steps;
+      rank["chunks"]["uploads_per_step"] = per_step(r.chunk_uploads, r.edge_uploads);
+      rank["chunks"]["downloads_per_step"] = per_step(r.chunk_downloads, r.edge_downloads);
     }
     if (w.plan().offload_activations) {
       rank["activations"] = {

@@ -87,8 +87,10 @@ struct RankState {
   // With a timeline: (time, the rank's host bytes: offload's static ones plus the swapped stashes)
   // at every change.
   std::vector<std::pair<double, std::int64_t>> host_samples;
-  // offload chunks: whole-chunk copies the replay ran (all steps).
+  // offload chunks: whole-chunk copies the replay ran (all steps). With 2bw the first and last
+  // segments (between optimizer steps) move other amounts than the steady ones: theirs also here.
   std::int64_t chunk_uploads = 0, chunk_downloads = 0;
+  std::int64_t edge_in_bytes = 0, edge_out_bytes = 0, edge_uploads = 0, edge_downloads = 0;
   std::vector<Event> events;                         // every op that took time
   std::vector<double> optimizer_end;                 // per step
   std::vector<std::tuple<int, int, int>> triggered;  // (step, chunk, bucket) started

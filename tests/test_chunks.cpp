@@ -126,8 +126,8 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   k["recompute"] = "selective";
   refused(k, "offload chunks with recompute selective is not supported yet; use none or full");
   k = j;
-  k["schedule"] = "2bw";
-  refused(k, "offload chunks with 2bw");
+  k["schedule"] = "2bw";  // two weight versions: each chunk's parts move on their own
+  EXPECT_EQ(parse_plan(k, "plan.json").schedule, Schedule::two_bw);
   k = j;
   k["offload"] = "optimizer";
   refused(k, "chunk_bytes: a chunk size needs offload chunks");
@@ -1142,5 +1142,51 @@ TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
   }
 }
 
+// --- 2bw: two weight versions per chunk (docs/formulas.md section 9, chunks with 2bw) ---
+
+// Each segment between optimizer steps runs its own plan from the fixed point; every run of
+// the programs (fresh or resumed, one step or several) passes the checker, whose moments and
+// units follow the segment and the ops' versions; the simulator agrees with the closed form and
+// with the plan's peaks and bytes.
+TEST(ChunksTwoBw, SegmentsPassTheCheckerAndAgreeWithTheSimulator) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = uniform_trace(m, 1);
+  for (int d : {1, 2}) {
+    for (std::int64_t budget : {std::int64_t(12000), std::int64_t(1) << 30}) {
+      SCOPED_TRACE(fmt::format("d = {}, budget {}", d, budget));
+      clusters::Cluster c = d == 1 ? ws() : eight();
+      c.device.memory_bytes = budget;
+      Plan p = d == 1 ? chunked(c, 2, 512, 1, 3) : piped(c, Schedule::two_bw, 3, 2, 512);
+      p.schedule = Schedule::two_bw;
+      check(p);
+      const auto all =
+          std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m, trace, c, p));
+      for (const ChunkSchedule& cs : *all) {
+        EXPECT_EQ(cs.layout.parts, 3);
+        EXPECT_EQ(cs.layout.move_bytes, 512);
+        ASSERT_EQ(cs.segments.size(), std::size_t(kChunkSegments));
+        if (budget < 100000) {
+          EXPECT_GT(cs.uploads, 0);
+        }
+      }
+      for (auto [first, steps] : {std::pair{0, 1}, {0, 2}, {0, 4}, {1, 1}, {3, 3}}) {
+        ProgramOptions o;
+        o.steps = steps;
+        o.first_step = first;
+        o.tied_embeddings = true;
+        o.chunks = all;
+        EXPECT_NO_THROW(check_programs(generate_programs(p, o))) << first << " " << steps;
+      }
+      const Estimate est = estimate(m, trace, c, p);
+      const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 4});
+      EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.02);
+      for (std::size_t r = 0; r < sr.report.devices.size(); ++r) {
+        EXPECT_EQ(sr.report.devices[r].peak_memory_bytes, est.report.devices[r].peak_memory_bytes)
+            << r;
+        EXPECT_LE(sr.report.devices[r].peak_memory_bytes, c.device.memory_bytes);
+      }
+    }
+  }
+}
 }  // namespace
 }  // namespace pw::planner

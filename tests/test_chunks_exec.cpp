@@ -9,6 +9,7 @@
 #include <functional>
 #include <set>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "exec/machine_load.hpp"
@@ -565,6 +566,116 @@ TEST(ChunksExec, DataParallelTiedPipelineResumeIsBitIdentical) {
   const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 2, false, 2);
   testing::expect_resume_is_bit_identical(
       model, p, adamw_options(4, pipeline_budget(model, p) + 100000), "chunkexec_w2_d2_tied");
+}
+
+// 2bw with chunks (docs/formulas.md section 9, chunks with 2bw): each chunk holds the two live
+// weight versions and its gradient as three parts that move on their own, and each segment of the
+// stream between optimizer steps runs its own plan from the same fixed point. d = 1, 2 and 4,
+// tied and untied, w = 1 and 2, at the tightest budget and a roomy one: losses and final weights
+// bit-identical to 2bw without offload (W(t+1) = W(t) - lr step(g(W(t-1)))); each rank's measured
+// peak is the largest of its stage's segments in the run, inside the budget, and the simulator's;
+// the bytes moved are the run's segments' plans' and the simulator's, exactly.
+struct TwoBwCase {
+  int d, m, w;
+  bool untied;
+};
+
+// The bytes a rank's plan moves over a run of `steps` from step 0, each way, and its peak: the
+// segments' (fill, steady ones, last).
+struct RunFigures {
+  std::int64_t out = 0, in = 0, peak = 0;
+};
+RunFigures run_figures(const planner::ChunkSchedule& s, int steps) {
+  RunFigures f;
+  for (int t = 0; t < steps; ++t) {
+    const auto g = std::size_t(planner::chunk_segment(0, steps, t));
+    const planner::ChunkSegmentPlan& seg = s.segments.at(g);
+    for (const planner::ChunkMoment& m : seg.moments)
+      for (const planner::ChunkCopy& c : m.copies)
+        (c.to_device ? f.in : f.out) += s.layout.move_bytes;
+    for (bool down : seg.adam_download)
+      f.out += down ? s.layout.move_bytes : 0;
+    f.peak = std::max(f.peak, seg.device_peak_bytes);
+  }
+  return f;
+}
+
+TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
+  const int steps = 4;
+  for (const TwoBwCase& k :
+       {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 3, 1, true}, TwoBwCase{2, 2, 1, false},
+        TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}}) {
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const TrainResult plain =
+        train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, false, k.w),
+                  adamw_options(steps));
+    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, 65536, k.d, false, k.w);
+    const std::int64_t low = pipeline_budget(model, p);
+    std::int64_t roomy = 0;  // every part of every stage's chunks, and two chunks' Adam state
+    for (int s = 0; s < k.d; ++s) {
+      const planner::ChunkSchedule c = schedule_of(model, p, low, s);
+      std::int64_t non_model = 0;
+      for (const planner::ChunkSegmentPlan& g : c.segments)
+        for (const planner::ChunkMoment& mo : g.moments)
+          non_model = std::max(non_model, mo.non_model_bytes);
+      roomy = std::max(roomy, std::int64_t(c.layout.units()) * c.layout.move_bytes + non_model +
+                                  2 * c.layout.os_chunk_bytes + 7);
+    }
+    for (std::int64_t budget : {low, roomy}) {
+      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} {} budget={}", k.d, k.m, k.w,
+                               k.untied ? "untied" : "tied", budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+      expect_identical(r, plain);
+      const planner::RunReport sim = simulated(model, p, budget, steps);
+      int device_adam = 0;
+      for (int rank = 0; rank < p.ranks(); ++rank) {
+        const int stage = p.stage_of(rank);
+        SCOPED_TRACE("rank " + std::to_string(rank));
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
+        EXPECT_EQ(s.layout.parts, 3);
+        const RunFigures f = run_figures(s, steps);
+        EXPECT_LE(got.peak_memory_bytes, budget);
+        EXPECT_EQ(got.peak_memory_bytes, f.peak);
+        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+        EXPECT_EQ(got.copy_out_bytes, f.out);
+        EXPECT_EQ(got.copy_in_bytes, f.in);
+        // The simulator's per-step bytes are a steady segment's: the schedule's figures.
+        const common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
+        EXPECT_EQ(sr["copy_out_bytes_per_step"].get<std::int64_t>(), s.copy_out_bytes);
+        EXPECT_EQ(sr["copy_in_bytes_per_step"].get<std::int64_t>(), s.copy_in_bytes);
+        if (budget == low) {
+          EXPECT_GT(got.copy_in_bytes, 0);
+        }
+        device_adam += s.device_adam_chunks;
+        std::printf(
+            "2bw d=%d m=%d w=%d budget=%lld rank %d: n=%d K=%d uploads=%d downloads=%d "
+            "peak=%lld moved in %lld out %lld\n",
+            k.d, k.m, k.w, (long long)budget, rank, s.layout.chunks(), s.device_adam_chunks,
+            s.uploads, s.downloads, (long long)got.peak_memory_bytes, (long long)got.copy_in_bytes,
+            (long long)got.copy_out_bytes);
+      }
+      if (budget == roomy) {
+        EXPECT_GT(device_adam, 0);  // Adam on the device too
+      }
+    }
+  }
+}
+
+// 2bw with chunks resumes bit-identically: a checkpoint holds both live versions, each gathered
+// from its part of the chunks, and a resumed run fills the pipeline again with its own segment
+// plan.
+TEST(ChunksExec, TwoBwResumeIsBitIdentical) {
+  for (const TwoBwCase& k :
+       {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true}, TwoBwCase{2, 2, 2, true}}) {
+    SCOPED_TRACE(fmt::format("d={} w={}", k.d, k.w));
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, 65536, k.d, false, k.w);
+    testing::expect_resume_is_bit_identical(model, p, adamw_options(5, pipeline_budget(model, p)),
+                                            fmt::format("chunkexec_2bw_d{}_w{}", k.d, k.w));
+  }
 }
 
 }  // namespace
