@@ -642,6 +642,10 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
                                         cluster.host.uplink_bandwidth_bytes_per_s / on_uplink);
   s.gpu_sharers = on_gpu;  // and their compute its GPU (--ranks-per-gpu)
   s.copy_s = path.time_s(double(L.move_bytes));
+  s.copy_latency_s = path.latency_s;
+  s.link_bytes_per_s = cluster.host.pcie_bandwidth_bytes_per_s / on_gpu;
+  s.uplink_bytes_per_s = cluster.host.uplink_bandwidth_bytes_per_s;
+  s.uplink_sharers = on_uplink;
   // The node's CPU Adam rate, shared by the ranks (stages) it holds as if their optimizer steps
   // ran at the same time (chunk_schedules then shares it from when each stage reaches its step).
   int sharing = 0;
@@ -792,6 +796,62 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
   return out;
 }
 
+namespace {
+
+// The step's compute and copy times again after copy_s changed.
+void time_copies(ChunkSchedule& s) {
+  s.forward_s = s.backward_s = 0;
+  for (const ChunkMoment& m : s.moments)
+    (m.backward || m.recompute ? s.backward_s : s.forward_s) +=
+        m.compute_s * s.gpu_sharers + double(m.copies.size()) * s.copy_s;
+  s.optimizer_s = optimizer_time(s);
+}
+
+// 2bw has no flush: in its steady state the stages copy at the same time, so stages behind one
+// uplink share it. Each copy is taken at the uplink's share left by the other stages' copying the
+// same way (a link carries each direction at its bandwidth), each busy for its fraction of the
+// step (the larger of its uploads and downloads x copy_s / the step): bandwidth
+// uplink / (replicas in lockstep + the others' busy fractions), from the stages' step in the
+// closed form (chunk_pipeline), eight rounds toward a fixed point (docs/formulas.md section 9,
+// chunks with 2bw).
+void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& cluster,
+                   const Plan& p) {
+  if (p.schedule != Schedule::two_bw || p.d == 1 || p.placement.empty()) return;
+  const std::size_t d = all.size();
+  std::vector<std::pair<int, int>> uplink(d);  // (node, uplink) of the stage's replica 0
+  for (std::size_t s = 0; s < d; ++s) {
+    const Placement& at = p.placement[std::size_t(p.rank_of(int(s), 0))];
+    uplink[s] = {at.node, at.gpu / cluster.host.gpus_per_uplink};
+  }
+  bool shared = false;
+  for (std::size_t s = 0; s < d; ++s)
+    for (std::size_t j = s + 1; j < d; ++j)
+      shared = shared || uplink[s] == uplink[j];
+  if (!shared) return;
+  for (int round = 0; round < 8; ++round) {
+    const ChunkPipeline run = chunk_pipeline(all, p, std::vector<double>(d, 0.0));
+    double step = 0;
+    for (std::size_t s = 0; s < d; ++s)
+      step = std::max(step, run.end[s] + all[s].optimizer_s - run.start[s]);
+    if (step <= 0) return;
+    std::vector<double> busy(d);
+    for (std::size_t s = 0; s < d; ++s)
+      busy[s] = std::min(1.0, std::max(all[s].uploads, all[s].downloads) * all[s].copy_s / step);
+    for (std::size_t s = 0; s < d; ++s) {
+      double others = 0;
+      for (std::size_t j = 0; j < d; ++j)
+        if (j != s && uplink[j] == uplink[s]) others += busy[j] * all[j].uplink_sharers;
+      ChunkSchedule& cs = all[s];
+      const double bandwidth =
+          std::min(cs.link_bytes_per_s, cs.uplink_bytes_per_s / (cs.uplink_sharers + others));
+      cs.copy_s = cs.copy_latency_s + double(cs.layout.move_bytes) / bandwidth;
+      time_copies(cs);
+    }
+  }
+}
+
+}  // namespace
+
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& p) {
@@ -802,6 +862,7 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
   // optimizer steps (docs/formulas.md section 9, chunks): when their last compute op ends in one
   // step of the pipeline (chunk_pipeline, the hops between stages left out), then their first
   // host chunk's download. Each stage's rate is its work over the time it takes.
+  share_uplinks(out, cluster, p);
   const double capacity = cluster.host.cpu_adam_params_per_s();
   if (capacity <= 0 || p.d == 1) return out;
   const ChunkPipeline run = chunk_pipeline(out, p, std::vector<double>(out.size(), 0.0));

@@ -184,6 +184,10 @@ struct ChunkSchedule {
   std::vector<double> device_adam_s;  // Adam on the device (trace's rate)
   std::vector<double> host_adam_s;    // CPU Adam (the node's rate, shared)
   double copy_s = 0;                  // one chunk copy, one direction: alpha_h + S_p / beta_h
+  // The copy's path: its latency, its GPU link's share (pcie / replicas on the GPU) and the
+  // uplink's bandwidth, and the stage's replicas behind that uplink (copying in lockstep).
+  double copy_latency_s = 0, link_bytes_per_s = 0, uplink_bytes_per_s = 0;
+  int uplink_sharers = 1;
   // w > 1: a chunk's gradient reduce-scattered and its parameters all-gathered over the stage's
   // replicas, each a ring over S_p (half an all-reduce of S_p: docs/formulas.md section 9).
   double collective_s = 0;
