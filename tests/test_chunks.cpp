@@ -1177,6 +1177,25 @@ TEST(ChunksTwoBw, SegmentsPassTheCheckerAndAgreeWithTheSimulator) {
         o.chunks = all;
         EXPECT_NO_THROW(check_programs(generate_programs(p, o))) << first << " " << steps;
       }
+      if (budget < 100000) {
+        // An upload of the other version's part than the layer's: the checker names the part the
+        // layer uses and finds on the host.
+        ProgramOptions o;
+        o.steps = 3;
+        o.tied_embeddings = true;
+        o.chunks = all;
+        Programs ps = generate_programs(p, o);
+        bool flipped = false;
+        for (Op& op : ps.devices[0].ops)
+          if (op.kind == OpKind::copy_chunk_to_device && op.bucket % 3 < 2 && op.step == 2) {
+            op.bucket += op.bucket % 3 == 0 ? 1 : -1;
+            flipped = true;
+            break;
+          }
+        ASSERT_TRUE(flipped);
+        const std::string msg = error_of<ScheduleError>([&] { check_programs(ps); });
+        EXPECT_NE(msg.find("chunk part"), std::string::npos) << msg;
+      }
       const Estimate est = estimate(m, trace, c, p);
       const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 4});
       EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.02);
