@@ -362,6 +362,9 @@ void append_block(exec::TrainResult& all, exec::TrainResult&& block) {
     to.copy_in_bytes += from.copy_in_bytes;
     to.activation_out_bytes += from.activation_out_bytes;
     to.activation_in_bytes += from.activation_in_bytes;
+    to.edge_copy_out_bytes += from.edge_copy_out_bytes;  // each block fills and drains again
+    to.edge_copy_in_bytes += from.edge_copy_in_bytes;
+    to.edge_steps += from.edge_steps;
     to.weights = std::move(from.weights);
     to.timeline = std::move(from.timeline);
   }

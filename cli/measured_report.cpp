@@ -56,20 +56,28 @@ planner::RunReport measured_report(const models::ModelSpec& model, const planner
   rep.extra["backend"] = on.backend;
   if (!on.device.empty()) rep.extra["device"] = on.device;
   rep.extra["first_step"] = r.first_step;
-  // Offload: what the copy engines moved per step (over the run / steps) and the host pool's
-  // peak, per rank and summed (the fields of an estimate's or simulation's "offload" report).
+  // Offload: what the copy engines moved per step (over the run / steps; chunks with 2bw over
+  // the steady segments, each run's first and last left out where there are others, as the
+  // simulator counts) and the host pool's peak, per rank and summed (the fields of an estimate's
+  // or simulation's "offload" report).
   if (plan.any_offload() && !r.steps.empty()) {
     const auto steps = std::int64_t(r.steps.size());
     std::int64_t out = 0, in = 0, activations = 0;
     common::Json ranks = common::Json::array();
     for (const auto& rank : r.ranks) {
-      out += rank.copy_out_bytes / steps;
-      in += rank.copy_in_bytes / steps;
+      const std::int64_t steady = steps - rank.edge_steps;
+      const auto per_step = [&](std::int64_t all, std::int64_t edges) {
+        return rank.edge_steps > 0 && steady > 0 ? (all - edges) / steady : all / steps;
+      };
+      const std::int64_t rank_out = per_step(rank.copy_out_bytes, rank.edge_copy_out_bytes),
+                         rank_in = per_step(rank.copy_in_bytes, rank.edge_copy_in_bytes);
+      out += rank_out;
+      in += rank_in;
       activations += rank.activation_out_bytes / steps;
       ranks.push_back({{"rank", rank.rank},
                        {"host_bytes", rank.host_peak_memory_bytes},
-                       {"copy_out_bytes_per_step", rank.copy_out_bytes / steps},
-                       {"copy_in_bytes_per_step", rank.copy_in_bytes / steps},
+                       {"copy_out_bytes_per_step", rank_out},
+                       {"copy_in_bytes_per_step", rank_in},
                        {"activation_bytes_per_step", rank.activation_out_bytes / steps}});
     }
     rep.extra["offload"] = {{"mode", planner::offload_name(plan)},

@@ -88,6 +88,11 @@ struct RankResult {
   std::int64_t host_peak_memory_bytes = 0;
   std::int64_t copy_out_bytes = 0, copy_in_bytes = 0;
   std::int64_t activation_out_bytes = 0, activation_in_bytes = 0;
+  // Offload chunks with 2bw: of copy_out/in_bytes, those of the run's first and last segments
+  // (between optimizer steps), whose plans differ from the steady ones', and how many steps those
+  // are (2, or 1 in a one-step run). 0 otherwise. The other steps are steady.
+  std::int64_t edge_copy_out_bytes = 0, edge_copy_in_bytes = 0;
+  int edge_steps = 0;
   std::vector<std::vector<float>> weights;  // newest weights per chunk, at the end
   std::vector<std::string> slot_names;      // of chunk 0's layout (for tests)
   planner::RankTimeline timeline;           // every op's wall-clock interval, memory over time

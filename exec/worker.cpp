@@ -1096,6 +1096,9 @@ RankResult Worker::result() const {
   r.host_peak_memory_bytes = host_.peak();
   r.copy_out_bytes = bytes_out_;
   r.copy_in_bytes = bytes_in_;
+  r.edge_copy_out_bytes = edge_bytes_out_;
+  r.edge_copy_in_bytes = edge_bytes_in_;
+  r.edge_steps = chunked_ && parts_ > 1 ? std::min(s_.programs->steps, 2) : 0;
   r.activation_out_bytes = activation_bytes_out_;
   r.activation_in_bytes = activation_bytes_in_;
   if (chunked_) r.weights.push_back(gather_chunks(0, updates_));  // the newest version

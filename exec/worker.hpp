@@ -309,6 +309,9 @@ class Worker {
   bool reclaim_download();
   std::atomic<std::int64_t> bytes_out_{0}, bytes_in_{0}, activation_bytes_out_{0},
       activation_bytes_in_{0};
+  // Chunks with 2bw: the bytes of copies issued in the run's first or last segment.
+  std::atomic<std::int64_t> edge_bytes_out_{0}, edge_bytes_in_{0};
+  bool edge_segment() const;  // the copies issued now belong to the first or last segment
   mutable std::mutex copy_ops_mutex_;
   std::vector<planner::TimedOp> copy_ops_;  // the copy engines' and host CPU's intervals
   // Offload chunks (after pool_, host_ and host_buffers_: destroyed before them).

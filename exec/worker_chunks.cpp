@@ -263,6 +263,13 @@ void Worker::chunk_update(int k, int update) {
   if (L.replicas > 1) std::fill_n(d.part[2].data(), L.chunk_owned[std::size_t(k)], 0.0f);
 }
 
+// 2bw: the segment under way is the one ending with step updates_'s optimizer step.
+bool Worker::edge_segment() const {
+  if (parts_ == 1) return false;
+  const int first = s_.first_step, last = s_.first_step + s_.programs->steps - 1;
+  return updates_ == first || updates_ == last;
+}
+
 std::vector<int> Worker::unit_parts(int unit) const {
   if (parts_ == 1) return {0, 2};  // the parameters and their gradient half
   return {unit};
@@ -286,13 +293,15 @@ CopyEngine::Ticket Worker::download_chunk(int u, int op) {
   d.on_device[unit] = false;
   DataChunk* dc = &d;
   Worker* w = this;
-  d.down[unit] = d2h_->submit([w, dc, host, parts, e, op] {
+  const bool edge = edge_segment();
+  d.down[unit] = d2h_->submit([w, dc, host, parts, e, op, edge] {
     const auto t0 = Clock::now();
     for (std::size_t i = 0; i < parts.size(); ++i) {
       std::copy_n(dc->part[parts[i]].data(), e, (*host)[i].data());
       dc->part[parts[i]] = std::move((*host)[i]);  // the device's buffer goes back to the arena
     }
     w->bytes_out_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
+    if (edge) w->edge_bytes_out_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
     w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
   });
   return d.down[unit];
@@ -316,7 +325,8 @@ void Worker::upload_chunk(int u, int op) {
   DataChunk* dc = &d;
   Worker* w = this;
   const CopyEngine::Ticket down = d.down[unit], adam = d.adam;
-  d.up[unit] = h2d_->submit([w, dc, device, parts, e, down, adam, op] {
+  const bool edge = edge_segment();
+  d.up[unit] = h2d_->submit([w, dc, device, parts, e, down, adam, op, edge] {
     w->d2h_->wait(down);
     w->host_cpu_->wait(adam);
     const auto t0 = Clock::now();
@@ -325,6 +335,7 @@ void Worker::upload_chunk(int u, int op) {
       dc->part[parts[i]] = std::move((*device)[i]);  // the host's buffer goes back to the pool
     }
     w->bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
+    if (edge) w->edge_bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
     w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
   });
 }

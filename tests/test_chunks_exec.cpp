@@ -645,6 +645,9 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
         const common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
         EXPECT_EQ(sr["copy_out_bytes_per_step"].get<std::int64_t>(), s.copy_out_bytes);
         EXPECT_EQ(sr["copy_in_bytes_per_step"].get<std::int64_t>(), s.copy_in_bytes);
+        // And the executor's, over its steady segments (what validate compares).
+        EXPECT_EQ((got.copy_out_bytes - got.edge_copy_out_bytes) / (steps - 2), s.copy_out_bytes);
+        EXPECT_EQ((got.copy_in_bytes - got.edge_copy_in_bytes) / (steps - 2), s.copy_in_bytes);
         if (budget == low) {
           EXPECT_GT(got.copy_in_bytes, 0);
         }

@@ -36,7 +36,7 @@ void merge_logs(StepBook& book, const MpiSession& mpi) {
 }
 
 void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
-  constexpr int kFields = 13;
+  constexpr int kFields = 16;
   const RankResult& mine = result.ranks.front();
   const planner::MemoryBreakdown& m = mine.memory;
   const double local[kFields] = {double(mine.peak_memory_bytes),
@@ -51,7 +51,10 @@ void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
                                  double(mine.copy_out_bytes),
                                  double(mine.copy_in_bytes),
                                  double(mine.activation_out_bytes),
-                                 double(mine.activation_in_bytes)};
+                                 double(mine.activation_in_bytes),
+                                 double(mine.edge_copy_out_bytes),
+                                 double(mine.edge_copy_in_bytes),
+                                 double(mine.edge_steps)};
   std::vector<double> all(std::size_t(kFields * mpi.size()));
   mpi.all_gather(local, int(sizeof(local)), all.data());
   std::vector<std::string> lines;
@@ -84,6 +87,9 @@ void gather_ranks(TrainResult& result, const MpiSession& mpi, bool timelines) {
     out.copy_in_bytes = std::int64_t(f[10]);
     out.activation_out_bytes = std::int64_t(f[11]);
     out.activation_in_bytes = std::int64_t(f[12]);
+    out.edge_copy_out_bytes = std::int64_t(f[13]);
+    out.edge_copy_in_bytes = std::int64_t(f[14]);
+    out.edge_steps = int(f[15]);
     if (r != mine.rank && std::size_t(r) < lines.size()) {
       const common::Json j = common::Json::parse(lines[std::size_t(r)]);
       out.timeline.rank = r;
