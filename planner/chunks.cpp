@@ -458,6 +458,16 @@ double optimizer_time(const ChunkSchedule& s) {
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
 }
 
+// The step's forward and backward (each moment's compute and the copies before it) and
+// optimizer step, from copy_s.
+void time_copies(ChunkSchedule& s) {
+  s.forward_s = s.backward_s = 0;
+  for (const ChunkMoment& m : s.moments)
+    (m.backward || m.recompute ? s.backward_s : s.forward_s) +=
+        m.compute_s * s.gpu_sharers + double(m.copies.size()) * s.copy_s;
+  s.optimizer_s = optimizer_time(s);
+}
+
 // Runs one step's (2bw: one segment's) eviction plan from `resident` (updated to its end), over
 // units (ChunkLayout::parts: whole chunks, or with 2bw each chunk's two version slots and its
 // gradient). Belady: before moment k, while the resident units and the moment's missing ones pass
@@ -467,16 +477,16 @@ double optimizer_time(const ChunkSchedule& s) {
 // goes to the host, the larger unit index first on a tie. Then the missing units come up,
 // ascending. At the optimizer step every host-Adam chunk's unit still on the device goes down.
 // `where`: "stage s: " in a pipeline (each stage's device has its own plan), else empty.
-void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& moments_,
+void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
               std::vector<bool>& adam_download, std::set<int>& resident, const std::string& where) {
   const ChunkLayout& L = s.layout;
-  const int units = L.units(), moments = int(moments_.size());
+  const int units = L.units(), moments = int(plan.size());
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   std::vector<std::vector<int>> need(static_cast<std::size_t>(moments));
   // uses[u]: the moments (0 .. moments-1, and `moments` for the optimizer step) using u.
   std::vector<std::vector<int>> uses(static_cast<std::size_t>(units));
   for (int k = 0; k < moments; ++k) {
-    need[std::size_t(k)] = moment_units(L, moments_[std::size_t(k)]);
+    need[std::size_t(k)] = moment_units(L, plan[std::size_t(k)]);
     for (int u : need[std::size_t(k)])
       uses[std::size_t(u)].push_back(k);
   }
@@ -495,7 +505,7 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& moments_,
     return sum;
   };
   for (int k = 0; k < moments; ++k) {
-    ChunkMoment& m = moments_[std::size_t(k)];
+    ChunkMoment& m = plan[std::size_t(k)];
     m.copies.clear();
     const std::vector<int>& here = need[std::size_t(k)];
     const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
@@ -704,8 +714,6 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
       (c.to_device ? in : out) += 1;
     s.uploads += in;
     s.downloads += out;
-    const double t = m.compute_s * s.gpu_sharers + (in + out) * s.copy_s;
-    (m.backward || m.recompute ? s.backward_s : s.forward_s) += t;
     s.compute_s += m.compute_s;
   }
   double device_adam = 0;
@@ -714,7 +722,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   for (int u = 0; u < units; ++u)
     s.downloads += s.adam_download[std::size_t(u)] ? 1 : 0;
   most_host = std::max(most_host, units - s.device_adam_chunks * L.parts);
-  s.optimizer_s = optimizer_time(s);
+  time_copies(s);
   s.compute_s += device_adam;
   s.copy_in_bytes = mul(s.uploads, L.move_bytes);
   s.copy_out_bytes = mul(s.downloads, L.move_bytes);
@@ -797,15 +805,6 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
 }
 
 namespace {
-
-// The step's compute and copy times again after copy_s changed.
-void time_copies(ChunkSchedule& s) {
-  s.forward_s = s.backward_s = 0;
-  for (const ChunkMoment& m : s.moments)
-    (m.backward || m.recompute ? s.backward_s : s.forward_s) +=
-        m.compute_s * s.gpu_sharers + double(m.copies.size()) * s.copy_s;
-  s.optimizer_s = optimizer_time(s);
-}
 
 // 2bw has no flush: in its steady state the stages copy at the same time, so stages behind one
 // uplink share it. Each copy is taken at the uplink's share left by the other stages' copying the
