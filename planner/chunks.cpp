@@ -322,6 +322,9 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 // a forward keeps the stage input I (ChunkCost::input_bytes) and runs its layers through one
 // scratch X (recompute_scratch_bytes), taken at its first layer and given back after its last; the
 // recompute op re-makes the layers' stashes one by one; the backward gives each back, and I last.
+// Selective recompute: a forward keeps its layer's stash without the attention core
+// (activation_selective_bytes); the backward re-makes the core first (its selective_recompute_s,
+// taking the core's bytes back) and gives the whole stash back.
 std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const traces::Trace& trace,
                                        const Plan& p, const ChunkLayout& L, std::int64_t workspace,
                                        const std::vector<ComputeSlot>& order) {
@@ -329,6 +332,12 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
   const int layers = L.layers();
   auto kind = [&](int l) { return layer_kind(model, L, l); };
   const bool rc = p.recomputes(L.stage);
+  const bool selective = p.recompute_of(L.stage) == Recompute::selective;
+  // What a forward of layer l keeps for its backward without full recompute.
+  auto kept = [&](int l) {
+    const traces::LayerTimes& t = e.layers[kind(l)];
+    return selective ? t.activation_selective_bytes : t.activation_bytes;
+  };
   // The stage's I and X, as §4 counts them for the stage without chunks (v = 1: one chunk).
   std::int64_t input = 0, scratch = 0;
   if (rc) {
@@ -352,7 +361,9 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     m.alloc_bytes = take;
     m.free_bytes = give;
     m.non_model_bytes = add(add(held, workspace), messages);
-    m.compute_s = back ? t.backward_s : again ? t.recompute_s : t.forward_s;
+    m.compute_s = back    ? t.backward_s + (selective ? t.selective_recompute_s : 0.0)
+                  : again ? t.recompute_s
+                          : t.forward_s;
     out.push_back(m);
     held -= give;
   };
@@ -360,21 +371,24 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     const bool back = order[std::size_t(i)].backward;
     if (!back) {
       for (int l = 0; l < layers; ++l) {
-        const std::int64_t stash = e.layers[kind(l)].activation_bytes;
         if (rc)
           moment(i, false, false, l, l == 0 ? add(input, scratch) : 0,
                  l == layers - 1 ? scratch : 0);
         else
-          moment(i, false, false, l, stash, 0);
+          moment(i, false, false, l, kept(l), 0);
       }
       continue;
     }
     if (rc)
       for (int l = 0; l < layers; ++l)
         moment(i, false, true, l, e.layers[kind(l)].activation_bytes, 0);
-    for (int l = layers - 1; l >= 0; --l)
-      moment(i, true, false, l, 0,
-             add(e.layers[kind(l)].activation_bytes, rc && l == 0 ? input : 0));
+    for (int l = layers - 1; l >= 0; --l) {
+      const std::int64_t stash = e.layers[kind(l)].activation_bytes;
+      if (rc)
+        moment(i, true, false, l, 0, add(stash, l == 0 ? input : 0));
+      else
+        moment(i, true, false, l, stash - kept(l), stash);  // selective: the core re-made
+    }
   }
   return out;
 }

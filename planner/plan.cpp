@@ -272,11 +272,6 @@ void check(const Plan& p) {
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "
              "leave distributed_optimizer off");
-    for (std::size_t s = 0; s < p.recompute.size(); ++s)
-      if (p.recompute[s] == Recompute::selective)
-        reject("recompute",
-               "offload chunks with recompute selective is not supported yet; use "
-               "none or full");
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");

@@ -85,8 +85,9 @@ struct Plan {
   // optimizer: with w > 1 needs the distributed optimizer (sharded), with w == 1 none (check()).
   Offload offload = Offload::none;
   // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
-  // Chunks need t = w = v = 1 (d > 1: each stage its own chunks), recompute none or full, no
-  // 2bw, no distributed optimizer, no other offload mode (not yet; check() says so in one line).
+  // Chunks need t = v = 1 (d > 1: each stage its own chunks; w > 1: each chunk's optimizer state
+  // sharded over the replicas), no distributed optimizer, no other offload mode (not yet; check()
+  // says so in one line).
   std::int64_t chunk_bytes = 0;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A

@@ -185,7 +185,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   // One pass over every shape with the given offload modes; optimizer offload plans with w > 1 are
   // sharded (with the distributed optimizer); activation offload plans have their swap/recompute
   // choices made by the choice rule (choose_activations) in place of the recompute options; chunks
-  // plans are t = w = 1.
+  // plans are t = 1, v = 1.
   auto enumerate = [&](OffloadModes modes) {
     const Offload offload = modes.optimizer;
     for (int t : tps)
@@ -213,11 +213,8 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks), no selective
-                // recompute.
-                if (offload == Offload::chunks && (shape.recompute_of(0) == Recompute::selective ||
-                                                   shape.schedule == Schedule::interleaved))
-                  continue;
+                // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks).
+                if (offload == Offload::chunks && shape.schedule == Schedule::interleaved) continue;
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;

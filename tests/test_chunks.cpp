@@ -123,8 +123,8 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
   common::Json k = j;
   k["recompute"] = "full";  // the recompute op's layers run with their chunks too
   EXPECT_TRUE(parse_plan(k, "plan.json").recomputes(0));
-  k["recompute"] = "selective";
-  refused(k, "offload chunks with recompute selective is not supported yet; use none or full");
+  k["recompute"] = "selective";  // the cores re-made inside each backward
+  EXPECT_EQ(parse_plan(k, "plan.json").recompute_of(0), Recompute::selective);
   k = j;
   k["schedule"] = "2bw";  // two weight versions: each chunk's parts move on their own
   EXPECT_EQ(parse_plan(k, "plan.json").schedule, Schedule::two_bw);
@@ -597,6 +597,29 @@ TEST(ChunksSearch, CapacityOnOneV100) {
   }
 }
 
+// Selective recompute with chunks: GPT-3 13B with unfused attention (its T x T scores stashed)
+// on one V100-32GB fits only when the attention cores are dropped (stage-level full recompute
+// re-makes the whole stash before the backward), and the planner finds that plan.
+TEST(ChunksSearch, SelectiveRecomputeFitsWhereNoOtherRecomputeDoes) {
+  const clusters::Cluster c = ws();
+  models::ModelSpec m = models::load_model("gpt3-13b");
+  m.attention = models::Attention::unfused;
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+  Plan p = chunked(c, m.layers, default_chunk_bytes(m), 1);
+  for (Recompute r : {Recompute::none, Recompute::full}) {
+    p.recompute.assign(1, r);
+    const std::string why = error_of<InputError>([&] { estimate(m, trace, c, p); });
+    EXPECT_NE(why.find("is smaller than the working set of the"), std::string::npos) << why;
+  }
+  p.recompute.assign(1, Recompute::selective);
+  const Estimate est = estimate(m, trace, c, p);
+  EXPECT_TRUE(est.report.fits());
+  const SearchResult r = search(m, c, 1, true);
+  ASSERT_FALSE(r.fitting.empty());
+  EXPECT_EQ(r.fitting.front().plan.offload, Offload::chunks);
+  EXPECT_EQ(r.fitting.front().plan.recompute_of(0), Recompute::selective);
+}
+
 // --- Pipeline stages (d > 1): each stage its own chunks ---
 
 Plan piped(const clusters::Cluster& c, Schedule sch, int m, std::int64_t layers,
@@ -934,6 +957,108 @@ TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   EXPECT_EQ(est.report.extra["offload"]["ranks"][0]["chunks"]["peak_moment"],
             "recompute of block 1");
   EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
+}
+
+// Selective recompute (Korthikanti et al. 2022) with chunks: a forward keeps its layer's stash
+// without the attention core, its backward re-makes the core (taking its bytes back, with the
+// trace's selective_recompute_s) and gives the whole stash back; programs pass the checker and
+// the simulator agrees with the closed form in time, peaks and bytes.
+TEST(ChunksRecompute, SelectiveKeepsTheStashWithoutTheCoresByHand) {
+  models::ModelSpec m = tiny();
+  m.layers = 4;
+  traces::Trace trace = uniform_trace(m, 1);
+  traces::Entry& e = trace.entries[0];
+  for (models::LayerKind k : traces::kLayerKinds)
+    e.layers[k].activation_selective_bytes = e.layers[k].activation_bytes;
+  auto& blk = e.layers[models::LayerKind::block];
+  const std::int64_t ab = blk.activation_bytes, sb = ab / 3;
+  blk.activation_selective_bytes = sb;
+  blk.selective_recompute_s = 0.25e-3;
+  ASSERT_GT(sb, 0);
+  clusters::Cluster c = eight();
+  Plan p = piped(c, Schedule::gpipe, 3, 4, 512);
+  p.recompute.assign(2, Recompute::selective);
+  check(p);
+  const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
+  std::string order;
+  for (const ChunkMoment& k : s0.moments)
+    order += fmt::format("{}{}:{} ", k.backward ? 'B' : k.recompute ? 'R' : 'F', k.slot, k.layer);
+  // No recompute op: the cores are re-made inside each backward.
+  EXPECT_EQ(order,
+            "F0:0 F0:1 F0:2 F1:0 F1:1 F1:2 F2:0 F2:1 F2:2 B3:2 B3:1 B3:0 B4:2 B4:1 B4:0 B5:2 B5:1 "
+            "B5:0 ");
+  const std::int64_t ae = e.layers[models::LayerKind::embedding].activation_bytes;
+  EXPECT_EQ(s0.moments[0].alloc_bytes, ae);  // the embedding has no attention core
+  EXPECT_EQ(s0.moments[1].alloc_bytes, sb);
+  EXPECT_EQ(s0.moments[9].alloc_bytes, ab - sb);  // B3:2 re-makes its core
+  EXPECT_EQ(s0.moments[9].free_bytes, ab);
+  EXPECT_EQ(s0.moments[11].alloc_bytes, 0);
+  EXPECT_EQ(s0.moments[11].free_bytes, ae);
+  // Each moment holds the kept stashes of the microbatches in flight: after three forwards
+  // 3 (ae + 2 sb), and in the first backward one core more.
+  const std::int64_t base = s0.moments[0].non_model_bytes - ae;
+  EXPECT_EQ(s0.moments[8].non_model_bytes - base, 3 * (ae + 2 * sb));
+  EXPECT_EQ(s0.moments[9].non_model_bytes - base, 3 * (ae + 2 * sb) + ab - sb);
+  EXPECT_NEAR(s0.moments[9].compute_s, blk.backward_s + blk.selective_recompute_s, 1e-15);
+  EXPECT_NEAR(s0.compute_s, 3 * (2 * 1e-3 + 2 * (2e-3 + 0.25e-3)), 1e-12);
+  // Between no recompute and full recompute in memory, as without chunks.
+  Plan none = p, full = p;
+  none.recompute.assign(2, Recompute::none);
+  full.recompute.assign(2, Recompute::full);
+  std::int64_t peak_none = 0, peak_full = 0;
+  for (const ChunkMoment& k : chunk_schedule(m, trace, c, none, 0).moments)
+    peak_none = std::max(peak_none, k.non_model_bytes);
+  for (const ChunkMoment& k : chunk_schedule(m, trace, c, full, 0).moments)
+    peak_full = std::max(peak_full, k.non_model_bytes);
+  std::int64_t peak_sel = 0;
+  for (const ChunkMoment& k : s0.moments)
+    peak_sel = std::max(peak_sel, k.non_model_bytes);
+  EXPECT_LT(peak_sel, peak_none);
+  EXPECT_GT(peak_sel, peak_full);
+  // On a device that makes chunks move inside the step: programs, checker, simulator.
+  const auto low = [&](int stage) {
+    std::int64_t lo = 1, hi = std::int64_t(1) << 30;
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      clusters::Cluster k = c;
+      k.device.memory_bytes = mid;
+      try {
+        chunk_schedule(m, trace, k, p, stage);
+        hi = mid;
+      } catch (const InputError&) {
+        lo = mid;
+      }
+    }
+    return hi;
+  };
+  c.device.memory_bytes = std::max(low(0), low(1));
+  const auto all =
+      std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m, trace, c, p));
+  EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
+  ProgramOptions o;
+  o.steps = 2;
+  o.tied_embeddings = true;
+  o.chunks = all;
+  EXPECT_NO_THROW(check_programs(generate_programs(p, o)));
+  for (Schedule sch : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
+    SCOPED_TRACE(to_string(sch));
+    Plan q = p;
+    q.schedule = sch;
+    check(q);
+    const Estimate est = estimate(m, trace, c, q);
+    const sim::SimResult sim = sim::simulate(m, trace, c, q, {.steps = 4});
+    EXPECT_NEAR(sim.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(sim.report.devices[std::size_t(r)].peak_memory_bytes,
+                est.report.devices[std::size_t(r)].peak_memory_bytes)
+          << r;
+      EXPECT_LE(sim.report.devices[std::size_t(r)].peak_memory_bytes, c.device.memory_bytes);
+      for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+        EXPECT_EQ(sim.report.extra["offload"]["ranks"][std::size_t(r)][key],
+                  est.report.extra["offload"]["ranks"][std::size_t(r)][key])
+            << key << r;
+    }
+  }
 }
 
 // Eight stages on p3.16xlarge's V100-32GB (two GPUs per PCIe uplink), gpt3-6.7b's shape with 48
