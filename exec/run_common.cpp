@@ -90,6 +90,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
+  if (plan.offload == planner::Offload::chunks && plan.t > 1)
+    throw InputError(fmt::format(
+        "plan: t: the {} executor does not run offload chunks with tensor parallelism yet (t = "
+        "{}); estimate or simulate it instead",
+        backend, plan.t));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "

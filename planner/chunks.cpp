@@ -41,10 +41,15 @@ std::string ChunkMoment::label(const ChunkLayout& layout) const {
                      layout.layer_names.at(std::size_t(layer)));
 }
 
-std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s) {
-  const models::ModelCosts mc = models::derive_costs(s);
-  const std::int64_t C = s.hidden, F = s.ffn, V = models::padded_vocab(s, 1);
-  const std::int64_t hd = C / s.heads, Q = (s.heads + 2 * models::key_value_heads(s)) * hd;
+std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s, int tp) {
+  if (tp < 1 || s.heads % tp != 0 || s.hidden % tp != 0 || s.ffn % tp != 0)
+    throw std::logic_error("model_tensors: t does not divide the model");
+  const models::ModelCosts mc = models::derive_costs(s, {tp, false});
+  // One rank of a TP group (Megatron): column-parallel QKV and MLP inputs (weights and biases
+  // split), row-parallel projections (weights split, biases replicated), the vocabulary split,
+  // norms and positions replicated.
+  const std::int64_t C = s.hidden, F = s.ffn / tp, V = models::padded_vocab(s, tp) / tp;
+  const std::int64_t hd = C / s.heads, Q = (s.heads + 2 * models::key_value_heads(s)) * hd / tp;
   const bool layernorm = s.norm == models::Norm::layernorm, bias = s.bias;
   std::vector<ChunkTensor> out;
   auto put = [&](int layer, std::string name, std::int64_t n) {
@@ -64,7 +69,7 @@ std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s) {
     norm(layer, h + "ln1");
     put(layer, h + "qkv.w", C * Q);
     if (bias) put(layer, h + "qkv.b", Q);
-    put(layer, h + "proj.w", C * C);
+    put(layer, h + "proj.w", C / tp * C);
     if (bias) put(layer, h + "proj.b", C);
     norm(layer, h + "ln2");
     for (const char* in : s.mlp == models::Mlp::gelu ? std::vector<const char*>{"fc"}
@@ -72,7 +77,7 @@ std::vector<ChunkTensor> model_tensors(const models::ModelSpec& s) {
       put(layer, h + in + ".w", C * F);
       if (bias) put(layer, h + in + ".b", F);
     }
-    put(layer, h + "fc2.w", F * C);
+    put(layer, h + "fc2.w", F * C);  // F: this rank's
     if (bias) put(layer, h + "fc2.b", C);
   }
   const int head = int(s.layers + 1);
@@ -252,11 +257,11 @@ const ChunkMoment& ChunkSchedule::peak() const {
   return from.at(std::size_t(peak_moment));
 }
 
-ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes) {
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, int tp) {
   std::vector<std::string> names;
   for (int l = 0; l < int(model.layers + 2); ++l)
     names.push_back(layer_name(model, l));
-  return layout_of(model, chunk_bytes, model_tensors(model), 0, std::move(names),
+  return layout_of(model, chunk_bytes, model_tensors(model, tp), 0, std::move(names),
                    model.tied_embeddings);
 }
 
@@ -264,7 +269,7 @@ namespace {
 
 ChunkLayout stage_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
                          int stage) {
-  if (p.d == 1) return chunk_layout(model, chunk_bytes);
+  if (p.d == 1) return chunk_layout(model, chunk_bytes, p.t);
   if (int(p.stage_blocks.size()) != p.virtual_stages() || stage < 0 || stage >= p.d)
     throw std::logic_error("chunk_layout: the plan's stages are not resolved");
   std::int64_t before = 0;
@@ -275,10 +280,11 @@ ChunkLayout stage_layout(const models::ModelSpec& model, std::int64_t chunk_byte
   const int lo = first ? 0 : int(before + 1);
   const int hi = int(before + p.stage_blocks[std::size_t(stage)]) + (last ? 1 : 0);
   std::vector<ChunkTensor> tensors;
-  for (const ChunkTensor& t : model_tensors(model))
+  const std::vector<ChunkTensor> all = model_tensors(model, p.t);
+  for (const ChunkTensor& t : all)
     if (t.layer >= lo && t.layer <= hi) tensors.push_back(t);
   if (last && model.tied_embeddings) {
-    ChunkTensor copy = model_tensors(model).front();  // wte
+    ChunkTensor copy = all.front();  // wte
     copy.layer = hi;
     copy.tied_copy = true;
     tensors.push_back(copy);
@@ -361,6 +367,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     m.alloc_bytes = take;
     m.free_bytes = give;
     m.non_model_bytes = add(add(held, workspace), messages);
+    m.kind = kind(l);
     m.compute_s = back    ? t.backward_s + (selective ? t.selective_recompute_s : 0.0)
                   : again ? t.recompute_s
                           : t.forward_s;
@@ -478,7 +485,7 @@ void time_copies(ChunkSchedule& s) {
   s.forward_s = s.backward_s = 0;
   for (const ChunkMoment& m : s.moments)
     (m.backward || m.recompute ? s.backward_s : s.forward_s) +=
-        m.compute_s * s.gpu_sharers + double(m.copies.size()) * s.copy_s;
+        m.compute_s * s.gpu_sharers + m.tp_s + double(m.copies.size()) * s.copy_s;
   s.optimizer_s = optimizer_time(s);
 }
 
@@ -596,6 +603,24 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   } else {
     s.moments = order_moments(model, trace, p, L, s.workspace_bytes, step_compute_order(p, stage));
   }
+  // t > 1: each moment's TP collectives on the group's link (§4's, layer by layer).
+  if (p.t > 1) {
+    const models::ModelCosts tmc = models::derive_costs(model, {p.t, p.sp});
+    const clusters::Link tp = p.placement.empty() ? clusters::p2p_link(cluster, 0, 0, 0, 1)
+                                                  : tp_link(cluster, p, p.rank_of(stage, 0));
+    std::map<models::LayerKind, ChunkCost> per;
+    for (models::LayerKind k : traces::kLayerKinds)
+      per[k] = layer_cost(tmc, trace, p, k);
+    auto add_tp = [&](std::vector<ChunkMoment>& moments) {
+      for (ChunkMoment& m : moments) {
+        const ChunkCost& c = per.at(m.kind);
+        m.tp_s = m.backward ? tp_backward_s(c, p.t, tp) : tp_time_s(c.tp_forward, p.t, tp);
+      }
+    };
+    add_tp(s.moments);
+    for (ChunkSegmentPlan& g : s.segments)
+      add_tp(g.moments);
+  }
   std::int64_t non_model_peak = 0;
   for (const ChunkMoment& m : s.moments)
     non_model_peak = std::max(non_model_peak, m.non_model_bytes);
@@ -646,22 +671,27 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   // while two copies overlap, 1% at most: docs/formulas.md section 9, chunks).
   // The stage's w replicas, though, run the same plan in lockstep: their copies overlap, sharing
   // a GPU's link and an uplink where they share them (the most crowded replica's share).
+  // With t > 1 every GPU of each replica's TP group copies its own chunks, in lockstep too.
   int on_gpu = 1, on_uplink = 1;
   if (!p.placement.empty())
-    for (int r = 0; r < p.w; ++r) {
-      const Placement& me = p.placement[std::size_t(p.rank_of(stage, r))];
-      int gpu = 0, uplink = 0;
-      for (int q = 0; q < p.w; ++q) {
-        const Placement& other = p.placement[std::size_t(p.rank_of(stage, q))];
-        if (other.node != me.node) continue;
-        gpu += other.gpu == me.gpu ? 1 : 0;
-        uplink += other.gpu / cluster.host.gpus_per_uplink == me.gpu / cluster.host.gpus_per_uplink
-                      ? 1
-                      : 0;
+    for (int r = 0; r < p.w; ++r)
+      for (int i = 0; i < p.t; ++i) {
+        const Placement& me = p.placement[std::size_t(p.rank_of(stage, r))];
+        const int mine = me.gpu + i;
+        int gpu = 0, uplink = 0;
+        for (int q = 0; q < p.w; ++q)
+          for (int j = 0; j < p.t; ++j) {
+            const Placement& other = p.placement[std::size_t(p.rank_of(stage, q))];
+            if (other.node != me.node) continue;
+            const int theirs = other.gpu + j;
+            gpu += theirs == mine ? 1 : 0;
+            uplink += theirs / cluster.host.gpus_per_uplink == mine / cluster.host.gpus_per_uplink
+                          ? 1
+                          : 0;
+          }
+        on_gpu = std::max(on_gpu, gpu);
+        on_uplink = std::max(on_uplink, uplink);
       }
-      on_gpu = std::max(on_gpu, gpu);
-      on_uplink = std::max(on_uplink, uplink);
-    }
   path.bandwidth_bytes_per_s = std::min(cluster.host.pcie_bandwidth_bytes_per_s / on_gpu,
                                         cluster.host.uplink_bandwidth_bytes_per_s / on_uplink);
   s.gpu_sharers = on_gpu;  // and their compute its GPU (--ranks-per-gpu)
@@ -675,11 +705,11 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   int sharing = 0;
   const int node = p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(stage, 0))].node;
   for (const Placement& at : p.placement)
-    sharing += at.node == node ? 1 : 0;
+    sharing += at.node == node ? p.t : 0;  // every GPU of a TP group steps its own chunks
   const double rate = cluster.host.cpu_adam_params_per_s() / std::max(1, sharing);
   s.device_adam_s.assign(std::size_t(n), 0);
   s.host_adam_s.assign(std::size_t(n), 0);
-  const models::ModelCosts mc = models::derive_costs(model);
+  const models::ModelCosts mc = models::derive_costs(model, {p.t, p.sp});
   auto device_rate = [&](int layer) {  // seconds per parameter of Adam on the device
     const auto kind = layer_kind(model, L, layer);
     const std::int64_t params = mc.layer(kind).parameters;
@@ -728,7 +758,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
       (c.to_device ? in : out) += 1;
     s.uploads += in;
     s.downloads += out;
-    s.compute_s += m.compute_s;
+    s.compute_s += m.compute_s + m.tp_s;
   }
   double device_adam = 0;
   for (int c = 0; c < n; ++c)
@@ -769,7 +799,8 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
       std::size_t ops = 0;
       for (const ChunkMoment& m : all[s].moments_of(0, steps, t)) {
         const std::size_t at = first + std::size_t(m.slot);
-        dur[s].at(at) += m.compute_s * all[s].gpu_sharers + double(m.copies.size()) * all[s].copy_s;
+        dur[s].at(at) +=
+            m.compute_s * all[s].gpu_sharers + m.tp_s + double(m.copies.size()) * all[s].copy_s;
         ops = std::max(ops, std::size_t(m.slot) + 1);
       }
       first += ops;
@@ -894,16 +925,17 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     }
   }
   for (const auto& [node, stages] : by_node) {
+    // Every GPU of a stage's TP group runs its own CPU Adam (t jobs of work[s] each, in lockstep).
     std::vector<double> w, rel;
     for (std::size_t s : stages) {
-      w.push_back(work[s]);
+      w.push_back(work[s] * p.t);
       rel.push_back(release[s]);
     }
     const std::vector<double> end = processor_sharing_finish(w, rel, capacity);
     for (std::size_t i = 0; i < stages.size(); ++i) {
       if (w[i] <= 0 || end[i] <= rel[i]) continue;
       ChunkSchedule& cs = out[stages[i]];
-      const double rate = w[i] / (end[i] - rel[i]);
+      const double rate = work[stages[i]] / (end[i] - rel[i]);
       for (int c = 0; c < cs.layout.chunks(); ++c)
         cs.host_adam_s[std::size_t(c)] = double(cs.layout.adam_elements(c)) / rate;
       cs.optimizer_s = optimizer_time(cs);

@@ -30,9 +30,10 @@ struct ChunkTensor {
   bool tied_copy = false;
 };
 
-// The parameter tensors of a t = 1 model, in first-use order; each layer's sum is its
-// LayerCosts::parameters (tested). Tied embeddings: "wte" once (the head uses it too).
-std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model);
+// The parameter tensors one rank of a TP group of t holds (all of them with t = 1), in first-use
+// order; each layer's sum is its LayerCosts::parameters at t (tested). Tied embeddings: "wte"
+// once (the head uses it too).
+std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model, int t = 1);
 
 // The chunk size a plan without chunk_bytes gets: kDefaultChunkElements elements of the compute
 // dtype, or, when a tensor is larger, that tensor's bytes rounded up to a MiB.
@@ -88,7 +89,7 @@ struct ChunkLayout {
 // Tensors enter chunks in first-use order; one that does not fit in the current chunk's free
 // space opens a new chunk (PatrickStar's chunk list). Throws InputError naming the largest tensor
 // and by how much it passes the chunk when chunk_bytes is too small.
-ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes);
+ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, int t = 1);
 
 // The layout of one pipeline stage of a resolved plan: its layers only (its blocks, the embedding
 // on stage 0, the head on stage d-1), renumbered from 0, with, when the model ties its
@@ -131,6 +132,11 @@ struct ChunkMoment {
   int resident = 0;                  // units on the device during the moment
   std::int64_t weight_bytes = 0, gradient_bytes = 0;  // of those units (resident x move_bytes)
   double compute_s = 0;  // the layer's forward, recompute or backward (trace)
+  // t > 1: the layer's TP collectives (the forward's for a forward or recompute; a backward's
+  // blocking ones plus what its asynchronous ones take beyond the GEMMs they hide behind: §4's
+  // tp_backward_s of the layer), on the TP group's link; 0 with t = 1.
+  double tp_s = 0;
+  models::LayerKind kind = models::LayerKind::block;  // the layer's kind
   // "forward of block 3", "recompute of head", ...
   std::string label(const ChunkLayout& layout) const;
 };

@@ -250,6 +250,13 @@ double data_parallel_allreduce_s(const clusters::Cluster& c, const Plan& p, int 
   return replica_allreduce_s(c, p, stage, bytes);
 }
 
+ChunkCost layer_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& p,
+                     LayerKind kind) {
+  ChunkCost ch;
+  add_layer(ch, trace, mc.layer(kind), trace.at(p.b).layers[kind], kind, 1, p.b);
+  return ch;
+}
+
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& p,
                      int stage, int chunk) {
   const traces::Entry& e = trace.at(p.b);
@@ -1208,12 +1215,13 @@ void add_chunk_report(RunReport& rep, const std::vector<ChunkSchedule>& all,
     const ChunkSchedule& cs = all[std::size_t(p.stage_of(r))];
     HostReport& h = hosts[p.placement[std::size_t(r)].node];
     h.node = p.placement[std::size_t(r)].node;
-    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, cs.host_peak_bytes);
-    h.pinned_bytes = bytes_add(h.pinned_bytes, cs.host_chunk_peak_bytes);
+    // A rank's figures are one device's; with t > 1 the node and the totals have t of them.
+    h.peak_memory_bytes = bytes_add(h.peak_memory_bytes, bytes_mul(p.t, cs.host_peak_bytes));
+    h.pinned_bytes = bytes_add(h.pinned_bytes, bytes_mul(p.t, cs.host_chunk_peak_bytes));
     h.capacity_bytes = cluster.host.memory_bytes;
     h.pinned_capacity_bytes = cluster.host.pinned_memory_bytes;
-    out = bytes_add(out, cs.copy_out_bytes);
-    in = bytes_add(in, cs.copy_in_bytes);
+    out = bytes_add(out, bytes_mul(p.t, cs.copy_out_bytes));
+    in = bytes_add(in, bytes_mul(p.t, cs.copy_in_bytes));
     ranks.push_back({{"rank", r},
                      {"host_bytes", cs.host_peak_bytes},
                      {"pinned_bytes", cs.host_chunk_peak_bytes},
@@ -1398,7 +1406,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     for (int r = 0; r < p.ranks(); ++r) {
       double& g = gpu_compute[{p.placement[std::size_t(r)].node, p.placement[std::size_t(r)].gpu}];
       for (const ChunkMoment& m : (*est.chunks)[std::size_t(p.stage_of(r))].moments)
-        g += m.compute_s;  // the layers (device Adam is the optimizer step's)
+        g += m.compute_s + m.tp_s;  // the layers (device Adam is the optimizer step's)
       busiest = std::max(busiest, g);
     }
     double period = 0;

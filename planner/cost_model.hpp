@@ -95,6 +95,11 @@ struct ChunkCost {
 
 ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& plan,
                      int stage, int chunk);
+// What one layer of kind `kind` costs for one microbatch of size p.b on one GPU of its TP group
+// (a ChunkCost of that layer alone: its times, bytes and TP collectives; offload chunks run their
+// moments layer by layer).
+ChunkCost layer_cost(const models::ModelCosts& mc, const traces::Trace& trace, const Plan& p,
+                     models::LayerKind kind);
 
 // The all-reduce of `bytes` over stage `stage`'s w replicas as the simulator runs it (a ring, or
 // hierarchical over nodes; docs/formulas.md §4). A ring reduce-scatter or all-gather takes half.

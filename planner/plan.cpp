@@ -261,13 +261,16 @@ void check(const Plan& p) {
     // Pipeline stages (d > 1, gpipe or 1f1b) each manage their own chunks.
     // Data parallelism (w > 1) shards each chunk's optimizer state over the replicas
     // (planner/chunks.hpp): the distributed optimizer's rule, built in.
-    const std::pair<const char*, int> one[] = {{"t", p.t}, {"v", p.v}};
-    const char* why[] = {"tensor parallelism", "interleaving"};
-    for (std::size_t i = 0; i < 2; ++i)
-      if (one[i].second != 1)
-        reject(one[i].first,
-               fmt::format("offload chunks with {} ({} = {}) is not supported yet; use {} = 1",
-                           why[i], one[i].first, one[i].second, one[i].first));
+    // Tensor parallelism (t > 1): each GPU of a TP group manages the chunks of its own shard.
+    if (p.v != 1)
+      reject("v", fmt::format("offload chunks with interleaving (v = {}) is not supported yet; use "
+                              "v = 1",
+                              p.v));
+    if (p.t > 1 && p.w > 1)
+      reject("t", fmt::format("offload chunks with tensor parallelism (t = {}) and data "
+                              "parallelism (w = {}) together are not supported yet; use t = 1 or "
+                              "w = 1",
+                              p.t, p.w));
     if (p.distributed_optimizer)
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "

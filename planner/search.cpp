@@ -185,7 +185,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   // One pass over every shape with the given offload modes; optimizer offload plans with w > 1 are
   // sharded (with the distributed optimizer); activation offload plans have their swap/recompute
   // choices made by the choice rule (choose_activations) in place of the recompute options; chunks
-  // plans are t = 1, v = 1.
+  // plans have v = 1 and t = 1 or w = 1.
   auto enumerate = [&](OffloadModes modes) {
     const Offload offload = modes.optimizer;
     for (int t : tps)
@@ -203,8 +203,9 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
         for (auto [w, d] : shapes(int(ranks), model.layers, o))
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
-            // Chunks: t = 1 (w > 1 shards the optimizer state).
-            if (offload == Offload::chunks && t > 1) continue;
+            // Chunks: t > 1 (each GPU of a TP group its own shard's chunks) or w > 1 (the
+            // optimizer state sharded over the replicas), not both.
+            if (offload == Offload::chunks && t > 1 && w > 1) continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =

@@ -294,13 +294,10 @@ class Replayer {
       if (kind == 2) {
         chunk_collective(job.step, job.chunk, false, job.op);  // w > 1: the gradient's sum first
         const double start = sg4::Engine::get_clock();
-        // The replica's part of the chunk (all of its stepped elements with w = 1).
+        // The replica's part of the chunk (all of its stepped elements with w = 1); with t > 1
+        // every GPU of the TP group steps its own shard's chunk on the node's CPU.
         const auto [lo, hi] = cs.layout.shard(job.chunk, me_.replica);
-        sg4::ExecPtr adam =
-            sg4::this_actor::exec_init(double(hi - lo) / me_.cpu_adam_params_per_s * kCpuSpeed);
-        adam->set_host(me_.cpu);
-        adam->start();
-        adam->wait();
+        host_adam(me_, double(hi - lo)).wait();
         record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
         chunk_collective(job.step, job.chunk, true, job.op);  // the new parameters to all
       } else {
@@ -311,12 +308,10 @@ class Replayer {
           allocate(&planner::MemoryBreakdown::weights, params);
           allocate(&planner::MemoryBreakdown::gradients, grads);
         }
-        sg4::Host* from = down ? me_.host : me_.cpu;
-        sg4::Host* to = down ? me_.cpu : me_.host;
-        observe_transfer(from, to, double(bytes));
-        sg4::CommPtr c = start_flow(from, to, std::uint64_t(bytes));
-        c->wait();
-        record(down ? kCopyOut : kCopyIn, c->get_start_time(), c->get_finish_time(), job.op);
+        // Every GPU of the TP group moves its own shard's unit (t flows; one with t = 1).
+        const HostWork c = host_copy(me_, down, bytes);
+        c.wait();
+        record(down ? kCopyOut : kCopyIn, c.start(), c.finish(), job.op);
         (down ? me_.copied_out_bytes : me_.copied_in_bytes) += bytes;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
         if (job.edge) {
@@ -381,7 +376,16 @@ class Replayer {
       chunk_wait(0);  // the evictions make room for the layer's stash too
       chunk_wait(1);
       allocate(&planner::MemoryBreakdown::activations, m.alloc_bytes);
-      compute(m.compute_s);
+      if (me_.layer_costs.empty()) {
+        compute(m.compute_s);
+      } else if (back) {  // t > 1: as a backward without chunks, for this layer
+        const planner::ChunkCost& lc = me_.layer_costs.at(m.kind);
+        tensor_parallel(lc.tp_backward);
+        compute(std::max(0.0, m.compute_s - overlapped_tensor_parallel(lc)));
+      } else {
+        compute(m.compute_s);
+        tensor_parallel(me_.layer_costs.at(m.kind).tp_forward);
+      }
       allocate(&planner::MemoryBreakdown::activations, -m.free_bytes);
     }
     pending_chunks_.clear();

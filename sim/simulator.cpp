@@ -51,6 +51,9 @@ void setup_ranks(World& w, const models::ModelSpec& model, const traces::Trace& 
       rs.tp_hosts.push_back(platform.gpu(rs.node, rs.gpu + i));
     rs.tp_latency_s = planner::tp_link(cluster, p, r).latency_s;
     rs.recompute = p.recompute_of(rs.stage);
+    if (p.offload == planner::Offload::chunks && p.t > 1)
+      for (models::LayerKind k : traces::kLayerKinds)
+        rs.layer_costs[k] = planner::layer_cost(mc, trace, p, k);
     planner::MemoryBreakdown fixed;
     std::int64_t parameters = 0, stash = 0;
     for (int c = 0; c < p.v; ++c) {

@@ -67,8 +67,10 @@ struct RankState {
   sg4::MutexPtr turn;       // SimOptions::device_turns: the shared GPU's, held by one op at a time
   sg4::Host* host = nullptr;
   std::vector<planner::ChunkCost> chunks;  // by chunk
-  std::int64_t version_bytes = 0;          // one weight version of this rank
-  std::int64_t tied_bytes = 0;             // the tied tensor (its gradient or weights)
+  // offload chunks with t > 1: one layer of each kind (its TP collectives, run moment by moment)
+  std::map<models::LayerKind, planner::ChunkCost> layer_costs;
+  std::int64_t version_bytes = 0;  // one weight version of this rank
+  std::int64_t tied_bytes = 0;     // the tied tensor (its gradient or weights)
   planner::Recompute recompute = planner::Recompute::none;
   // The message buffers a backward (and its recompute op) runs without: the held count's bytes
   // less planner::backward_message_buffers' (one buffer on 1F1B's and 2BW's last stage, else 0).

@@ -218,6 +218,13 @@ TEST(ChunksExec, BadInputIsOneLine) {
   EXPECT_NE(msg.find("--offload chunks runs AdamW"), std::string::npos) << msg;
   msg = testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2, low), "cuda"); });
   EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
+  Plan tp = p;  // planned and simulated, not run yet
+  tp.t = 2;
+  msg = testing::error_of([&] { detail::prepare_run(model, tp, adamw_options(2, low), "cpu"); });
+  EXPECT_NE(msg.find("plan: t: the cpu executor does not run offload chunks with tensor "
+                     "parallelism yet (t = 2)"),
+            std::string::npos)
+      << msg;
 }
 
 // Checkpoints hold the same tensors as without chunks (the stage's weights, m and v, gathered

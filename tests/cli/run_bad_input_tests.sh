@@ -220,7 +220,7 @@ expect_code "--offload bogus" 1 "unknown offload mode" $PW estimate $WS --offloa
 echo '{"format": "pipewright.plan/1", "schedule": "1f1b", "w": 2, "d": 4, "b": 1, "m": 4, "offload": "optimizer"}' > "$TMP/offload-w2.json"
 expect_code "offload with w > 1 without the distributed optimizer" 1 "plan: offload: optimizer offload with data parallelism (w = 2) shards the host optimizer over the replicas (ZeRO-Offload): it needs the distributed optimizer" $PW estimate --model gpt2-124m --cluster dgx-a100 --plan "$TMP/offload-w2.json" --out "$O"
 expect_ok "optimizer offload with t > 1" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload optimizer --out "$TMP/tp-optimizer.json"
-expect_code "offload chunks with t > 1" 1 "offload chunks with tensor parallelism (t = 2) is not supported yet; use t = 1" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 1 -d 4 --offload chunks --out "$O"
+expect_code "offload chunks with t > 1 and w > 1" 1 "offload chunks with tensor parallelism (t = 2) and data parallelism (w = 2) together are not supported yet; use t = 1 or w = 1" $PW estimate --model gpt2-124m --cluster dgx-a100 --tp 2 -w 2 -d 2 --offload chunks --out "$O"
 expect_code "offload: host memory too small" 1 "host memory of node 0: offload needs .*(short by" $PW estimate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
 expect_code "offload: simulate, host memory too small" 1 "host memory of node 0" $PW simulate $WS --offload optimizer --set host.memory_bytes=1e9 --out "$O"
 expect_code "offload: no CPU Adam rate" 1 "needs the host's CPU Adam rate" $PW estimate --model gpt2-124m --cluster h100-x1 --offload optimizer --out "$O"
