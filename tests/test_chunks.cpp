@@ -840,6 +840,28 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
 // gpipe, m = 3, d = 2 on the tiny model; the programs carry each recompute moment's copies
 // before the recompute op and pass the checker, and the simulator agrees with the closed form at
 // a budget that evicts inside the step.
+// The smallest device every stage's chunk schedule fits (bisection over its memory).
+std::int64_t tightest_device(const models::ModelSpec& m, const traces::Trace& trace,
+                             const clusters::Cluster& c, const Plan& p) {
+  std::int64_t need = 0;
+  for (int stage = 0; stage < p.d; ++stage) {
+    std::int64_t lo = 1, hi = std::int64_t(1) << 30;
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      clusters::Cluster k = c;
+      k.device.memory_bytes = mid;
+      try {
+        chunk_schedule(m, trace, k, p, stage);
+        hi = mid;
+      } catch (const InputError&) {
+        lo = mid;
+      }
+    }
+    need = std::max(need, hi);
+  }
+  return need;
+}
+
 TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   const models::ModelSpec m = tiny();
   const traces::Trace trace = uniform_trace(m, 1);
@@ -900,22 +922,7 @@ TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   p = piped(c, Schedule::gpipe, 3, 4, 512);
   p.recompute.assign(2, Recompute::full);
   check(p);
-  const auto low = [&](int stage) {
-    std::int64_t lo = 1, hi = std::int64_t(1) << 30;
-    while (hi - lo > 1) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      clusters::Cluster k = c;
-      k.device.memory_bytes = mid;
-      try {
-        chunk_schedule(m4, trace4, k, p, stage);
-        hi = mid;
-      } catch (const InputError&) {
-        lo = mid;
-      }
-    }
-    return hi;
-  };
-  c.device.memory_bytes = std::max(low(0), low(1));
+  c.device.memory_bytes = tightest_device(m4, trace4, c, p);
   const auto all =
       std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m4, trace4, c, p));
   ProgramOptions o;
@@ -1020,22 +1027,7 @@ TEST(ChunksRecompute, SelectiveKeepsTheStashWithoutTheCoresByHand) {
   EXPECT_LT(peak_sel, peak_none);
   EXPECT_GT(peak_sel, peak_full);
   // On a device that makes chunks move inside the step: programs, checker, simulator.
-  const auto low = [&](int stage) {
-    std::int64_t lo = 1, hi = std::int64_t(1) << 30;
-    while (hi - lo > 1) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      clusters::Cluster k = c;
-      k.device.memory_bytes = mid;
-      try {
-        chunk_schedule(m, trace, k, p, stage);
-        hi = mid;
-      } catch (const InputError&) {
-        lo = mid;
-      }
-    }
-    return hi;
-  };
-  c.device.memory_bytes = std::max(low(0), low(1));
+  c.device.memory_bytes = tightest_device(m, trace, c, p);
   const auto all =
       std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m, trace, c, p));
   EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
