@@ -840,6 +840,14 @@ TEST(ChunksPipeline, ClosedFormAgreesWithTheSimulatorPerStage) {
 // gpipe, m = 3, d = 2 on the tiny model; the programs carry each recompute moment's copies
 // before the recompute op and pass the checker, and the simulator agrees with the closed form at
 // a budget that evicts inside the step.
+// A schedule's moments as "F0:0 R3:1 B3:1 ...": forward, recompute or backward, slot, layer.
+std::string moment_order(const ChunkSchedule& s) {
+  std::string order;
+  for (const ChunkMoment& k : s.moments)
+    order += fmt::format("{}{}:{} ", k.backward ? 'B' : k.recompute ? 'R' : 'F', k.slot, k.layer);
+  return order;
+}
+
 // The smallest device every stage's chunk schedule fits (bisection over its memory).
 std::int64_t tightest_device(const models::ModelSpec& m, const traces::Trace& trace,
                              const clusters::Cluster& c, const Plan& p) {
@@ -883,9 +891,7 @@ TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   p.recompute.assign(2, Recompute::full);
   check(p);
   const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
-  std::string order;
-  for (const ChunkMoment& k : s0.moments)
-    order += fmt::format("{}{}:{} ", k.backward ? 'B' : k.recompute ? 'R' : 'F', k.slot, k.layer);
+  const std::string order = moment_order(s0);
   EXPECT_EQ(order,
             "F0:0 F0:1 F1:0 F1:1 F2:0 F2:1 R3:0 R3:1 B3:1 B3:0 R4:0 R4:1 B4:1 B4:0 R5:0 R5:1 B5:1 "
             "B5:0 ");
@@ -991,9 +997,7 @@ TEST(ChunksRecompute, SelectiveKeepsTheStashWithoutTheCoresByHand) {
   p.recompute.assign(2, Recompute::selective);
   check(p);
   const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
-  std::string order;
-  for (const ChunkMoment& k : s0.moments)
-    order += fmt::format("{}{}:{} ", k.backward ? 'B' : k.recompute ? 'R' : 'F', k.slot, k.layer);
+  const std::string order = moment_order(s0);
   // No recompute op: the cores are re-made inside each backward.
   EXPECT_EQ(order,
             "F0:0 F0:1 F0:2 F1:0 F1:1 F1:2 F2:0 F2:1 F2:2 B3:2 B3:1 B3:0 B4:2 B4:1 B4:0 B5:2 B5:1 "
