@@ -525,20 +525,30 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
       sum = add(sum, gradient ? L.unit_gradient_bytes(u) : L.unit_weight_bytes(u));
     return sum;
   };
+  // A moment whose working set (its units, its non-model memory, the device optimizer state)
+  // passes the device: the one that passes it most, so "by" is what the device lacks.
+  int worst = -1;
+  std::int64_t short_by = 0;
+  for (int k = 0; k < moments; ++k) {
+    const std::int64_t room = s.budget_bytes - plan[std::size_t(k)].non_model_bytes - os;
+    const std::int64_t over = mul(std::int64_t(need[std::size_t(k)].size()), L.move_bytes) - room;
+    if (over > short_by) worst = k, short_by = over;
+  }
+  if (worst >= 0) {
+    const ChunkMoment& m = plan[std::size_t(worst)];
+    const std::size_t n = need[std::size_t(worst)].size();
+    throw InputError(fmt::format(
+        "offload chunks: {}the device's {} is smaller than the working set of the {} "
+        "({} {} of {} = {}, non-model memory {}{}) by {}",
+        where, gib(s.budget_bytes), m.label(L), n, L.parts == 1 ? "chunks" : "chunk parts",
+        gib(L.move_bytes), gib(mul(std::int64_t(n), L.move_bytes)), gib(m.non_model_bytes),
+        os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "", gib(short_by)));
+  }
   for (int k = 0; k < moments; ++k) {
     ChunkMoment& m = plan[std::size_t(k)];
     m.copies.clear();
     const std::vector<int>& here = need[std::size_t(k)];
     const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
-    const std::int64_t working = mul(std::int64_t(here.size()), L.move_bytes);
-    if (working > room)
-      throw InputError(fmt::format(
-          "offload chunks: {}the device's {} is smaller than the working set of the {} "
-          "({} {} of {} = {}, non-model memory {}{}) by {}",
-          where, gib(s.budget_bytes), m.label(L), here.size(),
-          L.parts == 1 ? "chunks" : "chunk parts", gib(L.move_bytes), gib(working),
-          gib(m.non_model_bytes), os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
-          gib(working - room)));
     std::vector<int> missing;
     for (int u : here)
       if (!resident.count(u)) missing.push_back(u);

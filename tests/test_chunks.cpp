@@ -315,6 +315,33 @@ TEST(ChunksEviction, ABudgetBelowALayersWorkingSetIsNamedWithTheShortfall) {
   EXPECT_EQ(msg.find('\n'), std::string::npos);
 }
 
+// The moment named is the one that passes the device most, so the shortfall is what the device
+// lacks: with 1f1b and m = 4 the first forward of block 0 holds one stash, a later one four; the
+// line names the later one, and a device that much larger fits.
+TEST(ChunksEviction, TheShortfallNamedIsTheWholeOfWhatTheDeviceLacks) {
+  const models::ModelSpec m = tiny();
+  clusters::Cluster c = ws();
+  const traces::Trace trace = uniform_trace(m, 1);
+  const Plan p = chunked(c, 2, 512, 1, 4);
+  std::int64_t lo = 1, hi = std::int64_t(1) << 30;  // the smallest device that fits: hi
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    c.device.memory_bytes = mid;
+    try {
+      chunk_schedule(m, trace, c, p);
+      hi = mid;
+    } catch (const InputError&) {
+      lo = mid;
+    }
+  }
+  c.device.memory_bytes = hi - 2048;  // 2 KiB short
+  const std::string msg = error_of([&] { chunk_schedule(m, trace, c, p); });
+  EXPECT_NE(msg.find(") by 2.00 KiB"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+  c.device.memory_bytes = hi;
+  EXPECT_NO_THROW(chunk_schedule(m, trace, c, p));
+}
+
 // --- Programs and the checker ---
 
 struct ChunkPrograms : ::testing::Test {
