@@ -38,10 +38,28 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
           {"data", o.data}};
 }
 
-clusters::Cluster chunk_cluster(std::int64_t device_memory) {
+clusters::Cluster chunk_cluster(std::int64_t device_memory, int gpus) {
   clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
   node.device.memory_bytes = device_memory;
+  if (gpus > 1) {
+    // Every device its own GPU of the node, on PCIe (the times only; the moves do not use them).
+    node.gpus_per_node = gpus;
+    node.intra_node = {clusters::IntraKind::pcie, node.host.pcie_bandwidth_bytes_per_s,
+                       node.host.pcie_latency_s, 1};
+  }
   return node;
+}
+
+planner::Plan chunk_placement(const planner::Plan& plan) {
+  planner::Plan placed = plan;
+  placed.placement.clear();
+  // t = 1: every rank on the node's one GPU; t > 1: each device its own GPU (chunk_cluster's
+  // node of t w d GPUs).
+  if (plan.t > 1)
+    planner::place(placed, {1, plan.gpus()});
+  else
+    planner::place(placed, {1, 1}, plan.ranks());
+  return placed;
 }
 
 namespace detail {
@@ -90,11 +108,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
-  if (plan.offload == planner::Offload::chunks && plan.t > 1)
-    throw InputError(fmt::format(
-        "plan: t: the {} executor does not run offload chunks with tensor parallelism yet (t = "
-        "{}); estimate or simulate it instead",
-        backend, plan.t));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "
@@ -163,10 +176,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
   std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
   if (plan.offload == planner::Offload::chunks) {
-    const clusters::Cluster node = chunk_cluster(options.device_memory);
-    planner::Plan placed = plan;
-    planner::place(placed, {1, 1}, placed.ranks());
-    const traces::Trace trace = traces::analytic_trace(model, node.device, {plan.b});
+    const clusters::Cluster node =
+        chunk_cluster(options.device_memory, plan.t > 1 ? plan.gpus() : 1);
+    const planner::Plan placed = chunk_placement(plan);
+    const traces::Trace trace =
+        traces::analytic_trace(model, node.device, {plan.b}, models::Sharding{plan.t, plan.sp});
     chunks = std::make_shared<const std::vector<planner::ChunkSchedule>>(
         planner::chunk_schedules(model, trace, node, placed));
   }

@@ -105,8 +105,9 @@ void Worker::setup_chunks() {
       throw Error(fmt::format("rank {}: the tied copy {} is not at the end of chunk {}", rank_,
                               t.name, t.chunk));
   // Each of the stage's layers' stash in bytes (fp32: the stage's carving is exactly
-  // models::derive_costs): the embedding on stage 0, its blocks, the head on the last stage.
-  const models::ModelCosts mc = models::derive_costs(*s_.model);
+  // models::derive_costs at the plan's t and SP): the embedding on stage 0, its blocks, the head on
+  // the last stage.
+  const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
   const std::int64_t b = s_.plan().b;
   for (int l = 0; l < L.layers(); ++l) {
     const int g = L.first_layer + l;
@@ -466,7 +467,7 @@ void Worker::chunk_forward(const Op& op) {
   if (!pending_copies_.empty())
     throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the forward did not run",
                             rank_, pending_copies_.front().first.layer));
-  if (c.last) s_.add_loss(op.step, loss);
+  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);

@@ -32,11 +32,13 @@ using testing::adamw_options;
 using testing::expect_identical;
 
 Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes,
-               int d = 1, bool recompute = false, int w = 1) {
+               int d = 1, bool recompute = false, int w = 1, int t = 1, bool sp = false) {
   Plan p;
   p.schedule = s;
   p.d = d;
   p.w = w;
+  p.t = t;
+  p.sp = sp;
   p.b = b;
   p.m = m;
   if (recompute) p.recompute.assign(std::size_t(d), planner::Recompute::full);
@@ -55,21 +57,32 @@ models::ModelSpec untied(models::ModelSpec m) {
   return m;
 }
 
-// The schedule the executor plans on (chunk_cluster: the emulated device's budget).
+// The node, placement and trace the executor plans on (chunk_cluster, chunk_placement: the
+// emulated devices' budget; with t > 1 each device its own GPU, the trace sharded at t).
+clusters::Cluster node_of(const Plan& p, std::int64_t budget) {
+  return chunk_cluster(budget, p.t > 1 ? p.gpus() : 1);
+}
+traces::Trace trace_of(const models::ModelSpec& model, const Plan& p, std::int64_t budget) {
+  return traces::analytic_trace(model, node_of(p, budget).device, {p.b},
+                                models::Sharding{p.t, p.sp});
+}
+
 planner::ChunkSchedule schedule_of(const models::ModelSpec& model, const Plan& p,
                                    std::int64_t budget, int stage = 0) {
-  const clusters::Cluster node = chunk_cluster(budget);
-  const traces::Trace t = traces::analytic_trace(model, node.device, {p.b});
-  return planner::chunk_schedule(model, t, node, testing::on_one_gpu(p), stage);
+  return planner::chunk_schedule(model, trace_of(model, p, budget), node_of(p, budget),
+                                 chunk_placement(p), stage);
 }
 
 planner::RunReport simulated(const models::ModelSpec& model, const Plan& p, std::int64_t budget,
                              int steps) {
-  return testing::simulate_on(model, p, chunk_cluster(budget), steps);
+  return sim::simulate(model, trace_of(model, p, budget), node_of(p, budget), chunk_placement(p),
+                       {.steps = steps})
+      .report;
 }
 
 planner::Estimate estimated(const models::ModelSpec& model, const Plan& p, std::int64_t budget) {
-  return testing::estimate_on(model, p, chunk_cluster(budget));
+  return planner::estimate(model, trace_of(model, p, budget), node_of(p, budget),
+                           chunk_placement(p));
 }
 
 // The smallest device the chunks of the plan's stage fit (the planner's refusal below it).
@@ -218,12 +231,15 @@ TEST(ChunksExec, BadInputIsOneLine) {
   EXPECT_NE(msg.find("--offload chunks runs AdamW"), std::string::npos) << msg;
   msg = testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2, low), "cuda"); });
   EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
-  Plan tp = p;  // planned and simulated, not run yet
-  tp.t = 2;
-  msg = testing::error_of([&] { detail::prepare_run(model, tp, adamw_options(2, low), "cpu"); });
-  EXPECT_NE(msg.find("plan: t: the cpu executor does not run offload chunks with tensor "
-                     "parallelism yet (t = 2)"),
-            std::string::npos)
+  // t > 1: each device's shard is planned on its own device of the budget; one byte short of
+  // the shard's working set is the same line.
+  const Plan tp = make_plan(model, Schedule::one_f_one_b, 1, 1, 32768, 1, false, 1, 2);
+  msg = testing::error_of(
+      [&] { train_cpu(model, tp, adamw_options(2, smallest_budget(model, tp) - 1)); });
+  EXPECT_NE(msg.find(") by 1 B"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  msg = testing::error_of([&] { detail::prepare_run(model, tp, adamw_options(2, low), "cuda"); });
+  EXPECT_NE(msg.find("the cuda executor does not run tensor parallelism"), std::string::npos)
       << msg;
 }
 
@@ -538,6 +554,78 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
   }
 }
 
+struct TpCase {
+  Schedule schedule;
+  int t, d, b, m;
+  bool sp, untied, recompute;
+};
+
+// Tensor parallelism (t > 1): each device of a TP group lays out and moves its own shard's chunks
+// (planner::model_tensors at t) and runs its layers' TP collectives between its chunk moments.
+// The same losses and final weights as the same TP plan without offload, bit for bit; each
+// device's measured peak is its stage's schedule peak (planned at t) and the simulator's exactly,
+// inside the budget; each device moves its schedule's and the simulator's bytes exactly. (2bw with
+// t > 1: TwoBwIsBitIdenticalWithEachStagesPeakAndBytes.)
+TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes) {
+  const int steps = 3;
+  for (const TpCase& k : {TpCase{Schedule::one_f_one_b, 2, 1, 2, 2, false, false, false},
+                          TpCase{Schedule::gpipe, 4, 1, 1, 3, false, true, false},
+                          TpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, false, false},
+                          TpCase{Schedule::gpipe, 2, 2, 1, 2, false, true, true}}) {
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const TrainResult plain =
+        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, k.recompute, 1, k.t, k.sp),
+                  adamw_options(steps));
+    const Plan p = make_plan(model, k.schedule, k.b, k.m, 32768, k.d, k.recompute, 1, k.t, k.sp);
+    const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
+    for (std::int64_t budget : {low, roomy}) {
+      SCOPED_TRACE(to_string(k.schedule) + " t=" + std::to_string(k.t) + (k.sp ? " sp" : "") +
+                   " d=" + std::to_string(k.d) + " b=" + std::to_string(k.b) +
+                   " m=" + std::to_string(k.m) + (k.untied ? " untied" : " tied") +
+                   (k.recompute ? " recompute" : "") + " budget=" + std::to_string(budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+      expect_identical(r, plain);
+      ASSERT_EQ(int(r.ranks.size()), k.d * k.t);
+      const planner::RunReport sim = simulated(model, p, budget, steps);
+      const common::Json& so = sim.extra["offload"];
+      const common::Json& ranks = so["ranks"];
+      ASSERT_EQ(int(ranks.size()), p.ranks());
+      std::int64_t out = 0;
+      for (const RankResult& got : r.ranks)
+        out += got.copy_out_bytes;
+      EXPECT_EQ(out, steps * so["copy_out_bytes_per_step"].get<std::int64_t>());
+      for (int device = 0; device < p.ranks() * k.t; ++device) {
+        SCOPED_TRACE("device " + std::to_string(device));
+        const int rank = device / k.t, stage = p.stage_of(rank);
+        const RankResult& got = r.ranks[std::size_t(device)];
+        const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
+        EXPECT_LE(got.peak_memory_bytes, budget);
+        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
+        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
+        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
+        // The report's per-rank bytes are one device's; its totals the t devices' of each rank.
+        EXPECT_EQ(got.copy_out_bytes,
+                  steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
+        EXPECT_EQ(got.copy_in_bytes,
+                  steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+        if (budget == low) {
+          EXPECT_GT(got.copy_in_bytes, 0);
+          EXPECT_EQ(s.device_adam_chunks, 0);
+        }
+        std::printf("%s t=%d%s d=%d m=%d budget=%lld device %d: n=%d K=%d uploads=%d peak=%lld\n",
+                    to_string(k.schedule).c_str(), k.t, k.sp ? " sp" : "", k.d, k.m,
+                    (long long)budget, device, s.layout.chunks(), s.device_adam_chunks, s.uploads,
+                    (long long)got.peak_memory_bytes);
+      }
+      if (budget == roomy) {
+        EXPECT_GT(schedule_of(model, p, budget, 0).device_adam_chunks, 0);
+      }
+    }
+  }
+}
+
 // With w > 1 a checkpoint holds the whole state (each replica's parts all-gathered), as without
 // chunks: a run stopped and resumed gives the bits of an unbroken one.
 TEST(ChunksExec, DataParallelResumeIsBitIdentical) {
@@ -585,6 +673,7 @@ TEST(ChunksExec, DataParallelTiedPipelineResumeIsBitIdentical) {
 struct TwoBwCase {
   int d, m, w;
   bool untied;
+  int t = 1;
 };
 
 // The bytes a rank's plan moves over a run of `steps` from step 0, each way, and its peak: the
@@ -611,13 +700,15 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
   const int steps = 4;
   for (const TwoBwCase& k :
        {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 3, 1, true}, TwoBwCase{2, 2, 1, false},
-        TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}}) {
+        TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2},
+        TwoBwCase{1, 3, 1, true, 4}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
-        train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, false, k.w),
+        train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, false, k.w, k.t),
                   adamw_options(steps));
-    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, 65536, k.d, false, k.w);
+    const Plan p =
+        make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d, false, k.w, k.t);
     const std::int64_t low = pipeline_budget(model, p);
     std::int64_t roomy = 0;  // every part of every stage's chunks, and two chunks' Adam state
     for (int s = 0; s < k.d; ++s) {
@@ -630,16 +721,17 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
                                   2 * c.layout.os_chunk_bytes + 7);
     }
     for (std::int64_t budget : {low, roomy}) {
-      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} {} budget={}", k.d, k.m, k.w,
+      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} t={} {} budget={}", k.d, k.m, k.w, k.t,
                                k.untied ? "untied" : "tied", budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
       const planner::RunReport sim = simulated(model, p, budget, steps);
       int device_adam = 0;
-      for (int rank = 0; rank < p.ranks(); ++rank) {
-        const int stage = p.stage_of(rank);
-        SCOPED_TRACE("rank " + std::to_string(rank));
-        const RankResult& got = r.ranks[std::size_t(rank)];
+      // Each device of a rank's TP group (t > 1) runs its own shard's plan of the same shape.
+      for (int device = 0; device < p.ranks() * k.t; ++device) {
+        const int rank = device / k.t, stage = p.stage_of(rank);
+        SCOPED_TRACE("device " + std::to_string(device));
+        const RankResult& got = r.ranks[std::size_t(device)];
         const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
         EXPECT_EQ(s.layout.parts, 3);
         const RunFigures f = run_figures(s, steps);
@@ -648,7 +740,8 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
         EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
         EXPECT_EQ(got.copy_out_bytes, f.out);
         EXPECT_EQ(got.copy_in_bytes, f.in);
-        // The simulator's per-step bytes are a steady segment's: the schedule's figures.
+        // The simulator's per-step bytes are a steady segment's: the schedule's figures (one
+        // device's of the rank's TP group).
         const common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
         EXPECT_EQ(sr["copy_out_bytes_per_step"].get<std::int64_t>(), s.copy_out_bytes);
         EXPECT_EQ(sr["copy_in_bytes_per_step"].get<std::int64_t>(), s.copy_in_bytes);
@@ -677,14 +770,16 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
 // from its part of the chunks, and a resumed run fills the pipeline again with its own segment
 // plan.
 TEST(ChunksExec, TwoBwResumeIsBitIdentical) {
-  for (const TwoBwCase& k :
-       {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true}, TwoBwCase{2, 2, 2, true}}) {
-    SCOPED_TRACE(fmt::format("d={} w={}", k.d, k.w));
+  for (const TwoBwCase& k : {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true},
+                             TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2}}) {
+    SCOPED_TRACE(fmt::format("d={} w={} t={}", k.d, k.w, k.t));
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
-    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, 65536, k.d, false, k.w);
-    testing::expect_resume_is_bit_identical(model, p, adamw_options(5, pipeline_budget(model, p)),
-                                            fmt::format("chunkexec_2bw_d{}_w{}", k.d, k.w));
+    const Plan p =
+        make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d, false, k.w, k.t);
+    testing::expect_resume_is_bit_identical(
+        model, p, adamw_options(5, pipeline_budget(model, p)),
+        fmt::format("chunkexec_2bw_d{}_w{}_t{}", k.d, k.w, k.t));
   }
 }
 
