@@ -182,8 +182,9 @@ std::vector<float> Worker::gather_chunks(int which, int version) const {
       const auto [lo, hi] = L.shard(k, replica_);
       std::vector<float> all(std::size_t(L.chunk_elements), 0.0f);
       std::copy_n((which == 1 ? d.m : d.v).data(), hi - lo, all.data() + lo);
-      s_.transport->all_gather(fmt::format("ck/{}/state{}/{}/{}", stage_, which, updates_, k),
-                               replica_group(), device_, all.data(), L.shard_bounds(k));
+      s_.transport->all_gather(
+          fmt::format("ck/{}.{}/state{}/{}/{}", stage_, tp_, which, updates_, k), replica_group(),
+          device_, all.data(), L.shard_bounds(k));
       whole.push_back(std::move(all));
     }
   }
@@ -228,7 +229,8 @@ void Worker::chunk_collective(int k, int step, bool gather, int op) {
   if (L.replicas == 1) return;
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto t0 = Clock::now();
-  const std::string key = fmt::format("ck/{}/{}/{}/{}", stage_, step, k, gather ? "ag" : "rs");
+  const std::string key =
+      fmt::format("ck/{}.{}/{}/{}/{}", stage_, tp_, step, k, gather ? "ag" : "rs");
   // The new version's weights (the update's: step + 1) after Adam, the gradient before it.
   if (gather)
     s_.transport->all_gather(key, replica_group(), device_, d.part[weight_part(step + 1)].data(),
@@ -604,7 +606,7 @@ void Worker::chunk_tied(const Op& op) {
     case OpKind::send_tied_gradient: {
       float* grad = d.part[2].data() + at;
       if (w > 1) {
-        s_.transport->reduce_scatter_sum(fmt::format("ck/tg/{}/{}", stage_, op.step),
+        s_.transport->reduce_scatter_sum(fmt::format("ck/tg/{}.{}/{}", stage_, tp_, op.step),
                                          replica_group(), device_, grad, shard_starts(n, 0, w));
         record(planner::kCollectiveStream, t0, Clock::now());
       }
@@ -628,8 +630,8 @@ void Worker::chunk_tied(const Op& op) {
     case OpKind::gather_tied_gradient:
       if (std::int64_t(tied_head_.size()) != n)
         throw Error(fmt::format("rank {}: gather_tied_gradient before recv_tied_gradient", rank_));
-      s_.transport->all_gather(fmt::format("ck/tgg/{}/{}", stage_, op.step), replica_group(),
-                               device_, tied_head_.data(), shard_starts(n, 0, w));
+      s_.transport->all_gather(fmt::format("ck/tgg/{}.{}/{}", stage_, tp_, op.step),
+                               replica_group(), device_, tied_head_.data(), shard_starts(n, 0, w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
     case OpKind::send_tied_weights:
@@ -644,9 +646,9 @@ void Worker::chunk_tied(const Op& op) {
       return;
     }
     default:  // gather_tied_weights
-      s_.transport->all_gather(fmt::format("ck/tgw/{}/{}", stage_, op.version), replica_group(),
-                               device_, d.part[weight_part(op.version)].data() + at,
-                               shard_starts(n, 0, w));
+      s_.transport->all_gather(fmt::format("ck/tgw/{}.{}/{}", stage_, tp_, op.version),
+                               replica_group(), device_,
+                               d.part[weight_part(op.version)].data() + at, shard_starts(n, 0, w));
       record(planner::kCollectiveStream, t0, Clock::now());
       return;
   }

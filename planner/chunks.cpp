@@ -733,9 +733,25 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
         std::max<std::int64_t>(0, std::min(hi, t.offset + t.elements) - std::max(lo, t.offset));
     s.device_adam_s[std::size_t(t.chunk)] += double(in) * device_rate(t.layer);
   }
-  for (int c = 0; c < n; ++c)
+  // Replica 0's part is the largest: the stage's replicas on the node step their parts of chunk c
+  // in lockstep (each chunk's reduce-scatter starts them together), so with processor sharing it
+  // ends when the node's CPU has done all of their parts (t jobs each) beside the other stages'
+  // jobs, each as long as replica 0's. With w = 1 (or even parts): adam_elements / rate.
+  int mine = 0;  // this stage's replicas on the node
+  for (int r = 0; r < p.w; ++r)
+    mine += p.placement.empty() || p.placement[std::size_t(p.rank_of(stage, r))].node == node;
+  const int others = std::max(0, sharing - mine * p.t);
+  const double capacity = cluster.host.cpu_adam_params_per_s();
+  for (int c = 0; c < n; ++c) {
+    double work = double(others) * double(L.adam_elements(c));
+    for (int r = 0; r < p.w; ++r)
+      if (p.placement.empty() || p.placement[std::size_t(p.rank_of(stage, r))].node == node) {
+        const auto [lo, hi] = L.shard(c, r);
+        work += double(p.t) * double(hi - lo);
+      }
     s.host_adam_s[std::size_t(c)] =
-        rate > 0 ? double(L.adam_elements(c)) / rate : std::numeric_limits<double>::infinity();
+        rate > 0 ? work / capacity : std::numeric_limits<double>::infinity();
+  }
   if (p.w > 1) s.collective_s = data_parallel_allreduce_s(cluster, p, stage, double(L.chunk_bytes));
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   int most_host = 0;
@@ -920,34 +936,61 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
   const double capacity = cluster.host.cpu_adam_params_per_s();
   if (capacity <= 0 || p.d == 1) return out;
   const ChunkPipeline run = chunk_pipeline(out, p, std::vector<double>(out.size(), 0.0));
-  std::map<int, std::vector<std::size_t>> by_node;
-  std::vector<double> work(out.size(), 0), release(out.size(), 0);
+  const auto node_of = [&](int rank) {
+    return p.placement.empty() ? 0 : p.placement[std::size_t(rank)].node;
+  };
+  // Per node, the stages with replicas on it: each such stage's t x (its replicas there) CPU Adam
+  // jobs, one per GPU, in lockstep chunk by chunk (each chunk's reduce-scatter starts them
+  // together), and per host chunk their work together (every replica's part, t times).
+  struct Entry {
+    std::size_t stage = 0;
+    int jobs = 0;
+    std::vector<double> chunk_work;  // per chunk (0 for device-Adam chunks)
+    double work = 0;                 // summed
+  };
+  std::map<int, std::vector<Entry>> by_node;
+  std::vector<double> release(out.size(), 0);
   for (std::size_t s = 0; s < out.size(); ++s) {
     const ChunkSchedule& cs = out[s];
-    by_node[p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(int(s), 0))].node]
-        .push_back(s);
+    const ChunkLayout& L = cs.layout;
+    std::map<int, std::vector<int>> replicas;
+    for (int r = 0; r < p.w; ++r)
+      replicas[node_of(p.rank_of(int(s), r))].push_back(r);
+    for (const auto& [node, here] : replicas) {
+      Entry e{s, p.t * int(here.size()), std::vector<double>(std::size_t(L.chunks()), 0.0), 0};
+      for (int c = cs.device_adam_chunks; c < L.chunks(); ++c)
+        for (int r : here) {
+          const auto [lo, hi] = L.shard(c, r);
+          e.chunk_work[std::size_t(c)] += double(p.t) * double(hi - lo);
+        }
+      for (double x : e.chunk_work)
+        e.work += x;
+      by_node[node].push_back(std::move(e));
+    }
     release[s] = run.end[s];
-    for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c) {
-      if (c == cs.device_adam_chunks)  // its units on the device go down first
-        for (int u = c * cs.layout.parts; u < (c + 1) * cs.layout.parts; ++u)
-          release[s] += cs.adam_download[std::size_t(u)] ? cs.copy_s : 0.0;
-      work[s] += double(cs.layout.adam_elements(c));
-    }
+    const int c = cs.device_adam_chunks;  // the first host chunk's units on the device go down
+    for (int u = c * L.parts; c < L.chunks() && u < (c + 1) * L.parts; ++u)
+      release[s] += cs.adam_download[std::size_t(u)] ? cs.copy_s : 0.0;
   }
-  for (const auto& [node, stages] : by_node) {
-    // Every GPU of a stage's TP group runs its own CPU Adam (t jobs of work[s] each, in lockstep).
-    std::vector<double> w, rel;
-    for (std::size_t s : stages) {
-      w.push_back(work[s] * p.t);
-      rel.push_back(release[s]);
+  // Processor sharing among the entries (each its jobs of their mean work: the entry's work
+  // done when its last chunk's parts are). A stage's Adam of chunk c then takes its entry's
+  // chunk_work[c] at the entry's rate (its work over its time); its replica 0's node's entry sets
+  // it.
+  for (const auto& [node, entries] : by_node) {
+    std::vector<double> w, rel, jobs;
+    for (const Entry& e : entries) {
+      w.push_back(e.work / double(e.jobs));
+      rel.push_back(release[e.stage]);
+      jobs.push_back(double(e.jobs));
     }
-    const std::vector<double> end = processor_sharing_finish(w, rel, capacity);
-    for (std::size_t i = 0; i < stages.size(); ++i) {
-      if (w[i] <= 0 || end[i] <= rel[i]) continue;
-      ChunkSchedule& cs = out[stages[i]];
-      const double rate = work[stages[i]] / (end[i] - rel[i]);
-      for (int c = 0; c < cs.layout.chunks(); ++c)
-        cs.host_adam_s[std::size_t(c)] = double(cs.layout.adam_elements(c)) / rate;
+    const std::vector<double> end = processor_sharing_finish(w, rel, capacity, jobs);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const Entry& e = entries[i];
+      if (w[i] <= 0 || end[i] <= rel[i] || node_of(p.rank_of(int(e.stage), 0)) != node) continue;
+      ChunkSchedule& cs = out[e.stage];
+      const double rate = e.work / (end[i] - rel[i]);
+      for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c)
+        cs.host_adam_s[std::size_t(c)] = e.chunk_work[std::size_t(c)] / rate;
       cs.optimizer_s = optimizer_time(cs);
     }
   }

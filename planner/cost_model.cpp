@@ -769,7 +769,8 @@ void time_host_step(RankOffload& r, double rate) {
 }
 
 std::vector<double> processor_sharing_finish(const std::vector<double>& work,
-                                             const std::vector<double>& release, double capacity) {
+                                             const std::vector<double>& release, double capacity,
+                                             const std::vector<double>& copies) {
   const std::size_t n = work.size();
   std::vector<double> left = work, finish(n, 0);
   std::vector<bool> done(n, false);
@@ -788,7 +789,10 @@ std::vector<double> processor_sharing_finish(const std::vector<double>& work,
       now = next_release;
       continue;
     }
-    const double rate = capacity / double(active.size());
+    double jobs = 0;
+    for (std::size_t i : active)
+      jobs += copies.empty() ? 1.0 : copies[i];
+    const double rate = capacity / jobs;
     double first_end = std::numeric_limits<double>::infinity();
     for (std::size_t i : active)
       first_end = std::min(first_end, now + left[i] / rate);

@@ -191,8 +191,12 @@ double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<doub
 void time_host_step(RankOffload& r, double cpu_adam_params_per_s);
 // Processor sharing of one resource of `capacity` units/s among jobs of `work` units released at
 // `release` (s): while k jobs are active each runs at capacity / k. Returns each job's finish time.
+// With `copies` (one per entry, else 1 each) entry i is copies[i] identical jobs in lockstep (each
+// of work[i] units), and while entries are active each of their jobs runs at capacity / (the
+// active entries' copies summed).
 std::vector<double> processor_sharing_finish(const std::vector<double>& work,
-                                             const std::vector<double>& release, double capacity);
+                                             const std::vector<double>& release, double capacity,
+                                             const std::vector<double>& copies = {});
 // Throws InputError when optimizer offload cannot run on the cluster (no CPU Adam rate, no host
 // link).
 void check_offload_cluster(const clusters::Cluster& cluster, const Plan& p);

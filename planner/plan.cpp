@@ -266,11 +266,6 @@ void check(const Plan& p) {
       reject("v", fmt::format("offload chunks with interleaving (v = {}) is not supported yet; use "
                               "v = 1",
                               p.v));
-    if (p.t > 1 && p.w > 1)
-      reject("t", fmt::format("offload chunks with tensor parallelism (t = {}) and data "
-                              "parallelism (w = {}) together are not supported yet; use t = 1 or "
-                              "w = 1",
-                              p.t, p.w));
     if (p.distributed_optimizer)
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "

@@ -203,9 +203,6 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
         for (auto [w, d] : shapes(int(ranks), model.layers, o))
           for (int b = 1; b <= o.max_microbatch; b *= 2) {
             if (!traced.count(b)) continue;
-            // Chunks: t > 1 (each GPU of a TP group its own shard's chunks) or w > 1 (the
-            // optimizer state sharded over the replicas), not both.
-            if (offload == Offload::chunks && t > 1 && w > 1) continue;
             // Optimizer offload over w > 1 replicas is sharded (ZeRO-Offload): the distributed
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =

@@ -98,10 +98,8 @@ TEST(ChunksPlan, ParsesWritesAndRefusesWhatIsNotThereYet) {
     common::Json k = j;
     k["t"] = 2;  // each GPU of the TP group its own shard's chunks
     EXPECT_EQ(parse_plan(k, "plan.json").t, 2);
-    k["w"] = 2;
-    refused(k,
-            "offload chunks with tensor parallelism (t = 2) and data parallelism (w = 2) together "
-            "are not supported yet; use t = 1 or w = 1");
+    k["w"] = 2;  // and with data parallelism, each shard's chunk state split over the replicas
+    EXPECT_EQ(parse_plan(k, "plan.json").w, 2);
   }
   // Data parallelism shards each chunk's optimizer state over the replicas by itself: w > 1 is
   // there, the distributed optimizer flag is refused.
@@ -1431,12 +1429,19 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
     Schedule sch;
     bool sp;
     Recompute rc;
+    int w = 1;
   };
+  // With w > 1 each GPU's chunk collectives run over its counterparts of the other replicas (t
+  // rings at once) and the state of each chunk of its shard is split w ways.
   for (const Case& k : {Case{2, 1, Schedule::one_f_one_b, false, Recompute::none},
                         Case{8, 1, Schedule::one_f_one_b, false, Recompute::none},
                         Case{4, 2, Schedule::two_bw, false, Recompute::none},
-                        Case{2, 2, Schedule::gpipe, true, Recompute::full}}) {
-    SCOPED_TRACE(fmt::format("t = {}, d = {}, {}, sp {}", k.t, k.d, to_string(k.sch), k.sp));
+                        Case{2, 2, Schedule::gpipe, true, Recompute::full},
+                        Case{2, 2, Schedule::one_f_one_b, false, Recompute::none, 2},
+                        Case{4, 1, Schedule::two_bw, false, Recompute::none, 2},
+                        Case{2, 1, Schedule::gpipe, true, Recompute::full, 4}}) {
+    SCOPED_TRACE(
+        fmt::format("t = {}, w = {}, d = {}, {}, sp {}", k.t, k.w, k.d, to_string(k.sch), k.sp));
     clusters::Cluster c = eight();
     // A slow TP link makes the collectives count (the simulator must run them to agree).
     for (double nvlink : {c.intra_node.bandwidth_bytes_per_s, 2e9}) {
@@ -1447,6 +1452,7 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
       p.t = k.t;
       p.sp = k.sp;
       p.d = k.d;
+      p.w = k.w;
       p.m = 4;
       p.offload = Offload::chunks;
       p.recompute.assign(std::size_t(k.d), k.rc);
@@ -1455,12 +1461,14 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
       check(p);
       const Estimate est = estimate(m, trace, c, p);
       const sim::SimResult sr = sim::simulate(m, trace, c, p, {.steps = 4});
-      std::printf("chunks t = %d d = %d, TP link %.0f GB/s: estimate %.3f s, simulate %.3f s\n",
-                  k.t, k.d, nvlink / 1e9, est.report.iteration_time_s, sr.report.iteration_time_s);
+      std::printf(
+          "chunks t = %d w = %d d = %d, TP link %.0f GB/s: estimate %.3f s, simulate %.3f s\n", k.t,
+          k.w, k.d, nvlink / 1e9, est.report.iteration_time_s, sr.report.iteration_time_s);
       // At 2 GB/s the simulator's pipeline sends share the TP group's links with its rings
-      // (d = 2), which the closed form leaves out: 2.2% at most here.
+      // (d = 2), which the closed form leaves out: 2.2% at most here, 3.8% with w = 2 (the
+      // chunks' reduce-scatters and all-gathers on those links too).
       EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0,
-                  nvlink < 1e10 && k.d > 1 ? 0.03 : 0.01);
+                  nvlink < 1e10 && k.d > 1 ? (k.w > 1 ? 0.04 : 0.03) : 0.01);
       double tp = 0;
       for (const ChunkMoment& x : est.chunks->at(0).moments)
         tp += x.tp_s;

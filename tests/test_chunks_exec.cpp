@@ -558,6 +558,7 @@ struct TpCase {
   Schedule schedule;
   int t, d, b, m;
   bool sp, untied, recompute;
+  int w = 1;
 };
 
 // Tensor parallelism (t > 1): each device of a TP group lays out and moves its own shard's chunks
@@ -571,22 +572,26 @@ TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes)
   for (const TpCase& k : {TpCase{Schedule::one_f_one_b, 2, 1, 2, 2, false, false, false},
                           TpCase{Schedule::gpipe, 4, 1, 1, 3, false, true, false},
                           TpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, false, false},
-                          TpCase{Schedule::gpipe, 2, 2, 1, 2, false, true, true}}) {
+                          TpCase{Schedule::gpipe, 2, 2, 1, 2, false, true, true},
+                          TpCase{Schedule::one_f_one_b, 2, 1, 1, 2, false, false, false, 2},
+                          TpCase{Schedule::gpipe, 2, 2, 1, 3, true, false, false, 2},
+                          TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, true, 2}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
-    const TrainResult plain =
-        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, k.recompute, 1, k.t, k.sp),
-                  adamw_options(steps));
-    const Plan p = make_plan(model, k.schedule, k.b, k.m, 32768, k.d, k.recompute, 1, k.t, k.sp);
+    const TrainResult plain = train_cpu(
+        model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, k.recompute, k.w, k.t, k.sp),
+        adamw_options(steps));
+    const Plan p = make_plan(model, k.schedule, k.b, k.m, 32768, k.d, k.recompute, k.w, k.t, k.sp);
     const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
     for (std::int64_t budget : {low, roomy}) {
       SCOPED_TRACE(to_string(k.schedule) + " t=" + std::to_string(k.t) + (k.sp ? " sp" : "") +
-                   " d=" + std::to_string(k.d) + " b=" + std::to_string(k.b) +
-                   " m=" + std::to_string(k.m) + (k.untied ? " untied" : " tied") +
-                   (k.recompute ? " recompute" : "") + " budget=" + std::to_string(budget));
+                   " w=" + std::to_string(k.w) + " d=" + std::to_string(k.d) +
+                   " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
+                   (k.untied ? " untied" : " tied") + (k.recompute ? " recompute" : "") +
+                   " budget=" + std::to_string(budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
-      ASSERT_EQ(int(r.ranks.size()), k.d * k.t);
+      ASSERT_EQ(int(r.ranks.size()), k.d * k.w * k.t);
       const planner::RunReport sim = simulated(model, p, budget, steps);
       const common::Json& so = sim.extra["offload"];
       const common::Json& ranks = so["ranks"];
@@ -633,6 +638,10 @@ TEST(ChunksExec, DataParallelResumeIsBitIdentical) {
   const Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 1, false, 2);
   testing::expect_resume_is_bit_identical(
       model, p, adamw_options(4, pipeline_budget(model, p) + 100000), "chunkexec_w2");
+  // With t = 2 too: each TP index's replicas gather their own shard's state for the checkpoint.
+  const Plan tp = make_plan(model, Schedule::one_f_one_b, 1, 2, 32768, 1, false, 2, 2);
+  testing::expect_resume_is_bit_identical(
+      model, tp, adamw_options(4, pipeline_budget(model, tp) + 100000), "chunkexec_w2_t2");
 }
 
 // Replicas taking turns on one core (--pin-cores, --core-turns) wait for each other in a chunk
@@ -701,7 +710,7 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
   for (const TwoBwCase& k :
        {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 3, 1, true}, TwoBwCase{2, 2, 1, false},
         TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2},
-        TwoBwCase{1, 3, 1, true, 4}}) {
+        TwoBwCase{1, 3, 1, true, 4}, TwoBwCase{1, 2, 2, false, 2}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
@@ -770,8 +779,9 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
 // from its part of the chunks, and a resumed run fills the pipeline again with its own segment
 // plan.
 TEST(ChunksExec, TwoBwResumeIsBitIdentical) {
-  for (const TwoBwCase& k : {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true},
-                             TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2}}) {
+  for (const TwoBwCase& k :
+       {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true}, TwoBwCase{2, 2, 2, true},
+        TwoBwCase{2, 2, 1, false, 2}, TwoBwCase{2, 2, 2, true, 2}}) {
     SCOPED_TRACE(fmt::format("d={} w={} t={}", k.d, k.w, k.t));
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
