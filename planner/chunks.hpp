@@ -210,7 +210,7 @@ struct ChunkSchedule {
   std::int64_t host_peak_bytes = 0;        // (n - K) S_os + max_k (n - resident_k) S_p
   std::int64_t host_chunk_peak_bytes = 0;  // its parameter-chunk part (pinned)
   double forward_s = 0, backward_s = 0;    // compute + the copies before each moment
-  double compute_s = 0;                    // compute only
+  double compute_s = 0;                    // compute only (with t > 1 the TP collectives too)
   double optimizer_s = 0;  // max(device Adam, host pipeline of downloads and CPU Adam)
   bool device_resident(int chunk) const { return chunk < device_adam_chunks; }
 };

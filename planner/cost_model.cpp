@@ -1444,11 +1444,16 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
     d.peak_memory_bytes = gpu_memory[{d.node, d.gpu}].total();
     d.capacity_bytes = cluster.device.memory_bytes;
     d.fits = d.peak_memory_bytes <= d.capacity_bytes;
-    // With offload the optimizer step runs on the host: the device is not busy then.
-    d.busy_s =
-        p.m * (st.forward_s + st.backward_s) + (p.offload == Offload::none ? st.optimizer_s : 0.0);
-    if (est.chunks)  // layers and device Adam, no copies
-      d.busy_s = (*est.chunks)[std::size_t(d.stage)].compute_s;
+    // Compute only, as the simulator and the executors count it: not the TP collectives. With
+    // offload the optimizer step runs on the host: the device is not busy then.
+    d.busy_s = p.m * (st.forward_s + st.backward_s - st.tp_s) +
+               (p.offload == Offload::none ? st.optimizer_s : 0.0);
+    if (est.chunks) {  // layers and device Adam, no copies, no TP collectives
+      const ChunkSchedule& cs = (*est.chunks)[std::size_t(d.stage)];
+      d.busy_s = cs.compute_s;
+      for (const ChunkMoment& k : cs.moments)
+        d.busy_s -= k.tp_s;
+    }
     d.bubble_fraction = 1.0 - d.busy_s / rep.iteration_time_s;
     rep.devices.push_back(d);
   }

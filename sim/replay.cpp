@@ -566,14 +566,17 @@ class Replayer {
   // The backward's asynchronous TP collectives, which Megatron runs beside its GEMMs: replayed
   // first on their links, each group hiding up to its GEMMs' time, which the backward's compute
   // then no longer needs (total: compute + what each group takes beyond its GEMMs, as
-  // planner::tp_backward_s). Returns the compute time they hid.
+  // planner::tp_backward_s). Returns the compute time they hid, which the timeline shows on the
+  // compute stream too (the GEMMs ran then), so a rank's busy time is its compute with them.
   double overlapped_tensor_parallel(const planner::ChunkCost& ch) {
     double hidden = 0;
     for (const auto& [traffic, gemm_s] : {std::pair{&ch.tp_backward_wgrad, ch.backward_weight_s},
                                           std::pair{&ch.tp_backward_dgrad, ch.backward_input_s}}) {
       const double start = sg4::Engine::get_clock();
       tensor_parallel(*traffic);
-      hidden += std::min(sg4::Engine::get_clock() - start, gemm_s);
+      const double gemms = std::min(sg4::Engine::get_clock() - start, gemm_s);
+      if (gemms > 0) record(kCompute, start, start + gemms, op_);
+      hidden += gemms;
     }
     return hidden;
   }

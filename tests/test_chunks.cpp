@@ -1476,6 +1476,9 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
       for (std::size_t r = 0; r < sr.report.devices.size(); ++r) {
         EXPECT_EQ(sr.report.devices[r].peak_memory_bytes, est.report.devices[r].peak_memory_bytes);
         EXPECT_LE(sr.report.devices[r].peak_memory_bytes, c.device.memory_bytes);
+        // Compute only in both (layers and device Adam, not the TP collectives).
+        EXPECT_NEAR(sr.report.devices[r].busy_s, est.report.devices[r].busy_s,
+                    1e-6 * est.report.devices[r].busy_s);
       }
       for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step"})
         EXPECT_EQ(sr.report.extra["offload"][key], est.report.extra["offload"][key]) << key;
