@@ -83,8 +83,9 @@ void PlanOptions::add(CLI::App& app) {
          "implying --distributed-optimizer); activations (KARMA: per "
          "stage, stashed activations swapped to the host or recomputed); or "
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
-         "that move between host and device; t = 1, each pipeline stage its own chunks, "
-         "their optimizer state sharded over w > 1 replicas)")
+         "that move between host and device; each pipeline stage, and with t > 1 each GPU of "
+         "its TP group, its own chunks, their optimizer state sharded over w > 1 replicas; "
+         "v = 1)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "
