@@ -3,6 +3,8 @@
 // `--backend cuda`: bf16 on GPU 0 with every rank a thread, or one process per GPU under
 // `mpirun -np N` — and write the run report with "source": "measured".
 #include <algorithm>
+#include <memory>
+#include <mutex>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -120,14 +122,23 @@ void add_train_command(CLI::App& app) {
     const planner::Plan plan = executed_plan(a->plan.build(model.layers, 1));
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
+    // The run's line, once its checks have passed (a refused plan prints only its error): before
+    // the resume notes or the first step, whichever comes first.
+    auto header = [lead, once = std::make_shared<std::once_flag>(), model, plan, on,
+                   steps = a->options.steps] {
+      if (!lead) return;
+      std::call_once(*once, [&] {
+        fmt::print("{}: {} {}w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
+                   model.name, to_string(plan.schedule),
+                   plan.t > 1 ? fmt::format("t={} ", plan.t) : "", plan.w, plan.d, plan.b, plan.m,
+                   plan.global_batch(), steps, plan.gpus(), on.cluster,
+                   process_count() > 1 ? fmt::format(" ({} processes)", process_count()) : "");
+      });
+    };
     if (lead)
-      fmt::print("{}: {} {}w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
-                 model.name, to_string(plan.schedule),
-                 plan.t > 1 ? fmt::format("t={} ", plan.t) : "", plan.w, plan.d, plan.b, plan.m,
-                 plan.global_batch(), a->options.steps, plan.gpus(), on.cluster,
-                 process_count() > 1 ? fmt::format(" ({} processes)", process_count()) : "");
-    if (lead)
-      a->options.on_resume = [dir = a->options.checkpoint_dir](const exec::ResumeInfo& info) {
+      a->options.on_resume = [dir = a->options.checkpoint_dir,
+                              header](const exec::ResumeInfo& info) {
+        header();
         for (const std::string& w : info.warnings)
           fmt::print(stderr, "{}\n", w);
         if (info.finished)
@@ -143,9 +154,15 @@ void add_train_command(CLI::App& app) {
       };
     if (a->pin_cores && a->backend == "cpu" && process_count() == 1)
       a->options.cores = exec::cores_for_ranks(plan.gpus(), exec::allowed_cores());
-    const exec::TrainResult r =
-        train_on(a->backend, model, plan, a->options, print_step, a->comm_timeout_s);
+    const exec::TrainResult r = train_on(
+        a->backend, model, plan, a->options,
+        [header](const exec::StepLog& s) {
+          header();
+          print_step(s);
+        },
+        a->comm_timeout_s);
     if (!lead) return;
+    header();
     planner::RunReport report = measured_report(model, plan, r, on);
     if (on.peak_flops_per_s > 0)
       fmt::print("{}: {:.0f} tokens/s, {:.1f} model TFLOP/s, MFU {:.1f}% of {:.0f} TFLOP/s\n",

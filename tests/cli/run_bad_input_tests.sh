@@ -241,6 +241,8 @@ expect_code "train --offload chunks without --device-memory" 1 "offload chunks n
 expect_code "train --offload chunks: device below a layer's working set" 1 "offload chunks: the device's 1.43 MiB is smaller than the working set of the forward of block 1 (6 chunks of 128.00 KiB = 768.00 KiB, non-model memory 770.25 KiB) by 73.41 KiB" $PW $TC -m 1 --steps 1 --chunk-size 65536 --device-memory 1500000 --out "$O"
 expect_code "train --offload chunks: chunk below a tensor" 1 "chunk size 65532 B (16383 elements of 4 B) is smaller than tensor wte (16384 elements, 65536 B) by 4 B; use --chunk-size 65536 or more" $PW $TC -m 1 --steps 1 --chunk-size 65532 --device-memory 4000000 --out "$O"
 expect_code "train --offload chunks -d 2: a stage's device below a layer's working set" 1 "offload chunks: stage 0: the device's 976.56 KiB is smaller than the working set of the forward of block 0 (7 chunks of 128.00 KiB = 896.00 KiB, non-model memory 802.50 KiB) by 721.94 KiB" $PW train --backend cpu --model gpt-tiny -d 2 -b 1 -m 2 --steps 1 --offload chunks --chunk-size 65536 --device-memory 1000000 --out "$O"
+# A refused run prints its one error line and nothing on stdout (not the run's line first).
+if [ -s "$TMP/out" ]; then bad "refused train printed on stdout: $(head -c 300 "$TMP/out")"; else ok; fi
 expect_code "train --offload chunks --optimizer sgd" 1 "offload chunks runs AdamW" $PW $TC -m 1 --steps 1 --chunk-size 65536 --optimizer sgd --device-memory 4000000 --out "$O"
 expect_ok "train --offload chunks" $PW $TC -m 1 --steps 2 --chunk-size 65536 --device-memory 2000000 --out "$TMP/tc.json"
 python3 -c "
