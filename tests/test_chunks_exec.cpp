@@ -279,6 +279,24 @@ std::int64_t roomy_budget(const models::ModelSpec& model, const Plan& p) {
   return budget;
 }
 
+// One device's run against its stage's schedule and the simulator's report (its rank's entry of
+// `ranks`, the report's per-rank offload figures, one device's): the measured peak inside the
+// budget and the schedule's and the simulator's exactly; the bytes moved over `steps` the
+// schedule's and the report's exactly.
+void expect_device_is_predicted(const RankResult& got, const planner::ChunkSchedule& s,
+                                const planner::RunReport& sim, const common::Json& ranks, int rank,
+                                std::int64_t budget, int steps) {
+  EXPECT_LE(got.peak_memory_bytes, budget);
+  EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
+  EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+  EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
+  EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
+  EXPECT_EQ(got.copy_out_bytes,
+            steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
+  EXPECT_EQ(got.copy_in_bytes,
+            steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+}
+
 struct PipeCase {
   Schedule schedule;
   int d, b, m;
@@ -322,14 +340,7 @@ TEST(ChunksExec, PipelinesAreBitIdenticalWithEachStagesPeakAndBytes) {
         const RankResult& got = r.ranks[std::size_t(rank)];
         ASSERT_EQ(got.rank, rank);
         const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
-        EXPECT_LE(got.peak_memory_bytes, budget);
-        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
-        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
-        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
-        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
-        const common::Json& sr = so[std::size_t(rank)];
-        EXPECT_EQ(got.copy_out_bytes, steps * sr["copy_out_bytes_per_step"].get<std::int64_t>());
-        EXPECT_EQ(got.copy_in_bytes, steps * sr["copy_in_bytes_per_step"].get<std::int64_t>());
+        expect_device_is_predicted(got, s, sim, so, rank, budget, steps);
         // At the tightest budget every stage moves chunks, and evicts inside the step (more
         // uploads than chunks) except where 1f1b's later stages, holding d - s stashes of the
         // first stage's d under the same --device-memory, have room (d = 4: stages 2 and 3).
@@ -518,17 +529,9 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
         EXPECT_EQ(s.layout.replicas, k.w);
         EXPECT_EQ(s.layout.os_chunk_bytes,
                   8 * ((s.layout.chunk_elements + k.w - 1) / k.w));  // fp32: m and v
-        EXPECT_LE(got.peak_memory_bytes, budget);
-        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
-        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+        expect_device_is_predicted(got, s, sim, ranks, rank, budget, steps);
         EXPECT_EQ(got.memory.optimizer,
                   std::int64_t(s.device_adam_chunks) * s.layout.os_chunk_bytes);
-        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
-        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
-        EXPECT_EQ(got.copy_out_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
-        EXPECT_EQ(got.copy_in_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
         EXPECT_GE(got.host_peak_memory_bytes, s.host_peak_bytes);
         if (budget == low) {
           EXPECT_GT(got.copy_in_bytes, 0);
@@ -605,16 +608,8 @@ TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes)
         const int rank = device / k.t, stage = p.stage_of(rank);
         const RankResult& got = r.ranks[std::size_t(device)];
         const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
-        EXPECT_LE(got.peak_memory_bytes, budget);
-        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
-        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
-        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
-        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
-        // The report's per-rank bytes are one device's; its totals the t devices' of each rank.
-        EXPECT_EQ(got.copy_out_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
-        EXPECT_EQ(got.copy_in_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+        // The report's per-rank figures are one device's; its totals the t devices' of each rank.
+        expect_device_is_predicted(got, s, sim, ranks, rank, budget, steps);
         if (budget == low) {
           EXPECT_GT(got.copy_in_bytes, 0);
           EXPECT_EQ(s.device_adam_chunks, 0);
