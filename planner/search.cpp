@@ -185,7 +185,7 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
   // One pass over every shape with the given offload modes; optimizer offload plans with w > 1 are
   // sharded (with the distributed optimizer); activation offload plans have their swap/recompute
   // choices made by the choice rule (choose_activations) in place of the recompute options; chunks
-  // plans have v = 1 and t = 1 or w = 1.
+  // plans have v = 1 (any t and w).
   auto enumerate = [&](OffloadModes modes) {
     const Offload offload = modes.optimizer;
     for (int t : tps)
