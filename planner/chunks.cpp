@@ -479,6 +479,25 @@ double optimizer_time(const ChunkSchedule& s) {
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
 }
 
+// The replicas of stage `stage` placed on node `node` (all of them without a placement).
+std::vector<int> replicas_on(const Plan& p, int stage, int node) {
+  std::vector<int> out;
+  for (int r = 0; r < p.w; ++r)
+    if (p.placement.empty() || p.placement[std::size_t(p.rank_of(stage, r))].node == node)
+      out.push_back(r);
+  return out;
+}
+
+// Chunk c's CPU Adam work on those replicas' GPUs: their parts of it, t GPUs each.
+double replicas_adam_work(const ChunkLayout& L, int c, const std::vector<int>& replicas, int t) {
+  double work = 0;
+  for (int r : replicas) {
+    const auto [lo, hi] = L.shard(c, r);
+    work += double(t) * double(hi - lo);
+  }
+  return work;
+}
+
 // The step's forward and backward (each moment's compute and the copies before it) and
 // optimizer step, from copy_s.
 void time_copies(ChunkSchedule& s) {
@@ -710,13 +729,13 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   s.link_bytes_per_s = cluster.host.pcie_bandwidth_bytes_per_s / on_gpu;
   s.uplink_bytes_per_s = cluster.host.uplink_bandwidth_bytes_per_s;
   s.uplink_sharers = on_uplink;
-  // The node's CPU Adam rate, shared by the ranks (stages) it holds as if their optimizer steps
-  // ran at the same time (chunk_schedules then shares it from when each stage reaches its step).
+  // The node's CPU Adam, shared by the GPUs it holds (every GPU of a TP group steps its own
+  // chunks) as if their optimizer steps ran at the same time (chunk_schedules then shares it from
+  // when each stage reaches its step).
   int sharing = 0;
   const int node = p.placement.empty() ? 0 : p.placement[std::size_t(p.rank_of(stage, 0))].node;
   for (const Placement& at : p.placement)
-    sharing += at.node == node ? p.t : 0;  // every GPU of a TP group steps its own chunks
-  const double rate = cluster.host.cpu_adam_params_per_s() / std::max(1, sharing);
+    sharing += at.node == node ? p.t : 0;
   s.device_adam_s.assign(std::size_t(n), 0);
   s.host_adam_s.assign(std::size_t(n), 0);
   const models::ModelCosts mc = models::derive_costs(model, {p.t, p.sp});
@@ -736,22 +755,17 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   // Replica 0's part is the largest: the stage's replicas on the node step their parts of chunk c
   // in lockstep (each chunk's reduce-scatter starts them together), so with processor sharing it
   // ends when the node's CPU has done all of their parts (t jobs each) beside the other stages'
-  // jobs, each as long as replica 0's. With w = 1 (or even parts): adam_elements / rate.
-  int mine = 0;  // this stage's replicas on the node
-  for (int r = 0; r < p.w; ++r)
-    mine += p.placement.empty() || p.placement[std::size_t(p.rank_of(stage, r))].node == node;
-  const int others = std::max(0, sharing - mine * p.t);
+  // jobs, each as long as replica 0's. With w = 1 (or even parts): adam_elements / (capacity /
+  // sharing).
+  const std::vector<int> mine = replicas_on(p, stage, node);
+  const int others = std::max(0, sharing - int(mine.size()) * p.t);
   const double capacity = cluster.host.cpu_adam_params_per_s();
-  for (int c = 0; c < n; ++c) {
-    double work = double(others) * double(L.adam_elements(c));
-    for (int r = 0; r < p.w; ++r)
-      if (p.placement.empty() || p.placement[std::size_t(p.rank_of(stage, r))].node == node) {
-        const auto [lo, hi] = L.shard(c, r);
-        work += double(p.t) * double(hi - lo);
-      }
+  for (int c = 0; c < n; ++c)
     s.host_adam_s[std::size_t(c)] =
-        rate > 0 ? work / capacity : std::numeric_limits<double>::infinity();
-  }
+        capacity > 0
+            ? (double(others) * double(L.adam_elements(c)) + replicas_adam_work(L, c, mine, p.t)) /
+                  capacity
+            : std::numeric_limits<double>::infinity();
   if (p.w > 1) s.collective_s = data_parallel_allreduce_s(cluster, p, stage, double(L.chunk_bytes));
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
   int most_host = 0;
@@ -953,18 +967,16 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
   for (std::size_t s = 0; s < out.size(); ++s) {
     const ChunkSchedule& cs = out[s];
     const ChunkLayout& L = cs.layout;
-    std::map<int, std::vector<int>> replicas;
+    std::set<int> nodes;
     for (int r = 0; r < p.w; ++r)
-      replicas[node_of(p.rank_of(int(s), r))].push_back(r);
-    for (const auto& [node, here] : replicas) {
+      nodes.insert(node_of(p.rank_of(int(s), r)));
+    for (int node : nodes) {
+      const std::vector<int> here = replicas_on(p, int(s), node);
       Entry e{s, p.t * int(here.size()), std::vector<double>(std::size_t(L.chunks()), 0.0), 0};
-      for (int c = cs.device_adam_chunks; c < L.chunks(); ++c)
-        for (int r : here) {
-          const auto [lo, hi] = L.shard(c, r);
-          e.chunk_work[std::size_t(c)] += double(p.t) * double(hi - lo);
-        }
-      for (double x : e.chunk_work)
-        e.work += x;
+      for (int c = cs.device_adam_chunks; c < L.chunks(); ++c) {
+        e.chunk_work[std::size_t(c)] = replicas_adam_work(L, c, here, p.t);
+        e.work += e.chunk_work[std::size_t(c)];
+      }
       by_node[node].push_back(std::move(e));
     }
     release[s] = run.end[s];
