@@ -38,12 +38,12 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
           {"data", o.data}};
 }
 
-clusters::Cluster chunk_cluster(std::int64_t device_memory, int gpus) {
+clusters::Cluster chunk_cluster(std::int64_t device_memory, const planner::Plan& plan) {
   clusters::Cluster node = clusters::load_cluster("v100-32gb-ws");
   node.device.memory_bytes = device_memory;
-  if (gpus > 1) {
+  if (plan.t > 1) {
     // Every device its own GPU of the node, on PCIe (the times only; the moves do not use them).
-    node.gpus_per_node = gpus;
+    node.gpus_per_node = plan.gpus();
     node.intra_node = {clusters::IntraKind::pcie, node.host.pcie_bandwidth_bytes_per_s,
                        node.host.pcie_latency_s, 1};
   }
@@ -176,8 +176,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
   std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
   if (plan.offload == planner::Offload::chunks) {
-    const clusters::Cluster node =
-        chunk_cluster(options.device_memory, plan.t > 1 ? plan.gpus() : 1);
+    const clusters::Cluster node = chunk_cluster(options.device_memory, plan);
     const planner::Plan placed = chunk_placement(plan);
     const traces::Trace trace =
         traces::analytic_trace(model, node.device, {plan.b}, models::Sharding{plan.t, plan.sp});

@@ -118,14 +118,14 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
                           const TrainOptions& options, const std::string& backend = "cpu");
 
 // Offload chunks (CPU backend, docs/formats.md): the node the executor makes its chunk schedule
-// on, `gpus` devices of `device_memory` bytes each (the emulated device's --device-memory) on the
-// v100-32gb-ws preset's node (its host link and CPU Adam rate; with gpus > 1 PCIe between them;
-// the moves depend only on the budget, the chunk layout and the layers' stash and workspace
-// bytes, not on times), and the plan placed on it (chunk_placement): with t = 1 every rank on one
-// GPU (gpus = 1), with t > 1 each of the t w d devices on its own (gpus = plan.gpus()).
+// on for `plan`, devices of `device_memory` bytes each (the emulated device's --device-memory) on
+// the v100-32gb-ws preset's node (its host link and CPU Adam rate; the moves depend only on the
+// budget, the chunk layout and the layers' stash and workspace bytes, not on times), and the plan
+// placed on it (chunk_placement): with t = 1 the node's one GPU holds every rank, with t > 1 the
+// node has t w d GPUs on PCIe, each device on its own.
 // estimate and simulate of the model's analytic trace at b (sharded at t) on this node and
 // placement predict the run's moves, device peak and bytes exactly.
-clusters::Cluster chunk_cluster(std::int64_t device_memory, int gpus = 1);
+clusters::Cluster chunk_cluster(std::int64_t device_memory, const planner::Plan& plan);
 planner::Plan chunk_placement(const planner::Plan& plan);
 
 TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,

@@ -60,7 +60,7 @@ models::ModelSpec untied(models::ModelSpec m) {
 // The node, placement and trace the executor plans on (chunk_cluster, chunk_placement: the
 // emulated devices' budget; with t > 1 each device its own GPU, the trace sharded at t).
 clusters::Cluster node_of(const Plan& p, std::int64_t budget) {
-  return chunk_cluster(budget, p.t > 1 ? p.gpus() : 1);
+  return chunk_cluster(budget, p);
 }
 traces::Trace trace_of(const models::ModelSpec& model, const Plan& p, std::int64_t budget) {
   return traces::analytic_trace(model, node_of(p, budget).device, {p.b},
