@@ -277,9 +277,10 @@ void add_plan_command(CLI::App& app) {
           "of a TP group its own shard), and "
           "chunks (PatrickStar: all model data "
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
-          "the host for the chunks whose state does not fit; t = 1, sharded over w > 1 "
-          "replicas, each pipeline stage its "
-          "own chunks): {} fit\n",
+          "the host for the chunks whose state does not fit; each pipeline stage, and with "
+          "t > 1 each GPU of its TP group, its own chunks, their optimizer state sharded over "
+          "w > 1 replicas; the default chunk size, or the largest halving of it at which every "
+          "layer's working set fits): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())
         fmt::print("the fastest that fits offloads {}\n",

@@ -128,10 +128,10 @@ void add_train_command(CLI::App& app) {
                    steps = a->options.steps] {
       if (!lead) return;
       std::call_once(*once, [&] {
-        fmt::print("{}: {} {}w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}{}\n",
+        fmt::print("{}: {} {}w={} d={} b={} m={}, global batch {}, {} steps, {} rank{} on {}{}\n",
                    model.name, to_string(plan.schedule),
                    plan.t > 1 ? fmt::format("t={} ", plan.t) : "", plan.w, plan.d, plan.b, plan.m,
-                   plan.global_batch(), steps, plan.gpus(), on.cluster,
+                   plan.global_batch(), steps, plan.gpus(), plan.gpus() == 1 ? "" : "s", on.cluster,
                    process_count() > 1 ? fmt::format(" ({} processes)", process_count()) : "");
       });
     };

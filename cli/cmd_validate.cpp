@@ -466,11 +466,12 @@ void run_and_compare(const ValidateArgs& a) {
     trace.at(plan.b);
   }
   const MeasuredOn on = measured_on(a.backend, model, plan);
-  fmt::print("{}: {}{} w={} d={} b={} m={}, global batch {}, {} steps, {} ranks on {}\n",
+  fmt::print("{}: {}{} w={} d={} b={} m={}, global batch {}, {} steps, {} rank{} on {}\n",
              model.name, to_string(plan.schedule), tp_text(plan), plan.w, plan.d, plan.b, plan.m,
              plan.global_batch(), a.train.steps,
              plan.t > 1 ? fmt::format("{} x t = {}", plan.ranks(), plan.gpus())
                         : fmt::format("{}", plan.ranks()),
+             plan.gpus() == 1 ? "" : "s",
              gpu   ? on.device
              : job ? fmt::format("{} processes (mpirun)", job->size())
                    : fmt::format("{} cores", exec::hardware_threads()));

@@ -556,12 +556,15 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   if (worst >= 0) {
     const ChunkMoment& m = plan[std::size_t(worst)];
     const std::size_t n = need[std::size_t(worst)].size();
-    throw InputError(fmt::format(
-        "offload chunks: {}the device's {} is smaller than the working set of the {} "
-        "({} {} of {} = {}, non-model memory {}{}) by {}",
-        where, gib(s.budget_bytes), m.label(L), n, L.parts == 1 ? "chunks" : "chunk parts",
-        gib(L.move_bytes), gib(mul(std::int64_t(n), L.move_bytes)), gib(m.non_model_bytes),
-        os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "", gib(short_by)));
+    const char* what = L.parts == 1 ? "chunk" : "chunk part";
+    throw ChunkWorkingSetError(
+        fmt::format(
+            "offload chunks: {}the device's {} is smaller than the working set of the {} "
+            "({} {}{} of {} = {}, non-model memory {}{}) by {}",
+            where, gib(s.budget_bytes), m.label(L), n, what, n == 1 ? "" : "s", gib(L.move_bytes),
+            gib(mul(std::int64_t(n), L.move_bytes)), gib(m.non_model_bytes),
+            os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "", gib(short_by)),
+        0);
   }
   for (int k = 0; k < moments; ++k) {
     ChunkMoment& m = plan[std::size_t(k)];
@@ -936,12 +939,46 @@ void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& clu
 
 }  // namespace
 
+std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const traces::Trace& trace,
+                                         const clusters::Cluster& cluster, const Plan& p) {
+  const std::int64_t e = models::dtype_bytes(model.dtype), mib = std::int64_t{1} << 20;
+  std::int64_t floor = 0;  // the largest tensor's bytes: no chunk can be smaller
+  for (const ChunkTensor& t : model_tensors(model, p.t))
+    floor = std::max(floor, mul(t.elements, e));
+  const std::int64_t from = p.chunk_bytes > 0 ? p.chunk_bytes : default_chunk_bytes(model);
+  Plan q = p;
+  for (std::int64_t half = from / 2, tried = from; tried > floor; half /= 2) {
+    std::int64_t rung = half >= mib ? half / mib * mib : half / e * e;
+    rung = std::max(rung, floor);
+    if (rung >= tried) break;
+    tried = rung;
+    q.chunk_bytes = rung;
+    try {
+      for (int s = 0; s < p.d; ++s)
+        chunk_schedule(model, trace, cluster, q, s);
+      return rung;
+    } catch (const ChunkWorkingSetError&) {
+    }
+  }
+  return 0;
+}
+
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& p) {
   std::vector<ChunkSchedule> out;
-  for (int s = 0; s < p.d; ++s)
-    out.push_back(chunk_schedule(model, trace, cluster, p, s));
+  try {
+    for (int s = 0; s < p.d; ++s)
+      out.push_back(chunk_schedule(model, trace, cluster, p, s));
+  } catch (const ChunkWorkingSetError& e) {
+    const std::int64_t fits = smaller_fitting_chunk_bytes(model, trace, cluster, p);
+    throw ChunkWorkingSetError(
+        fits > 0 ? fmt::format("{}; a chunk size of {} ({} B: --chunk-size, or the plan's "
+                               "chunk_bytes) lets every working set fit",
+                               e.what(), gib(fits), fits)
+                 : fmt::format("{}; no smaller chunk size fits either", e.what()),
+        fits);
+  }
   // The stages of a node share its CPU by processor sharing from the moments they reach their
   // optimizer steps (docs/formulas.md section 9, chunks): when their last compute op ends in one
   // step of the pipeline (chunk_pipeline, the hops between stages left out), then their first

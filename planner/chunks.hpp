@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "clusters/cluster.hpp"
+#include "common/error.hpp"
 #include "models/model.hpp"
 #include "planner/plan.hpp"
 #include "traces/trace.hpp"
@@ -34,6 +35,16 @@ struct ChunkTensor {
 // order; each layer's sum is its LayerCosts::parameters at t (tested). Tied embeddings: "wte"
 // once (the head uses it too).
 std::vector<ChunkTensor> model_tensors(const models::ModelSpec& model, int t = 1);
+
+// A moment's working set (its layer's chunks and the non-model memory) passes the device. With
+// `fitting_chunk_bytes` > 0 a smaller chunk size (smaller_fitting_chunk_bytes) lets every stage's
+// working set fit, and the message says so.
+class ChunkWorkingSetError : public InputError {
+ public:
+  ChunkWorkingSetError(const std::string& what, std::int64_t fitting)
+      : InputError(what), fitting_chunk_bytes(fitting) {}
+  std::int64_t fitting_chunk_bytes = 0;
+};
 
 // The chunk size a plan without chunk_bytes gets: kDefaultChunkElements elements of the compute
 // dtype, or, when a tensor is larger, that tensor's bytes rounded up to a MiB.
@@ -224,6 +235,12 @@ struct ChunkSchedule {
 ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace& trace,
                              const clusters::Cluster& cluster, const Plan& plan, int stage = 0);
 
+// The largest chunk size smaller than the plan's (its chunk_bytes, or the default) at which every
+// stage's working set fits the device, from the halvings of it (a MiB multiple while at least a
+// MiB) down to the largest tensor's bytes; 0 when none does. docs/formulas.md section 9 (chunks).
+std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const traces::Trace& trace,
+                                         const clusters::Cluster& cluster, const Plan& plan);
+
 // One step of a chunks pipeline (docs/formulas.md section 9, chunks): each compute op as long as
 // its moments (its layers and the copies before them), every stage in its step order, a forward
 // after the previous stage's forward of its microbatch plus that stage's hop_s, a backward after
@@ -242,7 +259,8 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
 // Every stage's schedule, indexed by stage (what Programs::chunks holds). With d > 1 each stage's
 // CPU Adam rate is its share of its node's CPU by processor sharing from the moment the stage
 // reaches its optimizer step (docs/formulas.md section 9, chunks); chunk_schedule alone divides
-// the node's rate by the stages on it.
+// the node's rate by the stages on it. A working set that passes the device throws
+// ChunkWorkingSetError with smaller_fitting_chunk_bytes in it and in its message.
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& plan);

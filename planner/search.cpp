@@ -254,14 +254,22 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                 for (Plan& x : splits) {
                   Candidate c{x, {}, true, ""};
                   if (x.offload == Offload::chunks) {
+                    // The default chunk size, or where a layer's working set passes the device
+                    // with it, the largest smaller one that fits (none: not a candidate).
                     x.chunk_bytes = default_chunk_bytes(model);
-                    c.plan = x;
                     try {
-                      c.estimate = estimate(model, trace, cluster, x);
+                      try {
+                        c.estimate = estimate(model, trace, cluster, x);
+                      } catch (const ChunkWorkingSetError& e) {
+                        if (e.fitting_chunk_bytes <= 0) throw;
+                        x.chunk_bytes = e.fitting_chunk_bytes;
+                        c.estimate = estimate(model, trace, cluster, x);
+                      }
                     } catch (const InputError&) {
-                      ++result.considered;  // a layer's working set passes the device
+                      ++result.considered;
                       continue;
                     }
+                    c.plan = x;
                   } else {
                     c.estimate = estimate(model, trace, cluster, x);
                   }

@@ -10,6 +10,7 @@
 
 #include "tests/test_util.hpp"
 
+#include "common/format.hpp"
 #include "planner/checker.hpp"
 #include "planner/chunks.hpp"
 #include "planner/cost_model.hpp"
@@ -626,6 +627,31 @@ TEST(ChunksSearch, CapacityOnOneV100) {
   }
 }
 
+// gpt-tiny (fp32: default chunk 256 MiB) on a 2,000,000-byte device: nothing fits without
+// offload, no layer fits at the default chunk size, and the planner's chunks candidates take the
+// largest halving at which every working set fits (what the refusal offers).
+TEST(ChunksSearch, ASmallDeviceGetsTheLargestChunkSizeThatFits) {
+  const clusters::Cluster c = ws({"device.memory_bytes=2000000"});
+  const models::ModelSpec m = models::load_model("gpt-tiny");
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {1, 2, 4, 8});
+  const SearchResult r = search(m, c, 1, true);
+  int chunks = 0;
+  for (const Candidate& x : r.fitting) {
+    if (x.plan.offload != Offload::chunks) continue;
+    ++chunks;
+    EXPECT_LT(x.plan.chunk_bytes, default_chunk_bytes(m));
+    Plan at_default = x.plan;
+    at_default.chunk_bytes = 0;
+    try {
+      estimate(m, trace, c, at_default);
+      ADD_FAILURE() << "fits at the default chunk size";
+    } catch (const ChunkWorkingSetError& e) {
+      EXPECT_EQ(e.fitting_chunk_bytes, x.plan.chunk_bytes);
+    }
+  }
+  EXPECT_GT(chunks, 0);
+}
+
 // Selective recompute with chunks: GPT-3 13B with unfused attention (its T x T scores stashed)
 // on one V100-32GB fits only when the attention cores are dropped (stage-level full recompute
 // re-makes the whole stash before the backward), and the planner finds that plan.
@@ -662,6 +688,51 @@ Plan piped(const clusters::Cluster& c, Schedule sch, int m, std::int64_t layers,
 
 clusters::Cluster eight() {
   return clusters::load_cluster("p3.16xlarge", {}, {});
+}
+
+// A device below a working set at the plan's chunk size (4 KiB), where a smaller chunk would fit:
+// the line offers the largest of the halvings 2048, 1024, 512 (the largest tensor, fc.w: 8 x 32
+// fp16) at which every stage fits, every larger one does not, and the plan at that size is
+// scheduled. A device below every halving's working sets gets no offer.
+TEST(ChunksEviction, TheLargestSmallerChunkSizeThatFitsIsOffered) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = no_activations(m);
+  for (int d : {1, 2}) {
+    SCOPED_TRACE(d);
+    clusters::Cluster c = d == 1 ? ws() : eight();
+    c.device.memory_bytes = 7 * 512;
+    Plan p = d == 1 ? chunked(c, 2, 4096) : piped(c, Schedule::gpipe, 1, 2, 4096);
+    std::int64_t offered = -1;
+    try {
+      chunk_schedules(m, trace, c, p);
+    } catch (const ChunkWorkingSetError& e) {
+      offered = e.fitting_chunk_bytes;
+      EXPECT_NE(std::string(e.what()).find(
+                    fmt::format("; a chunk size of {} ({} B: --chunk-size, or the plan's "
+                                "chunk_bytes) lets every working set fit",
+                                common::human_bytes(double(offered)), offered)),
+                std::string::npos)
+          << e.what();
+    }
+    ASSERT_GT(offered, 0);
+    for (std::int64_t larger = 2048; larger > offered; larger /= 2) {
+      p.chunk_bytes = larger;
+      EXPECT_THROW(chunk_schedules(m, trace, c, p), ChunkWorkingSetError) << larger;
+    }
+    p.chunk_bytes = offered;
+    EXPECT_NO_THROW(chunk_schedules(m, trace, c, p));
+  }
+  clusters::Cluster c = ws();
+  c.device.memory_bytes = 1536;  // a block's tensors alone are 1.7 KiB
+  const Plan p = chunked(c, 2, 4096);
+  try {
+    chunk_schedules(m, trace, c, p);
+    ADD_FAILURE() << "no refusal";
+  } catch (const ChunkWorkingSetError& e) {
+    EXPECT_EQ(e.fitting_chunk_bytes, 0);
+    EXPECT_NE(std::string(e.what()).find("; no smaller chunk size fits either"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(ChunksPipeline, EachStageLaysOutItsOwnLayersWithTheTiedCopyOnTheLast) {
