@@ -90,7 +90,8 @@ void PlanOptions::add(CLI::App& app) {
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "
                  "(default: 64 Mi elements, 128 MiB for fp16, or the largest tensor rounded up "
-                 "to a MiB)")
+                 "to a MiB; on a device too small for a layer at that size, the largest halving "
+                 "of it that fits)")
       ->check(CLI::Range(std::int64_t{1}, common::kMaxBytes));
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")

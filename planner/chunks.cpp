@@ -972,6 +972,11 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
       out.push_back(chunk_schedule(model, trace, cluster, p, s));
   } catch (const ChunkWorkingSetError& e) {
     const std::int64_t fits = smaller_fitting_chunk_bytes(model, trace, cluster, p);
+    if (p.chunk_bytes == 0 && fits > 0) {  // no chunk size given: the default is the one that fits
+      Plan q = p;
+      q.chunk_bytes = fits;
+      return chunk_schedules(model, trace, cluster, q);
+    }
     throw ChunkWorkingSetError(
         fits > 0 ? fmt::format("{}; a chunk size of {} ({} B: --chunk-size, or the plan's "
                                "chunk_bytes) lets every working set fit",

@@ -259,8 +259,10 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
 // Every stage's schedule, indexed by stage (what Programs::chunks holds). With d > 1 each stage's
 // CPU Adam rate is its share of its node's CPU by processor sharing from the moment the stage
 // reaches its optimizer step (docs/formulas.md section 9, chunks); chunk_schedule alone divides
-// the node's rate by the stages on it. A working set that passes the device throws
-// ChunkWorkingSetError with smaller_fitting_chunk_bytes in it and in its message.
+// the node's rate by the stages on it. A plan without a chunk size whose working set passes the
+// device at the default gets the smaller fitting one (the schedules' layouts say which); a working
+// set that passes the device otherwise throws ChunkWorkingSetError with
+// smaller_fitting_chunk_bytes in it and in its message.
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                                            const traces::Trace& trace,
                                            const clusters::Cluster& cluster, const Plan& plan);

@@ -36,7 +36,8 @@ std::string to_string(Offload o);  // "none", "optimizer", "chunks"
 
 // PatrickStar's chunk size when the plan gives none: 64 Mi fp16 elements (128 MiB); a model
 // whose largest tensor is larger gets that tensor's size rounded up to a MiB
-// (planner/chunks.hpp, default_chunk_bytes).
+// (planner/chunks.hpp, default_chunk_bytes), and a device too small for a layer's working set at
+// that size the largest halving of it that fits (chunk_schedules).
 inline constexpr std::int64_t kDefaultChunkElements = std::int64_t{64} << 20;
 
 // Activation offload (KARMA, Wahib et al., SC 2020): per stage, its stashed activations are swapped
@@ -84,10 +85,11 @@ struct Plan {
   int v = 1;  // model chunks per device (interleaved only)
   // optimizer: with w > 1 needs the distributed optimizer (sharded), with w == 1 none (check()).
   Offload offload = Offload::none;
-  // offload chunks: bytes of one fp16 parameter chunk (0: default_chunk_bytes of the model).
-  // Chunks need t = v = 1 (d > 1: each stage its own chunks; w > 1: each chunk's optimizer state
-  // sharded over the replicas), no distributed optimizer, no other offload mode (not yet; check()
-  // says so in one line).
+  // offload chunks: bytes of one parameter chunk in the compute dtype (0: default_chunk_bytes of
+  // the model, or where a layer's working set passes the device with it the largest halving of it
+  // that fits: chunk_schedules). Chunks need v = 1 (d > 1: each stage its own chunks; t > 1: each
+  // GPU of a TP group its shard's; w > 1: each chunk's optimizer state sharded over the replicas),
+  // no distributed optimizer, no other offload mode (not yet; check() says so in one line).
   std::int64_t chunk_bytes = 0;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A

@@ -629,7 +629,8 @@ TEST(ChunksSearch, CapacityOnOneV100) {
 
 // gpt-tiny (fp32: default chunk 256 MiB) on a 2,000,000-byte device: nothing fits without
 // offload, no layer fits at the default chunk size, and the planner's chunks candidates take the
-// largest halving at which every working set fits (what the refusal offers).
+// largest halving at which every working set fits (what the refusal of the default size given
+// explicitly offers, and what a plan without a chunk size gets).
 TEST(ChunksSearch, ASmallDeviceGetsTheLargestChunkSizeThatFits) {
   const clusters::Cluster c = ws({"device.memory_bytes=2000000"});
   const models::ModelSpec m = models::load_model("gpt-tiny");
@@ -641,13 +642,17 @@ TEST(ChunksSearch, ASmallDeviceGetsTheLargestChunkSizeThatFits) {
     ++chunks;
     EXPECT_LT(x.plan.chunk_bytes, default_chunk_bytes(m));
     Plan at_default = x.plan;
-    at_default.chunk_bytes = 0;
+    at_default.chunk_bytes = default_chunk_bytes(m);
     try {
       estimate(m, trace, c, at_default);
       ADD_FAILURE() << "fits at the default chunk size";
     } catch (const ChunkWorkingSetError& e) {
       EXPECT_EQ(e.fitting_chunk_bytes, x.plan.chunk_bytes);
     }
+    at_default.chunk_bytes = 0;
+    const Estimate est = estimate(m, trace, c, at_default);
+    ASSERT_TRUE(est.chunks);
+    EXPECT_EQ(est.chunks->front().layout.chunk_bytes, x.plan.chunk_bytes);
   }
   EXPECT_GT(chunks, 0);
 }
