@@ -426,7 +426,12 @@ void run_and_compare(const ValidateArgs& a) {
                                  model.name, models::to_string(model.dtype)));
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
-  const planner::Plan plan = executed_plan(a.plan.build(model.layers, 1));
+  // Chunks on the CPU backend: the chunk size the run takes written in (the probes and the
+  // prediction use it).
+  const planner::Plan plan =
+      gpu ? executed_plan(a.plan.build(model.layers, 1))
+          : exec::with_chunk_size(model, executed_plan(a.plan.build(model.layers, 1)),
+                                  a.train.device_memory);
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);

@@ -62,6 +62,25 @@ planner::Plan chunk_placement(const planner::Plan& plan) {
   return placed;
 }
 
+std::vector<planner::ChunkSchedule> executor_chunk_schedules(const models::ModelSpec& model,
+                                                             const planner::Plan& plan,
+                                                             std::int64_t device_memory) {
+  const clusters::Cluster node = chunk_cluster(device_memory, plan);
+  const traces::Trace trace =
+      traces::analytic_trace(model, node.device, {plan.b}, models::Sharding{plan.t, plan.sp});
+  return planner::chunk_schedules(model, trace, node, chunk_placement(plan));
+}
+
+planner::Plan with_chunk_size(const models::ModelSpec& model, planner::Plan plan,
+                              std::int64_t device_memory) {
+  if (plan.offload != planner::Offload::chunks || plan.chunk_bytes > 0 || device_memory <= 0)
+    return plan;  // prepare_run refuses a chunks plan without a device size
+  const std::int64_t used =
+      executor_chunk_schedules(model, plan, device_memory).front().layout.chunk_bytes;
+  if (used != planner::default_chunk_bytes(model)) plan.chunk_bytes = used;
+  return plan;
+}
+
 namespace detail {
 
 void keep_freed_memory() {
@@ -175,14 +194,9 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   // Offload chunks: the eviction plan the programs carry, made before anything is written (a chunk
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
   std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
-  if (plan.offload == planner::Offload::chunks) {
-    const clusters::Cluster node = chunk_cluster(options.device_memory, plan);
-    const planner::Plan placed = chunk_placement(plan);
-    const traces::Trace trace =
-        traces::analytic_trace(model, node.device, {plan.b}, models::Sharding{plan.t, plan.sp});
+  if (plan.offload == planner::Offload::chunks)
     chunks = std::make_shared<const std::vector<planner::ChunkSchedule>>(
-        planner::chunk_schedules(model, trace, node, placed));
-  }
+        executor_chunk_schedules(model, plan, options.device_memory));
   PreparedRun run;
   run.identity = run_identity(model, plan, options, backend);
   if (!options.checkpoint_dir.empty()) remove_incomplete_checkpoints(options.checkpoint_dir);

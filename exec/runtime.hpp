@@ -10,6 +10,7 @@
 
 #include "clusters/cluster.hpp"
 #include "models/model.hpp"
+#include "planner/chunks.hpp"
 #include "planner/plan.hpp"
 #include "planner/program.hpp"
 #include "planner/report.hpp"
@@ -127,6 +128,17 @@ common::Json run_identity(const models::ModelSpec& model, const planner::Plan& p
 // placement predict the run's moves, device peak and bytes exactly.
 clusters::Cluster chunk_cluster(std::int64_t device_memory, const planner::Plan& plan);
 planner::Plan chunk_placement(const planner::Plan& plan);
+// The schedules the executor runs an offload-chunks plan by: planner::chunk_schedules of the
+// model's analytic trace on chunk_cluster's node, the plan placed by chunk_placement.
+std::vector<planner::ChunkSchedule> executor_chunk_schedules(const models::ModelSpec& model,
+                                                             const planner::Plan& plan,
+                                                             std::int64_t device_memory);
+// `plan` with the chunk size it runs at written in: a chunks plan without one whose layers do not
+// fit `device_memory` at the default size gets the smaller size the schedules take (so that its
+// report, checkpoints and validate's predictions name it); any other plan as it is. Throws the
+// schedules' one-line refusals.
+planner::Plan with_chunk_size(const models::ModelSpec& model, planner::Plan plan,
+                              std::int64_t device_memory);
 
 TrainResult train_cpu(const models::ModelSpec& model, const planner::Plan& plan,
                       const TrainOptions& options,
