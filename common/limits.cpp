@@ -6,7 +6,7 @@
 
 namespace pw::common {
 
-std::int64_t checked_mul(std::int64_t a, std::int64_t b, const std::string& what,
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, std::string_view what,
                          std::int64_t limit) {
   std::int64_t p = 0;
   if (__builtin_mul_overflow(a, b, &p) || p > limit)
@@ -16,7 +16,7 @@ std::int64_t checked_mul(std::int64_t a, std::int64_t b, const std::string& what
   return p;
 }
 
-std::int64_t checked_product(std::initializer_list<std::int64_t> factors, const std::string& what,
+std::int64_t checked_product(std::initializer_list<std::int64_t> factors, std::string_view what,
                              std::int64_t limit) {
   std::int64_t p = 1;
   for (std::int64_t f : factors) {
@@ -32,7 +32,7 @@ std::int64_t checked_product(std::initializer_list<std::int64_t> factors, const 
   return p;
 }
 
-std::int64_t checked_add(std::int64_t a, std::int64_t b, const std::string& what,
+std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string_view what,
                          std::int64_t limit) {
   std::int64_t s = 0;
   if (__builtin_add_overflow(a, b, &s) || s > limit)

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "common/error.hpp"
 
@@ -42,12 +43,12 @@ inline constexpr std::int64_t kMaxJsonFileBytes = std::int64_t(256) << 20;
 inline constexpr int kMaxJsonDepth = 64;
 
 // a * b, or an InputError "`what`: a x b is too large" when it leaves int64 or passes `limit`.
-std::int64_t checked_mul(std::int64_t a, std::int64_t b, const std::string& what,
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, std::string_view what,
                          std::int64_t limit = INT64_MAX);
 // The product of non-negative factors, or an InputError as checked_mul.
-std::int64_t checked_product(std::initializer_list<std::int64_t> factors, const std::string& what,
+std::int64_t checked_product(std::initializer_list<std::int64_t> factors, std::string_view what,
                              std::int64_t limit = INT64_MAX);
-std::int64_t checked_add(std::int64_t a, std::int64_t b, const std::string& what,
+std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string_view what,
                          std::int64_t limit = INT64_MAX);
 
 // Whether `text` is valid UTF-8 (what JSON output needs).

@@ -354,6 +354,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     scratch = ch.recompute_scratch_bytes;
   }
   std::vector<ChunkMoment> out;
+  out.reserve(order.size() * std::size_t(layers) * (rc ? 2 : 1));  // at most
   std::int64_t held = 0;
   const std::int64_t messages = message_buffer_bytes(p, trace, L.stage);
   auto moment = [&](int slot, bool back, bool again, int l, std::int64_t take, std::int64_t give) {
@@ -371,7 +372,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     m.compute_s = back    ? t.backward_s + (selective ? t.selective_recompute_s : 0.0)
                   : again ? t.recompute_s
                           : t.forward_s;
-    out.push_back(m);
+    out.push_back(std::move(m));
     held -= give;
   };
   for (int i = 0; i < int(order.size()); ++i) {
@@ -424,12 +425,18 @@ std::vector<std::vector<ChunkMoment>> segment_moments(const models::ModelSpec& m
       }
     }
     std::vector<std::vector<ChunkMoment>> run(static_cast<std::size_t>(steps));
-    for (ChunkMoment m : order_moments(model, trace, p, L, workspace, order)) {
+    std::vector<ChunkMoment> all = order_moments(model, trace, p, L, workspace, order);
+    std::vector<std::size_t> count(static_cast<std::size_t>(steps), 0);
+    for (const ChunkMoment& m : all)
+      ++count[std::size_t(segment[std::size_t(m.slot)] - first)];
+    for (int t = 0; t < steps; ++t)
+      run[std::size_t(t)].reserve(count[std::size_t(t)]);
+    for (ChunkMoment& m : all) {
       const ComputeSlot& slot = order[std::size_t(m.slot)];
       const int t = segment[std::size_t(m.slot)];
       m.newer = expected_version(p, slot.step, slot.microbatch) == t;
       m.slot = index[std::size_t(m.slot)];
-      run[std::size_t(t - first)].push_back(m);
+      run[std::size_t(t - first)].push_back(std::move(m));
     }
     for (int t = first; t < first + steps; ++t) {
       const auto kind = std::size_t(chunk_segment(first, steps, t));
@@ -441,10 +448,9 @@ std::vector<std::vector<ChunkMoment>> segment_moments(const models::ModelSpec& m
   return out;
 }
 
-// The units moment m uses, ascending: its layer's chunks (with 2bw each chunk's part of the
+// Appends the units moment m uses, ascending: its layer's chunks (with 2bw each chunk's part of the
 // moment's version role, and for a backward its gradient part).
-std::vector<int> moment_units(const ChunkLayout& L, const ChunkMoment& m) {
-  std::vector<int> out;
+void append_moment_units(const ChunkLayout& L, const ChunkMoment& m, std::vector<int>& out) {
   for (int c : L.layer_chunks[std::size_t(m.layer)]) {
     if (L.parts == 1) {
       out.push_back(c);
@@ -453,7 +459,6 @@ std::vector<int> moment_units(const ChunkLayout& L, const ChunkMoment& m) {
     out.push_back(c * L.parts + (m.newer ? 1 : 0));
     if (m.backward) out.push_back(c * L.parts + 2);
   }
-  return out;
 }
 
 // The optimizer step: the host-Adam chunks' downloads (one engine, in order) and CPU Adam (one
@@ -522,27 +527,29 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   const ChunkLayout& L = s.layout;
   const int units = L.units(), moments = int(plan.size());
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
-  std::vector<std::vector<int>> need(static_cast<std::size_t>(moments));
-  // uses[u]: the moments (0 .. moments-1, and `moments` for the optimizer step) using u.
-  std::vector<std::vector<int>> uses(static_cast<std::size_t>(units));
+  // need: moment k's units, need[need_from[k] .. need_from[k + 1]).
+  std::vector<int> need;
+  std::vector<std::size_t> need_from(std::size_t(moments) + 1, 0);
   for (int k = 0; k < moments; ++k) {
-    need[std::size_t(k)] = moment_units(L, plan[std::size_t(k)]);
-    for (int u : need[std::size_t(k)])
-      uses[std::size_t(u)].push_back(k);
+    append_moment_units(L, plan[std::size_t(k)], need);
+    need_from[std::size_t(k) + 1] = need.size();
   }
+  auto needs = [&](int k) {  // [first, last) of moment k's units
+    return std::pair<const int*, const int*>{need.data() + need_from[std::size_t(k)],
+                                             need.data() + need_from[std::size_t(k) + 1]};
+  };
+  // uses[u]: the moments (0 .. moments-1, and `moments` for the optimizer step) using u, ascending.
+  std::vector<std::vector<int>> uses(static_cast<std::size_t>(units));
+  for (int k = 0; k < moments; ++k)
+    for (auto [u, end] = needs(k); u != end; ++u)
+      uses[std::size_t(*u)].push_back(k);
   for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
     uses[std::size_t(u)].push_back(moments);
   auto next_use = [&](int u, int k) {  // distance from moment k to u's next use after it
-    for (int at : uses[std::size_t(u)])
-      if (at > k) return at - k;
-    return uses[std::size_t(u)].empty() ? std::numeric_limits<int>::max()
-                                        : uses[std::size_t(u)].front() + moments + 1 - k;
-  };
-  auto weight_bytes = [&](bool gradient) {
-    std::int64_t sum = 0;
-    for (int u : resident)
-      sum = add(sum, gradient ? L.unit_gradient_bytes(u) : L.unit_weight_bytes(u));
-    return sum;
+    const std::vector<int>& at = uses[std::size_t(u)];
+    const auto later = std::upper_bound(at.begin(), at.end(), k);
+    if (later != at.end()) return *later - k;
+    return at.empty() ? std::numeric_limits<int>::max() : at.front() + moments + 1 - k;
   };
   // A moment whose working set (its units, its non-model memory, the device optimizer state)
   // passes the device: the one that passes it most, so "by" is what the device lacks.
@@ -550,57 +557,84 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   std::int64_t short_by = 0;
   for (int k = 0; k < moments; ++k) {
     const std::int64_t room = s.budget_bytes - plan[std::size_t(k)].non_model_bytes - os;
-    const std::int64_t over = mul(std::int64_t(need[std::size_t(k)].size()), L.move_bytes) - room;
+    const auto [first, last] = needs(k);
+    const std::int64_t over = mul(std::int64_t(last - first), L.move_bytes) - room;
     if (over > short_by) worst = k, short_by = over;
   }
   if (worst >= 0) {
     const ChunkMoment& m = plan[std::size_t(worst)];
-    const std::size_t n = need[std::size_t(worst)].size();
+    const auto [first, last] = needs(worst);
+    const auto n = std::int64_t(last - first);
     const char* what = L.parts == 1 ? "chunk" : "chunk part";
     throw ChunkWorkingSetError(
-        fmt::format(
-            "offload chunks: {}the device's {} is smaller than the working set of the {} "
-            "({} {}{} of {} = {}, non-model memory {}{}) by {}",
-            where, gib(s.budget_bytes), m.label(L), n, what, n == 1 ? "" : "s", gib(L.move_bytes),
-            gib(mul(std::int64_t(n), L.move_bytes)), gib(m.non_model_bytes),
-            os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "", gib(short_by)),
+        fmt::format("offload chunks: {}the device's {} is smaller than the working set of the {} "
+                    "({} {}{} of {} = {}, non-model memory {}{}) by {}",
+                    where, gib(s.budget_bytes), m.label(L), n, what, n == 1 ? "" : "s",
+                    gib(L.move_bytes), gib(mul(n, L.move_bytes)), gib(m.non_model_bytes),
+                    os > 0 ? fmt::format(", device optimizer state {}", gib(os)) : "",
+                    gib(short_by)),
         0);
   }
+  // The units on the device (a flag per unit), how many, and their weight and gradient bytes.
+  std::vector<char> on(std::size_t(units), 0);
+  int count = 0;
+  std::int64_t weights = 0, gradients = 0;
+  auto put = [&](int u) {
+    on[std::size_t(u)] = 1;
+    ++count;
+    weights = add(weights, L.unit_weight_bytes(u));
+    gradients = add(gradients, L.unit_gradient_bytes(u));
+  };
+  auto drop = [&](int u) {
+    on[std::size_t(u)] = 0;
+    --count;
+    weights -= L.unit_weight_bytes(u);
+    gradients -= L.unit_gradient_bytes(u);
+  };
+  for (int u : resident)
+    put(u);
+  std::vector<int> missing;
   for (int k = 0; k < moments; ++k) {
     ChunkMoment& m = plan[std::size_t(k)];
     m.copies.clear();
-    const std::vector<int>& here = need[std::size_t(k)];
+    const auto [here, here_end] = needs(k);
     const std::int64_t room = s.budget_bytes - m.non_model_bytes - os;
-    std::vector<int> missing;
-    for (int u : here)
-      if (!resident.count(u)) missing.push_back(u);
-    while (mul(std::int64_t(resident.size() + missing.size()), L.move_bytes) > room) {
+    missing.clear();
+    for (const int* u = here; u != here_end; ++u)
+      if (!on[std::size_t(*u)]) missing.push_back(*u);
+    while (mul(std::int64_t(count) + std::int64_t(missing.size()), L.move_bytes) > room) {
       int victim = -1, far = -1;
-      for (int u : resident) {
-        if (std::binary_search(here.begin(), here.end(), u)) continue;
+      for (int u = 0; u < units; ++u) {
+        if (!on[std::size_t(u)] || std::binary_search(here, here_end, u)) continue;
         const int d = next_use(u, k);
         if (d >= far) far = d, victim = u;  // ascending: a tie goes to the larger index
       }
       m.copies.push_back({false, victim});
-      resident.erase(victim);
+      drop(victim);
     }
     for (int u : missing) {
       m.copies.push_back({true, u});
-      resident.insert(u);
+      put(u);
     }
-    m.resident = int(resident.size());
-    m.weight_bytes = weight_bytes(false);
-    m.gradient_bytes = weight_bytes(true);
+    m.resident = count;
+    m.weight_bytes = weights;
+    m.gradient_bytes = gradients;
   }
   // The optimizer step: host-Adam chunks' units on the device go to the host (CPU Adam reads the
   // gradients and, with 2bw, writes the new version into the older one's slot there);
   // device-Adam chunks stay (K > 0 only when every unit fits).
   adam_download.assign(std::size_t(units), false);
   for (int u = s.device_adam_chunks * L.parts; u < units; ++u)
-    if (resident.erase(u)) adam_download[std::size_t(u)] = true;
+    if (on[std::size_t(u)]) {
+      drop(u);
+      adam_download[std::size_t(u)] = true;
+    }
   for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
-    if (!resident.count(u))
+    if (!on[std::size_t(u)])
       throw std::logic_error("chunk_schedule: a device-Adam chunk is not on the device");
+  resident.clear();
+  for (int u = 0; u < units; ++u)
+    if (on[std::size_t(u)]) resident.insert(resident.end(), u);
 }
 
 }  // namespace
