@@ -971,10 +971,12 @@ void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& clu
   }
 }
 
-}  // namespace
-
-std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const traces::Trace& trace,
-                                         const clusters::Cluster& cluster, const Plan& p) {
+// The halvings of the plan's chunk size (a MiB multiple while >= 1 MiB, else a multiple of e) down
+// to the largest tensor's bytes: the largest at which every stage's working sets fit, with its
+// stages' schedules in `out`, or 0.
+std::int64_t fitting_ladder(const models::ModelSpec& model, const traces::Trace& trace,
+                            const clusters::Cluster& cluster, const Plan& p,
+                            std::vector<ChunkSchedule>& out) {
   const std::int64_t e = models::dtype_bytes(model.dtype), mib = std::int64_t{1} << 20;
   std::int64_t floor = 0;  // the largest tensor's bytes: no chunk can be smaller
   for (const ChunkTensor& t : model_tensors(model, p.t))
@@ -987,14 +989,24 @@ std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const t
     if (rung >= tried) break;
     tried = rung;
     q.chunk_bytes = rung;
+    out.clear();
     try {
       for (int s = 0; s < p.d; ++s)
-        chunk_schedule(model, trace, cluster, q, s);
+        out.push_back(chunk_schedule(model, trace, cluster, q, s));
       return rung;
     } catch (const ChunkWorkingSetError&) {
     }
   }
+  out.clear();
   return 0;
+}
+
+}  // namespace
+
+std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const traces::Trace& trace,
+                                         const clusters::Cluster& cluster, const Plan& p) {
+  std::vector<ChunkSchedule> unused;
+  return fitting_ladder(model, trace, cluster, p, unused);
 }
 
 std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
@@ -1005,18 +1017,15 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     for (int s = 0; s < p.d; ++s)
       out.push_back(chunk_schedule(model, trace, cluster, p, s));
   } catch (const ChunkWorkingSetError& e) {
-    const std::int64_t fits = smaller_fitting_chunk_bytes(model, trace, cluster, p);
-    if (p.chunk_bytes == 0 && fits > 0) {  // no chunk size given: the default is the one that fits
-      Plan q = p;
-      q.chunk_bytes = fits;
-      return chunk_schedules(model, trace, cluster, q);
-    }
-    throw ChunkWorkingSetError(
-        fits > 0 ? fmt::format("{}; a chunk size of {} ({} B: --chunk-size, or the plan's "
-                               "chunk_bytes) lets every working set fit",
-                               e.what(), gib(fits), fits)
-                 : fmt::format("{}; no smaller chunk size fits either", e.what()),
-        fits);
+    const std::int64_t fits = fitting_ladder(model, trace, cluster, p, out);
+    // No chunk size given: the default is the one that fits, whose schedules the ladder made.
+    if (p.chunk_bytes != 0 || fits <= 0)
+      throw ChunkWorkingSetError(
+          fits > 0 ? fmt::format("{}; a chunk size of {} ({} B: --chunk-size, or the plan's "
+                                 "chunk_bytes) lets every working set fit",
+                                 e.what(), gib(fits), fits)
+                   : fmt::format("{}; no smaller chunk size fits either", e.what()),
+          fits);
   }
   // The stages of a node share its CPU by processor sharing from the moments they reach their
   // optimizer steps (docs/formulas.md section 9, chunks): when their last compute op ends in one

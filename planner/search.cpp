@@ -255,20 +255,16 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                   Candidate c{x, {}, true, ""};
                   if (x.offload == Offload::chunks) {
                     // The default chunk size, or where a layer's working set passes the device
-                    // with it, the largest smaller one that fits (none: not a candidate).
-                    x.chunk_bytes = default_chunk_bytes(model);
+                    // with it, the largest smaller one that fits (chunk_schedules; none: not a
+                    // candidate). The plan names the size it took.
+                    x.chunk_bytes = 0;
                     try {
-                      try {
-                        c.estimate = estimate(model, trace, cluster, x);
-                      } catch (const ChunkWorkingSetError& e) {
-                        if (e.fitting_chunk_bytes <= 0) throw;
-                        x.chunk_bytes = e.fitting_chunk_bytes;
-                        c.estimate = estimate(model, trace, cluster, x);
-                      }
+                      c.estimate = estimate(model, trace, cluster, x);
                     } catch (const InputError&) {
                       ++result.considered;
                       continue;
                     }
+                    x.chunk_bytes = c.estimate.chunks->front().layout.chunk_bytes;
                     c.plan = x;
                   } else {
                     c.estimate = estimate(model, trace, cluster, x);
