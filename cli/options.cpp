@@ -93,6 +93,12 @@ void PlanOptions::add(CLI::App& app) {
                  "to a MiB; on a device too small for a layer at that size, the largest halving "
                  "of it that fits)")
       ->check(CLI::Range(std::int64_t{1}, common::kMaxBytes));
+  app.add_flag("--chunk-shard", chunk_shard,
+               "with --offload chunks and w > 1 (gpipe or 1f1b): each replica's host keeps only "
+               "its part of each chunk's parameters (PatrickStar's data-parallel chunks): a chunk "
+               "without a gradient yet is dropped instead of copied down and comes up as the "
+               "replica's part and an all-gather; at the optimizer step only the replica's part "
+               "of the reduce-scattered gradient goes down");
   app.add_option("--stage-blocks", stage_blocks,
                  "blocks per stage, comma-separated (default: balanced)")
       ->delimiter(',')
@@ -106,7 +112,7 @@ void PlanOptions::add(CLI::App& app) {
 bool PlanOptions::given_as_flags(const CLI::App& app) const {
   for (const char* name : {"--schedule", "-w", "-d", "-m", "-b", "-v", "--tp", "--sp",
                            "--recompute", "--distributed-optimizer", "--overlap-param-gather",
-                           "--stage-blocks", "--offload", "--chunk-size"})
+                           "--stage-blocks", "--offload", "--chunk-size", "--chunk-shard"})
     if (app.count(name) > 0) return true;
   return false;
 }
@@ -129,6 +135,7 @@ planner::Plan PlanOptions::build(std::int64_t layers, int devices) const {
     p.offload = modes.optimizer;
     p.offload_activations = modes.activations;
     p.chunk_bytes = chunk_size;
+    p.chunk_shard = chunk_shard;
     const std::int64_t groups = std::int64_t(devices) * ranks_per_gpu / std::max(t, 1);
     // Clamped past the limit so that check() refuses it (an int must not wrap).
     p.w = w.value_or(p.d > 0 && groups % p.d == 0
@@ -237,12 +244,23 @@ std::string offload_summary(const planner::RunReport& r) {
   for (std::size_t r = 0; o.contains("ranks") && r < o["ranks"].size(); ++r) {
     if (!o["ranks"][r].contains("chunks")) break;
     const common::Json& c = o["ranks"][r]["chunks"];
+    // Sharded chunks: how many of the copies are the replica's parts, and the drops.
+    const std::string sharded =
+        c.contains("part_bytes")
+            ? fmt::format(
+                  " ({} sharded in parts of {}: {} of the uploads and {} of the downloads "
+                  "parts, {} dropped)",
+                  c["sharded_chunks"].get<int>(), human_bytes(c["part_bytes"].get<double>()),
+                  c["part_uploads_per_step"].get<std::int64_t>(),
+                  c["part_downloads_per_step"].get<std::int64_t>(),
+                  c["drops_per_step"].get<std::int64_t>())
+            : "";
     out += fmt::format(
-        "  {}chunks: {} x {} (the optimizer state of {} of them on the device); {} up and {} down "
-        "per step "
+        "  {}chunks: {} x {}{} (the optimizer state of {} of them on the device); {} up and {} "
+        "down per step "
         "({} s of copies exposed), CPU Adam {} s, optimizer step {} s\n",
         o["ranks"].size() > 1 ? fmt::format("rank {} ", r) : "", c["chunks"].get<int>(),
-        human_bytes(c["chunk_bytes"].get<double>()), c["device_adam_chunks"].get<int>(),
+        human_bytes(c["chunk_bytes"].get<double>()), sharded, c["device_adam_chunks"].get<int>(),
         c["uploads_per_step"].get<std::int64_t>(), c["downloads_per_step"].get<std::int64_t>(),
         fmt::format("{:.3f}", c["copy_stall_s"].get<double>()),
         fmt::format("{:.3f}", c["cpu_adam_s"].get<double>()),

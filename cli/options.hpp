@@ -46,6 +46,7 @@ struct PlanOptions {
   bool overlap_param_gather = false;
   std::string offload = "none";          // planner::parse_offload_modes
   std::int64_t chunk_size = 0;           // --chunk-size (offload chunks); 0: the default
+  bool chunk_shard = false;              // --chunk-shard (offload chunks, w > 1)
   std::optional<std::string> recompute;  // a mode; a bare --recompute means "full"
   std::vector<std::int64_t> stage_blocks;
   int ranks_per_gpu = 1;

@@ -72,6 +72,8 @@ class DeviceChecker {
       chunks_ = &(*p.chunks)[std::size_t(prog_.stage)];
       on_device_ = chunks_->start_on_device;
       stepped_.assign(std::size_t(chunks_->layout.chunks()), 0);
+      dirty_.assign(std::size_t(chunks_->layout.chunks()), 0);
+      reduced_.assign(std::size_t(chunks_->layout.chunks()), 0);
       if (int(on_device_.size()) != chunks_->layout.units())
         throw ScheduleError("offload chunks programs with a chunk schedule of another layout");
     }
@@ -195,6 +197,18 @@ class DeviceChecker {
             (parts > 1 ? " (part " + std::to_string(u % parts) + ")" : std::string()) +
             " is on the " + (host ? "device" : "host"));
     if (stepped_[std::size_t(c)]++) bad(name + " of chunk " + std::to_string(c) + " twice");
+    // Sharded chunks: CPU Adam after the gradient's part came down (op.part), or of the whole
+    // chunk the step's moments left on the host with its gradient.
+    const ChunkLayout& L = chunks_->layout;
+    if (op.part && (!host || !L.is_sharded(c) || !reduced_[std::size_t(c)]))
+      bad(name + " of chunk " + std::to_string(c) + " as a reduce-scattered part, but " +
+          (!host || !L.is_sharded(c) ? std::string("the chunk is not sharded")
+                                     : std::string("no part of its gradient came down")));
+    if (!op.part && host && L.is_sharded(c) &&
+        (reduced_[std::size_t(c)] || !dirty_[std::size_t(c)]))
+      bad(name + " of sharded chunk " + std::to_string(c) + " as a whole, but " +
+          (reduced_[std::size_t(c)] ? "its gradient's part came down"
+                                    : "it has no gradient on the host"));
   }
 
   // "chunk", or with 2bw (a copy moves one of a chunk's three parts) "chunk part".
@@ -202,13 +216,35 @@ class DeviceChecker {
     return copy && chunks_->layout.parts > 1 ? "chunk part" : "chunk";
   }
 
+  // Sharded chunks (ChunkLayout::sharded; a unit is a chunk): before the chunk has a gradient in
+  // the step (its first backward layer) it moves as the replica's part, a drop on the way down;
+  // after, whole; at the optimizer step its gradient's part goes down. An unsharded chunk never
+  // moves as a part.
   void move_chunk(const Op& op) {
     const bool up = op.kind == OpKind::copy_chunk_to_device;
+    const std::string name =
+        to_string(op.kind) + " of " + unit_name(true) + " " + std::to_string(op.bucket);
     auto here = on_device_[std::size_t(op.bucket)];
-    if (bool(here) == up)
-      bad(to_string(op.kind) + " of " + unit_name(true) + " " + std::to_string(op.bucket) +
-          ", already on the " + (up ? "device" : "host"));
+    if (bool(here) == up) bad(name + ", already on the " + (up ? "device" : "host"));
     on_device_[std::size_t(op.bucket)] = up;
+    const ChunkLayout& L = chunks_->layout;
+    const int c = op.bucket / L.parts;
+    if (!L.is_sharded(c)) {
+      if (op.part) bad(name + " as a part, but the chunk is not sharded");
+      return;
+    }
+    const bool dirty = dirty_[std::size_t(c)];
+    if (op.layer < 0) {  // the optimizer step's download
+      if (!op.part) bad(name + " whole at the optimizer step, but the chunk is sharded");
+      reduced_[std::size_t(c)] = 1;
+      return;
+    }
+    if (op.part && dirty)
+      bad(name + (up ? " as a part" : " dropped") + ", but it holds a gradient (" +
+          (up ? "whole on the host" : "it must go down whole") + ")");
+    if (!op.part && !dirty)
+      bad(name + " whole, but it has no gradient yet (" +
+          (up ? "its host holds only the replica's part" : "it is dropped, not copied") + ")");
   }
 
   // A compute op's layers in order (forward and recompute ascending, backward descending): each
@@ -253,6 +289,9 @@ class DeviceChecker {
         if (!on_device_[std::size_t(u)])
           bad(m.label(L) + " uses " + unit_name(true) + " " + std::to_string(u) +
               ", which is on the host");
+      if (back)  // its chunks have a gradient from now on in the step
+        for (int u : used)
+          dirty_[std::size_t(u / L.parts)] = 1;
       const std::int64_t device = std::int64_t(resident) * L.move_bytes + m.non_model_bytes +
                                   std::int64_t(chunks_->device_adam_chunks) * L.os_chunk_bytes;
       if (device > chunks_->budget_bytes)
@@ -520,6 +559,8 @@ class DeviceChecker {
         bad("optimizer step with the chunks not where the step started (the next step's plan "
             "assumes them there)");
       std::fill(stepped_.begin(), stepped_.end(), 0);
+      std::fill(dirty_.begin(), dirty_.end(), 0);
+      std::fill(reduced_.begin(), reduced_.end(), 0);
       chunk_slot_ = 0;
     }
     live_[std::size_t(op.version)] = 1;
@@ -608,7 +649,9 @@ class DeviceChecker {
   std::vector<bool> on_device_;            // chunks: per chunk, now
   std::vector<Op> pending_;                // chunks: copies waiting for the next compute op
   std::vector<int> stepped_;               // chunks: Adam steps per chunk in this step
-  int chunk_slot_ = 0;                     // chunks: compute ops of this step so far
+  std::vector<char> dirty_;                // chunks: per chunk, a backward has used it in this step
+  std::vector<char> reduced_;  // sharded chunks: its gradient's part came down at this step
+  int chunk_slot_ = 0;         // chunks: compute ops of this step so far
   int steps_done_ = 0;
   int live_count_ = 1;
   int max_live_ = 1;

@@ -307,6 +307,16 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
     L.shard_elements = (L.chunk_elements + p.w - 1) / p.w;
     L.os_chunk_bytes = mul(L.shard_elements, optimizer_bytes_per_parameter(model.dtype));
   }
+  if (p.chunk_shard && p.w > 1) {
+    L.part_bytes = mul(L.shard_elements, models::dtype_bytes(model.dtype));
+    L.sharded.assign(std::size_t(L.chunks()), true);
+    // A tied embedding exchanged between stages (stage 0's wte, the last stage's copy) is read
+    // and written at the exchange wherever its chunk is: that chunk stays whole.
+    if (p.d > 1 && model.tied_embeddings)
+      for (const ChunkTensor& t : L.tensors)
+        if (t.tied_copy || (L.first_layer == 0 && t.layer == 0 && t.name == "wte"))
+          L.sharded[std::size_t(t.chunk)] = false;
+  }
   return L;
 }
 
@@ -478,6 +488,14 @@ double optimizer_time(const ChunkSchedule& s) {
     int units = 0;  // of the chunk's parts on the device at the step's end: each goes down
     for (int u = c * parts; u < (c + 1) * parts; ++u)
       units += s.adam_download[std::size_t(u)] ? 1 : 0;
+    if (s.layout.is_sharded(c)) {
+      // The reduce-scatter on the device and the gradient's part down, or (the chunk went to the
+      // host whole during the step) the reduce-scatter on the host; no all-gather (the next
+      // step's upload gathers).
+      down.push_back(units > 0 ? s.collective_s / 2 + s.part_copy_s : 0.0);
+      adam.push_back(s.host_adam_s[std::size_t(c)] + (units > 0 ? 0.0 : s.collective_s / 2));
+      continue;
+    }
     down.push_back(units * s.copy_s);
     adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
@@ -509,7 +527,7 @@ void time_copies(ChunkSchedule& s) {
   s.forward_s = s.backward_s = 0;
   for (const ChunkMoment& m : s.moments)
     (m.backward || m.recompute ? s.backward_s : s.forward_s) +=
-        m.compute_s * s.gpu_sharers + m.tp_s + double(m.copies.size()) * s.copy_s;
+        m.compute_s * s.gpu_sharers + m.tp_s + s.copies_s(m);
   s.optimizer_s = optimizer_time(s);
 }
 
@@ -522,8 +540,13 @@ void time_copies(ChunkSchedule& s) {
 // goes to the host, the larger unit index first on a tie. Then the missing units come up,
 // ascending. At the optimizer step every host-Adam chunk's unit still on the device goes down.
 // `where`: "stage s: " in a pipeline (each stage's device has its own plan), else empty.
+// Sharded chunks (ChunkLayout::sharded; parts = 1): a chunk has a gradient from its first backward
+// moment of the step on; before that its copies are parts (ChunkCopy::part), after it whole.
+// `host_peak`: the most bytes the chunks then take on the host (ChunkSchedule::host_peak_bytes'
+// chunk part; 0 without sharding).
 void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
-              std::vector<bool>& adam_download, std::set<int>& resident, const std::string& where) {
+              std::vector<bool>& adam_download, std::set<int>& resident, const std::string& where,
+              std::int64_t& host_peak) {
   const ChunkLayout& L = s.layout;
   const int units = L.units(), moments = int(plan.size());
   const std::int64_t os = mul(s.device_adam_chunks, L.os_chunk_bytes);
@@ -593,6 +616,29 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   };
   for (int u : resident)
     put(u);
+  // Sharded chunks: which have a gradient, and the chunks' bytes on the host (a host-Adam chunk's
+  // part always; with a gradient and on the host, the chunk whole beside it; an unsharded chunk
+  // whole while on the host).
+  const bool sharding = L.part_bytes > 0;
+  if (sharding && L.parts != 1) throw std::logic_error("run_step: sharded chunks with parts");
+  std::vector<char> dirty(std::size_t(L.chunks()), 0);
+  auto host_of = [&](int c) -> std::int64_t {
+    if (!L.is_sharded(c)) return on[std::size_t(c)] ? 0 : L.move_bytes;
+    return (s.device_resident(c) ? 0 : L.part_bytes) +
+           (dirty[std::size_t(c)] && !on[std::size_t(c)] ? L.move_bytes : 0);
+  };
+  std::int64_t host = 0;
+  host_peak = 0;
+  if (sharding) {
+    for (int c = 0; c < L.chunks(); ++c)
+      host = add(host, host_of(c));
+    host_peak = host;
+  }
+  auto moved = [&](int u, bool up) {  // a unit's copy, with the host's bytes
+    if (sharding) host -= host_of(u);
+    up ? put(u) : drop(u);
+    if (sharding) host = add(host, host_of(u));
+  };
   std::vector<int> missing;
   for (int k = 0; k < moments; ++k) {
     ChunkMoment& m = plan[std::size_t(k)];
@@ -609,26 +655,45 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
         const int d = next_use(u, k);
         if (d >= far) far = d, victim = u;  // ascending: a tie goes to the larger index
       }
-      m.copies.push_back({false, victim});
-      drop(victim);
+      m.copies.push_back(
+          {false, victim, sharding && L.is_sharded(victim) && !dirty[std::size_t(victim)]});
+      moved(victim, false);
     }
+    host_peak = std::max(host_peak, host);  // the evictions' whole chunks before the uploads
     for (int u : missing) {
-      m.copies.push_back({true, u});
-      put(u);
+      m.copies.push_back({true, u, sharding && L.is_sharded(u) && !dirty[std::size_t(u)]});
+      moved(u, true);
     }
+    if (sharding && m.backward)
+      for (const int* u = here; u != here_end; ++u)
+        dirty[std::size_t(*u)] = 1;  // on the device: the host's bytes stay
     m.resident = count;
     m.weight_bytes = weights;
     m.gradient_bytes = gradients;
   }
   // The optimizer step: host-Adam chunks' units on the device go to the host (CPU Adam reads the
   // gradients and, with 2bw, writes the new version into the older one's slot there);
-  // device-Adam chunks stay (K > 0 only when every unit fits).
+  // device-Adam chunks stay (K > 0 only when every unit fits). A sharded chunk's download is its
+  // gradient's part (P), held until the step's end; the whole chunks of the step go then too.
   adam_download.assign(std::size_t(units), false);
+  std::int64_t downloaded = 0;
   for (int u = s.device_adam_chunks * L.parts; u < units; ++u)
     if (on[std::size_t(u)]) {
       drop(u);
       adam_download[std::size_t(u)] = true;
+      downloaded = add(downloaded, L.is_sharded(u) ? L.part_bytes : L.move_bytes);
     }
+  if (sharding) {
+    // Until the step's end: every chunk as the step's moments left it (a downloaded sharded one
+    // its part), and the downloads. Then each sharded chunk is its part again.
+    std::int64_t at_step = downloaded;
+    for (int c = 0; c < L.chunks(); ++c)
+      if (!adam_download[std::size_t(c)])
+        at_step = add(at_step, host_of(c));
+      else if (L.is_sharded(c))
+        at_step = add(at_step, L.part_bytes);
+    host_peak = std::max(host_peak, at_step);
+  }
   for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
     if (!on[std::size_t(u)])
       throw std::logic_error("chunk_schedule: a device-Adam chunk is not on the device");
@@ -705,18 +770,19 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   std::vector<ChunkMoment>& basis =
       two_bw ? s.segments[std::size_t(ChunkSegment::steady)].moments : s.moments;
   std::set<int> start;
+  std::int64_t host_sharded = 0;  // sharded chunks: run_step's host peak
   for (int u = 0; u < s.device_adam_chunks * L.parts; ++u)
     start.insert(u);
   for (int round = 0;; ++round) {
     std::set<int> resident = start;
-    run_step(s, basis, s.adam_download, resident, where);
+    run_step(s, basis, s.adam_download, resident, where, host_sharded);
     if (resident == start) break;
     if (round == 8) throw std::logic_error("chunk_schedule: no fixed point");
     start = resident;
   }
   for (ChunkSegmentPlan& g : s.segments) {
     std::set<int> resident = start;
-    run_step(s, g.moments, g.adam_download, resident, where);
+    run_step(s, g.moments, g.adam_download, resident, where, host_sharded);
     if (resident != start)
       throw std::logic_error("chunk_schedule: a 2bw segment off the fixed point");
   }
@@ -762,6 +828,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
                                         cluster.host.uplink_bandwidth_bytes_per_s / on_uplink);
   s.gpu_sharers = on_gpu;  // and their compute its GPU (--ranks-per-gpu)
   s.copy_s = path.time_s(double(L.move_bytes));
+  if (L.part_bytes > 0) s.part_copy_s = path.time_s(double(L.part_bytes));
   s.copy_latency_s = path.latency_s;
   s.link_bytes_per_s = cluster.host.pcie_bandwidth_bytes_per_s / on_gpu;
   s.uplink_bytes_per_s = cluster.host.uplink_bandwidth_bytes_per_s;
@@ -829,25 +896,34 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     }
   }
   // One step's copies and times: the step's (2bw: the steady segment's).
+  // A whole copy moves move_bytes, a part P, a drop nothing (sharded chunks).
   for (const ChunkMoment& m : s.moments) {
-    int in = 0, out = 0;
-    for (const ChunkCopy& c : m.copies)
-      (c.to_device ? in : out) += 1;
-    s.uploads += in;
-    s.downloads += out;
+    for (const ChunkCopy& c : m.copies) {
+      if (c.part && !c.to_device) {
+        ++s.drops;
+        continue;
+      }
+      (c.to_device ? s.uploads : s.downloads) += 1;
+      if (c.part) ++s.part_uploads;
+      std::int64_t& bytes = c.to_device ? s.copy_in_bytes : s.copy_out_bytes;
+      bytes = add(bytes, c.part ? L.part_bytes : L.move_bytes);
+    }
     s.compute_s += m.compute_s + m.tp_s;
   }
   double device_adam = 0;
   for (int c = 0; c < n; ++c)
     if (s.device_resident(c)) device_adam += s.device_adam_s[std::size_t(c)];
   for (int u = 0; u < units; ++u)
-    s.downloads += s.adam_download[std::size_t(u)] ? 1 : 0;
+    if (s.adam_download[std::size_t(u)]) {
+      ++s.downloads;
+      const bool part = L.is_sharded(u / L.parts);
+      if (part) ++s.part_downloads;
+      s.copy_out_bytes = add(s.copy_out_bytes, part ? L.part_bytes : L.move_bytes);
+    }
   most_host = std::max(most_host, units - s.device_adam_chunks * L.parts);
   time_copies(s);
   s.compute_s += device_adam;
-  s.copy_in_bytes = mul(s.uploads, L.move_bytes);
-  s.copy_out_bytes = mul(s.downloads, L.move_bytes);
-  s.host_chunk_peak_bytes = mul(most_host, L.move_bytes);
+  s.host_chunk_peak_bytes = L.part_bytes > 0 ? host_sharded : mul(most_host, L.move_bytes);
   s.host_peak_bytes = add(mul(n - s.device_adam_chunks, L.os_chunk_bytes), s.host_chunk_peak_bytes);
   return s;
 }
@@ -876,8 +952,7 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
       std::size_t ops = 0;
       for (const ChunkMoment& m : all[s].moments_of(0, steps, t)) {
         const std::size_t at = first + std::size_t(m.slot);
-        dur[s].at(at) +=
-            m.compute_s * all[s].gpu_sharers + m.tp_s + double(m.copies.size()) * all[s].copy_s;
+        dur[s].at(at) += m.compute_s * all[s].gpu_sharers + m.tp_s + all[s].copies_s(m);
         ops = std::max(ops, std::size_t(m.slot) + 1);
       }
       first += ops;
@@ -1002,6 +1077,13 @@ std::int64_t fitting_ladder(const models::ModelSpec& model, const traces::Trace&
 }
 
 }  // namespace
+
+double ChunkSchedule::copies_s(const ChunkMoment& moment) const {
+  double t = 0;
+  for (const ChunkCopy& c : moment.copies)
+    t += !c.part ? copy_s : c.to_device ? part_copy_s + collective_s / 2 : 0.0;
+  return t;
+}
 
 std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const traces::Trace& trace,
                                          const clusters::Cluster& cluster, const Plan& p) {

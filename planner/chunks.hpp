@@ -81,6 +81,12 @@ struct ChunkLayout {
   std::vector<std::vector<int>> layer_chunks;
   std::vector<std::string> layer_names;
   std::vector<std::int64_t> chunk_owned;  // per chunk: parameters Adam steps here (no tied copy)
+  // Sharded chunks (Plan::chunk_shard): per chunk, whether each replica's host keeps only its part
+  // of the parameters (every chunk but one holding a tied embedding exchanged between stages), and
+  // the bytes of one part, P = shard_elements x e (0 without sharding).
+  std::vector<bool> sharded;
+  std::int64_t part_bytes = 0;
+  bool is_sharded(int chunk) const { return !sharded.empty() && sharded[std::size_t(chunk)]; }
   int chunks() const { return int(chunk_parameters.size()); }
   int units() const { return chunks() * parts; }
   int layers() const { return int(layer_chunks.size()); }
@@ -113,9 +119,17 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 // between host and device, move_bytes. In a 2bw segment's plan the unit's part is a role (0 the
 // older live version, 1 the newer, 2 the gradient); the programs carry the part it is in that
 // segment (ChunkSchedule::unit_in).
+//
+// Sharded chunks (ChunkLayout::sharded, `part`): the replica's part only. To the device: its part
+// of the parameters up (P), then an all-gather of the chunk over the stage's replicas (its
+// gradient half, if any, starts at zero). To the host before a layer: a drop (no bytes: the chunk
+// has no gradient yet in the step, its parameters' part is on the host). To the host at the
+// optimizer step: its gradient reduce-scattered over the replicas on the device, then the
+// replica's part of it down (P). A sharded chunk with a gradient moves whole (part false).
 struct ChunkCopy {
   bool to_device = false;
   int unit = 0;
+  bool part = false;
   bool operator==(const ChunkCopy&) const = default;
 };
 
@@ -201,6 +215,7 @@ struct ChunkSchedule {
   std::vector<double> device_adam_s;  // Adam on the device (trace's rate)
   std::vector<double> host_adam_s;    // CPU Adam (the node's rate, shared)
   double copy_s = 0;                  // one chunk copy, one direction: alpha_h + S_p / beta_h
+  double part_copy_s = 0;             // sharded chunks: one part's copy, alpha_h + P / beta_h
   // The copy's path: its latency, its GPU link's share (pcie / replicas on the GPU) and the
   // uplink's bandwidth, and the stage's replicas behind that uplink (copying in lockstep).
   double copy_latency_s = 0, link_bytes_per_s = 0, uplink_bytes_per_s = 0;
@@ -213,17 +228,26 @@ struct ChunkSchedule {
   int gpu_sharers = 1;
   // Figures of one step.
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
+  // Sharded chunks: of those, the parts (uploads with an all-gather, downloads of a gradient part
+  // after a reduce-scatter), and the drops (evictions that copy nothing; not in downloads).
+  int part_uploads = 0, part_downloads = 0, drops = 0;
   std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;
   std::int64_t device_peak_bytes = 0;  // max_k (resident_k move_bytes + N_k) + K S_os
   int peak_moment = 0;                 // the moment of that peak
   int peak_segment = -1;               // 2bw: in that segment's moments, else in `moments`
   const ChunkMoment& peak() const;
-  std::int64_t host_peak_bytes = 0;        // (n - K) S_os + max_k (n - resident_k) S_p
+  // (n - K) S_os + max_k (n - resident_k) S_p; sharded: (n - K) S_os + max over the step of
+  // (the host-Adam chunks' parts + the chunks with a gradient on the host, whole + the gradient
+  // parts downloaded at the optimizer step)
+  std::int64_t host_peak_bytes = 0;
   std::int64_t host_chunk_peak_bytes = 0;  // its parameter-chunk part (pinned)
   double forward_s = 0, backward_s = 0;    // compute + the copies before each moment
   double compute_s = 0;                    // compute only (with t > 1 the TP collectives too)
   double optimizer_s = 0;  // max(device Adam, host pipeline of downloads and CPU Adam)
   bool device_resident(int chunk) const { return chunk < device_adam_chunks; }
+  // What a moment's copies take (their engine time, one after the other): copy_s per whole copy,
+  // part_copy_s and half of collective_s (the all-gather) per part upload, nothing per drop.
+  double copies_s(const ChunkMoment& moment) const;
 };
 
 // The chunk schedule of stage `stage` of a placed, resolved plan with offload chunks on `cluster`

@@ -1203,6 +1203,17 @@ common::Json chunk_report(const ChunkSchedule& cs) {
     j["replicas"] = cs.layout.replicas;
     j["collective_s"] = cs.collective_s;
   }
+  if (cs.layout.part_bytes > 0) {  // sharded chunks: the replica's parts, and the drops
+    int sharded = 0;
+    for (int c = 0; c < cs.layout.chunks(); ++c)
+      sharded += cs.layout.is_sharded(c) ? 1 : 0;
+    j["sharded_chunks"] = sharded;
+    j["part_bytes"] = cs.layout.part_bytes;
+    j["part_uploads_per_step"] = cs.part_uploads;
+    j["part_downloads_per_step"] = cs.part_downloads;
+    j["drops_per_step"] = cs.drops;
+    j["part_copy_s"] = cs.part_copy_s;
+  }
   return j;
 }
 

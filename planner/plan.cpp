@@ -256,6 +256,16 @@ void check(const Plan& p) {
   if (p.chunk_bytes < 0 || p.chunk_bytes > common::kMaxBytes)
     reject("chunk_bytes",
            fmt::format("must be in 1 .. {}, found {}", common::kMaxBytes, p.chunk_bytes));
+  if (p.chunk_shard) {
+    if (p.offload != Offload::chunks) reject("chunk_shard", "sharded chunks need offload chunks");
+    if (p.w < 2)
+      reject("chunk_shard",
+             fmt::format("sharded chunks split each chunk over the w replicas: needs w > 1, "
+                         "found w = {}",
+                         p.w));
+    if (p.schedule == Schedule::two_bw)
+      reject("chunk_shard", "sharded chunks with 2bw are not supported yet; use gpipe or 1f1b");
+  }
   if (p.offload == Offload::chunks) {
     // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.
     // Pipeline stages (d > 1, gpipe or 1f1b) each manage their own chunks.
@@ -422,6 +432,7 @@ Plan parse_plan(const Json& json, const std::string& source) {
     }
   }
   if (r.has("chunk_bytes")) p.chunk_bytes = r.get_int_in("chunk_bytes", 1, common::kMaxBytes);
+  if (r.has("chunk_shard")) p.chunk_shard = r.get_bool("chunk_shard");
   if (auto ac = r.find("activations")) {
     for (std::size_t i = 0; i < ac->size(); ++i) {
       const JsonReader e = ac->at(i);
@@ -517,6 +528,7 @@ Json to_json(const Plan& p) {
   // Written only when on, so plans without offload read and print as before.
   if (p.any_offload()) j["offload"] = offload_name(p);
   if (p.chunk_bytes > 0) j["chunk_bytes"] = p.chunk_bytes;
+  if (p.chunk_shard) j["chunk_shard"] = true;
   if (!p.activations.empty()) {
     Json ac = Json::array();
     for (ActivationChoice c : p.activations)

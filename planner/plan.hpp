@@ -91,6 +91,14 @@ struct Plan {
   // GPU of a TP group its shard's; w > 1: each chunk's optimizer state sharded over the replicas),
   // no distributed optimizer, no other offload mode (not yet; check() says so in one line).
   std::int64_t chunk_bytes = 0;
+  // offload chunks with w > 1: PatrickStar's data-parallel chunks. Each replica's host keeps only
+  // its part (ChunkLayout::shard) of each host-Adam chunk's parameters: a chunk with no gradient
+  // yet in the step is dropped from the device instead of copied down, and comes up as the
+  // replica's part and an all-gather over the replicas; at the optimizer step the gradient is
+  // reduce-scattered on the device and only the replica's part goes down. A chunk holding a tied
+  // embedding exchanged between stages (d > 1) stays whole. Needs gpipe or 1f1b (check()).
+  // docs/formulas.md section 9, chunks.
+  bool chunk_shard = false;
   // Activation offload (KARMA): needs t == 1. `activations` holds each stage's choice (d
   // entries); empty: made by choose_activations (planner/cost_model.hpp) from the cluster. A
   // stage that swaps has no recomputation; one that recomputes has full recomputation.

@@ -128,6 +128,11 @@ struct Op {
   int version = -1;     // weight version used (compute), created (optimizer), freed (free)
   int bucket = -1;      // all_reduce bucket, else -1; the chunk of a chunk op
   int layer = -1;       // chunk copies: the layer of the next compute op they precede, else -1
+  // Sharded chunks (Plan::chunk_shard): a chunk copy of the replica's part (ChunkCopy::part: an
+  // upload with its all-gather, a drop, or at the optimizer step a reduce-scatter and the
+  // gradient's part down); a chunk_step_host whose gradient was reduce-scattered on the device
+  // (its part downloaded), so CPU Adam neither reduce-scatters nor all-gathers.
+  bool part = false;
   bool operator==(const Op&) const = default;
 };
 
@@ -207,7 +212,8 @@ std::vector<int> initial_versions(const Plan& plan, int first_step);
 // (offload; the number after hostopt and H2D is the tile, with ".chunk" before the version when
 // v > 1), "A2H3", "A2D3" (activation offload: microbatch 3's stash to the host and back),
 // "C2H4@5", "C2D4@5" (chunk 4 to the host / device before layer 5 of the next compute op; no @
-// at the optimizer step), "hostadam4(v1)", "adam4(v1)" (chunk 4's Adam on the host / device).
+// at the optimizer step; "C2Hp4@5", "C2Dp4@5": a sharded chunk's part, ChunkCopy::part),
+// "hostadam4(v1)", "adam4(v1)" (chunk 4's Adam on the host / device).
 std::string format_op(const Op& op, const Plan& plan);
 
 std::int64_t total_ops(const Programs& programs);

@@ -177,7 +177,8 @@ std::string format_op(const Op& op, const Plan& plan) {
       return "A2D" + mb + chunk;
     case OpKind::copy_chunk_to_host:
     case OpKind::copy_chunk_to_device:
-      return (op.kind == OpKind::copy_chunk_to_host ? "C2H" : "C2D") + std::to_string(op.bucket) +
+      return (op.kind == OpKind::copy_chunk_to_host ? "C2H" : "C2D") +
+             std::string(op.part ? "p" : "") + std::to_string(op.bucket) +
              (op.layer >= 0 ? "@" + std::to_string(op.layer) : "");
     case OpKind::chunk_step_host:
       return "hostadam" + std::to_string(op.bucket) + "(v" + std::to_string(op.version) + ")";
@@ -359,6 +360,7 @@ class ProgramBuilder {
               -1,
               chunks_->unit_in(c.unit, t)};
         op.layer = m.layer;
+        op.part = c.part;
         program_.ops.push_back(op);
       }
     }
@@ -372,12 +374,19 @@ class ProgramBuilder {
     chunk_slot_ = 0;
     ++segment_step_;
     const int n = chunks_->layout.chunks(), parts = chunks_->layout.parts;
+    // A sharded chunk on the device goes down as its gradient's part (reduce-scattered there).
     for (int c = chunks_->device_adam_chunks; c < n; ++c) {
+      const bool sharded = chunks_->layout.is_sharded(c);
+      bool part = false;
       for (int u = c * parts; u < (c + 1) * parts; ++u)
-        if (down[std::size_t(u)])
-          program_.ops.push_back(
-              Op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, chunks_->unit_in(u, step)});
-      program_.ops.push_back(Op{OpKind::chunk_step_host, step, -1, 0, -1, step + 1, c});
+        if (down[std::size_t(u)]) {
+          Op op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, chunks_->unit_in(u, step)};
+          op.part = part = sharded;
+          program_.ops.push_back(op);
+        }
+      Op adam{OpKind::chunk_step_host, step, -1, 0, -1, step + 1, c};
+      adam.part = part;
+      program_.ops.push_back(adam);
     }
     for (int c = 0; c < chunks_->device_adam_chunks; ++c)
       program_.ops.push_back(Op{OpKind::chunk_step_device, step, -1, 0, -1, step + 1, c});
@@ -591,7 +600,7 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
         throw PlanError("plan: offload chunks: the chunk schedule is of another model");
       // Per step: the moments' copies (at most one per unit and moment each way; 2bw: the
       // segment with the most) and two ops per unit at the optimizer step.
-      double copies = cs.uploads + cs.downloads;
+      double copies = cs.uploads + cs.downloads + cs.drops;  // drops: sharded chunks
       for (const ChunkSegmentPlan& g : cs.segments) {
         double here = 0;
         for (const ChunkMoment& m : g.moments)

@@ -242,6 +242,10 @@ class Replayer {
     int step = 0;
     std::int64_t after_downs = 0;  // downloads issued before it
     bool edge = false;             // in the run's first or last segment (2bw)
+    // Sharded chunks (Op::part): a part copy (a drop, when a download before a layer), or a CPU
+    // Adam whose gradient was reduce-scattered on the device; `sharded`: the chunk is.
+    bool part = false, drop = false, sharded = false;
+    int gather = 0;  // a part upload: the chunk's all-gathers of the step before it (the key)
   };
   struct ChunkEngines {
     sg4::MutexPtr mutex;
@@ -268,8 +272,13 @@ class Replayer {
                                                                : 2;
     std::unique_lock<sg4::Mutex> lock(*ck_.mutex);
     const int first = w_.programs->first_step, last = first + w_.programs->steps - 1;
-    ck_.queue[kind].push_back({kind, op.bucket, index, op.step, ck_.issued[0],
-                               chunk_step_ == first || chunk_step_ == last});
+    ChunkJob job{kind,    op.bucket,     index,
+                 op.step, ck_.issued[0], chunk_step_ == first || chunk_step_ == last};
+    job.part = op.part;
+    job.drop = op.part && kind == 0 && op.layer >= 0;
+    job.sharded = kind == 2 && schedule().layout.is_sharded(op.bucket);
+    if (op.part && kind == 1) job.gather = ck_gathers_[{op.step, op.bucket}]++;
+    ck_.queue[kind].push_back(job);
     ++ck_.issued[kind];
     ck_.cv->notify_all();
   }
@@ -292,14 +301,21 @@ class Replayer {
           ck_.cv->wait(lock);
       }
       if (kind == 2) {
-        chunk_collective(job.step, job.chunk, false, job.op);  // w > 1: the gradient's sum first
+        // w > 1: the gradient's sum first (a sharded chunk's, on the host only when it came down
+        // whole: else on the device before its part's download).
+        if (!job.part) chunk_collective(job.step, job.chunk, false, job.op);
         const double start = sg4::Engine::get_clock();
         // The replica's part of the chunk (all of its stepped elements with w = 1); with t > 1
         // every GPU of the TP group steps its own shard's chunk on the node's CPU.
         const auto [lo, hi] = cs.layout.shard(job.chunk, me_.replica);
         host_adam(me_, double(hi - lo)).wait();
         record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
-        chunk_collective(job.step, job.chunk, true, job.op);  // the new parameters to all
+        // The new parameters to all (a sharded chunk's at its next upload).
+        if (!job.sharded) chunk_collective(job.step, job.chunk, true, job.op);
+      } else if (job.drop) {  // a sharded chunk without a gradient: freed, nothing copied
+        allocate(&planner::MemoryBreakdown::weights, -cs.layout.unit_weight_bytes(job.chunk));
+        allocate(&planner::MemoryBreakdown::gradients, -cs.layout.unit_gradient_bytes(job.chunk));
+        ++me_.chunk_drops;
       } else {
         const bool down = kind == 0;
         const std::int64_t params = cs.layout.unit_weight_bytes(job.chunk),
@@ -308,16 +324,26 @@ class Replayer {
           allocate(&planner::MemoryBreakdown::weights, params);
           allocate(&planner::MemoryBreakdown::gradients, grads);
         }
-        // Every GPU of the TP group moves its own shard's unit (t flows; one with t = 1).
-        const HostWork c = host_copy(me_, down, bytes);
+        // A sharded chunk's part at the optimizer step: its gradient reduce-scattered on the
+        // device first.
+        if (down && job.part) chunk_collective(job.step, job.chunk, false, job.op);
+        // Every GPU of the TP group moves its own shard's unit (t flows; one with t = 1); a part
+        // is P bytes.
+        const std::int64_t moved = job.part ? cs.layout.part_bytes : bytes;
+        const HostWork c = host_copy(me_, down, moved);
         c.wait();
         record(down ? kCopyOut : kCopyIn, c.start(), c.finish(), job.op);
-        (down ? me_.copied_out_bytes : me_.copied_in_bytes) += bytes;
+        (down ? me_.copied_out_bytes : me_.copied_in_bytes) += moved;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
+        if (job.part) (down ? me_.chunk_part_downloads : me_.chunk_part_uploads) += 1;
         if (job.edge) {
-          (down ? me_.edge_out_bytes : me_.edge_in_bytes) += bytes;
+          (down ? me_.edge_out_bytes : me_.edge_in_bytes) += moved;
           (down ? me_.edge_downloads : me_.edge_uploads) += 1;
         }
+        // A part upload: the chunk all-gathered over the replicas (S_p) after it.
+        if (!down && job.part)
+          all_gather(collective(job.step, job.chunk, -100 - job.gather),
+                     double(cs.layout.chunk_bytes), "chunk-allgather", job.op);
         if (down) {
           allocate(&planner::MemoryBreakdown::weights, -params);
           allocate(&planner::MemoryBreakdown::gradients, -grads);
@@ -911,7 +937,8 @@ class Replayer {
   sg4::MutexPtr swap_mutex_;
   sg4::ConditionVariablePtr swap_done_;
   std::set<Unit> swapped_out_, downloaded_, uploaded_;
-  ChunkEngines ck_;                  // offload chunks
+  ChunkEngines ck_;                                // offload chunks
+  std::map<std::pair<int, int>, int> ck_gathers_;  // sharded chunks: per (step, chunk) gathers
   std::vector<int> pending_chunks_;  // chunk copies (op indices) waiting for their compute op
   int chunk_slot_ = 0;               // chunks: compute ops of this step (2bw: segment) so far
   int chunk_step_ = 0;               // chunks: the step whose optimizer step ends the segment

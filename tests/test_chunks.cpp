@@ -1569,5 +1569,291 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
   }
 }
 
+// --- Sharded chunks (Plan::chunk_shard; PatrickStar's data-parallel chunks) ---
+
+TEST(ChunksSharded, PlanFieldParsesWritesAndRefuses) {
+  common::Json j = {
+      {"format", "pipewright.plan/1"}, {"schedule", "1f1b"}, {"w", 2}, {"d", 1}, {"b", 1}, {"m", 1},
+      {"offload", "chunks"},           {"chunk_shard", true}};
+  const Plan p = parse_plan(j, "plan.json");
+  EXPECT_TRUE(p.chunk_shard);
+  EXPECT_EQ(to_json(p)["chunk_shard"], true);
+  EXPECT_TRUE(parse_plan(to_json(p), "again").chunk_shard);
+  Plan off = p;
+  off.chunk_shard = false;
+  EXPECT_FALSE(to_json(off).contains("chunk_shard"));  // plans without it print as before
+  auto refused = [&](common::Json k, const std::string& want) {
+    const std::string msg = error_of<Error>([&] { parse_plan(k, "plan.json"); });
+    EXPECT_NE(msg.find("chunk_shard"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  common::Json k = j;
+  k["w"] = 1;
+  refused(k, "needs w > 1, found w = 1");
+  k = j;
+  k["offload"] = "optimizer";
+  k["distributed_optimizer"] = true;
+  refused(k, "sharded chunks need offload chunks");
+  k = j;
+  k["schedule"] = "2bw";
+  refused(k, "with 2bw are not supported yet");
+  k = j;
+  k["chunk_shard"] = "yes";
+  EXPECT_NE(error_of<Error>([&] { parse_plan(k, "plan.json"); }).find("chunk_shard"),
+            std::string::npos);
+}
+
+// The rule walked independently of run_step: per chunk, on the device or not and whether a
+// backward of the step has used it. A copy is a part (an upload with its all-gather, or a drop)
+// exactly while its chunk has no gradient; the host holds each host-Adam chunk's part, a chunk
+// with a gradient whole beside it while on the host, an unsharded chunk whole while there; at the
+// optimizer step the downloaded parts of the gradients come on top. Returns the host's most.
+std::int64_t walk_sharded(const ChunkSchedule& cs) {
+  const ChunkLayout& L = cs.layout;
+  const std::size_t n = std::size_t(L.chunks());
+  std::vector<bool> on = cs.start_on_device, grad(n, false);
+  const auto host = [&] {
+    std::int64_t h = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      if (!L.is_sharded(int(c))) {
+        h += on[c] ? 0 : L.move_bytes;
+        continue;
+      }
+      h += (cs.device_resident(int(c)) ? 0 : L.part_bytes) + (grad[c] && !on[c] ? L.move_bytes : 0);
+    }
+    return h;
+  };
+  std::int64_t most = host();
+  for (const ChunkMoment& m : cs.moments) {
+    for (const ChunkCopy& copy : m.copies) {
+      const std::size_t c = std::size_t(copy.unit);
+      EXPECT_EQ(copy.part, L.is_sharded(int(c)) && !grad[c]) << m.label(L) << " chunk " << c;
+      on[c] = copy.to_device;
+      most = std::max(most, host());
+    }
+    if (m.backward)
+      for (int c : L.layer_chunks[std::size_t(m.layer)])
+        grad[std::size_t(c)] = true;
+  }
+  std::int64_t step = 0;
+  for (std::size_t c = 0; c < n; ++c) {
+    if (!cs.adam_download[c]) {
+      step += L.is_sharded(int(c)) ? (cs.device_resident(int(c)) ? 0 : L.part_bytes) +
+                                         (grad[c] && !on[c] ? L.move_bytes : 0)
+                                   : (on[c] ? 0 : L.move_bytes);
+      continue;
+    }
+    EXPECT_TRUE(on[c]) << c;
+    step += L.is_sharded(int(c)) ? 2 * L.part_bytes : L.move_bytes;  // its part + the gradient's
+  }
+  return std::max(most, step);
+}
+
+// The tiny model with four blocks on two GPUs of eight chunks, w = 2, 512 B chunks (P = 256 B):
+// the same Belady moves as without sharding, each a part exactly while its chunk has no gradient
+// (walk_sharded), the bytes and host memory by that rule, and fewer of both than whole chunks;
+// with m = 2 (a gradient half, move_bytes 1 KiB) and with full recompute too.
+// The tiny model with four blocks (25 chunks of 512 B) and no activations: eight chunks on the
+// device at once, beside two pipeline messages.
+models::ModelSpec tiny4() {
+  models::ModelSpec s = tiny();
+  s.layers = 4;
+  return s;
+}
+std::int64_t eight_chunks(const traces::Trace& t, std::int64_t move_bytes) {
+  return 8 * move_bytes + 2 * t.entries[0].layers[models::LayerKind::block].output_bytes;
+}
+
+TEST(ChunksSharded, CopiesArePartsUntilTheChunkHasAGradientByHand) {
+  const models::ModelSpec m = tiny4();
+  const traces::Trace t = no_activations(m);
+  clusters::Cluster c = eight();
+  for (int mb : {1, 2})
+    for (bool rc : {false, true}) {
+      SCOPED_TRACE(fmt::format("m = {} recompute {}", mb, rc));
+      c.device.memory_bytes = eight_chunks(t, 512 * mb);
+      Plan whole = plan_of(Schedule::one_f_one_b, 2, 1, 1, mb, 1, m.layers, grid(c));
+      whole.offload = Offload::chunks;
+      whole.chunk_bytes = 512;
+      if (rc) whole.recompute = {Recompute::full};
+      Plan p = whole;
+      p.chunk_shard = true;
+      check(p);
+      const ChunkSchedule a = chunk_schedule(m, t, c, whole);
+      const ChunkSchedule s = chunk_schedule(m, t, c, p);
+      const ChunkLayout& L = s.layout;
+      ASSERT_EQ(L.part_bytes, 256);
+      EXPECT_EQ(L.move_bytes, mb == 1 ? 512 : 1024);
+      for (int k = 0; k < L.chunks(); ++k)
+        EXPECT_TRUE(L.is_sharded(k)) << k;  // d = 1: the tied wte is no exchange's
+      ASSERT_EQ(s.moments.size(), a.moments.size());
+      int parts_up = 0, drops = 0, whole_up = 0, whole_down = 0;
+      for (std::size_t k = 0; k < s.moments.size(); ++k) {
+        ASSERT_EQ(s.moments[k].copies.size(), a.moments[k].copies.size()) << k;
+        for (std::size_t i = 0; i < s.moments[k].copies.size(); ++i) {
+          const ChunkCopy& x = s.moments[k].copies[i];
+          EXPECT_EQ(x.to_device, a.moments[k].copies[i].to_device);
+          EXPECT_EQ(x.unit, a.moments[k].copies[i].unit);
+          EXPECT_FALSE(a.moments[k].copies[i].part);
+          (x.to_device ? (x.part ? parts_up : whole_up) : (x.part ? drops : whole_down)) += 1;
+        }
+      }
+      EXPECT_EQ(s.adam_download, a.adam_download);
+      EXPECT_EQ(s.device_peak_bytes, a.device_peak_bytes);
+      int step_parts = 0;
+      for (bool b : s.adam_download)
+        step_parts += b ? 1 : 0;
+      EXPECT_GT(parts_up, 0);
+      EXPECT_GT(drops, 0);
+      EXPECT_EQ(s.part_uploads, parts_up);
+      EXPECT_EQ(s.drops, drops);
+      EXPECT_EQ(s.part_downloads, step_parts);
+      EXPECT_EQ(s.uploads, parts_up + whole_up);
+      EXPECT_EQ(s.downloads, whole_down + step_parts);
+      EXPECT_EQ(s.uploads, a.uploads);
+      EXPECT_EQ(s.downloads + s.drops, a.downloads);
+      EXPECT_EQ(s.copy_in_bytes, parts_up * L.part_bytes + whole_up * L.move_bytes);
+      EXPECT_EQ(s.copy_out_bytes, step_parts * L.part_bytes + whole_down * L.move_bytes);
+      EXPECT_LT(s.copy_in_bytes, a.copy_in_bytes);
+      EXPECT_LT(s.copy_out_bytes, a.copy_out_bytes);
+      EXPECT_EQ(s.host_chunk_peak_bytes, walk_sharded(s));
+      EXPECT_EQ(s.host_peak_bytes,
+                s.host_chunk_peak_bytes + (L.chunks() - s.device_adam_chunks) * L.os_chunk_bytes);
+      // Not less host memory here: every host-Adam chunk's part stays on the host, and with
+      // w = 2 a part is half a chunk (GPT 10B at w = 8 below: 32% less).
+      // Copy time: a part's copy and its all-gather (half the chunk's collectives) per part
+      // upload, nothing per drop.
+      EXPECT_GT(s.part_copy_s, 0);
+      EXPECT_LT(s.part_copy_s, s.copy_s);
+      for (const ChunkMoment& x : s.moments) {
+        double want = 0;
+        for (const ChunkCopy& y : x.copies)
+          want += !y.part ? s.copy_s : y.to_device ? s.part_copy_s + s.collective_s / 2 : 0;
+        EXPECT_DOUBLE_EQ(s.copies_s(x), want);
+      }
+    }
+}
+
+// The programs carry each copy's part flag, the checker passes them and refuses each wrong move:
+// a whole upload of a chunk whose host holds a part, a drop of a chunk with a gradient, a part of
+// an unsharded chunk, a whole download at the optimizer step, CPU Adam of a part that did not come
+// down. With d = 2 and tied embeddings, stage 0's wte chunk and the last stage's copy stay whole.
+TEST(ChunksSharded, ProgramsPassTheCheckerWhichRefusesWrongMoves) {
+  const models::ModelSpec m = tiny4();
+  const traces::Trace t = no_activations(m);
+  clusters::Cluster c = eight();
+  c.device.memory_bytes = eight_chunks(t, 1024);
+  for (int d : {1, 2}) {
+    SCOPED_TRACE(fmt::format("d = {}", d));
+    Plan p = plan_of(Schedule::one_f_one_b, 2, d, 1, 2, 1, m.layers, grid(c));
+    p.offload = Offload::chunks;
+    p.chunk_bytes = 512;
+    p.chunk_shard = true;
+    check(p);
+    const auto all =
+        std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m, t, c, p));
+    if (d == 2) {
+      const ChunkLayout& first = (*all)[0].layout;
+      const ChunkLayout& last = (*all)[1].layout;
+      EXPECT_FALSE(first.is_sharded(first.tensors.front().chunk));  // wte
+      EXPECT_FALSE(last.is_sharded(last.tensors.back().chunk));     // the tied copy
+      ASSERT_TRUE(last.tensors.back().tied_copy);
+      EXPECT_TRUE(first.is_sharded(first.chunks() - 1));
+    }
+    ProgramOptions o;
+    o.steps = 2;
+    o.tied_embeddings = true;
+    o.chunks = all;
+    const Programs ps = generate_programs(p, o);
+    EXPECT_NO_THROW(check_programs(ps));
+    std::string text;
+    for (const Op& op : ps.devices[0].ops)
+      text += format_op(op, p) + " ";
+    EXPECT_NE(text.find("C2Dp"), std::string::npos) << text;
+    EXPECT_NE(text.find("C2Hp"), std::string::npos) << text;
+    // Each tampering, on rank 0's program: the first op matching `pick`, changed by `change`.
+    auto refused = [&](const std::function<bool(const Op&)>& pick,
+                       const std::function<void(Op&)>& change, const std::string& want) {
+      Programs bad = ps;
+      auto& ops = bad.devices[0].ops;
+      const auto it = std::find_if(ops.begin(), ops.end(), pick);
+      ASSERT_NE(it, ops.end()) << want;
+      change(*it);
+      const std::string msg = error_of<Error>([&] { check_programs(bad); });
+      EXPECT_NE(msg.find(want), std::string::npos) << want << ": " << msg;
+    };
+    refused([](const Op& op) { return op.kind == OpKind::copy_chunk_to_device && op.part; },
+            [](Op& op) { op.part = false; }, "whole, but it has no gradient yet");
+    refused(
+        [](const Op& op) {
+          return op.kind == OpKind::copy_chunk_to_host && !op.part && op.layer >= 0;
+        },
+        [](Op& op) { op.part = true; }, "dropped, but it holds a gradient");
+    refused(
+        [](const Op& op) {
+          return op.kind == OpKind::copy_chunk_to_host && op.layer < 0 && op.part;
+        },
+        [](Op& op) { op.part = false; }, "whole at the optimizer step");
+    refused([](const Op& op) { return op.kind == OpKind::chunk_step_host && op.part; },
+            [](Op& op) { op.part = false; }, "as a whole, but its gradient's part came down");
+    if (d == 2) {
+      const int wte = (*all)[0].layout.tensors.front().chunk;
+      refused(
+          [&](const Op& op) { return op.kind == OpKind::copy_chunk_to_device && op.bucket == wte; },
+          [](Op& op) { op.part = true; }, "as a part, but the chunk is not sharded");
+    }
+  }
+}
+
+// The closed form against the simulator (which runs each part's copy, each all-gather after a
+// part upload and each reduce-scatter before a part download as flows): GPT 10B on the eight
+// V100-16GBs of a p3.16xlarge, one stage of w = 8 (m = 1: most evictions of the forward are
+// drops) and d = 2 stages of w = 4 (m = 4: chunks keep their gradients longer; tied embeddings:
+// their chunks whole), full recompute. Per rank the same peaks and bytes in both, and sharding
+// is faster with less host memory than whole chunks.
+TEST(ChunksSharded, ClosedFormAgreesWithTheSimulator) {
+  const models::ModelSpec m = models::load_model("gpt-10b");
+  const clusters::Cluster c = clusters::load_cluster("p3.16xlarge", {}, {});
+  const traces::Trace t = traces::analytic_trace(m, c.device, {1});
+  for (const auto& [w, d, mb] : {std::tuple{8, 1, 1}, std::tuple{4, 2, 4}}) {
+    SCOPED_TRACE(fmt::format("w = {} d = {}", w, d));
+    Plan whole = plan_of(Schedule::one_f_one_b, w, d, 1, mb, 1, m.layers, grid(c));
+    whole.offload = Offload::chunks;
+    whole.recompute.assign(std::size_t(d), Recompute::full);
+    Plan p = whole;
+    p.chunk_shard = true;
+    const Estimate est = estimate(m, t, c, p);
+    const Estimate a = estimate(m, t, c, whole);
+    const sim::SimResult s = sim::simulate(m, t, c, p, {.steps = 3});
+    EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
+    expect_same_ranks(s.report, est.report, p.ranks());
+    EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
+    for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step"})
+      EXPECT_EQ(s.report.extra["offload"][key], est.report.extra["offload"][key]) << key;
+    for (int r = 0; r < p.ranks(); ++r)
+      for (const char* key : {"part_uploads_per_step", "part_downloads_per_step", "drops_per_step",
+                              "uploads_per_step", "downloads_per_step"})
+        EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)]["chunks"][key],
+                  est.report.extra["offload"]["ranks"][std::size_t(r)]["chunks"][key])
+            << key << r;
+    EXPECT_LT(est.report.iteration_time_s, a.report.iteration_time_s);
+    EXPECT_LT(est.report.hosts[0].peak_memory_bytes, a.report.hosts[0].peak_memory_bytes);
+    EXPECT_LT(est.report.extra["offload"]["copy_in_bytes_per_step"].get<std::int64_t>(),
+              a.report.extra["offload"]["copy_in_bytes_per_step"].get<std::int64_t>());
+    fmt::print(
+        "gpt-10b w = {} d = {} m = {}: sharded step {:.3f} s (simulated {:.3f} s), host {:.2f} "
+        "GiB, in {:.2f} GiB / out {:.2f} GiB per step; whole chunks {:.3f} s, {:.2f} GiB, {:.2f} / "
+        "{:.2f} GiB\n",
+        w, d, mb, est.report.iteration_time_s, s.report.iteration_time_s,
+        double(est.report.hosts[0].peak_memory_bytes) / double(1LL << 30),
+        est.report.extra["offload"]["copy_in_bytes_per_step"].get<double>() / double(1LL << 30),
+        est.report.extra["offload"]["copy_out_bytes_per_step"].get<double>() / double(1LL << 30),
+        a.report.iteration_time_s, double(a.report.hosts[0].peak_memory_bytes) / double(1LL << 30),
+        a.report.extra["offload"]["copy_in_bytes_per_step"].get<double>() / double(1LL << 30),
+        a.report.extra["offload"]["copy_out_bytes_per_step"].get<double>() / double(1LL << 30));
+  }
+}
+
 }  // namespace
 }  // namespace pw::planner
