@@ -127,10 +127,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
-  if (plan.chunk_shard)
-    throw InputError(
-        "plan: chunk_shard: the executors do not run sharded chunks yet (the CPU backend runs "
-        "chunks whole on every replica); estimate or simulate it instead");
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "

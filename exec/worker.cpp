@@ -1101,7 +1101,13 @@ RankResult Worker::result() const {
   r.edge_steps = chunked_ && parts_ > 1 ? std::min(s_.programs->steps, 2) : 0;
   r.activation_out_bytes = activation_bytes_out_;
   r.activation_in_bytes = activation_bytes_in_;
-  if (chunked_) r.weights.push_back(gather_chunks(0, updates_));  // the newest version
+  // The newest version. Sharded chunks: from the parts gathered after the last step (none when
+  // the run did not get there: no collective here, the other replicas may be gone).
+  if (chunked_ && schedule_->layout.part_bytes > 0) {
+    if (!final_parts_.empty()) r.weights.push_back(gather_chunks(0, updates_, final_parts_));
+  } else if (chunked_) {
+    r.weights.push_back(gather_chunks(0, updates_));
+  }
   for (const Chunk& c : chunks_) {
     if (chunked_) break;
     r.weights.emplace_back(c.slots[slots_.newest()].data(),

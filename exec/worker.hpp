@@ -147,6 +147,10 @@ class Worker {
     bool on_device[3] = {};  // per unit (one unit: [0])
     CopyEngine::Ticket down[3] = {}, up[3] = {};  // per unit: its last download, upload
     CopyEngine::Ticket adam = 0;                  // its last CPU Adam
+    // Sharded chunks (ChunkLayout::sharded, host-Adam): the replica's part of the parameters,
+    // always on the host (shard_elements), and at the optimizer step its gradient's part
+    // (downloaded after the reduce-scatter; held until the step's end).
+    Buffer host_part, grad_part;
   };
   int parts_ = 1;          // ChunkLayout::parts: 3 with 2bw
   int chunk_version_ = 0;  // the weight version of the compute op under way
@@ -162,6 +166,15 @@ class Worker {
   void chunk_update(int chunk, int update);
   CopyEngine::Ticket download_chunk(int c, int op);
   void upload_chunk(int c, int op);
+  // Sharded chunks: a drop (the device's buffers freed), the replica's part up (its all-gather
+  // follows on the rank's thread: gather_part), the gradient's part down at the optimizer step
+  // after its reduce-scatter, and Adam on the replica's part in host memory.
+  void drop_chunk(int c);
+  void upload_part(int c, int op);
+  void gather_part(int c, int op);
+  void download_part(int c, int step, int op);
+  void part_update(int chunk, int update);
+  bool part_only(int chunk) const;  // sharded, with its parameters' part on the host
   void chunk_forward(const planner::Op& op);
   void chunk_recompute(const planner::Op& op);
   void chunk_backward(const planner::Op& op);
@@ -175,8 +188,13 @@ class Worker {
   std::int64_t message_floats_ = 0;
   // The stage's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and back.
   std::vector<float> gather_chunks(int which, int version = 0) const;
+  using PartParams = std::vector<std::vector<float>>;  // per chunk (sharded on the host: whole)
+  PartParams gather_parts() const;
+  std::vector<float> gather_chunks(int which, int version, const PartParams& params) const;
   void scatter_chunks(int which, const float* flat, int version = 0);
   bool chunked_ = false;
+  std::vector<int> part_gathers_;  // sharded chunks: per chunk, its all-gathers in this step
+  PartParams final_parts_;         // sharded chunks: gathered after the run's last step
   void offload_op(const planner::Op& op);
   void offload_step(const planner::Op& op);
   float* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)

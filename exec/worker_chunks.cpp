@@ -143,14 +143,17 @@ void Worker::setup_chunks() {
   const std::int64_t e = L.chunk_elements;
   parts_ = L.parts;
   data_chunks_.resize(std::size_t(L.chunks()));
+  part_gathers_.assign(std::size_t(L.chunks()), 0);
   for (int k = 0; k < L.chunks(); ++k) {
     DataChunk& d = data_chunks_[std::size_t(k)];
     for (int u = 0; u < parts_; ++u) {
       d.on_device[u] = schedule_->start_on_device[std::size_t(k * parts_ + u)];
       MemoryCounter* where = d.on_device[u] ? memory_ : &host_;
+      if (L.is_sharded(k) && !d.on_device[u]) continue;  // its part only, below
       for (int part : unit_parts(u))
         d.part[part] = Buffer(where, part == 2 ? Category::gradients : Category::weights, e);
     }
+    if (part_only(k)) d.host_part = Buffer(&host_, Category::weights, L.shard_elements);
     // The Adam state of the replica's part of the chunk (all of it with w = 1).
     MemoryCounter* state = schedule_->device_resident(k) ? memory_ : &host_;
     d.m = Buffer(state, Category::optimizer, L.shard_elements);
@@ -169,10 +172,32 @@ void Worker::setup_chunks() {
 }
 
 // The stage's flat parameters (which 0), Adam m (1) or v (2) out of the chunks. With w > 1 each
-// replica holds its part of m and v: the stage's replicas all-gather them (every replica calls
-// this at the same point: a checkpoint), so every replica returns the whole state, as without
-// chunks.
+// replica holds its part of m and v, and with sharded chunks its part of the host chunks'
+// parameters: the stage's replicas all-gather them (every replica calls this at the same point: a
+// checkpoint, the run's end), so every replica returns the whole state, as without chunks.
 std::vector<float> Worker::gather_chunks(int which, int version) const {
+  return gather_chunks(which, version, which == 0 ? gather_parts() : PartParams{});
+}
+
+// Sharded chunks on the host: each one's parameters all-gathered from the replicas' parts (every
+// replica calls this at the same point); empty for the others.
+Worker::PartParams Worker::gather_parts() const {
+  const planner::ChunkLayout& L = schedule_->layout;
+  PartParams params(std::size_t(L.chunks()));
+  for (int k = 0; k < L.chunks(); ++k) {
+    if (!part_only(k)) continue;
+    const auto [pb, pe] = L.part(replica_);
+    std::vector<float>& all = params[std::size_t(k)];
+    all.assign(std::size_t(L.chunk_elements), 0.0f);
+    std::copy_n(data_chunks_[std::size_t(k)].host_part.data(), pe - pb, all.data() + pb);
+    s_.transport->all_gather(fmt::format("ck/{}.{}/w/{}/{}", stage_, tp_, updates_, k),
+                             replica_group(), device_, all.data(), L.part_bounds());
+  }
+  return params;
+}
+
+// gather_chunks with the sharded chunks' parameters gathered already (`params`, per chunk).
+std::vector<float> Worker::gather_chunks(int which, int version, const PartParams& params) const {
   const Chunk& c = chunks_.front();
   const planner::ChunkLayout& L = schedule_->layout;
   std::vector<std::vector<float>> whole;  // w > 1, state: each chunk's, all parts
@@ -192,10 +217,11 @@ std::vector<float> Worker::gather_chunks(int which, int version) const {
   for (const TensorSlot& slot : c.stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     const DataChunk& d = data_chunks_[std::size_t(k)];
-    const float* from = which == 0       ? d.part[weight_part(version)].data()
-                        : !whole.empty() ? whole[std::size_t(k)].data()
-                        : which == 1     ? d.m.data()
-                                         : d.v.data();
+    const float* from = which == 0 && part_only(k) ? params.at(std::size_t(k)).data()
+                        : which == 0               ? d.part[weight_part(version)].data()
+                        : !whole.empty()           ? whole[std::size_t(k)].data()
+                        : which == 1               ? d.m.data()
+                                                   : d.v.data();
     std::copy_n(from + at, slot.size, flat.data() + slot.offset);
   }
   return flat;
@@ -208,6 +234,14 @@ void Worker::scatter_chunks(int which, const float* flat, int version) {
   for (const TensorSlot& slot : chunks_.front().stage->layout()) {
     const auto [k, at] = tensor_at_.at(slot.offset);
     DataChunk& d = data_chunks_[std::size_t(k)];
+    if (which == 0 && part_only(k)) {  // its part of the tensor
+      const auto [pb, pe] = L.part(replica_);
+      const std::int64_t begin = std::max(at, pb), end = std::min(at + slot.size, pe);
+      if (begin < end)
+        std::copy_n(flat + slot.offset + (begin - at), end - begin,
+                    d.host_part.data() + (begin - pb));
+      continue;
+    }
     if (which == 0) {
       std::copy_n(flat + slot.offset, slot.size, d.part[weight_part(version)].data() + at);
       continue;
@@ -264,6 +298,24 @@ void Worker::chunk_update(int k, int update) {
   optimizer_update(*s_.options, update, in, out, d.part[2].data() + lo, d.m.data(), d.v.data(),
                    hi - lo);
   if (L.replicas > 1) std::fill_n(d.part[2].data(), L.chunk_owned[std::size_t(k)], 0.0f);
+}
+
+bool Worker::part_only(int k) const {
+  return schedule_->layout.is_sharded(k) && !schedule_->device_resident(k);
+}
+
+// Adam on the replica's part of sharded chunk k in host memory: its parameters' part (in place;
+// sharded chunks are flush schedules only), and the gradient's part that came down after the
+// reduce-scatter on the device, or the whole gradient on the host (reduce-scattered there).
+void Worker::part_update(int k, int update) {
+  const planner::ChunkLayout& L = schedule_->layout;
+  DataChunk& d = data_chunks_[std::size_t(k)];
+  const auto [lo, hi] = L.shard(k, replica_);
+  if (hi <= lo) return;
+  const std::int64_t pb = L.part(replica_).first;  // lo == pb: the shard starts the part
+  float* params = d.host_part.data() + (lo - pb);
+  float* grad = d.grad_part.empty() ? d.part[2].data() + lo : d.grad_part.data() + (lo - pb);
+  optimizer_update(*s_.options, update, params, params, grad, d.m.data(), d.v.data(), hi - lo);
 }
 
 // 2bw: the segment under way is the one ending with step updates_'s optimizer step.
@@ -343,9 +395,91 @@ void Worker::upload_chunk(int u, int op) {
   });
 }
 
+// A sharded chunk without a gradient leaves the device: its buffers are freed (its parameters'
+// part is on the host, the other parts on the other replicas' hosts).
+void Worker::drop_chunk(int u) {
+  DataChunk& d = data_chunks_.at(std::size_t(u));
+  if (parts_ != 1 || !part_only(u) || !d.on_device[0])
+    throw Error(
+        fmt::format("rank {}: a drop of chunk {}, which is not a sharded chunk on the "
+                    "device",
+                    rank_, u));
+  d.on_device[0] = false;
+  d.part[0] = Buffer();
+  d.part[2] = Buffer();
+}
+
+// A sharded chunk's part to the device on the host-to-device engine: the device's buffers taken
+// now, the replica's part of the parameters copied into its place, the gradient half zeroed (no
+// gradient yet); gather_part then fills in the other replicas' parts.
+void Worker::upload_part(int u, int op) {
+  DataChunk& d = data_chunks_.at(std::size_t(u));
+  if (parts_ != 1 || !part_only(u) || d.on_device[0])
+    throw Error(
+        fmt::format("rank {}: a part upload of chunk {}, which is not a sharded chunk on "
+                    "the host",
+                    rank_, u));
+  const planner::ChunkLayout& L = schedule_->layout;
+  const std::int64_t e = L.chunk_elements;
+  d.part[0] = Buffer(memory_, Category::weights, e, &pool_);
+  d.part[2] = Buffer(memory_, Category::gradients, e, &pool_);
+  d.on_device[0] = true;
+  DataChunk* dc = &d;
+  Worker* w = this;
+  const auto [pb, pe] = L.part(replica_);
+  const CopyEngine::Ticket adam = d.adam;
+  d.up[0] = h2d_->submit([w, dc, pb = pb, pe = pe, e, adam, op] {
+    w->host_cpu_->wait(adam);
+    const auto t0 = Clock::now();
+    std::copy_n(dc->host_part.data(), pe - pb, dc->part[0].data() + pb);
+    std::fill_n(dc->part[2].data(), e, 0.0f);
+    w->bytes_in_ += (pe - pb) * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
+  });
+}
+
+// After a part upload has ended: the chunk's parameters all-gathered over the stage's replicas
+// (each its part), on the rank's thread (in program order on every replica).
+void Worker::gather_part(int u, int op) {
+  const planner::ChunkLayout& L = schedule_->layout;
+  DataChunk& d = data_chunks_.at(std::size_t(u));
+  const auto t0 = Clock::now();
+  s_.transport->all_gather(fmt::format("ck/{}.{}/{}/{}/ag{}", stage_, tp_, updates_, u,
+                                       part_gathers_.at(std::size_t(u))++),
+                           replica_group(), device_, d.part[0].data(), L.part_bounds());
+  copy_record(planner::kCollectiveStream, t0, Clock::now(), op);
+}
+
+// At the optimizer step, a sharded chunk on the device: its gradient reduce-scattered over the
+// stage's replicas there (on the rank's thread), then the replica's part of it down on the
+// device-to-host engine; the device's buffers go when it has ended.
+void Worker::download_part(int u, int step, int op) {
+  DataChunk& d = data_chunks_.at(std::size_t(u));
+  if (parts_ != 1 || !part_only(u) || !d.on_device[0])
+    throw Error(
+        fmt::format("rank {}: a gradient part download of chunk {}, which is not a "
+                    "sharded chunk on the device",
+                    rank_, u));
+  const planner::ChunkLayout& L = schedule_->layout;
+  chunk_collective(u, step, false, op);
+  const auto [pb, pe] = L.part(replica_);
+  d.grad_part = Buffer(&host_, Category::gradients, L.shard_elements, &host_buffers_);
+  d.on_device[0] = false;
+  DataChunk* dc = &d;
+  Worker* w = this;
+  d.down[0] = d2h_->submit([w, dc, pb = pb, pe = pe, op] {
+    const auto t0 = Clock::now();
+    std::copy_n(dc->part[2].data() + pb, pe - pb, dc->grad_part.data());
+    dc->part[0] = Buffer();  // the device's buffers go back to the arena
+    dc->part[2] = Buffer();
+    w->bytes_out_ += (pe - pb) * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
+}
+
 // Before layer `layer` of the compute op under way: its moment's evictions (all of them ended:
-// they make the room), then its uploads (ended: the layer reads them). Exposed, as the planner
-// and the simulator run them.
+// they make the room; a sharded chunk's drop at once), then its uploads (ended: the layer reads
+// them), then the part uploads' all-gathers. Exposed, as the planner and the simulator run them.
 void Worker::chunk_moment(int layer) {
   const auto t0 = Clock::now();
   std::vector<std::pair<Op, int>> out, in;
@@ -354,12 +488,30 @@ void Worker::chunk_moment(int layer) {
     (next.first.kind == OpKind::copy_chunk_to_host ? out : in).push_back(next);
     pending_copies_.pop_front();
   }
-  for (const auto& [op, at] : out)
-    download_chunk(op.bucket, at);  // a unit
+  for (const auto& [op, at] : out) {
+    if (op.part)
+      drop_chunk(op.bucket);
+    else
+      download_chunk(op.bucket, at);  // a unit
+  }
   d2h_->drain();
-  for (const auto& [op, at] : in)
-    upload_chunk(op.bucket, at);
+  for (const auto& [op, at] : in) {
+    if (op.part)
+      upload_part(op.bucket, at);
+    else
+      upload_chunk(op.bucket, at);
+  }
   h2d_->drain();
+  // The gathers wait for the other replicas without the core (ranks taking turns on a core would
+  // wait for each other's turn otherwise).
+  bool released = false;
+  for (const auto& [op, at] : in)
+    if (op.part) {
+      if (!released) release_core();
+      released = true;
+      gather_part(op.bucket, at);
+    }
+  if (released) take_core();
   copy_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
@@ -389,7 +541,10 @@ void Worker::chunk(const Op& op) {
       }
       if (op.kind == OpKind::copy_chunk_to_device)
         throw Error(fmt::format("rank {}: an upload of chunk {} at the optimizer step", rank_, k));
-      download_chunk(op.bucket, op_);  // for CPU Adam
+      if (op.part)
+        download_part(op.bucket, op.step, op_);  // its gradient's part, for CPU Adam
+      else
+        download_chunk(op.bucket, op_);  // for CPU Adam
       return;
     case OpKind::chunk_step_host: {
       if (any_on_device)
@@ -398,12 +553,24 @@ void Worker::chunk(const Op& op) {
       // The chunk's downloads (the engine runs them in order: the last one's ticket).
       const CopyEngine::Ticket down = std::max({d.down[0], d.down[1], d.down[2]});
       const int step = op.step, at = op_;
-      const auto adam = [w, k, down, step, at] {
+      if (op.part && d.grad_part.empty())
+        throw Error(
+            fmt::format("rank {}: CPU Adam of chunk {}'s part before its gradient's part "
+                        "came down",
+                        rank_, k));
+      // A sharded chunk: the gradient's sum here only when it came down whole; Adam on the
+      // replica's part; no all-gather (its next upload gathers).
+      const bool sharded = part_only(k), reduced = op.part;
+      const auto adam = [w, k, down, step, at, sharded, reduced] {
         w->d2h_->wait(down);
         const auto t0 = Clock::now();
-        w->chunk_collective(k, step, false, at);
-        w->chunk_update(k, step + 1);
-        w->chunk_collective(k, step, true, at);
+        if (!reduced) w->chunk_collective(k, step, false, at);
+        if (sharded) {
+          w->part_update(k, step + 1);
+        } else {
+          w->chunk_update(k, step + 1);
+          w->chunk_collective(k, step, true, at);
+        }
         w->copy_record(planner::kHostStream, t0, Clock::now(), at);
       };
       // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
@@ -662,10 +829,26 @@ void Worker::chunk_optimizer_step(const Op& op) {
   d2h_->drain();
   host_cpu_->drain();
   tied_head_ = {};  // w > 1: added by the wte chunk's step
+  // Sharded chunks: what the step held on the host beside their parts (the gradients' parts,
+  // the chunks that came down whole with their gradients) goes.
+  for (int k = 0; k < int(data_chunks_.size()); ++k) {
+    DataChunk& d = data_chunks_[std::size_t(k)];
+    if (!part_only(k)) continue;
+    d.grad_part = Buffer();
+    if (!d.on_device[0]) {
+      d.part[0] = Buffer();
+      d.part[2] = Buffer();
+    }
+  }
+  std::fill(part_gathers_.begin(), part_gathers_.end(), 0);
   ++updates_;
   bool allocate = false;
   slots_.place(op.version, slots_.target_for(op.version, allocate));
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
+  // Sharded chunks: their final parameters gathered while every replica is here (result() cannot;
+  // the last stage's tied copy, whole, may still arrive after this).
+  if (schedule_->layout.part_bytes > 0 && op.step == s_.first_step + s_.programs->steps - 1)
+    final_parts_ = gather_parts();
   s_.finish_step(op.step);
 }
 

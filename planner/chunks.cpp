@@ -184,6 +184,19 @@ std::pair<std::int64_t, std::int64_t> ChunkLayout::shard(int chunk, int replica)
           std::min(owned, mul(replica + 1, shard_elements))};
 }
 
+std::pair<std::int64_t, std::int64_t> ChunkLayout::part(int replica) const {
+  return {std::min(chunk_elements, mul(replica, shard_elements)),
+          std::min(chunk_elements, mul(replica + 1, shard_elements))};
+}
+
+std::vector<std::int64_t> ChunkLayout::part_bounds() const {
+  std::vector<std::int64_t> out;
+  for (int r = 0; r < replicas; ++r)
+    out.push_back(part(r).first);
+  out.push_back(chunk_elements);
+  return out;
+}
+
 std::vector<std::int64_t> ChunkLayout::shard_bounds(int chunk) const {
   std::vector<std::int64_t> out;
   for (int r = 0; r < replicas; ++r)

@@ -87,6 +87,11 @@ struct ChunkLayout {
   std::vector<bool> sharded;
   std::int64_t part_bytes = 0;
   bool is_sharded(int chunk) const { return !sharded.empty() && sharded[std::size_t(chunk)]; }
+  // Replica r's part of a sharded chunk's capacity, elements [first, second): [r x shard_elements,
+  // (r + 1) x shard_elements) inside [0, chunk_elements) (replica 0's is P's, the largest). It
+  // holds the replica's Adam shard (`shard`) from its start. part_bounds: the replicas + 1 bounds.
+  std::pair<std::int64_t, std::int64_t> part(int replica) const;
+  std::vector<std::int64_t> part_bounds() const;
   int chunks() const { return int(chunk_parameters.size()); }
   int units() const { return chunks() * parts; }
   int layers() const { return int(layer_chunks.size()); }

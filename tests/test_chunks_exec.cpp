@@ -788,5 +788,94 @@ TEST(ChunksExec, TwoBwResumeIsBitIdentical) {
   }
 }
 
+// Sharded chunks (Plan::chunk_shard): each replica's host holds its part of each host chunk's
+// parameters; a chunk without a gradient is dropped and comes back as the replica's part and an
+// all-gather; at the step its gradient is reduce-scattered on the device and only the part comes
+// down. The same losses and final weights as the plan without offload, bit for bit (gpipe, 1f1b,
+// dp; d = 1 and 2, tied: the wte chunks stay whole; full recompute); each rank's measured peak is
+// its schedule's and the simulator's exactly, inside the budget; each rank moves its schedule's
+// and the simulator's bytes exactly, fewer than with whole chunks.
+TEST(ChunksExec, ShardedChunksAreBitIdenticalWithEachRanksPeakAndBytes) {
+  const int steps = 3;
+  for (const DpCase& k : {DpCase{Schedule::gpipe, 1, 2, 1, 3, false, false},
+                          DpCase{Schedule::one_f_one_b, 1, 2, 2, 2, true, false},
+                          DpCase{Schedule::dp, 1, 3, 1, 1, false, false},
+                          DpCase{Schedule::one_f_one_b, 1, 2, 1, 2, false, true},
+                          DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, false, false},
+                          DpCase{Schedule::gpipe, 2, 2, 1, 2, true, true}}) {
+    const models::ModelSpec model =
+        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
+    const TrainResult plain =
+        train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, k.recompute, k.w),
+                  adamw_options(steps));
+    const Plan whole = make_plan(model, k.schedule, k.b, k.m, 65536, k.d, k.recompute, k.w);
+    Plan p = whole;
+    p.chunk_shard = true;
+    planner::check(p);
+    const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
+    for (std::int64_t budget : {low, low + 2 * 131072, roomy}) {
+      SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
+                   " w=" + std::to_string(k.w) + " m=" + std::to_string(k.m) +
+                   (k.untied ? " untied" : " tied") + (k.recompute ? " recompute" : "") +
+                   " budget=" + std::to_string(budget));
+      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+      expect_identical(r, plain);
+      ASSERT_EQ(int(r.ranks.size()), k.d * k.w);
+      const planner::RunReport sim = simulated(model, p, budget, steps);
+      const common::Json& so = sim.extra["offload"];
+      const common::Json& ranks = p.ranks() > 1 ? so["ranks"] : common::Json::array({so});
+      for (int rank = 0; rank < p.ranks(); ++rank) {
+        SCOPED_TRACE("rank " + std::to_string(rank));
+        const planner::ChunkSchedule s = schedule_of(model, p, budget, p.stage_of(rank));
+        const planner::ChunkSchedule a = schedule_of(model, whole, budget, p.stage_of(rank));
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        EXPECT_GT(s.layout.part_bytes, 0);
+        // Replica 0's part is P; another's may be shorter when w does not divide a chunk.
+        if (p.replica_of(rank) == 0 || s.layout.chunk_elements % k.w == 0)
+          expect_device_is_predicted(got, s, sim, ranks, rank, budget, steps);
+        if (budget == low) {
+          EXPECT_GT(s.part_uploads, 0);
+          EXPECT_LT(got.copy_in_bytes, steps * a.copy_in_bytes);
+        }
+        EXPECT_LE(got.copy_out_bytes, steps * a.copy_out_bytes);
+        std::printf(
+            "%s d=%d w=%d m=%d budget=%lld rank %d: parts up %d down %d, drops %d, "
+            "in %lld out %lld (whole chunks %lld %lld)\n",
+            to_string(k.schedule).c_str(), k.d, k.w, k.m, (long long)budget, rank, s.part_uploads,
+            s.part_downloads, s.drops, (long long)got.copy_in_bytes, (long long)got.copy_out_bytes,
+            (long long)(steps * a.copy_in_bytes), (long long)(steps * a.copy_out_bytes));
+      }
+    }
+  }
+}
+
+// A checkpoint of sharded chunks gathers the replicas' parts: a resumed run gives the bits of an
+// unbroken one (d = 1, and d = 2 with tied embeddings).
+TEST(ChunksExec, ShardedChunksResumeIsBitIdentical) {
+  for (int d : {1, 2}) {
+    const models::ModelSpec model = testing::gpt_tiny(2 * d);
+    Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, d, false, 2);
+    p.chunk_shard = true;
+    planner::check(p);
+    testing::expect_resume_is_bit_identical(model, p,
+                                            adamw_options(4, pipeline_budget(model, p) + 100000),
+                                            fmt::format("chunkexec_shard_d{}", d));
+  }
+}
+
+// Replicas taking turns on one core wait for each other in a part upload's all-gather and a part
+// download's reduce-scatter without holding the core: the same bits as plain data parallelism.
+TEST(ChunksExec, ShardedChunksWithReplicasTakingTurnsOnOneCore) {
+  const models::ModelSpec model = testing::gpt_tiny(2);
+  Plan p = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536, 1, false, 2);
+  p.chunk_shard = true;
+  const TrainResult plain = train_cpu(
+      model, make_plan(model, Schedule::one_f_one_b, 1, 2, -1, 1, false, 2), adamw_options(3));
+  TrainOptions o = adamw_options(3, pipeline_budget(model, p));
+  o.cores.assign(2, allowed_cores().front());
+  o.core_turns = true;
+  expect_identical(train_cpu(model, p, o), plain);
+}
+
 }  // namespace
 }  // namespace pw::exec
