@@ -255,4 +255,19 @@ r = json.load(open('$TMP/tc.json'))
 o = r['offload']
 assert r['plan']['offload'] == 'chunks' and o['copy_in_bytes_per_step'] > 0 and r['devices'][0]['peak_memory_bytes'] <= 2000000, o" && ok || bad "train chunks report: plan.offload, offload bytes, peak inside the budget"
 
+# Sharded chunks (--chunk-shard): the refusals, and a run that moves less than whole chunks.
+expect_code "--chunk-shard with w = 1" 1 "chunk_shard: sharded chunks split each chunk over the w replicas: needs w > 1, found w = 1" $PW $TC -m 1 --steps 1 --chunk-shard --device-memory 2000000 --out "$O"
+expect_code "--chunk-shard without offload chunks" 1 "chunk_shard: sharded chunks need offload chunks" $PW estimate $WS -w 2 --ranks-per-gpu 2 --chunk-shard --out "$O"
+expect_code "--chunk-shard with 2bw" 1 "chunk_shard: sharded chunks with 2bw are not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --schedule 2bw --offload chunks --chunk-shard --out "$O"
+TW="train --backend cpu --model gpt-tiny -w 2 -d 1 -b 1 -m 2 --steps 2 --offload chunks --chunk-size 65536 --device-memory 1700000"
+expect_ok "train --offload chunks -w 2" $PW $TW --out "$TMP/tw.json"
+expect_ok "train --offload chunks -w 2 --chunk-shard" $PW $TW --chunk-shard --out "$TMP/tws.json"
+python3 -c "
+import json
+a, b = json.load(open('$TMP/tw.json')), json.load(open('$TMP/tws.json'))
+assert b['plan']['chunk_shard'] is True and 'chunk_shard' not in a['plan'], (a['plan'], b['plan'])
+assert a['losses'] == b['losses'], (a['losses'], b['losses'])
+for k in ('copy_in_bytes_per_step', 'copy_out_bytes_per_step'):
+    assert 0 < b['offload'][k] < a['offload'][k], (k, a['offload'][k], b['offload'][k])" && ok || bad "train --chunk-shard: plan.chunk_shard, the same losses, fewer bytes moved than whole chunks"
+
 finish "bad-input CLI tests"
