@@ -72,9 +72,10 @@ planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const Trac
 }
 
 std::string plan_label(const planner::Plan& p) {
-  return fmt::format("{}{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
+  return fmt::format("{}{}{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
                      p.distributed_optimizer ? " dopt" : "",
-                     p.any_offload() ? " offload=" + planner::offload_name(p) : "");
+                     p.any_offload() ? " offload=" + planner::offload_name(p) : "",
+                     p.chunk_shard ? " shard" : "");
 }
 
 std::string tp_label(const planner::Plan& p) {
@@ -279,7 +280,8 @@ void add_plan_command(CLI::App& app) {
           "in fixed-size chunks that move between host and device by an eviction plan, Adam on "
           "the host for the chunks whose state does not fit; each pipeline stage, and with "
           "t > 1 each GPU of its TP group, its own chunks, their optimizer state sharded over "
-          "w > 1 replicas; the default chunk size, or the largest halving of it at which every "
+          "w > 1 replicas, and with w > 1 also the chunks' parameters (--chunk-shard, not with "
+          "2bw); the default chunk size, or the largest halving of it at which every "
           "layer's working set fits): {} fit\n",
           res.fitting.size());
       if (!res.fitting.empty())
@@ -319,7 +321,8 @@ void add_plan_command(CLI::App& app) {
         p.any_offload()
             ? " --offload " + planner::offload_name(p) +
                   (p.activations.empty() ? "" : " (activations " + activation_list(p) + ")") +
-                  (p.chunk_bytes > 0 ? fmt::format(" --chunk-size {}", p.chunk_bytes) : "")
+                  (p.chunk_bytes > 0 ? fmt::format(" --chunk-size {}", p.chunk_bytes) : "") +
+                  (p.chunk_shard ? " --chunk-shard" : "")
             : "",
         p.recompute_of(0) == planner::Recompute::none
             ? ""

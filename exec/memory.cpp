@@ -159,6 +159,16 @@ Buffer::~Buffer() {
   release();
 }
 
+void Buffer::keep(std::int64_t begin, std::int64_t end) {
+  if (begin < 0 || end < begin || end > size())
+    throw std::logic_error("Buffer::keep: out of range");
+  const std::int64_t dropped = size() - (end - begin);
+  std::copy(data_.begin() + begin, data_.begin() + end, data_.begin());
+  data_.resize(std::size_t(end - begin));
+  data_.shrink_to_fit();
+  if (counter_) counter_->add(category_, -dropped * std::int64_t(sizeof(float)));
+}
+
 void Buffer::release() {
   if (counter_ && !data_.empty())
     counter_->add(category_, -std::int64_t(data_.size() * sizeof(float)));

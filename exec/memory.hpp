@@ -84,6 +84,8 @@ class Buffer {
   const float* data() const { return data_.data(); }
   std::int64_t size() const { return std::int64_t(data_.size()); }
   bool empty() const { return data_.empty(); }
+  // Keeps elements [begin, end) only, moved to the front; the rest is freed (and uncounted).
+  void keep(std::int64_t begin, std::int64_t end);
 
  private:
   void release();

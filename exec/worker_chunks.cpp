@@ -313,7 +313,8 @@ void Worker::part_update(int k, int update) {
   const auto [lo, hi] = L.shard(k, replica_);
   if (hi <= lo) return;
   const std::int64_t pb = L.part(replica_).first;  // lo == pb: the shard starts the part
-  float* params = d.host_part.data() + (lo - pb);
+  // Its parameters: the part, or in the whole chunk on the host (which holds the part then).
+  float* params = d.host_part.empty() ? d.part[0].data() + lo : d.host_part.data() + (lo - pb);
   float* grad = d.grad_part.empty() ? d.part[2].data() + lo : d.grad_part.data() + (lo - pb);
   optimizer_update(*s_.options, update, params, params, grad, d.m.data(), d.v.data(), hi - lo);
 }
@@ -341,6 +342,13 @@ CopyEngine::Ticket Worker::download_chunk(int u, int op) {
                             parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
   const std::int64_t e = schedule_->layout.chunk_elements;
   const std::vector<int> parts = unit_parts(unit);
+  // A sharded chunk with its gradient comes down whole: its parameters' part is in it (the
+  // parameters stay as they are beside the gradient half), so the host's part goes.
+  if (part_only(k)) {
+    if (schedule_->layout.move_bytes == schedule_->layout.chunk_bytes)
+      throw Error(fmt::format("rank {}: sharded chunk {} without a gradient half", rank_, k));
+    d.host_part = Buffer();
+  }
   auto host = std::make_shared<std::vector<Buffer>>();
   for (int part : parts)
     host->emplace_back(&host_, part == 2 ? Category::gradients : Category::weights, e,
@@ -381,18 +389,28 @@ void Worker::upload_chunk(int u, int op) {
   Worker* w = this;
   const CopyEngine::Ticket down = d.down[unit], adam = d.adam;
   const bool edge = edge_segment();
-  d.up[unit] = h2d_->submit([w, dc, device, parts, e, down, adam, op, edge] {
-    w->d2h_->wait(down);
-    w->host_cpu_->wait(adam);
-    const auto t0 = Clock::now();
-    for (std::size_t i = 0; i < parts.size(); ++i) {
-      std::copy_n(dc->part[parts[i]].data(), e, (*device)[i].data());
-      dc->part[parts[i]] = std::move((*device)[i]);  // the host's buffer goes back to the pool
-    }
-    w->bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
-    if (edge) w->edge_bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
-    w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
-  });
+  // A sharded chunk going up whole keeps its parameters' part on the host.
+  const bool keep = part_only(k);
+  const auto [pb, pe] =
+      keep ? schedule_->layout.part(replica_) : std::pair<std::int64_t, std::int64_t>{};
+  d.up[unit] =
+      h2d_->submit([w, dc, device, parts, e, down, adam, op, edge, keep, pb = pb, pe = pe] {
+        w->d2h_->wait(down);
+        w->host_cpu_->wait(adam);
+        const auto t0 = Clock::now();
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+          std::copy_n(dc->part[parts[i]].data(), e, (*device)[i].data());
+          if (keep && parts[i] == 0) {
+            Buffer part = std::move(dc->part[0]);
+            part.keep(pb, pe);
+            dc->host_part = std::move(part);
+          }
+          dc->part[parts[i]] = std::move((*device)[i]);  // the host's buffer goes back to the pool
+        }
+        w->bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
+        if (edge) w->edge_bytes_in_ += std::int64_t(parts.size()) * e * std::int64_t(sizeof(float));
+        w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
+      });
 }
 
 // A sharded chunk without a gradient leaves the device: its buffers are freed (its parameters'
@@ -835,8 +853,10 @@ void Worker::chunk_optimizer_step(const Op& op) {
     DataChunk& d = data_chunks_[std::size_t(k)];
     if (!part_only(k)) continue;
     d.grad_part = Buffer();
-    if (!d.on_device[0]) {
-      d.part[0] = Buffer();
+    if (!d.on_device[0] && d.host_part.empty()) {  // it came down whole: its part is kept
+      const auto [pb, pe] = schedule_->layout.part(replica_);
+      d.part[0].keep(pb, pe);
+      d.host_part = std::move(d.part[0]);
       d.part[2] = Buffer();
     }
   }

@@ -630,15 +630,19 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   for (int u : resident)
     put(u);
   // Sharded chunks: which have a gradient, and the chunks' bytes on the host (a host-Adam chunk's
-  // part always; with a gradient and on the host, the chunk whole beside it; an unsharded chunk
-  // whole while on the host).
+  // part; with a gradient and on the host, the chunk whole, beside the part only without a
+  // gradient half; an unsharded chunk whole while on the host).
   const bool sharding = L.part_bytes > 0;
   if (sharding && L.parts != 1) throw std::logic_error("run_step: sharded chunks with parts");
   std::vector<char> dirty(std::size_t(L.chunks()), 0);
+  // With a gradient half (move_bytes 2 S_p) the whole chunk holds its parameters unchanged, the
+  // part among them: the part is not kept beside it.
+  const bool half = L.move_bytes > L.chunk_bytes;
   auto host_of = [&](int c) -> std::int64_t {
     if (!L.is_sharded(c)) return on[std::size_t(c)] ? 0 : L.move_bytes;
-    return (s.device_resident(c) ? 0 : L.part_bytes) +
-           (dirty[std::size_t(c)] && !on[std::size_t(c)] ? L.move_bytes : 0);
+    const bool whole = dirty[std::size_t(c)] && !on[std::size_t(c)];
+    return (s.device_resident(c) || (whole && half) ? 0 : L.part_bytes) +
+           (whole ? L.move_bytes : 0);
   };
   std::int64_t host = 0;
   host_peak = 0;

@@ -242,8 +242,9 @@ struct ChunkSchedule {
   int peak_segment = -1;               // 2bw: in that segment's moments, else in `moments`
   const ChunkMoment& peak() const;
   // (n - K) S_os + max_k (n - resident_k) S_p; sharded: (n - K) S_os + max over the step of
-  // (the host-Adam chunks' parts + the chunks with a gradient on the host, whole + the gradient
-  // parts downloaded at the optimizer step)
+  // (the host-Adam chunks' parts + the chunks with a gradient on the host, whole (in place of
+  // their part when they have a gradient half) + the gradient parts downloaded at the optimizer
+  // step)
   std::int64_t host_peak_bytes = 0;
   std::int64_t host_chunk_peak_bytes = 0;  // its parameter-chunk part (pinned)
   double forward_s = 0, backward_s = 0;    // compute + the copies before each moment

@@ -251,6 +251,14 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                     splits.push_back(x);
                   }
                 }
+                // Chunks over w > 1 replicas: whole on every replica, and sharded (PatrickStar's
+                // data-parallel chunks; not with 2bw yet): the estimate picks.
+                if (offload == Offload::chunks && p.w > 1 && p.schedule != Schedule::two_bw)
+                  for (std::size_t i = 0, n = splits.size(); i < n; ++i) {
+                    Plan x = splits[i];
+                    x.chunk_shard = true;
+                    splits.push_back(std::move(x));
+                  }
                 for (Plan& x : splits) {
                   Candidate c{x, {}, true, ""};
                   if (x.offload == Offload::chunks) {

@@ -1368,6 +1368,54 @@ TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
   }
 }
 
+// Issue 15's capacity question with data parallelism: eight V100-32GBs (p3.16xlarge, 488 GiB of
+// host memory) as w = 8 replicas, 1f1b b = 1 m = 1, full recompute. With whole chunks every
+// replica's host holds its own copy of every chunk it is not computing with (2 B per parameter
+// each, 16 on the node beside 12 of optimizer state): host memory runs out first. Sharded, a part
+// (2 B on the node): the deepest fitting C = 4096 GPT grows until the device's activations (the
+// stage's recompute holds every block's stash) are the limit. The planner's search, limited to
+// w = 8, picks sharded chunks for it.
+TEST(ChunksSearch, ShardedChunksFitALargerModelOnEightReplicas) {
+  const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
+  auto estimated = [&](const models::ModelSpec& m, bool shard) {
+    const traces::Trace trace = traces::analytic_trace(m, eight.device, {1});
+    Plan p = plan_of(Schedule::one_f_one_b, 8, 1, 1, 1, 1, m.layers, grid(eight));
+    p.offload = Offload::chunks;
+    p.chunk_shard = shard;
+    p.recompute = {Recompute::full};  // the stashes of a deep model would bind the device first
+    p.chunk_bytes = default_chunk_bytes(m);
+    return estimate(m, trace, eight, p);
+  };
+  auto fits = [&](const models::ModelSpec& m, bool shard) {
+    try {
+      return estimated(m, shard).report.fits();
+    } catch (const InputError&) {
+      return false;
+    }
+  };
+  const std::int64_t whole = deepest([&](const models::ModelSpec& m) { return fits(m, false); });
+  const std::int64_t sharded = deepest([&](const models::ModelSpec& m) { return fits(m, true); });
+  // Whole chunks: the host is what runs out; sharded: a layer's working set on the device.
+  EXPECT_FALSE(estimated(gpt_of(whole + 1), false).report.hosts[0].fits());
+  EXPECT_THROW(estimated(gpt_of(sharded + 1), true), InputError);
+  const traces::Trace trace = traces::analytic_trace(gpt_of(sharded), eight.device, {1, 2, 4, 8});
+  SearchOptions o;
+  o.global_batch = 8;
+  o.widths = {8};
+  const SearchResult r = search_plans(gpt_of(sharded), trace, eight, o);
+  fmt::print(
+      "capacity with chunks on eight V100-32GBs as w = 8, 1f1b b = 1 m = 1, full recompute: whole "
+      "chunks {} blocks ({:.2f}B), sharded {} blocks ({:.2f}B, {:.2f}x); plan at B = 8, w = 8: {} "
+      "fit, the first {}{}\n",
+      whole, billions(whole), sharded, billions(sharded), billions(sharded) / billions(whole),
+      r.fitting.size(), r.fitting.empty() ? "-" : offload_name(r.fitting.front().plan),
+      !r.fitting.empty() && r.fitting.front().plan.chunk_shard ? " sharded" : "");
+  EXPECT_GE(billions(sharded) / billions(whole), 1.25);
+  ASSERT_FALSE(r.fitting.empty());
+  for (const Candidate& x : r.fitting)
+    EXPECT_TRUE(x.plan.offload == Offload::chunks && x.plan.chunk_shard) << offload_name(x.plan);
+}
+
 // --- 2bw: two weight versions per chunk (docs/formulas.md section 9, chunks with 2bw) ---
 
 // Each segment between optimizer steps runs its own plan from the fixed point; every run of
@@ -1607,21 +1655,24 @@ TEST(ChunksSharded, PlanFieldParsesWritesAndRefuses) {
 // The rule walked independently of run_step: per chunk, on the device or not and whether a
 // backward of the step has used it. A copy is a part (an upload with its all-gather, or a drop)
 // exactly while its chunk has no gradient; the host holds each host-Adam chunk's part, a chunk
-// with a gradient whole beside it while on the host, an unsharded chunk whole while there; at the
-// optimizer step the downloaded parts of the gradients come on top. Returns the host's most.
+// with a gradient whole while on the host (beside its part when it has no gradient half; with
+// one, the part is inside it), an unsharded chunk whole while there; at the optimizer step the
+// downloaded parts of the gradients come on top. Returns the host's most.
 std::int64_t walk_sharded(const ChunkSchedule& cs) {
   const ChunkLayout& L = cs.layout;
   const std::size_t n = std::size_t(L.chunks());
   std::vector<bool> on = cs.start_on_device, grad(n, false);
+  const auto chunk_host = [&](std::size_t c) -> std::int64_t {
+    if (!L.is_sharded(int(c))) return on[c] ? 0 : L.move_bytes;
+    const bool whole = grad[c] && !on[c];  // with a gradient half, the part is inside it
+    return (cs.device_resident(int(c)) || (whole && L.move_bytes > L.chunk_bytes) ? 0
+                                                                                  : L.part_bytes) +
+           (whole ? L.move_bytes : 0);
+  };
   const auto host = [&] {
     std::int64_t h = 0;
-    for (std::size_t c = 0; c < n; ++c) {
-      if (!L.is_sharded(int(c))) {
-        h += on[c] ? 0 : L.move_bytes;
-        continue;
-      }
-      h += (cs.device_resident(int(c)) ? 0 : L.part_bytes) + (grad[c] && !on[c] ? L.move_bytes : 0);
-    }
+    for (std::size_t c = 0; c < n; ++c)
+      h += chunk_host(c);
     return h;
   };
   std::int64_t most = host();
@@ -1639,9 +1690,7 @@ std::int64_t walk_sharded(const ChunkSchedule& cs) {
   std::int64_t step = 0;
   for (std::size_t c = 0; c < n; ++c) {
     if (!cs.adam_download[c]) {
-      step += L.is_sharded(int(c)) ? (cs.device_resident(int(c)) ? 0 : L.part_bytes) +
-                                         (grad[c] && !on[c] ? L.move_bytes : 0)
-                                   : (on[c] ? 0 : L.move_bytes);
+      step += chunk_host(c);
       continue;
     }
     EXPECT_TRUE(on[c]) << c;
