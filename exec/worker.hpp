@@ -175,6 +175,7 @@ class Worker {
   void download_part(int c, int step, int op);
   void part_update(int chunk, int update);
   bool part_only(int chunk) const;  // sharded, with its parameters' part on the host
+  DataChunk& sharded_chunk(int chunk, bool on_device, const char* what);
   void chunk_forward(const planner::Op& op);
   void chunk_recompute(const planner::Op& op);
   void chunk_backward(const planner::Op& op);

@@ -413,15 +413,20 @@ void Worker::upload_chunk(int u, int op) {
       });
 }
 
+// Sharded chunk u, checked to be one (a unit is a chunk) and on the device (`on_device`) or the
+// host before `what` moves it.
+Worker::DataChunk& Worker::sharded_chunk(int u, bool on_device, const char* what) {
+  DataChunk& d = data_chunks_.at(std::size_t(u));
+  if (parts_ != 1 || !part_only(u) || d.on_device[0] != on_device)
+    throw Error(fmt::format("rank {}: {} of chunk {}, which is not a sharded chunk on the {}",
+                            rank_, what, u, on_device ? "device" : "host"));
+  return d;
+}
+
 // A sharded chunk without a gradient leaves the device: its buffers are freed (its parameters'
 // part is on the host, the other parts on the other replicas' hosts).
 void Worker::drop_chunk(int u) {
-  DataChunk& d = data_chunks_.at(std::size_t(u));
-  if (parts_ != 1 || !part_only(u) || !d.on_device[0])
-    throw Error(
-        fmt::format("rank {}: a drop of chunk {}, which is not a sharded chunk on the "
-                    "device",
-                    rank_, u));
+  DataChunk& d = sharded_chunk(u, true, "a drop");
   d.on_device[0] = false;
   d.part[0] = Buffer();
   d.part[2] = Buffer();
@@ -431,12 +436,7 @@ void Worker::drop_chunk(int u) {
 // now, the replica's part of the parameters copied into its place, the gradient half zeroed (no
 // gradient yet); gather_part then fills in the other replicas' parts.
 void Worker::upload_part(int u, int op) {
-  DataChunk& d = data_chunks_.at(std::size_t(u));
-  if (parts_ != 1 || !part_only(u) || d.on_device[0])
-    throw Error(
-        fmt::format("rank {}: a part upload of chunk {}, which is not a sharded chunk on "
-                    "the host",
-                    rank_, u));
+  DataChunk& d = sharded_chunk(u, false, "a part upload");
   const planner::ChunkLayout& L = schedule_->layout;
   const std::int64_t e = L.chunk_elements;
   d.part[0] = Buffer(memory_, Category::weights, e, &pool_);
@@ -472,12 +472,7 @@ void Worker::gather_part(int u, int op) {
 // stage's replicas there (on the rank's thread), then the replica's part of it down on the
 // device-to-host engine; the device's buffers go when it has ended.
 void Worker::download_part(int u, int step, int op) {
-  DataChunk& d = data_chunks_.at(std::size_t(u));
-  if (parts_ != 1 || !part_only(u) || !d.on_device[0])
-    throw Error(
-        fmt::format("rank {}: a gradient part download of chunk {}, which is not a "
-                    "sharded chunk on the device",
-                    rank_, u));
+  DataChunk& d = sharded_chunk(u, true, "a gradient part download");
   const planner::ChunkLayout& L = schedule_->layout;
   chunk_collective(u, step, false, op);
   const auto [pb, pe] = L.part(replica_);
