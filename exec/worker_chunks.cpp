@@ -860,11 +860,12 @@ void Worker::chunk_optimizer_step(const Op& op) {
   bool allocate = false;
   slots_.place(op.version, slots_.target_for(op.version, allocate));
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
+  s_.finish_step(op.step);
   // Sharded chunks: their final parameters gathered while every replica is here (result() cannot;
-  // the last stage's tied copy, whole, may still arrive after this).
+  // the last stage's tied copy, whole, may still arrive after this), after the step's end: they
+  // are the run's result, not its training, so the last step's time leaves them out.
   if (schedule_->layout.part_bytes > 0 && op.step == s_.first_step + s_.programs->steps - 1)
     final_parts_ = gather_parts();
-  s_.finish_step(op.step);
 }
 
 }  // namespace pw::exec::detail
