@@ -12,8 +12,10 @@ namespace pw::cli {
 namespace {
 
 const char* rc_label(planner::Recompute r) {
-  return r == planner::Recompute::full ? "yes"
-                                       : (r == planner::Recompute::selective ? "sel" : "no");
+  return r == planner::Recompute::full        ? "yes"
+         : r == planner::Recompute::block     ? "block"
+         : r == planner::Recompute::selective ? "sel"
+                                              : "no";
 }
 
 void print_estimate(const planner::Estimate& est, const models::ModelSpec& model,

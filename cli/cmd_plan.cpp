@@ -28,7 +28,7 @@ struct PlanArgs {
   std::string trace;
   std::string out;
   std::string ranked;
-  std::vector<std::string> recompute_modes = {"none", "selective", "full"};
+  std::vector<std::string> recompute_modes = {"none", "selective", "full", "block"};
   std::string sp = "both";
   std::string dopt = "both";
   planner::SearchOptions search;
@@ -86,6 +86,8 @@ const char* rc_label(const planner::Plan& p) {
   switch (p.recompute_of(0)) {
     case planner::Recompute::full:
       return "full";
+    case planner::Recompute::block:
+      return "blk";
     case planner::Recompute::selective:
       return "sel";
     case planner::Recompute::none:
@@ -206,7 +208,7 @@ void add_plan_command(CLI::App& app) {
       ->delimiter(',')
       ->check(count_range());
   cmd->add_option("--recompute", a->recompute_modes,
-                  "recompute modes to consider, comma-separated (none, selective, full)")
+                  "recompute modes to consider, comma-separated (none, selective, full, block)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--sp", a->sp, "sequence parallelism where t > 1: on, off or both")

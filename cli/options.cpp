@@ -65,8 +65,11 @@ void PlanOptions::add(CLI::App& app) {
       ->check(count_range());
   app.add_flag("--sp", sp, "sequence parallelism (needs --tp > 1)");
   app.add_option("--recompute", recompute,
-                 "recompute activations on every stage: none, selective (attention core) or "
-                 "full; a bare --recompute means full")
+                 "recompute activations on every stage: none, selective (attention core), full "
+                 "(each stage keeps its input and re-makes its whole stash before a backward) or "
+                 "block (each layer keeps its input and is re-made alone before its own backward: "
+                 "Megatron's full recompute; not with --sp or the cuda backend in train); a bare "
+                 "--recompute means full")
       ->expected(0, 1);
   app.add_flag("--distributed-optimizer", distributed_optimizer,
                "shard optimizer state and fp32 master weights over the data-parallel replicas "

@@ -53,15 +53,15 @@ std::int64_t parse_positive(const std::string& text) {
   return v;
 }
 
-// A recompute value: a mode (none, selective, full), or true / false for full / none.
+// A recompute value: a mode (none, selective, full, block), or true / false for full / none.
 planner::Recompute parse_recompute_value(const std::string& text) {
   if (text == "true") return planner::Recompute::full;
   if (text == "false") return planner::Recompute::none;
   try {
     return planner::parse_recompute(text);
   } catch (const InputError&) {
-    throw InputError(
-        fmt::format("\"{}\" is not a recompute mode (none, selective, full, true or false)", text));
+    throw InputError(fmt::format(
+        "\"{}\" is not a recompute mode (none, selective, full, block, true or false)", text));
   }
 }
 

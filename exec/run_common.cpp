@@ -159,6 +159,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
       throw InputError(e.what());
     }
   }
+  for (int s = 0; s < plan.d; ++s)
+    if (plan.recompute_of(s) == planner::Recompute::block && (backend != "cpu" || plan.sp))
+      throw InputError(fmt::format(
+          "plan: recompute: block recompute (stage {}) runs on the cpu backend without sequence "
+          "parallelism only (this is {}{}); use recompute full, or estimate or simulate it",
+          s, backend, plan.sp ? " with --sp" : ""));
   for (int s = 0; s < plan.d && backend != "cpu"; ++s)
     if (plan.mixed_activations(s))
       throw InputError(fmt::format(
@@ -575,6 +581,26 @@ void StageCompute::backward_mixed(const float*, const std::vector<bool>&, const 
                                   const float*, const float*, int, float, float*, GradientSink*,
                                   float*, float*) {
   refuse_mixed();
+}
+
+namespace {
+[[noreturn]] void refuse_blocks() {
+  throw Error("this backend's stage does not run block recompute");
+}
+}  // namespace
+
+std::int64_t StageCompute::layer_inputs(int) const {
+  refuse_blocks();
+}
+
+float StageCompute::forward_blocks(const float*, const std::int32_t*, const float*,
+                                   const std::int32_t*, int, float*, float*, float*) {
+  refuse_blocks();
+}
+
+void StageCompute::backward_blocks(const float*, const float*, const std::int32_t*, const float*,
+                                   int, float, float*, GradientSink*, float*, float*, float*) {
+  refuse_blocks();
 }
 
 }  // namespace pw::exec

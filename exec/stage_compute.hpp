@@ -185,6 +185,22 @@ class StageCompute {
                               const float* swapped, const float* remade, const float* d_output,
                               int b, float loss_scale, float* grads, GradientSink* sink,
                               float* d_input, float* workspace);
+
+  // Block recompute (Korthikanti et al.'s full recomputation; docs/formulas.md section 4): a
+  // forward keeps every layer's input in `kept` (layer_inputs(b) elements: the token ids on the
+  // first stage, each block's and the head's input), running the layers through `scratch`
+  // (sizes().scratch); a backward re-makes each layer alone from its input into `scratch`, then
+  // runs that layer's backward (the same arithmetic as forward and backward, so the same bits).
+  // Gradients into `grads`, or layer by layer into `sink` when it is not null. Backends that do
+  // not run it refuse these (Error).
+  virtual std::int64_t layer_inputs(int b) const;
+  virtual float forward_blocks(const float* params, const std::int32_t* tokens, const float* input,
+                               const std::int32_t* targets, int b, float* kept, float* output,
+                               float* scratch);
+  virtual void backward_blocks(const float* params, const float* kept, const std::int32_t* targets,
+                               const float* d_output, int b, float loss_scale, float* grads,
+                               GradientSink* sink, float* d_input, float* workspace,
+                               float* scratch);
 };
 
 std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);

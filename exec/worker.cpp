@@ -37,6 +37,7 @@ Worker::Worker(Shared& s, int device)
   offload_sharded_ = p.offload_sharded();
   swaps_ = p.swaps(stage_);
   chunked_ = p.offload == planner::Offload::chunks;
+  blocks_ = p.recompute_of(stage_) == planner::Recompute::block;
   // Offload chunks: the weights and Adam state are staged here uncounted (initialised or read from
   // the checkpoint), then go into the chunks (setup_chunks).
   MemoryCounter* counted = chunked_ ? nullptr : memory_;
@@ -707,6 +708,7 @@ void Worker::forward(const Op& op) {
   ++compute_ops_;
   Chunk& c = chunks_[std::size_t(op.chunk)];
   if (c.mixed) return forward_mixed(op, c);
+  if (blocks_) return forward_blocks(op, c);
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
@@ -758,10 +760,41 @@ void Worker::forward_mixed(const Op& op, Chunk& c) {
   if (!c.last) outputs_[key] = std::move(out);
 }
 
+// Block recompute: the forward keeps every layer's input (the planner's L_s) and runs its layers
+// through a scratch freed at once.
+void Worker::forward_blocks(const Op& op, Chunk& c) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  std::vector<std::int32_t> tokens, targets;
+  if (c.first || c.last) samples(op, tokens, targets);
+  Buffer kept(memory_, Category::activations, c.stage->layer_inputs(s_.plan().b), &pool_);
+  Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
+  Buffer scratch(memory_, Category::activations, c.sizes.scratch, &pool_);
+  take_core();
+  const auto t0 = Clock::now();
+  const float loss = c.stage->forward_blocks(
+      params(c, op.version), c.first ? tokens.data() : nullptr,
+      c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
+      kept.data(), c.last ? nullptr : out.data(), scratch.data());
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  inputs_.erase(key);
+  stash_[key] = std::move(kept);
+  if (!c.last) outputs_[key] = std::move(out);
+}
+
 void Worker::recompute(const Op& op) {
   if (chunked_) return chunk_recompute(op);
   const Key key{op.step, op.microbatch, op.chunk};
   Chunk& c = chunks_[std::size_t(op.chunk)];
+  // Block recompute: the layers are re-made one at a time inside the backward after this op, in
+  // the scratch taken here (the simulator's recompute op holds it from here to that backward's
+  // end as well).
+  if (blocks_) {
+    full_[key] = Buffer(memory_, Category::activations, c.sizes.scratch, &pool_);
+    return;
+  }
   // A mixed stage's chunk whose blocks all swap: nothing to re-make (as the simulator's op).
   if (!c.mixed && !s_.plan().recomputes(stage_)) return;
   std::vector<std::int32_t> tokens, targets;
@@ -800,13 +833,27 @@ void Worker::backward(const Op& op) {
     stash_[key] = std::move(it->second->device);
     swaps_by_key_.erase(it);
   }
-  const float* full = c.mixed ? nullptr : rc ? full_.at(key).data() : stash_.at(key).data();
+  const float* full = c.mixed || blocks_ ? nullptr
+                      : rc               ? full_.at(key).data()
+                                         : stash_.at(key).data();
   Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   take_core();
   const auto t0 = Clock::now();
-  if (c.mixed) {  // each layer's stash from the swapped piece or the recompute's
+  if (blocks_) {  // each layer re-made from its kept input just before its backward
+    std::unique_ptr<TileSink> sink;
+    if (offload_optimizer_ && !offload_sharded_)
+      sink = std::make_unique<TileSink>(
+          *this, std::size_t(op.chunk),
+          gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
+    std::vector<std::int32_t> tokens, targets;
+    if (c.last) samples(op, tokens, targets);
+    c.stage->backward_blocks(
+        params(c, op.version), stash_.at(key).data(), c.last ? targets.data() : nullptr,
+        c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale, sink ? nullptr : c.grads.data(),
+        sink.get(), c.first ? nullptr : d_input.data(), workspace_.data(), full_.at(key).data());
+  } else if (c.mixed) {  // each layer's stash from the swapped piece or the recompute's
     std::unique_ptr<TileSink> sink;
     if (offload_optimizer_ && !offload_sharded_)
       sink = std::make_unique<TileSink>(

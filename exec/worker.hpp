@@ -194,6 +194,9 @@ class Worker {
   std::vector<float> gather_chunks(int which, int version, const PartParams& params) const;
   void scatter_chunks(int which, const float* flat, int version = 0);
   bool chunked_ = false;
+  // Block recompute on this rank's stage: forward_blocks keeps each layer's input; the recompute
+  // op takes the scratch the backward re-makes each layer in.
+  bool blocks_ = false;
   std::vector<int> part_gathers_;  // sharded chunks: per chunk, its all-gathers in this step
   PartParams final_parts_;         // sharded chunks: gathered after the run's last step
   void offload_op(const planner::Op& op);
@@ -241,6 +244,7 @@ class Worker {
   void offload(const planner::Op& op);
   void forward(const planner::Op& op);
   void forward_mixed(const planner::Op& op, Chunk& c);
+  void forward_blocks(const planner::Op& op, Chunk& c);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);

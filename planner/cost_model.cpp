@@ -278,8 +278,14 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
   ch.input_bytes = first ? e.layers[LayerKind::embedding].activation_recompute_bytes
                          : e.layers[LayerKind::block].activation_recompute_bytes;
   ch.output_bytes = last ? 0 : e.layers[LayerKind::block].output_bytes;
+  // Block recompute keeps each layer's input (recompute bytes: the embedding's are its stash).
+  ch.layer_inputs_bytes =
+      bytes_add(first ? e.layers[LayerKind::embedding].activation_recompute_bytes : 0,
+                bytes_mul(ch.blocks, e.layers[LayerKind::block].activation_recompute_bytes));
   if (last) {
     ch.has_head = true;
+    ch.layer_inputs_bytes =
+        bytes_add(ch.layer_inputs_bytes, e.layers[LayerKind::head].activation_recompute_bytes);
     add_layer(ch, trace, mc.head, e.layers[LayerKind::head], LayerKind::head, 1, p.b);
     // The tied token embedding lives on stage 0; the head's stage keeps a synchronized copy.
     if (!first) ch.parameters = bytes_add(ch.parameters, mc.tied_copy_parameters);
@@ -888,19 +894,20 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     st.forward_s += ch.forward_s + tp_forward;
     st.backward_s += ch.backward_s + tp_backward;
     st.tp_s += tp_forward + tp_backward;
-    if (st.recompute == Recompute::full) {  // the forward again, its TP collectives included
+    if (p.recomputes(s)) {  // the forward again, its TP collectives included
       st.backward_s += ch.recompute_s + tp_forward;
       st.tp_s += tp_forward;
     } else if (st.recompute == Recompute::selective) {
       st.backward_s += ch.selective_recompute_s;
     }
     chunk_backward.push_back(st.backward_s - backward_before);
-    chunk_recompute.push_back(st.recompute == Recompute::full ? ch.recompute_s + tp_forward : 0.0);
+    chunk_recompute.push_back(p.recomputes(s) ? ch.recompute_s + tp_forward : 0.0);
     st.optimizer_s += ch.optimizer_s;
     st.parameters = bytes_add(st.parameters, ch.parameters);
     st.stash_bytes = bytes_add(st.stash_bytes, ch.stash_bytes);
     st.selective_bytes = bytes_add(st.selective_bytes, ch.selective_bytes);
     st.input_bytes = bytes_add(st.input_bytes, ch.input_bytes);
+    st.layer_inputs_bytes = bytes_add(st.layer_inputs_bytes, ch.layer_inputs_bytes);
     st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
   const std::int64_t workspace = st.memory.workspace;
@@ -929,6 +936,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   const std::int64_t per_unit = p.v > 1 ? st.stash_bytes / p.v : st.stash_bytes;
   const std::int64_t selective_unit = p.v > 1 ? st.selective_bytes / p.v : st.selective_bytes;
   const std::int64_t input_unit = p.v > 1 ? st.input_bytes / p.v : st.input_bytes;
+  const std::int64_t inputs_unit = p.v > 1 ? st.layer_inputs_bytes / p.v : st.layer_inputs_bytes;
   // The message buffers held beside the stashes (received, produced, the last one sent): a
   // forward's count, or a backward's where the peak is a backward (planner::message_buffers).
   const std::int64_t message = trace.at(p.b).layers[LayerKind::block].output_bytes;
@@ -943,6 +951,10 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
           bytes_add(bytes_add(bytes_mul(st.in_flight, input_unit), scratch), forward_messages),
           bytes_add(bytes_add(bytes_mul(st.in_flight, input_unit), st.stash_bytes),
                     backward_messages));
+      break;
+    case Recompute::block:  // a forward with its scratch, or a backward re-making one layer in it
+      st.memory.activations = bytes_add(bytes_add(bytes_mul(st.in_flight, inputs_unit), scratch),
+                                        std::max(forward_messages, backward_messages));
       break;
     case Recompute::selective:
       st.memory.activations = bytes_add(bytes_mul(st.in_flight, selective_unit), forward_messages);

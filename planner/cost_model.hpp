@@ -72,6 +72,8 @@ struct ChunkCost {
   std::int64_t stash_bytes = 0;      // one microbatch's stash without recompute
   std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
   std::int64_t input_bytes = 0;      // the chunk's input (all it keeps with recompute)
+  // Every layer's input (the embedding's whole stash): what a forward keeps with block recompute.
+  std::int64_t layer_inputs_bytes = 0;
   std::int64_t output_bytes = 0;     // activation sent to the next virtual stage (0 for the last)
   std::int64_t workspace_bytes = 0;  // largest transient of its layers
   // Activation offload with per-layer choices on a mixed stage (Plan::mixed_activations; all 0
@@ -280,7 +282,8 @@ struct StageCost {
   std::int64_t stash_bytes = 0;      // A_s(b): one microbatch's stash without recompute
   std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
   std::int64_t input_bytes = 0;      // I_s(b): one microbatch's stage input (kept with recompute)
-  MemoryBreakdown memory;            // one rank of this stage
+  std::int64_t layer_inputs_bytes = 0;  // K_s(b): its layers' inputs (kept with block recompute)
+  MemoryBreakdown memory;               // one rank of this stage
 };
 
 struct Estimate {

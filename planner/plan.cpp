@@ -38,15 +38,17 @@ std::string to_string(Recompute r) {
       return "selective";
     case Recompute::full:
       return "full";
+    case Recompute::block:
+      return "block";
   }
   return "?";
 }
 
 Recompute parse_recompute(const std::string& s) {
-  for (Recompute x : {Recompute::none, Recompute::selective, Recompute::full})
+  for (Recompute x : {Recompute::none, Recompute::selective, Recompute::full, Recompute::block})
     if (s == to_string(x)) return x;
   throw InputError(
-      fmt::format("unknown recompute mode \"{}\" (expected none, selective or full)", s));
+      fmt::format("unknown recompute mode \"{}\" (expected none, selective, full or block)", s));
 }
 
 std::string to_string(Offload o) {
@@ -280,6 +282,12 @@ void check(const Plan& p) {
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "
              "leave distributed_optimizer off");
+    for (int s = 0; s < int(p.recompute.size()); ++s)
+      if (p.recompute[std::size_t(s)] == Recompute::block)
+        reject("recompute",
+               fmt::format("offload chunks with block recompute (stage {}) are not supported yet; "
+                           "use full",
+                           s));
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");

@@ -18,9 +18,13 @@ std::string to_string(Schedule s);              // "gpipe", "1f1b", "2bw", "inte
 Schedule parse_schedule(const std::string& s);  // throws InputError listing the valid names
 
 // Activation recomputation of a stage: none, selective (Korthikanti et al. 2022: the attention
-// core's tensors are dropped and recomputed), or full (only each chunk's input is kept).
-enum class Recompute { none, selective, full };
-std::string to_string(Recompute r);               // "none", "selective", "full"
+// core's tensors are dropped and recomputed), full (only each chunk's input is kept; the recompute
+// op before a backward re-makes the chunk's whole stash, GPipe's re-materialization), or block
+// (Korthikanti et al.'s full recomputation, Megatron's uniform method with one layer per
+// checkpoint: each layer's input is kept and the layers are re-made one at a time, so a backward
+// holds one layer's stash; docs/formulas.md section 4).
+enum class Recompute { none, selective, full, block };
+std::string to_string(Recompute r);               // "none", "selective", "full", "block"
 Recompute parse_recompute(const std::string& s);  // throws InputError listing the valid names
 
 // Where model data lives between uses. none: on the device. optimizer: ZeRO-Offload (Ren et al.
@@ -131,7 +135,10 @@ struct Plan {
   Recompute recompute_of(int stage) const {
     return recompute.empty() ? Recompute::none : recompute[std::size_t(stage)];
   }
-  bool recomputes(int stage) const { return recompute_of(stage) == Recompute::full; }
+  // The stage runs its forward again before each backward (full or block recompute).
+  bool recomputes(int stage) const {
+    return recompute_of(stage) == Recompute::full || recompute_of(stage) == Recompute::block;
+  }
   // The stage swaps its activations to the host (activation offload, choice made).
   bool swaps(int stage) const {
     return offload_activations && !activations.empty() &&

@@ -46,7 +46,10 @@ bool any_recompute(const Plan& p) {
 int recompute_rank(const Plan& p) {
   int worst = 0;
   for (Recompute r : p.recompute)
-    worst = std::max(worst, r == Recompute::full ? 2 : (r == Recompute::selective ? 1 : 0));
+    worst = std::max(worst, r == Recompute::block       ? 3
+                            : r == Recompute::full      ? 2
+                            : r == Recompute::selective ? 1
+                                                        : 0);
   return worst;
 }
 
@@ -103,7 +106,7 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
 std::vector<std::int64_t> time_balanced_split(const Plan& p, std::int64_t layers,
                                               const traces::Trace& trace) {
   const traces::Entry& e = trace.at(p.b);
-  const bool rc = p.recompute_of(0) == Recompute::full;
+  const bool rc = p.recomputes(0);
   auto cost = [&](models::LayerKind k) {
     const traces::LayerTimes& t = e.layers[k];
     return t.forward_s + t.backward_s + (rc ? t.recompute_s : 0.0);
@@ -213,6 +216,9 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
                 // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks).
                 if (offload == Offload::chunks && shape.schedule == Schedule::interleaved) continue;
+                // Chunks run with full recompute, not block recompute (yet).
+                if (offload == Offload::chunks && shape.recompute_of(0) == Recompute::block)
+                  continue;
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;

@@ -31,7 +31,8 @@ struct SearchOptions {
   std::vector<int> tensor_parallel;
   std::vector<int> depths, widths;
   std::vector<bool> sequence_parallel = {false, true};  // tried where t > 1 (t = 1: off)
-  std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full};
+  std::vector<Recompute> recompute = {Recompute::none, Recompute::selective, Recompute::full,
+                                      Recompute::block};
   std::vector<bool> distributed_optimizer = {false, true};  // true tried where w > 1
   // When no candidate fits on the devices alone, search again with offload (optimizer: with w > 1
   // sharded, the distributed optimizer; activations; both; chunks with t = 1; a cluster with

@@ -135,15 +135,17 @@ class Replayer {
         allocate(&planner::MemoryBreakdown::activations, -chunk(op).recompute_scratch_bytes);
         break;
       case OpKind::recompute:
-        lower_messages();                                 // as in the backward it comes before
-        if (me_.recompute != planner::Recompute::full) {  // a mixed stage: its recomputed layers
+        lower_messages();     // as in the backward it comes before
+        if (!recomputes()) {  // a mixed stage: its recomputed layers
           // only (none in a chunk whose blocks all swap)
           allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
           compute(chunk(op).layers_recompute_s);
           tensor_parallel(chunk(op).layers_recompute_tp);
           break;
         }
-        allocate(&planner::MemoryBreakdown::activations, chunk(op).stash_bytes);
+        // Full: the chunk's stash re-made; block: one layer at a time in the scratch (the layers'
+        // backwards, in the op after, run between them: the same compute in the same slot).
+        allocate(&planner::MemoryBreakdown::activations, remade_bytes(chunk(op)));
         compute(chunk(op).recompute_s);
         tensor_parallel(chunk(op).tp_forward);
         break;
@@ -160,9 +162,8 @@ class Replayer {
         lower_messages();
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
-                 -(me_.recompute == planner::Recompute::full
-                       ? chunk(op).input_bytes + chunk(op).stash_bytes
-                       : kept_bytes(chunk(op)) + chunk(op).layers_recompute_bytes));
+                 -(recomputes() ? kept_bytes(chunk(op)) + remade_bytes(chunk(op))
+                                : kept_bytes(chunk(op)) + chunk(op).layers_recompute_bytes));
         if (messages_lowered_) {  // the next forward holds them again
           allocate(&planner::MemoryBreakdown::activations, me_.backward_message_drop);
           messages_lowered_ = false;
@@ -564,11 +565,22 @@ class Replayer {
     messages_lowered_ = true;
   }
 
+  bool recomputes() const {
+    return me_.recompute == planner::Recompute::full || me_.recompute == planner::Recompute::block;
+  }
+  // What a recompute op re-makes and holds until its backward ends: the chunk's stash (full), or
+  // the layer being re-made, the largest one's stash (block).
+  std::int64_t remade_bytes(const planner::ChunkCost& ch) const {
+    return me_.recompute == planner::Recompute::block ? ch.recompute_scratch_bytes : ch.stash_bytes;
+  }
+
   std::int64_t kept_bytes(const planner::ChunkCost& ch) const {
     if (ch.recompute_layers > 0) return ch.mixed_kept_bytes();  // a mixed stage (per layer)
     switch (me_.recompute) {
       case planner::Recompute::full:
         return ch.input_bytes;
+      case planner::Recompute::block:
+        return ch.layer_inputs_bytes;
       case planner::Recompute::selective:
         return ch.selective_bytes;
       case planner::Recompute::none:

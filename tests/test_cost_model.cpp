@@ -211,6 +211,32 @@ TEST_F(Memory, GPipeWithRecomputeKeepsMInputs) {
                                        message_buffer_bytes(p, trace, 2));
 }
 
+// Block recompute (Korthikanti et al. 2022's full recomputation): each microbatch in flight keeps
+// every layer's input, and the one being re-made adds one layer's stash; the time is full
+// recompute's. With 3 blocks a stage, a middle 1f1b stage holds (d - s) x 3 inputs + one block
+// where full recompute holds (d - s) inputs + the three blocks' stash.
+TEST_F(Memory, BlockRecomputeKeepsEachLayersInputAndReMakesOneLayer) {
+  const models::ModelCosts mc = models::derive_costs(model);
+  Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(cluster));
+  p.recompute.assign(4, Recompute::full);
+  const Estimate full = estimate(model, trace, cluster, p);
+  p.recompute.assign(4, Recompute::block);
+  const Estimate block = estimate(model, trace, cluster, p);
+  const std::int64_t I = 2 * mc.block.input_bytes, A = 2 * mc.block.activation_bytes;
+  const int s = 1;
+  EXPECT_EQ(block.stages[s].memory.activations,
+            (4 - s) * 3 * I + A + message_buffer_bytes(p, trace, s));
+  EXPECT_EQ(full.stages[s].memory.activations,
+            (4 - s) * I + 3 * A + message_buffer_bytes(p, trace, s));
+  EXPECT_EQ(block.stages[s].layer_inputs_bytes, 3 * I);
+  // Stage 0 keeps the embedding's stash (its "input"), the last stage the head's input.
+  EXPECT_EQ(block.stages[0].layer_inputs_bytes, 3 * I + 2 * mc.embedding.activation_bytes);
+  EXPECT_EQ(block.stages[3].layer_inputs_bytes, 3 * I + 2 * mc.head.input_bytes);
+  EXPECT_DOUBLE_EQ(block.report.iteration_time_s, full.report.iteration_time_s);
+  EXPECT_EQ(to_string(Recompute::block), "block");
+  EXPECT_EQ(parse_recompute("block"), Recompute::block);
+}
+
 TEST_F(Memory, OneFOneBStashesAtMostDMinusS) {
   Plan p = plan_of(Schedule::one_f_one_b, 2, 4, 2, 8, 1, 12, grid(cluster));
   Estimate e = estimate(model, trace, cluster, p);

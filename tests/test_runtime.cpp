@@ -100,14 +100,16 @@ TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
         expect_same_weights(train_cpu(testing::gpt_tiny(4), p, options(3)), p, ref, single, 1e-5);
       }
   // Recomputation changes when activations exist, not what is computed.
-  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw}) {
-    Plan p = make_plan(s, 1, 2, 2, 4), q = p;
-    q.recompute.assign(2, pw::planner::Recompute::full);
-    SCOPED_TRACE(to_string(s) + " with recompute");
-    // Bit-identical: the recomputed stash is the forward's, bit for bit.
-    expect_same_weights(train_cpu(testing::gpt_tiny(4), q, options(3)), q,
-                        train_cpu(testing::gpt_tiny(4), p, options(3)), p, 1e-30);
-  }
+  for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
+    for (auto mode : {pw::planner::Recompute::full, pw::planner::Recompute::block}) {
+      Plan p = make_plan(s, 1, 2, 2, 4), q = p;
+      q.recompute.assign(2, mode);
+      SCOPED_TRACE(to_string(s) + " with recompute " + to_string(mode));
+      // Bit-identical: the recomputed stash is the forward's, bit for bit (block: each layer
+      // re-made alone from its kept input just before its backward).
+      expect_same_weights(train_cpu(testing::gpt_tiny(4), q, options(3)), q,
+                          train_cpu(testing::gpt_tiny(4), p, options(3)), p, 1e-30);
+    }
 }
 
 // 2BW's reference, one device, sequentially: the gradient of step t is taken at W(t-1) (W(0) for
@@ -485,20 +487,23 @@ namespace {
 // buffers a device holds beside its stashes (docs/formulas.md section 4, "messages"): without
 // recomputation the measured activations are the prediction exactly, with sends on the
 // communication engines and inline alike; with full recomputation too (a forward's scratch, a
-// backward's re-made stash and its buffers: docs/formulas.md section 4).
+// backward's re-made stash and its buffers: docs/formulas.md section 4), and with block
+// recomputation (every layer's input kept, one layer's scratch from the recompute op on).
 TEST(Memory, MeasuredPeakMatchesTheClosedForm) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const clusters::Cluster one = clusters::load_cluster("h100-x1");
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-    for (int variant = 0; variant < 4; ++variant) {
-      // Plain, full recomputation, and the distributed optimizer over w = 3 (uneven shards) and
-      // w = 2.
-      const bool rc = variant == 1, sharded = variant >= 2;
+    for (int variant = 0; variant < 5; ++variant) {
+      // Plain, full recomputation, the distributed optimizer over w = 3 (uneven shards) and
+      // w = 2, and block recomputation.
+      const bool rc = variant == 1 || variant == 4, sharded = variant == 2 || variant == 3;
       const int w = variant == 2 ? 3 : variant == 3 ? 2 : 1;
       Plan p = make_plan(s, w, 2, 2, variant == 2 ? 2 : 4);
-      if (rc) p.recompute.assign(2, pw::planner::Recompute::full);
+      if (rc)
+        p.recompute.assign(
+            2, variant == 4 ? pw::planner::Recompute::block : pw::planner::Recompute::full);
       p.distributed_optimizer = sharded;
-      SCOPED_TRACE(to_string(s) + (rc ? " recompute" : "") +
+      SCOPED_TRACE(to_string(s) + (rc ? " recompute " + to_string(p.recompute[0]) : "") +
                    (sharded ? " distributed optimizer w=" + std::to_string(w) : ""));
       Plan placed = p;
       planner::place(placed, {1, 1}, p.ranks());

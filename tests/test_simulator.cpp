@@ -343,20 +343,21 @@ TEST_F(Uniform, StagesOnOneGpuTakeTurns) {
       simulate(model, trace, four, q, {.steps = 2}).report.iteration_time_s);
 }
 
-// Peak memory per stage equals planner/'s closed form, for each schedule, with and without
-// recomputation (one rank per GPU).
+// Peak memory per stage equals planner/'s closed form, for each schedule, without recomputation
+// and with full and block recomputation (one rank per GPU).
 TEST_F(Uniform, PeakMemoryEqualsTheClosedForm) {
   clusters::Cluster cl = node_with_latency(1e-5, 8);
+  using pw::planner::Recompute;
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-    for (bool rc : {false, true}) {
+    for (Recompute rc : {Recompute::none, Recompute::full, Recompute::block}) {
       Plan p = plan_of(s, 2, 4, 2, 8, 1, 12, grid(cl), 1);
-      if (rc) p.recompute.assign(4, pw::planner::Recompute::full);
+      if (rc != Recompute::none) p.recompute.assign(4, rc);
       const planner::RunReport est = planner::estimate(model, trace, cl, p).report;
       const planner::RunReport sim = simulate(model, trace, cl, p).report;
       for (int r = 0; r < p.ranks(); ++r) {
         const auto& a = est.devices[std::size_t(r)];
         const auto& b = sim.devices[std::size_t(r)];
-        EXPECT_EQ(a.peak_memory_bytes, b.peak_memory_bytes) << to_string(s) << " rc " << rc;
+        EXPECT_EQ(a.peak_memory_bytes, b.peak_memory_bytes) << to_string(s) << " " << to_string(rc);
         EXPECT_EQ(a.memory.activations, b.memory.activations) << to_string(s) << " rank " << r;
         EXPECT_EQ(a.memory.weight_versions, b.memory.weight_versions) << to_string(s);
       }

@@ -296,14 +296,18 @@ TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
   const clusters::Cluster node = clusters::load_cluster("dgx-h100");
   for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
     for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-      for (const auto& [t, sp, rc] :
-           {std::tuple{2, false, false}, std::tuple{4, false, false}, std::tuple{2, true, false},
-            std::tuple{4, true, false}, std::tuple{2, false, true}, std::tuple{4, true, true}}) {
+      for (const auto& [t, sp, rc] : {std::tuple{2, false, planner::Recompute::none},
+                                      std::tuple{4, false, planner::Recompute::none},
+                                      std::tuple{2, true, planner::Recompute::none},
+                                      std::tuple{4, true, planner::Recompute::none},
+                                      std::tuple{2, false, planner::Recompute::full},
+                                      std::tuple{4, true, planner::Recompute::full},
+                                      std::tuple{4, false, planner::Recompute::block}}) {
         Plan p = make_plan(s, t, 1, 2, 4, 4);
         p.sp = sp;
-        if (rc) p.recompute.assign(2, planner::Recompute::full);
+        if (rc != planner::Recompute::none) p.recompute.assign(2, rc);
         SCOPED_TRACE(model.name + " " + planner::to_string(s) + " t=" + std::to_string(t) +
-                     (sp ? " sp" : "") + (rc ? " recompute full" : ""));
+                     (sp ? " sp" : "") + " recompute " + planner::to_string(rc));
         const TrainResult r = train_cpu(model, p, options(2, "adamw"));
         Plan placed = p;
         planner::place(placed, {1, 8});

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,14 @@ class CpuGptStage final : public StageCompute {
                       const float* swapped, const float* remade, const float* d_output, int b,
                       float loss_scale, float* grads, GradientSink* sink, float* d_input,
                       float* workspace) override;
+  std::int64_t layer_inputs(int b) const override;
+  float forward_blocks(const float* params, const std::int32_t* tokens, const float* input,
+                       const std::int32_t* targets, int b, float* kept, float* output,
+                       float* scratch) override;
+  void backward_blocks(const float* params, const float* kept, const std::int32_t* targets,
+                       const float* d_output, int b, float loss_scale, float* grads,
+                       GradientSink* sink, float* d_input, float* workspace,
+                       float* scratch) override;
 
  private:
   // Where the tensors are during one call: one flat blob (`params`; gradients through a sink), or
@@ -166,8 +175,13 @@ class CpuGptStage final : public StageCompute {
                                  [](int) { return true; });
     return {at.begin(), at.end()};
   }
+  // `remake`, when given, runs before each layer's backward (block recompute: it re-makes that
+  // layer's stash where `acts` says it is).
   void backward(const At& at, const std::vector<const float*>& acts, const float* d_output, int b,
-                float loss_scale, float* d_input, float* workspace);
+                float loss_scale, float* d_input, float* workspace,
+                const std::function<void(int)>& remake = {});
+  // Block recompute: where each layer's input is kept (kept: layer_inputs floats, forward order).
+  std::vector<float*> kept_layers(float* kept, int64_t BT) const;
   float forward(const At& at, const std::int32_t* tokens, const float* input,
                 const std::int32_t* targets, int b, bool recompute, float* stash, float* output,
                 float* scratch) const;
@@ -749,7 +763,7 @@ void CpuGptStage::backward(LayerMemory& memory, const float* full_stash, const f
 // beginning and end.
 void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
                            const float* d_output, int b, float loss_scale, float* d_input,
-                           float* workspace) {
+                           float* workspace, const std::function<void(int)>& remake) {
   const StageSpec& s = layout_.spec;
   const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;  // this rank's
   const bool has_layers = s.blocks > 0 || s.has_head;
@@ -765,6 +779,7 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
   }
   if (!s.has_head && has_layers) std::memcpy(dres, d_output, std::size_t(BTC) * sizeof(float));
   if (s.has_head) {
+    if (remake) remake(head_layer());
     at.begin(head_layer(), true);
     head_backward(at, carve_head(acts[std::size_t(head_layer())], BT), b, loss_scale, dres, ws,
                   ws_floats);
@@ -775,6 +790,7 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
     const int64_t base = layout_.block_base[std::size_t(i)];
     const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
+    if (remake) remake(block_layer(i));
     at.begin(block_layer(i), true);
     block_backward(at, base, carve_block(acts[std::size_t(block_layer(i))], BT), b, dres, ws,
                    ws_floats);
@@ -785,6 +801,71 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
   at.begin(0, true);
   embedding_backward(at, acts[0], has_layers ? dres : d_output, b, ws, ws_floats);
   at.end(0, true);
+}
+
+// Block recompute. Layer l keeps its input: the token ids (the embedding, whose stash they are),
+// or the rows x C activation a block or the head starts from.
+std::vector<float*> CpuGptStage::kept_layers(float* kept, int64_t BT) const {
+  std::vector<float*> at(static_cast<std::size_t>(layer_count()));
+  for (int l = 0; l < layer_count(); ++l) {
+    at[std::size_t(l)] = kept;
+    kept += layout_.spec.has_embedding && l == 0 ? BT : layout_.rows(BT) * layout_.C;
+  }
+  return at;
+}
+
+std::int64_t CpuGptStage::layer_inputs(int b) const {
+  const int64_t BT = int64_t(b) * layout_.T;
+  return (layout_.spec.has_embedding ? BT : 0) +
+         (layer_count() - (layout_.spec.has_embedding ? 1 : 0)) * layout_.rows(BT) * layout_.C;
+}
+
+float CpuGptStage::forward_blocks(const float* params, const std::int32_t* tokens,
+                                  const float* input, const std::int32_t* targets, int b,
+                                  float* kept, float* output, float* scratch) {
+  if (layout_.sp)
+    throw Error("cpu stage: block recompute with sequence parallelism is not supported");
+  const int64_t BT = int64_t(b) * layout_.T;
+  const std::vector<float*> k = kept_layers(kept, BT);
+  const int n = layer_count();
+  const At at{params};
+  float loss = 0.0f;
+  for (int l = 0; l < n; ++l) {
+    // Layer l's stash in the scratch (the embedding's, its token ids, in its kept slot); its
+    // output into the next layer's kept input, the last one's into `output`.
+    std::vector<float*> acts(std::size_t(n), nullptr);
+    const bool embedding = layout_.spec.has_embedding && l == 0;
+    acts[std::size_t(l)] = embedding ? k[0] : scratch;
+    float* out = l + 1 < n ? k[std::size_t(l + 1)] : output;
+    if (l == 0 && !embedding)  // the stage input, kept
+      std::memcpy(k[0], input, std::size_t(layout_.rows(BT) * layout_.C) * sizeof(float));
+    loss +=
+        run_range(at, l, l, tokens, embedding ? nullptr : k[std::size_t(l)], targets, b, acts, out);
+  }
+  return loss;
+}
+
+void CpuGptStage::backward_blocks(const float* params, const float* kept,
+                                  const std::int32_t* targets, const float* d_output, int b,
+                                  float loss_scale, float* grads, GradientSink* sink,
+                                  float* d_input, float* workspace, float* scratch) {
+  if (layout_.sp)
+    throw Error("cpu stage: block recompute with sequence parallelism is not supported");
+  const int64_t BT = int64_t(b) * layout_.T;
+  const std::vector<float*> k = kept_layers(const_cast<float*>(kept), BT);
+  const int n = layer_count();
+  std::vector<const float*> acts(std::size_t(n), scratch);
+  if (layout_.spec.has_embedding) acts[0] = k[0];
+  // Before each block's and the head's backward: that layer's forward again from its input.
+  const At forward_at{params};
+  const auto remake = [&](int l) {
+    std::vector<float*> one(std::size_t(n), nullptr);
+    one[std::size_t(l)] = scratch;
+    run_range(forward_at, l, l, nullptr, k[std::size_t(l)], targets, b, one, nullptr);
+  };
+  FlatSink flat(grads);
+  backward(At{params, sink ? sink : &flat}, acts, d_output, b, loss_scale, d_input, workspace,
+           remake);
 }
 
 void CpuGptStage::embedding_backward(const At& at, const float* token_stash, const float* demb,
