@@ -733,6 +733,17 @@ void Worker::forward(const Op& op) {
   if (!c.last) outputs_[key] = std::move(out);
 }
 
+// A compute op on the rank's core, timed: its busy time and its timeline entry.
+float Worker::timed_compute(const std::function<float()>& op) {
+  take_core();
+  const auto t0 = Clock::now();
+  const float result = op();
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  return result;
+}
+
 // A mixed chunk's forward (activation offload per layer): its swapped layers' stash is kept (and
 // swapped by the copy ops, as a swapping stage's whole stash), its recomputed layers run through a
 // scratch freed at once, their runs' inputs kept as checkpoints.
@@ -744,15 +755,12 @@ void Worker::forward_mixed(const Op& op, Chunk& c) {
   Buffer kept(memory_, Category::activations, c.mixed_sizes.checkpoints, &pool_);
   Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
   Buffer scratch(memory_, Category::activations, c.mixed_sizes.scratch, &pool_);
-  take_core();
-  const auto t0 = Clock::now();
-  const float loss = c.stage->forward_mixed(
-      params(c, op.version), c.first ? tokens.data() : nullptr,
-      c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
-      c.recomputed, stash.data(), kept.data(), c.last ? nullptr : out.data(), scratch.data());
-  const auto t1 = Clock::now();
-  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-  record(planner::kComputeStream, t0, t1);
+  const float loss = timed_compute([&] {
+    return c.stage->forward_mixed(
+        params(c, op.version), c.first ? tokens.data() : nullptr,
+        c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
+        c.recomputed, stash.data(), kept.data(), c.last ? nullptr : out.data(), scratch.data());
+  });
   if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
@@ -769,15 +777,12 @@ void Worker::forward_blocks(const Op& op, Chunk& c) {
   Buffer kept(memory_, Category::activations, c.stage->layer_inputs(s_.plan().b), &pool_);
   Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
   Buffer scratch(memory_, Category::activations, c.sizes.scratch, &pool_);
-  take_core();
-  const auto t0 = Clock::now();
-  const float loss = c.stage->forward_blocks(
-      params(c, op.version), c.first ? tokens.data() : nullptr,
-      c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
-      kept.data(), c.last ? nullptr : out.data(), scratch.data());
-  const auto t1 = Clock::now();
-  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-  record(planner::kComputeStream, t0, t1);
+  const float loss = timed_compute([&] {
+    return c.stage->forward_blocks(params(c, op.version), c.first ? tokens.data() : nullptr,
+                                   c.first ? nullptr : inputs_.at(key).data(),
+                                   c.last ? targets.data() : nullptr, s_.plan().b, kept.data(),
+                                   c.last ? nullptr : out.data(), scratch.data());
+  });
   if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(kept);

@@ -245,6 +245,7 @@ class Worker {
   void forward(const planner::Op& op);
   void forward_mixed(const planner::Op& op, Chunk& c);
   void forward_blocks(const planner::Op& op, Chunk& c);
+  float timed_compute(const std::function<float()>& op);
   void recompute(const planner::Op& op);
   void backward(const planner::Op& op);
   void all_reduce(const planner::Op& op);
