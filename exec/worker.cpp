@@ -844,14 +844,16 @@ void Worker::backward(const Op& op) {
   Buffer d_input(memory_, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
+  // Optimizer offload streams the gradients out layer by layer (the copy_gradient_to_host after
+  // the backward, for the timeline).
+  std::unique_ptr<TileSink> sink;
+  if (offload_optimizer_ && !offload_sharded_)
+    sink = std::make_unique<TileSink>(
+        *this, std::size_t(op.chunk),
+        gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
   take_core();
   const auto t0 = Clock::now();
   if (blocks_) {  // each layer re-made from its kept input just before its backward
-    std::unique_ptr<TileSink> sink;
-    if (offload_optimizer_ && !offload_sharded_)
-      sink = std::make_unique<TileSink>(
-          *this, std::size_t(op.chunk),
-          gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
     std::vector<std::int32_t> tokens, targets;
     if (c.last) samples(op, tokens, targets);
     c.stage->backward_blocks(
@@ -859,21 +861,13 @@ void Worker::backward(const Op& op) {
         c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale, sink ? nullptr : c.grads.data(),
         sink.get(), c.first ? nullptr : d_input.data(), workspace_.data(), full_.at(key).data());
   } else if (c.mixed) {  // each layer's stash from the swapped piece or the recompute's
-    std::unique_ptr<TileSink> sink;
-    if (offload_optimizer_ && !offload_sharded_)
-      sink = std::make_unique<TileSink>(
-          *this, std::size_t(op.chunk),
-          gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
     c.stage->backward_mixed(params(c, op.version), c.recomputed, stash_.at(key).data(),
                             full_.at(key).data(), c.last ? nullptr : d_outputs_.at(key).data(), p.b,
                             scale, sink ? nullptr : c.grads.data(), sink.get(),
                             c.first ? nullptr : d_input.data(), workspace_.data());
-  } else if (offload_optimizer_ && !offload_sharded_) {
-    // The copy_gradient_to_host after it, for the timeline.
-    TileSink sink(*this, std::size_t(op.chunk),
-                  gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
+  } else if (sink) {
     c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(),
-                      p.b, scale, sink, c.first ? nullptr : d_input.data(), workspace_.data());
+                      p.b, scale, *sink, c.first ? nullptr : d_input.data(), workspace_.data());
   } else {
     c.stage->backward(params(c, op.version), full, c.last ? nullptr : d_outputs_.at(key).data(),
                       p.b, scale, c.grads.data(), c.first ? nullptr : d_input.data(),

@@ -282,7 +282,7 @@ struct StageCost {
   std::int64_t stash_bytes = 0;      // A_s(b): one microbatch's stash without recompute
   std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
   std::int64_t input_bytes = 0;      // I_s(b): one microbatch's stage input (kept with recompute)
-  std::int64_t layer_inputs_bytes = 0;  // K_s(b): its layers' inputs (kept with block recompute)
+  std::int64_t layer_inputs_bytes = 0;  // L_s(b): its layers' inputs (kept with block recompute)
   MemoryBreakdown memory;               // one rank of this stage
 };
 

@@ -26,6 +26,10 @@ Schedule parse_schedule(const std::string& s);  // throws InputError listing the
 enum class Recompute { none, selective, full, block };
 std::string to_string(Recompute r);               // "none", "selective", "full", "block"
 Recompute parse_recompute(const std::string& s);  // throws InputError listing the valid names
+// The mode runs the forward again before each backward (a recompute op): full or block.
+inline bool reruns_forward(Recompute r) {
+  return r == Recompute::full || r == Recompute::block;
+}
 
 // Where model data lives between uses. none: on the device. optimizer: ZeRO-Offload (Ren et al.
 // 2021) - fp16 parameters stay on the device, gradients stream to host memory during each
@@ -136,9 +140,7 @@ struct Plan {
     return recompute.empty() ? Recompute::none : recompute[std::size_t(stage)];
   }
   // The stage runs its forward again before each backward (full or block recompute).
-  bool recomputes(int stage) const {
-    return recompute_of(stage) == Recompute::full || recompute_of(stage) == Recompute::block;
-  }
+  bool recomputes(int stage) const { return reruns_forward(recompute_of(stage)); }
   // The stage swaps its activations to the host (activation offload, choice made).
   bool swaps(int stage) const {
     return offload_activations && !activations.empty() &&

@@ -135,8 +135,8 @@ class Replayer {
         allocate(&planner::MemoryBreakdown::activations, -chunk(op).recompute_scratch_bytes);
         break;
       case OpKind::recompute:
-        lower_messages();     // as in the backward it comes before
-        if (!recomputes()) {  // a mixed stage: its recomputed layers
+        lower_messages();                               // as in the backward it comes before
+        if (!planner::reruns_forward(me_.recompute)) {  // a mixed stage: its recomputed layers
           // only (none in a chunk whose blocks all swap)
           allocate(&planner::MemoryBreakdown::activations, chunk(op).layers_recompute_bytes);
           compute(chunk(op).layers_recompute_s);
@@ -162,8 +162,9 @@ class Replayer {
         lower_messages();
         backward(op);
         allocate(&planner::MemoryBreakdown::activations,
-                 -(recomputes() ? kept_bytes(chunk(op)) + remade_bytes(chunk(op))
-                                : kept_bytes(chunk(op)) + chunk(op).layers_recompute_bytes));
+                 -(kept_bytes(chunk(op)) + (planner::reruns_forward(me_.recompute)
+                                                ? remade_bytes(chunk(op))
+                                                : chunk(op).layers_recompute_bytes)));
         if (messages_lowered_) {  // the next forward holds them again
           allocate(&planner::MemoryBreakdown::activations, me_.backward_message_drop);
           messages_lowered_ = false;
@@ -565,9 +566,6 @@ class Replayer {
     messages_lowered_ = true;
   }
 
-  bool recomputes() const {
-    return me_.recompute == planner::Recompute::full || me_.recompute == planner::Recompute::block;
-  }
   // What a recompute op re-makes and holds until its backward ends: the chunk's stash (full), or
   // the layer being re-made, the largest one's stash (block).
   std::int64_t remade_bytes(const planner::ChunkCost& ch) const {
