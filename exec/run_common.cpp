@@ -603,4 +603,14 @@ void StageCompute::backward_blocks(const float*, const float*, const std::int32_
   refuse_blocks();
 }
 
+float StageCompute::forward_blocks(LayerMemory&, const std::int32_t*, const float*,
+                                   const std::int32_t*, int, float*, float*, float*) {
+  refuse_blocks();
+}
+
+void StageCompute::backward_blocks(LayerMemory&, const float*, const std::int32_t*, const float*,
+                                   int, float, float*, float*, float*) {
+  refuse_blocks();
+}
+
 }  // namespace pw::exec

@@ -201,6 +201,15 @@ class StageCompute {
                                const float* d_output, int b, float loss_scale, float* grads,
                                GradientSink* sink, float* d_input, float* workspace,
                                float* scratch);
+  // The same with the tensors where `memory` says, layer by layer (offload chunks): the forward
+  // visits each layer once (begin_layer(l, false)); the backward visits each layer once
+  // (begin_layer(l, true)) and re-makes it inside that visit, with its chunks already there.
+  virtual float forward_blocks(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                               const std::int32_t* targets, int b, float* kept, float* output,
+                               float* scratch);
+  virtual void backward_blocks(LayerMemory& memory, const float* kept, const std::int32_t* targets,
+                               const float* d_output, int b, float loss_scale, float* d_input,
+                               float* workspace, float* scratch);
 };
 
 std::unique_ptr<StageCompute> make_cpu_stage(const StageSpec& spec);

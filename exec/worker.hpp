@@ -177,6 +177,8 @@ class Worker {
   bool part_only(int chunk) const;  // sharded, with its parameters' part on the host
   DataChunk& sharded_chunk(int chunk, bool on_device, const char* what);
   void chunk_forward(const planner::Op& op);
+  void chunk_forward_blocks(const planner::Op& op, Chunk& c);
+  void no_pending_copies(const char* what) const;
   void chunk_recompute(const planner::Op& op);
   void chunk_backward(const planner::Op& op);
   void chunk_optimizer_step(const planner::Op& op);
@@ -347,6 +349,9 @@ class Worker {
   std::vector<std::int64_t> layer_stash_bytes_;  // per layer: its stash (counted as it fills)
   // Full recompute (0 without): a forward's kept stage input and its scratch, in bytes.
   std::int64_t kept_bytes_ = 0, scratch_bytes_ = 0;
+  // Block recompute (empty without): per layer, its input kept from forward to backward, in bytes
+  // (scratch_bytes_: the layer re-made in the scratch).
+  std::vector<std::int64_t> layer_input_bytes_;
   double copy_wait_s_ = 0;  // inside compute ops: waiting for the moments' copies (not busy)
   std::deque<InFlight> in_flight_;  // sends' buffers (after pool_: destroyed before it)
   // Last: destroyed first, while what their work touches still lives.

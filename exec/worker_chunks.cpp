@@ -26,26 +26,48 @@ using planner::OpKind;
 // stash layer by layer and the backward empties it. With full recompute a forward takes the stage
 // input it keeps and its scratch at its first layer and gives the scratch back after its last,
 // the recompute op fills the stash layer by layer, and the backward empties it and gives the kept
-// input back after its last layer. Tensors are where their chunk is now; a layer's chunks are on
-// the device (its uploads waited for).
+// input back after its last layer. With block recompute a forward's layer takes the input of the
+// layer after it, which it writes (its first its own and the scratch too; its last gives the
+// scratch back), and a backward's layer gives its input back after it (its first takes the
+// scratch its layers are re-made in, its last gives it back): the planner's moments
+// (planner/chunks.cpp, order_moments). Tensors are where their chunk is now; a layer's chunks are
+// on the device (its uploads waited for).
 class Worker::ChunkMemory : public LayerMemory {
  public:
-  enum class Kind { forward, forward_recompute, recompute, backward };
+  enum class Kind {
+    forward,
+    forward_recompute,
+    recompute,
+    backward,
+    forward_blocks,
+    backward_blocks
+  };
   ChunkMemory(Worker& w, Kind kind) : w_(w), kind_(kind) {}
   void begin_layer(int layer, bool) override {
     w_.chunk_moment(layer);
     const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
+    const int last = int(w_.layer_stash_bytes_.size()) - 1;
     if (kind_ == Kind::forward || kind_ == Kind::recompute)
       w_.memory_->add(Category::activations, stash);
     if (kind_ == Kind::forward_recompute && layer == 0)
       w_.memory_->add(Category::activations, w_.kept_bytes_ + w_.scratch_bytes_);
+    if (kind_ == Kind::forward_blocks)
+      w_.memory_->add(Category::activations, (layer < last ? input(layer + 1) : 0) +
+                                                 (layer == 0 ? input(0) + w_.scratch_bytes_ : 0));
+    if (kind_ == Kind::backward_blocks && layer == last)
+      w_.memory_->add(Category::activations, w_.scratch_bytes_);
   }
   void end_layer(int layer, bool) override {
     const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
+    const int last = int(w_.layer_stash_bytes_.size()) - 1;
     if (kind_ == Kind::backward)
       w_.memory_->add(Category::activations, -stash - (layer == 0 ? w_.kept_bytes_ : 0));
-    if (kind_ == Kind::forward_recompute && layer + 1 == int(w_.layer_stash_bytes_.size()))
+    if (kind_ == Kind::forward_recompute && layer == last)
       w_.memory_->add(Category::activations, -w_.scratch_bytes_);
+    if (kind_ == Kind::forward_blocks && layer == last)
+      w_.memory_->add(Category::activations, -w_.scratch_bytes_);
+    if (kind_ == Kind::backward_blocks)
+      w_.memory_->add(Category::activations, -input(layer) - (layer == 0 ? w_.scratch_bytes_ : 0));
   }
   // The weights of the op's version (2bw: its part of the chunk) and the gradient.
   const float* parameters(std::int64_t offset) override {
@@ -69,6 +91,7 @@ class Worker::ChunkMemory : public LayerMemory {
                               w_.parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
     return it->second;
   }
+  std::int64_t input(int layer) const { return w_.layer_input_bytes_.at(std::size_t(layer)); }
   Worker& w_;
   Kind kind_;
 };
@@ -123,9 +146,25 @@ void Worker::setup_chunks() {
     throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
                             stash, c.sizes.stash * std::int64_t(sizeof(float))));
   // Full recompute: the stage input a forward keeps and the scratch it runs its layers through.
+  // Block recompute: each layer's input (the embedding's: its token ids) and the scratch.
   if (s_.plan().recomputes(stage_)) {
     kept_bytes_ = c.sizes.stash_recompute * std::int64_t(sizeof(float));
     scratch_bytes_ = c.sizes.scratch * std::int64_t(sizeof(float));
+  }
+  if (blocks_) {
+    std::int64_t inputs = 0;
+    for (int l = 0; l < L.layers(); ++l) {
+      const int g = L.first_layer + l;
+      layer_input_bytes_.push_back(b * (g == 0                           ? mc.embedding
+                                        : g == int(s_.model->layers + 1) ? mc.head
+                                                                         : mc.block)
+                                           .activation_recompute_bytes);
+      inputs += layer_input_bytes_.back();
+    }
+    if (inputs != c.stage->layer_inputs(int(b)) * std::int64_t(sizeof(float)))
+      throw Error(fmt::format("rank {}: the layers' inputs ({} B) are not the stage's ({} B)",
+                              rank_, inputs,
+                              c.stage->layer_inputs(int(b)) * std::int64_t(sizeof(float))));
   }
   // Pipeline messages (d > 1): the planner's count of them (planner::message_buffers: received,
   // produced, the last one sent), each a block's output, on the device for the whole run as the
@@ -625,6 +664,7 @@ void Worker::chunk_forward(const Op& op) {
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_.front();
+  if (blocks_) return chunk_forward_blocks(op, c);
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
@@ -637,47 +677,70 @@ void Worker::chunk_forward(const Op& op) {
   Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
   make_message_room(c.last ? 0 : 1);
   ChunkMemory memory(*this, rc ? ChunkMemory::Kind::forward_recompute : ChunkMemory::Kind::forward);
-  take_core();
-  const auto t0 = Clock::now();
-  const float loss = c.stage->forward(
-      memory, c.first ? tokens.data() : nullptr, c.first ? nullptr : inputs_.at(key).data(),
-      c.last ? targets.data() : nullptr, s_.plan().b, rc, stash.data(),
-      c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
-  const auto t1 = Clock::now();
-  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-  record(planner::kComputeStream, t0, t1);
-  if (!pending_copies_.empty())
-    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the forward did not run",
-                            rank_, pending_copies_.front().first.layer));
+  const float loss = timed_compute([&] {
+    return c.stage->forward(memory, c.first ? tokens.data() : nullptr,
+                            c.first ? nullptr : inputs_.at(key).data(),
+                            c.last ? targets.data() : nullptr, s_.plan().b, rc, stash.data(),
+                            c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
+  });
+  no_pending_copies("forward");
   if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);
 }
 
+// Block recompute: every layer's input kept (one buffer per microbatch, the stage's carving),
+// the layers run through the scratch; counted by ChunkMemory as the planner's moments count them.
+void Worker::chunk_forward_blocks(const Op& op, Chunk& c) {
+  const Key key{op.step, op.microbatch, op.chunk};
+  std::vector<std::int32_t> tokens, targets;
+  if (c.first || c.last) samples(op, tokens, targets);
+  Buffer kept(nullptr, Category::activations, c.stage->layer_inputs(s_.plan().b), &pool_);
+  Buffer scratch(nullptr, Category::activations, c.sizes.scratch, &pool_);
+  Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
+  make_message_room(c.last ? 0 : 1);
+  ChunkMemory memory(*this, ChunkMemory::Kind::forward_blocks);
+  const float loss = timed_compute([&] {
+    return c.stage->forward_blocks(memory, c.first ? tokens.data() : nullptr,
+                                   c.first ? nullptr : inputs_.at(key).data(),
+                                   c.last ? targets.data() : nullptr, s_.plan().b, kept.data(),
+                                   c.last ? nullptr : out.data(), scratch.data());
+  });
+  no_pending_copies("forward");
+  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  inputs_.erase(key);
+  stash_[key] = std::move(kept);
+  if (!c.last) outputs_[key] = std::move(out);
+}
+
+// A compute op has run every moment of its layers: no copy waits for a layer it did not run.
+void Worker::no_pending_copies(const char* what) const {
+  if (!pending_copies_.empty())
+    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the {} did not run",
+                            rank_, pending_copies_.front().first.layer, what));
+}
+
 // The recompute op of full recompute: the stash re-made layer by layer from the kept stage
 // input, each layer after its moment's copies (the recompute moments of the backward after it).
+// With block recompute it has no moments: each layer is re-made inside its backward's.
 void Worker::chunk_recompute(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   chunk_version_ = op.version;
   Chunk& c = chunks_.front();
   if (!s_.plan().recomputes(stage_))
     throw Error(fmt::format("rank {}: a recompute op on a stage without recompute", rank_));
+  if (blocks_) return no_pending_copies("recompute");
   std::vector<std::int32_t> tokens, targets;
   if (c.last) samples(op, tokens, targets);
   Buffer full(nullptr, Category::activations, c.sizes.stash, &pool_);
   ChunkMemory memory(*this, ChunkMemory::Kind::recompute);
-  take_core();
-  const auto t0 = Clock::now();
-  c.stage->recompute(memory, c.last ? targets.data() : nullptr, s_.plan().b, stash_.at(key).data(),
-                     full.data());
-  const auto t1 = Clock::now();
-  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-  record(planner::kComputeStream, t0, t1);
-  if (!pending_copies_.empty())
-    throw Error(
-        fmt::format("rank {}: a chunk copy before layer {}, which the recompute did not run", rank_,
-                    pending_copies_.front().first.layer));
+  timed_compute([&] {
+    c.stage->recompute(memory, c.last ? targets.data() : nullptr, s_.plan().b,
+                       stash_.at(key).data(), full.data());
+    return 0.0f;
+  });
+  no_pending_copies("recompute");
   full_[key] = std::move(full);
 }
 
@@ -692,18 +755,28 @@ void Worker::chunk_backward(const Op& op) {
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   Buffer d_input(nullptr, Category::activations, c.first ? 0 : c.sizes.input, &pool_);
   make_message_room(c.first ? 0 : 1);
-  ChunkMemory memory(*this, ChunkMemory::Kind::backward);  // with recompute: the kept input too
-  take_core();
-  const auto t0 = Clock::now();
-  c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
-                    c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
-                    c.first ? nullptr : d_input.data(), workspace_.data());
-  const auto t1 = Clock::now();
-  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-  record(planner::kComputeStream, t0, t1);
-  if (!pending_copies_.empty())
-    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the backward did not run",
-                            rank_, pending_copies_.front().first.layer));
+  if (blocks_) {  // each layer re-made from its kept input inside its backward's moment
+    std::vector<std::int32_t> tokens, targets;
+    if (c.last) samples(op, tokens, targets);
+    Buffer scratch(nullptr, Category::activations, c.sizes.scratch, &pool_);
+    ChunkMemory memory(*this, ChunkMemory::Kind::backward_blocks);
+    timed_compute([&] {
+      c.stage->backward_blocks(memory, stash_.at(key).data(), c.last ? targets.data() : nullptr,
+                               c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
+                               c.first ? nullptr : d_input.data(), workspace_.data(),
+                               scratch.data());
+      return 0.0f;
+    });
+  } else {
+    ChunkMemory memory(*this, ChunkMemory::Kind::backward);  // with recompute: the kept input too
+    timed_compute([&] {
+      c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
+                        c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
+                        c.first ? nullptr : d_input.data(), workspace_.data());
+      return 0.0f;
+    });
+  }
+  no_pending_copies("backward");
   stash_.erase(key);
   full_.erase(key);
   d_outputs_.erase(key);

@@ -351,7 +351,11 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 // a forward keeps the stage input I (ChunkCost::input_bytes) and runs its layers through one
 // scratch X (recompute_scratch_bytes), taken at its first layer and given back after its last; the
 // recompute op re-makes the layers' stashes one by one; the backward gives each back, and I last.
-// Selective recompute: a forward keeps its layer's stash without the attention core
+// Block recompute: the forward's layer l takes the input of layer l + 1 it writes (layer 0 also
+// its own and X), its last layer gives X back; the recompute op has no moments; each backward
+// moment re-makes its layer from its input into X (taken at the first, given back after the last)
+// and gives that input back. Selective recompute: a forward keeps its layer's stash without the
+// attention core
 // (activation_selective_bytes); the backward re-makes the core first (its selective_recompute_s,
 // taking the core's bytes back) and gives the whole stash back.
 std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const traces::Trace& trace,
@@ -361,6 +365,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
   const int layers = L.layers();
   auto kind = [&](int l) { return layer_kind(model, L, l); };
   const bool rc = p.recomputes(L.stage);
+  const bool block = p.recompute_of(L.stage) == Recompute::block;
   const bool selective = p.recompute_of(L.stage) == Recompute::selective;
   // What a forward of layer l keeps for its backward without full recompute.
   auto kept = [&](int l) {
@@ -377,7 +382,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     scratch = ch.recompute_scratch_bytes;
   }
   std::vector<ChunkMoment> out;
-  out.reserve(order.size() * std::size_t(layers) * (rc ? 2 : 1));  // at most
+  out.reserve(order.size() * std::size_t(layers) * (rc && !block ? 2 : 1));  // at most
   std::int64_t held = 0;
   const std::int64_t messages = message_buffer_bytes(p, trace, L.stage);
   auto moment = [&](int slot, bool back, bool again, int l, std::int64_t take, std::int64_t give) {
@@ -392,14 +397,33 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     m.free_bytes = give;
     m.non_model_bytes = add(add(held, workspace), messages);
     m.kind = kind(l);
-    m.compute_s = back    ? t.backward_s + (selective ? t.selective_recompute_s : 0.0)
+    m.remake = back && block && m.kind != models::LayerKind::embedding;  // its input is its stash
+    m.compute_s = back    ? t.backward_s + (selective  ? t.selective_recompute_s
+                                            : m.remake ? t.recompute_s
+                                                       : 0.0)
                   : again ? t.recompute_s
                           : t.forward_s;
     out.push_back(std::move(m));
     held -= give;
   };
+  // Block recompute: layer l's input (what its forward writes into the layer before it).
+  auto input_of = [&](int l) {
+    return l < layers ? e.layers[kind(l)].activation_recompute_bytes : std::int64_t(0);
+  };
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
+    if (block && !back) {
+      for (int l = 0; l < layers; ++l)
+        moment(i, false, false, l, add(input_of(l + 1), l == 0 ? add(input_of(0), scratch) : 0),
+               l == layers - 1 ? scratch : 0);
+      continue;
+    }
+    if (block) {
+      for (int l = layers - 1; l >= 0; --l)
+        moment(i, true, false, l, l == layers - 1 ? scratch : 0,
+               add(input_of(l), l == 0 ? scratch : 0));
+      continue;
+    }
     if (!back) {
       for (int l = 0; l < layers; ++l) {
         if (rc)
@@ -763,6 +787,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
       for (ChunkMoment& m : moments) {
         const ChunkCost& c = per.at(m.kind);
         m.tp_s = m.backward ? tp_backward_s(c, p.t, tp) : tp_time_s(c.tp_forward, p.t, tp);
+        if (m.remake) m.tp_s += tp_time_s(c.tp_forward, p.t, tp);  // the layer's forward again
       }
     };
     add_tp(s.moments);

@@ -147,6 +147,10 @@ struct ChunkMoment {
   // With full recompute: a layer of the recompute op that comes right before the backward of
   // `slot` (its forward again, ascending; backward false).
   bool recompute = false;
+  // With block recompute: a backward that re-makes its layer's stash from the layer's kept input
+  // (its forward again, into the scratch X) before it back-propagates it; compute_s is both. Not
+  // the embedding's, whose kept input (the token ids) is its whole stash.
+  bool remake = false;
   int layer = 0;
   // 2bw: the op computes with the newer of the two live weight versions (the one the segment's
   // opening optimizer step made), else the older; a backward also uses the gradient.
@@ -155,7 +159,10 @@ struct ChunkMoment {
   // (docs/formulas.md section 9, chunks): without recompute a forward takes its layer's stash and
   // the backward gives it back; with full recompute a forward's first layer takes the stage
   // input I and the scratch X, its last layer gives X back, the recompute op's layers take their
-  // stashes, the backward's layers give them back and its last one I too.
+  // stashes, the backward's layers give them back and its last one I too. With block recompute a
+  // forward's layer takes the input of the layer after it (its first its own and X too, its last
+  // gives X back), and a backward's gives its input back (its first takes X, its last gives it
+  // back).
   std::int64_t alloc_bytes = 0, free_bytes = 0;
   std::vector<ChunkCopy> copies;
   std::int64_t non_model_bytes = 0;  // N_k: activations held (alloc_bytes in) + workspace

@@ -282,12 +282,6 @@ void check(const Plan& p) {
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "
              "leave distributed_optimizer off");
-    for (int s = 0; s < int(p.recompute.size()); ++s)
-      if (p.recompute[std::size_t(s)] == Recompute::block)
-        reject("recompute",
-               fmt::format("offload chunks with block recompute (stage {}) are not supported yet; "
-                           "use full",
-                           s));
   }
   if (!p.activations.empty() && !p.offload_activations)
     reject("activations", "swap/recompute choices need offload activations");

@@ -216,9 +216,6 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
                 // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks).
                 if (offload == Offload::chunks && shape.schedule == Schedule::interleaved) continue;
-                // Chunks run with full recompute, not block recompute (yet).
-                if (offload == Offload::chunks && shape.recompute_of(0) == Recompute::block)
-                  continue;
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;

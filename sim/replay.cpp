@@ -408,6 +408,7 @@ class Replayer {
         compute(m.compute_s);
       } else if (back) {  // t > 1: as a backward without chunks, for this layer
         const planner::ChunkCost& lc = me_.layer_costs.at(m.kind);
+        if (m.remake) tensor_parallel(lc.tp_forward);  // block recompute: its forward again first
         tensor_parallel(lc.tp_backward);
         compute(std::max(0.0, m.compute_s - overlapped_tensor_parallel(lc)));
       } else {

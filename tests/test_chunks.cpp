@@ -4,6 +4,7 @@
 // docs/formulas.md, section 9 (chunks).
 #include <algorithm>
 #include <functional>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -567,12 +568,16 @@ SearchResult search(const models::ModelSpec& m, const clusters::Cluster& c, std:
   return search_plans(m, trace, c, o);
 }
 
-// The smallest-memory chunks plan the planner tries (1f1b, d = 1, b = 1, m = B, default chunk
-// size) fits device and host.
-bool chunks_fit(const models::ModelSpec& m, const clusters::Cluster& c, int B) {
-  const traces::Trace trace = traces::analytic_trace(m, c.device, {1});
+// A chunks plan the planner tries (1f1b, d = 1, default chunk size) with b = B / m samples per
+// microbatch and recompute `rc` fits device and host.
+bool chunks_fit(const models::ModelSpec& m, const clusters::Cluster& c, int B, int mb = 0,
+                Recompute rc = Recompute::none) {
+  if (mb == 0) mb = B;
+  const traces::Trace trace = traces::analytic_trace(m, c.device, {B / mb});
   Plan p = chunked(c, m.layers, default_chunk_bytes(m), 1);
-  p.m = B;
+  p.b = B / mb;
+  p.m = mb;
+  p.recompute.assign(1, rc);
   try {
     return estimate(m, trace, c, p).report.fits();
   } catch (const InputError&) {
@@ -605,14 +610,20 @@ TEST(ChunksSearch, CapacityOnOneV100) {
         [&](const models::ModelSpec& m) { return !search(m, c, B, false).fitting.empty(); });
     const std::int64_t any =
         deepest([&](const models::ModelSpec& m) { return !search(m, c, B, true).fitting.empty(); });
-    const std::int64_t chunks =
+    // Chunks: b = 1, m = B without recompute (the smallest stash; with m > 1 each chunk carries a
+    // gradient half, 16 B per parameter on the host), or b = B, m = 1 (14 B) with block recompute
+    // (B samples' layer inputs and one layer re-made at a time).
+    const std::int64_t chunks = deepest([&](const models::ModelSpec& m) {
+      return chunks_fit(m, c, B) || chunks_fit(m, c, B, 1, Recompute::block);
+    });
+    const std::int64_t chunks_plain =
         deepest([&](const models::ModelSpec& m) { return chunks_fit(m, c, B); });
     fmt::print(
         "capacity on v100-32gb-ws, C = 4096 GPT, B = {}: without offload {} blocks "
         "({:.2f}B), with the planner's offload {} blocks ({:.2f}B, {:.1f}x), chunks "
-        "alone {} blocks ({:.2f}B, {:.1f}x)\n",
+        "alone {} blocks ({:.2f}B, {:.1f}x; b = 1 without recompute {} blocks)\n",
         B, plain, billions(plain), any, billions(any), billions(any) / billions(plain), chunks,
-        billions(chunks), billions(chunks) / billions(plain));
+        billions(chunks), billions(chunks) / billions(plain), chunks_plain);
     ASSERT_GT(plain, 0);
     // The planner finds the chunks plan where it is the only one that fits.
     if (chunks > any) ADD_FAILURE() << "the planner misses a fitting chunks plan";
@@ -660,7 +671,7 @@ TEST(ChunksSearch, ASmallDeviceGetsTheLargestChunkSizeThatFits) {
 // Selective recompute with chunks: GPT-3 13B with unfused attention (its T x T scores stashed)
 // on one V100-32GB fits only when the attention cores are dropped (stage-level full recompute
 // re-makes the whole stash before the backward), and the planner finds that plan.
-TEST(ChunksSearch, SelectiveRecomputeFitsWhereNoOtherRecomputeDoes) {
+TEST(ChunksSearch, SelectiveAndBlockRecomputeFitWhereNoneAndFullDoNot) {
   const clusters::Cluster c = ws();
   models::ModelSpec m = models::load_model("gpt3-13b");
   m.attention = models::Attention::unfused;
@@ -671,18 +682,20 @@ TEST(ChunksSearch, SelectiveRecomputeFitsWhereNoOtherRecomputeDoes) {
     const std::string why = error_of<InputError>([&] { estimate(m, trace, c, p); });
     EXPECT_NE(why.find("is smaller than the working set of the"), std::string::npos) << why;
   }
-  p.recompute.assign(1, Recompute::selective);
-  const Estimate est = estimate(m, trace, c, p);
-  EXPECT_TRUE(est.report.fits());
+  // Selective keeps each layer's stash but its attention core; block keeps each layer's input
+  // and re-makes one layer at a time.
+  for (Recompute r : {Recompute::selective, Recompute::block}) {
+    p.recompute.assign(1, r);
+    EXPECT_TRUE(estimate(m, trace, c, p).report.fits()) << to_string(r);
+  }
   const SearchResult r = search(m, c, 1, true);
   ASSERT_FALSE(r.fitting.empty());
-  // Among the chunks plans, the selective one is the one that fits.
-  const auto chunks = std::find_if(r.fitting.begin(), r.fitting.end(), [](const Candidate& x) {
-    return x.plan.offload == Offload::chunks;
-  });
-  ASSERT_NE(chunks, r.fitting.end());
-  EXPECT_EQ(chunks->plan.recompute_of(0), Recompute::selective);
-  // Block recompute (one layer re-made at a time) lets optimizer offload fit too, and faster.
+  // Among the chunks plans, those two are the ones that fit.
+  std::set<Recompute> chunks;
+  for (const Candidate& x : r.fitting)
+    if (x.plan.offload == Offload::chunks) chunks.insert(x.plan.recompute_of(0));
+  EXPECT_EQ(chunks, (std::set<Recompute>{Recompute::selective, Recompute::block}));
+  // Block recompute lets optimizer offload fit too, and faster.
   EXPECT_EQ(r.fitting.front().plan.offload, Offload::optimizer);
   EXPECT_EQ(r.fitting.front().plan.recompute_of(0), Recompute::block);
 }
@@ -1084,6 +1097,89 @@ TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
 }
 
+// Block recompute with chunks: a forward's layer takes the input of the layer after it (its
+// first its own and X too), the recompute op has no moments, and each backward moment re-makes
+// its layer (not the embedding, whose input is its stash) from its input in X and gives that input
+// back; programs pass the checker and the simulator agrees with the closed form.
+TEST(ChunksRecompute, BlockKeepsEachLayersInputByHand) {
+  const models::ModelSpec m = tiny();
+  const traces::Trace trace = uniform_trace(m, 1);
+  const traces::Entry& e = trace.entries[0];
+  const auto& emb = e.layers[models::LayerKind::embedding];
+  const auto& blk = e.layers[models::LayerKind::block];
+  const auto& head = e.layers[models::LayerKind::head];
+  const std::int64_t I0 = emb.activation_recompute_bytes, I1 = blk.activation_recompute_bytes,
+                     Ih = head.activation_recompute_bytes;
+  const std::int64_t X0 = std::max(emb.activation_bytes, blk.activation_bytes),
+                     X1 = std::max(blk.activation_bytes, head.activation_bytes);
+  const std::int64_t W0 = std::max(emb.workspace_bytes, blk.workspace_bytes),
+                     msg = blk.output_bytes;
+  clusters::Cluster c = eight();
+  Plan p = piped(c, Schedule::gpipe, 3, 2, 512);
+  p.recompute.assign(2, Recompute::block);
+  check(p);
+  const ChunkSchedule s0 = chunk_schedule(m, trace, c, p, 0);
+  EXPECT_EQ(moment_order(s0), "F0:0 F0:1 F1:0 F1:1 F2:0 F2:1 B3:1 B3:0 B4:1 B4:0 B5:1 B5:0 ");
+  const std::int64_t base = W0 + 2 * msg;
+  auto at = [&](int k) { return s0.moments[std::size_t(k)].non_model_bytes - base; };
+  EXPECT_EQ(at(0), I0 + I1 + X0);          // F0:0 takes its input, its output's slot and X
+  EXPECT_EQ(at(1), I0 + I1 + X0);          // F0:1, then X goes
+  EXPECT_EQ(at(5), 3 * (I0 + I1) + X0);    // the third forward
+  EXPECT_EQ(at(6), 3 * (I0 + I1) + X0);    // B3:1 re-makes the block in X, then its input goes
+  EXPECT_EQ(at(7), 3 * I0 + 2 * I1 + X0);  // B3:0, then the token ids and X go
+  EXPECT_EQ(at(8), 2 * (I0 + I1) + X0);    // B4:1
+  EXPECT_EQ(s0.moments[6].alloc_bytes, X0);
+  EXPECT_EQ(s0.moments[7].free_bytes, I0 + X0);
+  for (std::size_t k = 0; k < s0.moments.size(); ++k) {
+    const ChunkMoment& x = s0.moments[k];
+    EXPECT_FALSE(x.recompute) << k;
+    EXPECT_EQ(x.remake, x.backward && x.layer == 1) << k;
+  }
+  // Stage 1 keeps the block's input and the head's.
+  const ChunkSchedule s1 = chunk_schedule(m, trace, c, p, 1);
+  EXPECT_EQ(s1.moments[0].alloc_bytes, I1 + Ih + X1);
+  // The block's forward again goes with its backward, the embedding's does not.
+  EXPECT_NEAR(
+      s0.compute_s - 3 * (emb.forward_s + blk.forward_s) - 3 * (emb.backward_s + blk.backward_s),
+      3 * blk.recompute_s, 1e-12);
+
+  // Two blocks a stage, on the smallest device both stages fit: the programs carry no copies
+  // before a recompute op and pass the checker; the simulator agrees.
+  models::ModelSpec m4 = m;
+  m4.layers = 4;
+  const traces::Trace trace4 = uniform_trace(m4, 1);
+  p = piped(c, Schedule::gpipe, 3, 4, 512);
+  p.recompute.assign(2, Recompute::block);
+  check(p);
+  c.device.memory_bytes = tightest_device(m4, trace4, c, p);
+  const auto all =
+      std::make_shared<const std::vector<ChunkSchedule>>(chunk_schedules(m4, trace4, c, p));
+  ProgramOptions o;
+  o.steps = 2;
+  o.tied_embeddings = true;
+  o.chunks = all;
+  const Programs ps = generate_programs(p, o);
+  EXPECT_NO_THROW(check_programs(ps));
+  for (const Program& prog : ps.devices)
+    for (std::size_t i = 0; i + 1 < prog.ops.size(); ++i)
+      EXPECT_FALSE(prog.ops[i].kind == OpKind::copy_chunk_to_device &&
+                   prog.ops[i + 1].kind == OpKind::recompute);
+  const Estimate est = estimate(m4, trace4, c, p);
+  const sim::SimResult sim = sim::simulate(m4, trace4, c, p, {.steps = 3});
+  EXPECT_NEAR(sim.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(sim.report.devices[std::size_t(r)].peak_memory_bytes,
+              est.report.devices[std::size_t(r)].peak_memory_bytes)
+        << r;
+    EXPECT_LE(sim.report.devices[std::size_t(r)].peak_memory_bytes, c.device.memory_bytes);
+    for (const char* key : {"copy_out_bytes_per_step", "copy_in_bytes_per_step", "host_bytes"})
+      EXPECT_EQ(sim.report.extra["offload"]["ranks"][std::size_t(r)][key],
+                est.report.extra["offload"]["ranks"][std::size_t(r)][key])
+          << key << r;
+  }
+  EXPECT_GT(all->at(0).uploads, all->at(0).layout.chunks());  // evictions inside the step
+}
+
 // Selective recompute (Korthikanti et al. 2022) with chunks: a forward keeps its layer's stash
 // without the attention core, its backward re-makes the core (taking its bytes back, with the
 // trace's selective_recompute_s) and gives the whole stash back; programs pass the checker and
@@ -1384,18 +1480,19 @@ TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
 // w = 8, picks sharded chunks for it.
 TEST(ChunksSearch, ShardedChunksFitALargerModelOnEightReplicas) {
   const clusters::Cluster eight = clusters::load_cluster("p3.16xlarge", {}, {"device=V100-32GB"});
-  auto estimated = [&](const models::ModelSpec& m, bool shard) {
+  auto estimated = [&](const models::ModelSpec& m, bool shard,
+                       Recompute rc = Recompute::full) {  // the stashes would bind the device first
     const traces::Trace trace = traces::analytic_trace(m, eight.device, {1});
     Plan p = plan_of(Schedule::one_f_one_b, 8, 1, 1, 1, 1, m.layers, grid(eight));
     p.offload = Offload::chunks;
     p.chunk_shard = shard;
-    p.recompute = {Recompute::full};  // the stashes of a deep model would bind the device first
+    p.recompute = {rc};
     p.chunk_bytes = default_chunk_bytes(m);
     return estimate(m, trace, eight, p);
   };
-  auto fits = [&](const models::ModelSpec& m, bool shard) {
+  auto fits = [&](const models::ModelSpec& m, bool shard, Recompute rc = Recompute::full) {
     try {
-      return estimated(m, shard).report.fits();
+      return estimated(m, shard, rc).report.fits();
     } catch (const InputError&) {
       return false;
     }
@@ -1418,6 +1515,14 @@ TEST(ChunksSearch, ShardedChunksFitALargerModelOnEightReplicas) {
       r.fitting.size(), r.fitting.empty() ? "-" : offload_name(r.fitting.front().plan),
       !r.fitting.empty() && r.fitting.front().plan.chunk_shard ? " sharded" : "");
   EXPECT_GE(billions(sharded) / billions(whole), 1.25);
+  // Block recompute (each layer re-made alone inside its backward) lifts the device's bound: the
+  // host is what runs out again.
+  const std::int64_t block =
+      deepest([&](const models::ModelSpec& m) { return fits(m, true, Recompute::block); });
+  fmt::print("  sharded with block recompute: {} blocks ({:.2f}B, {:.2f}x whole chunks)\n", block,
+             billions(block), billions(block) / billions(whole));
+  EXPECT_GT(block, sharded);
+  EXPECT_FALSE(estimated(gpt_of(block + 1), true, Recompute::block).report.hosts[0].fits());
   ASSERT_FALSE(r.fitting.empty());
   for (const Candidate& x : r.fitting)
     EXPECT_TRUE(x.plan.offload == Offload::chunks && x.plan.chunk_shard) << offload_name(x.plan);
@@ -1570,7 +1675,9 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
                         Case{2, 2, Schedule::gpipe, true, Recompute::full},
                         Case{2, 2, Schedule::one_f_one_b, false, Recompute::none, 2},
                         Case{4, 1, Schedule::two_bw, false, Recompute::none, 2},
-                        Case{2, 1, Schedule::gpipe, true, Recompute::full, 4}}) {
+                        Case{2, 1, Schedule::gpipe, true, Recompute::full, 4},
+                        Case{2, 2, Schedule::one_f_one_b, true, Recompute::block},
+                        Case{4, 1, Schedule::two_bw, false, Recompute::block, 2}}) {
     SCOPED_TRACE(
         fmt::format("t = {}, w = {}, d = {}, {}, sp {}", k.t, k.w, k.d, to_string(k.sch), k.sp));
     clusters::Cluster c = eight();

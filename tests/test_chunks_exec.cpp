@@ -31,8 +31,20 @@ using planner::Schedule;
 using testing::adamw_options;
 using testing::expect_identical;
 
+// A case's recompute: true (full) or false (none), as most cases say, or a mode.
+struct Rc {
+  planner::Recompute mode = planner::Recompute::none;
+  Rc(bool on) : mode(on ? planner::Recompute::full : planner::Recompute::none) {}
+  Rc(planner::Recompute r) : mode(r) {}
+  explicit operator bool() const { return mode != planner::Recompute::none; }
+};
+std::string rc_name(Rc r) {
+  return r ? " recompute " + planner::to_string(r.mode) : "";
+}
+constexpr planner::Recompute kBlock = planner::Recompute::block;
+
 Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::int64_t chunk_bytes,
-               int d = 1, bool recompute = false, int w = 1, int t = 1, bool sp = false) {
+               int d = 1, Rc recompute = false, int w = 1, int t = 1, bool sp = false) {
   Plan p;
   p.schedule = s;
   p.d = d;
@@ -41,7 +53,7 @@ Plan make_plan(const models::ModelSpec& model, Schedule s, int b, int m, std::in
   p.sp = sp;
   p.b = b;
   p.m = m;
-  if (recompute) p.recompute.assign(std::size_t(d), planner::Recompute::full);
+  if (recompute) p.recompute.assign(std::size_t(d), recompute.mode);
   planner::resolve_stages(p, model.layers);
   if (chunk_bytes >= 0) {
     p.offload = Offload::chunks;
@@ -406,81 +418,99 @@ TEST(ChunksExec, PipelineResumeIsBitIdentical) {
 
 // Chunks with full recompute (PatrickStar trains with activation checkpointing): a forward keeps
 // only its stage input and runs its layers through one scratch, the recompute op before each
-// backward re-makes the stash layer by layer, each of its layers after its own chunk copies. For
-// d = 1 and 2, gpipe, 1f1b and dp, tied and untied, at the tightest and a roomy budget: losses and
-// weights bit-identical to the same plan without offload (with recompute, itself bit-identical to
-// the plan without it); each rank's measured peak is its stage's schedule peak and the
-// simulator's exactly, inside the budget; the bytes moved are the schedule's and the simulator's.
-// Recompute lets a smaller device hold the plan where several stashes were the peak (m = 3).
-TEST(ChunksExec, FullRecomputeIsBitIdenticalWithEachStagesPeakAndBytes) {
+// backward re-makes the stash layer by layer, each of its layers after its own chunk copies. With
+// block recompute (each layer's input kept, each layer re-made alone inside its own backward's
+// moment, after that moment's copies) the recompute op has no moments. For d = 1 and 2, gpipe,
+// 1f1b and dp, tied and untied, at the tightest and a roomy budget: losses and weights
+// bit-identical to the same plan without offload (with recompute, itself bit-identical to the plan
+// without it); each rank's measured peak is its stage's schedule peak and the simulator's exactly,
+// inside the budget; the bytes moved are the schedule's and the simulator's. Recompute lets a
+// smaller device hold the plan where several stashes were the peak (m = 3).
+TEST(ChunksExec, FullAndBlockRecomputeAreBitIdenticalWithEachStagesPeakAndBytes) {
   const int steps = 3;
-  for (const PipeCase& k :
-       {PipeCase{Schedule::gpipe, 1, 1, 3, false}, PipeCase{Schedule::one_f_one_b, 1, 2, 2, true},
-        PipeCase{Schedule::dp, 1, 2, 2, false}, PipeCase{Schedule::gpipe, 2, 1, 3, true},
-        PipeCase{Schedule::one_f_one_b, 2, 1, 4, false}}) {
-    const models::ModelSpec model =
-        k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
-    const TrainResult plain = train_cpu(
-        model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, true), adamw_options(steps));
-    expect_identical(plain, train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d),
-                                      adamw_options(steps)));
-    const Plan p = make_plan(model, k.schedule, k.b, k.m, 65536, k.d, true);
-    const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
-    const std::int64_t without =
-        pipeline_budget(model, make_plan(model, k.schedule, k.b, k.m, 65536, k.d));
-    for (std::int64_t budget : {low, roomy}) {
-      SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
-                   " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
-                   (k.untied ? " untied" : " tied") + " budget=" + std::to_string(budget));
-      const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
-      expect_identical(r, plain);
-      const planner::RunReport sim = simulated(model, p, budget, steps);
-      const planner::Estimate e = estimated(model, p, budget);
-      for (int stage = 0; stage < k.d; ++stage) {
-        SCOPED_TRACE("stage " + std::to_string(stage));
-        const int rank = p.rank_of(stage, 0);
-        const RankResult& got = r.ranks[std::size_t(rank)];
-        const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
-        // Each backward has its recompute op's moments: one per layer.
-        int again = 0;
-        for (const planner::ChunkMoment& mo : s.moments)
-          again += mo.recompute ? 1 : 0;
-        EXPECT_EQ(again, k.m * s.layout.layers());
-        EXPECT_LE(got.peak_memory_bytes, budget);
-        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
-        EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
-        EXPECT_EQ(got.memory.activations, e.report.devices[std::size_t(rank)].memory.activations);
-        EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
-        EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
-        if (budget == low) {
-          EXPECT_GT(got.copy_in_bytes, 0);
+  for (const planner::Recompute mode : {planner::Recompute::full, planner::Recompute::block})
+    for (const PipeCase& k :
+         {PipeCase{Schedule::gpipe, 1, 1, 3, false}, PipeCase{Schedule::one_f_one_b, 1, 2, 2, true},
+          PipeCase{Schedule::dp, 1, 2, 2, false}, PipeCase{Schedule::gpipe, 2, 1, 3, true},
+          PipeCase{Schedule::one_f_one_b, 2, 1, 4, false}}) {
+      const bool block = mode == planner::Recompute::block;
+      const int blocks = (block ? 4 : 2) * k.d;  // block: enough layers for a stage's inputs to add
+      const models::ModelSpec model =
+          k.untied ? untied(testing::gpt_tiny(blocks)) : testing::gpt_tiny(blocks);
+      const TrainResult plain = train_cpu(
+          model, make_plan(model, k.schedule, k.b, k.m, -1, k.d, mode), adamw_options(steps));
+      expect_identical(plain, train_cpu(model, make_plan(model, k.schedule, k.b, k.m, -1, k.d),
+                                        adamw_options(steps)));
+      const Plan p = make_plan(model, k.schedule, k.b, k.m, 65536, k.d, mode);
+      const std::int64_t low = pipeline_budget(model, p), roomy = roomy_budget(model, p);
+      const std::int64_t without =
+          pipeline_budget(model, make_plan(model, k.schedule, k.b, k.m, 65536, k.d));
+      const std::int64_t full =
+          pipeline_budget(model, make_plan(model, k.schedule, k.b, k.m, 65536, k.d, true));
+      for (std::int64_t budget : {low, roomy}) {
+        SCOPED_TRACE(to_string(mode) + " " + to_string(k.schedule) + " d=" + std::to_string(k.d) +
+                     " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
+                     (k.untied ? " untied" : " tied") + " budget=" + std::to_string(budget));
+        const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
+        expect_identical(r, plain);
+        const planner::RunReport sim = simulated(model, p, budget, steps);
+        const planner::Estimate e = estimated(model, p, budget);
+        for (int stage = 0; stage < k.d; ++stage) {
+          SCOPED_TRACE("stage " + std::to_string(stage));
+          const int rank = p.rank_of(stage, 0);
+          const RankResult& got = r.ranks[std::size_t(rank)];
+          const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
+          // Full: each backward has its recompute op's moments, one per layer. Block: none; each
+          // backward moment re-makes its layer but the embedding.
+          int again = 0, remade = 0;
+          for (const planner::ChunkMoment& mo : s.moments) {
+            again += mo.recompute ? 1 : 0;
+            remade += mo.remake ? 1 : 0;
+            EXPECT_EQ(mo.remake, block && mo.backward && mo.kind != models::LayerKind::embedding);
+          }
+          EXPECT_EQ(again, block ? 0 : k.m * s.layout.layers());
+          EXPECT_EQ(remade, block ? k.m * (s.layout.layers() - (stage == 0 ? 1 : 0)) : 0);
+          EXPECT_LE(got.peak_memory_bytes, budget);
+          EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes);
+          EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
+          EXPECT_EQ(got.memory.activations, e.report.devices[std::size_t(rank)].memory.activations);
+          EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes);
+          EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes);
+          if (budget == low) {
+            EXPECT_GT(got.copy_in_bytes, 0);
+          }
+          std::printf(
+              "%s %s d=%d m=%d budget=%lld (without recompute %lld, full %lld) stage %d: n=%d K=%d "
+              "uploads=%d peak=%lld at %s\n",
+              to_string(mode).c_str(), to_string(k.schedule).c_str(), k.d, k.m, (long long)budget,
+              (long long)without, (long long)full, stage, s.layout.chunks(), s.device_adam_chunks,
+              s.uploads, (long long)got.peak_memory_bytes,
+              s.moments[std::size_t(s.peak_moment)].label(s.layout).c_str());
         }
-        std::printf(
-            "%s d=%d m=%d budget=%lld (without recompute %lld) stage %d: n=%d K=%d "
-            "uploads=%d peak=%lld at %s\n",
-            to_string(k.schedule).c_str(), k.d, k.m, (long long)budget, (long long)without, stage,
-            s.layout.chunks(), s.device_adam_chunks, s.uploads, (long long)got.peak_memory_bytes,
-            s.moments[std::size_t(s.peak_moment)].label(s.layout).c_str());
+        const common::Json& so = sim.extra["offload"];
+        const common::Json& ranks = k.d > 1 ? so["ranks"] : common::Json::array({so});
+        for (int rank = 0; rank < k.d; ++rank) {
+          EXPECT_EQ(
+              r.ranks[std::size_t(rank)].copy_out_bytes,
+              steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
+          EXPECT_EQ(r.ranks[std::size_t(rank)].copy_in_bytes,
+                    steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+        }
       }
-      const common::Json& so = sim.extra["offload"];
-      const common::Json& ranks = k.d > 1 ? so["ranks"] : common::Json::array({so});
-      for (int rank = 0; rank < k.d; ++rank) {
-        EXPECT_EQ(r.ranks[std::size_t(rank)].copy_out_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_out_bytes_per_step"].get<std::int64_t>());
-        EXPECT_EQ(r.ranks[std::size_t(rank)].copy_in_bytes,
-                  steps * ranks[std::size_t(rank)]["copy_in_bytes_per_step"].get<std::int64_t>());
+      if (k.schedule == Schedule::gpipe) {
+        EXPECT_LT(low, without);  // m stashes were the peak; now m kept inputs and one stash
+      }
+      if (block) {
+        EXPECT_LT(low, full);  // one layer re-made at a time, not the stage's whole stash
       }
     }
-    if (k.schedule == Schedule::gpipe) {
-      EXPECT_LT(low, without);  // m stashes were the peak; now m stage inputs and one stash
-    }
-  }
 }
 
 struct DpCase {
   Schedule schedule;
   int d, w, b, m;
-  bool untied, recompute;
+  bool untied;
+  Rc recompute;
 };
 
 // Data parallelism (w > 1): every replica holds every chunk; each chunk step reduce-scatters the
@@ -498,7 +528,8 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
                           DpCase{Schedule::one_f_one_b, 1, 2, 1, 2, false, true},
                           DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, false},
                           DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, false, false},
-                          DpCase{Schedule::gpipe, 2, 3, 1, 2, false, true}}) {
+                          DpCase{Schedule::gpipe, 2, 3, 1, 2, false, true},
+                          DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, true, kBlock}}) {
     // d = 2 tied: the last stage's replicas reduce-scatter the head's copy's gradient, send their
     // shards, stage 0's replicas gather them and add them in the wte chunk's step.
     const bool untie = k.untied;
@@ -513,7 +544,7 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
       SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
                    " w=" + std::to_string(k.w) + " b=" + std::to_string(k.b) +
                    " m=" + std::to_string(k.m) + (untie ? " untied" : " tied") +
-                   (k.recompute ? " recompute" : "") + " budget=" + std::to_string(budget));
+                   rc_name(k.recompute) + " budget=" + std::to_string(budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
       ASSERT_EQ(int(r.ranks.size()), k.d * k.w);
@@ -560,7 +591,8 @@ TEST(ChunksExec, DataParallelShardsTheOptimizerStateBitIdentical) {
 struct TpCase {
   Schedule schedule;
   int t, d, b, m;
-  bool sp, untied, recompute;
+  bool sp, untied;
+  Rc recompute;
   int w = 1;
 };
 
@@ -578,7 +610,9 @@ TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes)
                           TpCase{Schedule::gpipe, 2, 2, 1, 2, false, true, true},
                           TpCase{Schedule::one_f_one_b, 2, 1, 1, 2, false, false, false, 2},
                           TpCase{Schedule::gpipe, 2, 2, 1, 3, true, false, false, 2},
-                          TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, true, 2}}) {
+                          TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, true, 2},
+                          TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, kBlock},
+                          TpCase{Schedule::gpipe, 2, 1, 1, 3, false, true, kBlock, 2}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain = train_cpu(
@@ -590,7 +624,7 @@ TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes)
       SCOPED_TRACE(to_string(k.schedule) + " t=" + std::to_string(k.t) + (k.sp ? " sp" : "") +
                    " w=" + std::to_string(k.w) + " d=" + std::to_string(k.d) +
                    " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
-                   (k.untied ? " untied" : " tied") + (k.recompute ? " recompute" : "") +
+                   (k.untied ? " untied" : " tied") + rc_name(k.recompute) +
                    " budget=" + std::to_string(budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
@@ -678,6 +712,7 @@ struct TwoBwCase {
   int d, m, w;
   bool untied;
   int t = 1;
+  Rc recompute = false;
 };
 
 // The bytes a rank's plan moves over a run of `steps` from step 0, each way, and its peak: the
@@ -705,14 +740,15 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
   for (const TwoBwCase& k :
        {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 3, 1, true}, TwoBwCase{2, 2, 1, false},
         TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2},
-        TwoBwCase{1, 3, 1, true, 4}, TwoBwCase{1, 2, 2, false, 2}}) {
+        TwoBwCase{1, 3, 1, true, 4}, TwoBwCase{1, 2, 2, false, 2},
+        TwoBwCase{2, 3, 1, true, 1, kBlock}, TwoBwCase{1, 2, 2, false, 2, kBlock}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
-        train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, false, k.w, k.t),
+        train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, k.recompute, k.w, k.t),
                   adamw_options(steps));
-    const Plan p =
-        make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d, false, k.w, k.t);
+    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d,
+                             k.recompute, k.w, k.t);
     const std::int64_t low = pipeline_budget(model, p);
     std::int64_t roomy = 0;  // every part of every stage's chunks, and two chunks' Adam state
     for (int s = 0; s < k.d; ++s) {
@@ -725,8 +761,8 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
                                   2 * c.layout.os_chunk_bytes + 7);
     }
     for (std::int64_t budget : {low, roomy}) {
-      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} t={} {} budget={}", k.d, k.m, k.w, k.t,
-                               k.untied ? "untied" : "tied", budget));
+      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} t={} {}{} budget={}", k.d, k.m, k.w, k.t,
+                               k.untied ? "untied" : "tied", rc_name(k.recompute), budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
       const planner::RunReport sim = simulated(model, p, budget, steps);
@@ -802,7 +838,9 @@ TEST(ChunksExec, ShardedChunksAreBitIdenticalWithEachRanksPeakAndBytes) {
                           DpCase{Schedule::dp, 1, 3, 1, 1, false, false},
                           DpCase{Schedule::one_f_one_b, 1, 2, 1, 2, false, true},
                           DpCase{Schedule::one_f_one_b, 2, 2, 1, 3, false, false},
-                          DpCase{Schedule::gpipe, 2, 2, 1, 2, true, true}}) {
+                          DpCase{Schedule::gpipe, 2, 2, 1, 2, true, true},
+                          DpCase{Schedule::gpipe, 2, 2, 1, 2, true, kBlock},
+                          DpCase{Schedule::one_f_one_b, 1, 2, 1, 2, false, kBlock}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
@@ -816,7 +854,7 @@ TEST(ChunksExec, ShardedChunksAreBitIdenticalWithEachRanksPeakAndBytes) {
     for (std::int64_t budget : {low, low + 2 * 131072, roomy}) {
       SCOPED_TRACE(to_string(k.schedule) + " d=" + std::to_string(k.d) +
                    " w=" + std::to_string(k.w) + " m=" + std::to_string(k.m) +
-                   (k.untied ? " untied" : " tied") + (k.recompute ? " recompute" : "") +
+                   (k.untied ? " untied" : " tied") + rc_name(k.recompute) +
                    " budget=" + std::to_string(budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);

@@ -130,6 +130,12 @@ class CpuGptStage final : public StageCompute {
                        const float* d_output, int b, float loss_scale, float* grads,
                        GradientSink* sink, float* d_input, float* workspace,
                        float* scratch) override;
+  float forward_blocks(LayerMemory& memory, const std::int32_t* tokens, const float* input,
+                       const std::int32_t* targets, int b, float* kept, float* output,
+                       float* scratch) override;
+  void backward_blocks(LayerMemory& memory, const float* kept, const std::int32_t* targets,
+                       const float* d_output, int b, float loss_scale, float* d_input,
+                       float* workspace, float* scratch) override;
 
  private:
   // Where the tensors are during one call: one flat blob (`params`; gradients through a sink), or
@@ -138,6 +144,8 @@ class CpuGptStage final : public StageCompute {
     const float* params = nullptr;
     GradientSink* grads = nullptr;
     LayerMemory* memory = nullptr;
+    // Whether the memory hears of the layers (false: a re-made layer inside its backward's visit).
+    bool hooks = true;
     const float* p(int64_t offset) const {
       return memory ? memory->parameters(offset) : params + offset;
     }
@@ -145,10 +153,10 @@ class CpuGptStage final : public StageCompute {
       return memory ? memory->gradients(offset) : grads->at(offset, size);
     }
     void begin(int layer, bool backward) const {
-      if (memory) memory->begin_layer(layer, backward);
+      if (memory && hooks) memory->begin_layer(layer, backward);
     }
     void end(int layer, bool backward) const {
-      if (memory) memory->end_layer(layer, backward);
+      if (memory && hooks) memory->end_layer(layer, backward);
     }
   };
   // The stage's layers in forward order (LayerMemory's numbering).
@@ -182,6 +190,12 @@ class CpuGptStage final : public StageCompute {
                 const std::function<void(int)>& remake = {});
   // Block recompute: where each layer's input is kept (kept: layer_inputs floats, forward order).
   std::vector<float*> kept_layers(float* kept, int64_t BT) const;
+  float forward_blocks(const At& at, const std::int32_t* tokens, const float* input,
+                       const std::int32_t* targets, int b, float* kept, float* output,
+                       float* scratch) const;
+  void backward_blocks(const At& at, const float* kept, const std::int32_t* targets,
+                       const float* d_output, int b, float loss_scale, float* d_input,
+                       float* workspace, float* scratch);
   float forward(const At& at, const std::int32_t* tokens, const float* input,
                 const std::int32_t* targets, int b, bool recompute, float* stash, float* output,
                 float* scratch) const;
@@ -779,8 +793,8 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
   }
   if (!s.has_head && has_layers) std::memcpy(dres, d_output, std::size_t(BTC) * sizeof(float));
   if (s.has_head) {
-    if (remake) remake(head_layer());
     at.begin(head_layer(), true);
+    if (remake) remake(head_layer());
     head_backward(at, carve_head(acts[std::size_t(head_layer())], BT), b, loss_scale, dres, ws,
                   ws_floats);
     if (at.grads) at.grads->layer_done(layout_.lnf_w, layout_.parameters);
@@ -790,8 +804,8 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
     const int64_t base = layout_.block_base[std::size_t(i)];
     const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
-    if (remake) remake(block_layer(i));
     at.begin(block_layer(i), true);
+    if (remake) remake(block_layer(i));
     block_backward(at, base, carve_block(acts[std::size_t(block_layer(i))], BT), b, dres, ws,
                    ws_floats);
     if (at.grads) at.grads->layer_done(base, end);
@@ -823,12 +837,24 @@ std::int64_t CpuGptStage::layer_inputs(int b) const {
 float CpuGptStage::forward_blocks(const float* params, const std::int32_t* tokens,
                                   const float* input, const std::int32_t* targets, int b,
                                   float* kept, float* output, float* scratch) {
+  return forward_blocks(At{params}, tokens, input, targets, b, kept, output, scratch);
+}
+
+float CpuGptStage::forward_blocks(LayerMemory& memory, const std::int32_t* tokens,
+                                  const float* input, const std::int32_t* targets, int b,
+                                  float* kept, float* output, float* scratch) {
+  return forward_blocks(At{nullptr, nullptr, &memory}, tokens, input, targets, b, kept, output,
+                        scratch);
+}
+
+float CpuGptStage::forward_blocks(const At& at, const std::int32_t* tokens, const float* input,
+                                  const std::int32_t* targets, int b, float* kept, float* output,
+                                  float* scratch) const {
   if (layout_.sp)
     throw Error("cpu stage: block recompute with sequence parallelism is not supported");
   const int64_t BT = int64_t(b) * layout_.T;
   const std::vector<float*> k = kept_layers(kept, BT);
   const int n = layer_count();
-  const At at{params};
   float loss = 0.0f;
   for (int l = 0; l < n; ++l) {
     // Layer l's stash in the scratch (the embedding's, its token ids, in its kept slot); its
@@ -849,6 +875,22 @@ void CpuGptStage::backward_blocks(const float* params, const float* kept,
                                   const std::int32_t* targets, const float* d_output, int b,
                                   float loss_scale, float* grads, GradientSink* sink,
                                   float* d_input, float* workspace, float* scratch) {
+  FlatSink flat(grads);
+  backward_blocks(At{params, sink ? sink : &flat}, kept, targets, d_output, b, loss_scale, d_input,
+                  workspace, scratch);
+}
+
+void CpuGptStage::backward_blocks(LayerMemory& memory, const float* kept,
+                                  const std::int32_t* targets, const float* d_output, int b,
+                                  float loss_scale, float* d_input, float* workspace,
+                                  float* scratch) {
+  backward_blocks(At{nullptr, nullptr, &memory}, kept, targets, d_output, b, loss_scale, d_input,
+                  workspace, scratch);
+}
+
+void CpuGptStage::backward_blocks(const At& at, const float* kept, const std::int32_t* targets,
+                                  const float* d_output, int b, float loss_scale, float* d_input,
+                                  float* workspace, float* scratch) {
   if (layout_.sp)
     throw Error("cpu stage: block recompute with sequence parallelism is not supported");
   const int64_t BT = int64_t(b) * layout_.T;
@@ -856,16 +898,17 @@ void CpuGptStage::backward_blocks(const float* params, const float* kept,
   const int n = layer_count();
   std::vector<const float*> acts(std::size_t(n), scratch);
   if (layout_.spec.has_embedding) acts[0] = k[0];
-  // Before each block's and the head's backward: that layer's forward again from its input.
-  const At forward_at{params};
+  // Inside each block's and the head's backward visit (its tensors there): that layer's forward
+  // again from its input, unheard by a LayerMemory (the visit is the backward's).
+  At forward_at = at;
+  forward_at.grads = nullptr;
+  forward_at.hooks = false;
   const auto remake = [&](int l) {
     std::vector<float*> one(std::size_t(n), nullptr);
     one[std::size_t(l)] = scratch;
     run_range(forward_at, l, l, nullptr, k[std::size_t(l)], targets, b, one, nullptr);
   };
-  FlatSink flat(grads);
-  backward(At{params, sink ? sink : &flat}, acts, d_output, b, loss_scale, d_input, workspace,
-           remake);
+  backward(at, acts, d_output, b, loss_scale, d_input, workspace, remake);
 }
 
 void CpuGptStage::embedding_backward(const At& at, const float* token_stash, const float* demb,

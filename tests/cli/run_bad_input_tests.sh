@@ -259,10 +259,13 @@ assert r['plan']['offload'] == 'chunks' and o['copy_in_bytes_per_step'] > 0 and 
 expect_code "--chunk-shard with w = 1" 1 "chunk_shard: sharded chunks split each chunk over the w replicas: needs w > 1, found w = 1" $PW $TC -m 1 --steps 1 --chunk-shard --device-memory 2000000 --out "$O"
 expect_code "--chunk-shard without offload chunks" 1 "chunk_shard: sharded chunks need offload chunks" $PW estimate $WS -w 2 --ranks-per-gpu 2 --chunk-shard --out "$O"
 expect_code "--chunk-shard with 2bw" 1 "chunk_shard: sharded chunks with 2bw are not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --schedule 2bw --offload chunks --chunk-shard --out "$O"
-# Block recompute: the CPU executor runs it (without SP); with SP, and the chunk manager, refuse it in one line.
+# Block recompute: the CPU executor runs it (without SP; with the chunk manager too); with SP it refuses it in one line.
 expect_ok "train --recompute block" $PW train --backend cpu --model gpt-tiny -d 2 --steps 2 --recompute block --out "$TMP/block.json"
 expect_code "train --recompute block --sp" 1 "plan: recompute: block recompute (stage 0) runs on the cpu backend without sequence parallelism only (this is cpu with --sp)" $PW train --backend cpu --model gpt-tiny --tp 2 --sp --steps 1 --recompute block --out "$O"
-expect_code "--offload chunks --recompute block" 1 "recompute: offload chunks with block recompute (stage 0) are not supported yet" $PW estimate $WS --offload chunks --recompute block --out "$O"
+expect_ok "train --offload chunks --recompute block" $PW $TC -m 2 --steps 2 --recompute block --device-memory 1700000 --out "$TMP/tcb.json"
+python3 -c "
+import json; r = json.load(open('$TMP/tcb.json'))
+assert r['plan']['recompute'] == ['block'] and r['offload']['copy_in_bytes_per_step'] > 0 and r['devices'][0]['peak_memory_bytes'] <= 1700000, r['plan']" && ok || bad "train chunks + block report: plan.recompute, offload bytes, peak inside the budget"
 expect_code "--recompute blocks" 1 "unknown recompute mode \"blocks\" (expected none, selective, full or block)" $PW estimate $WS --recompute blocks --out "$O"
 TW="train --backend cpu --model gpt-tiny -w 2 -d 1 -b 1 -m 2 --steps 2 --offload chunks --chunk-size 65536 --device-memory 1700000"
 expect_ok "train --offload chunks -w 2" $PW $TW --out "$TMP/tw.json"
