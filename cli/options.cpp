@@ -68,7 +68,7 @@ void PlanOptions::add(CLI::App& app) {
                  "recompute activations on every stage: none, selective (attention core), full "
                  "(each stage keeps its input and re-makes its whole stash before a backward) or "
                  "block (each layer keeps its input and is re-made alone before its own backward: "
-                 "Megatron's full recompute; not with --sp or the cuda backend in train); a bare "
+                 "Megatron's full recompute; not with the cuda backend in train); a bare "
                  "--recompute means full")
       ->expected(0, 1);
   app.add_flag("--distributed-optimizer", distributed_optimizer,

@@ -160,11 +160,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
     }
   }
   for (int s = 0; s < plan.d; ++s)
-    if (plan.recompute_of(s) == planner::Recompute::block && (backend != "cpu" || plan.sp))
+    if (plan.recompute_of(s) == planner::Recompute::block && backend != "cpu")
       throw InputError(fmt::format(
-          "plan: recompute: block recompute (stage {}) runs on the cpu backend without sequence "
-          "parallelism only (this is {}{}); use recompute full, or estimate or simulate it",
-          s, backend, plan.sp ? " with --sp" : ""));
+          "plan: recompute: block recompute (stage {}) runs on the cpu backend only (this is {}); "
+          "use recompute full, or estimate or simulate it",
+          s, backend));
   for (int s = 0; s < plan.d && backend != "cpu"; ++s)
     if (plan.mixed_activations(s))
       throw InputError(fmt::format(
@@ -590,6 +590,10 @@ namespace {
 }  // namespace
 
 std::int64_t StageCompute::layer_inputs(int) const {
+  refuse_blocks();
+}
+
+std::int64_t StageCompute::blocks_scratch(int) const {
   refuse_blocks();
 }
 

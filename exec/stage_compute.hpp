@@ -189,11 +189,14 @@ class StageCompute {
   // Block recompute (Korthikanti et al.'s full recomputation; docs/formulas.md section 4): a
   // forward keeps every layer's input in `kept` (layer_inputs(b) elements: the token ids on the
   // first stage, each block's and the head's input), running the layers through `scratch`
-  // (sizes().scratch); a backward re-makes each layer alone from its input into `scratch`, then
-  // runs that layer's backward (the same arithmetic as forward and backward, so the same bits).
+  // (blocks_scratch(b) elements: sizes().scratch, and with SP the full-width rows the layers'
+  // all-gathers fill, which must not be the workspace a backward is using); a backward re-makes
+  // each layer alone from its input into `scratch`, then runs that layer's backward (the same
+  // arithmetic as forward and backward, so the same bits).
   // Gradients into `grads`, or layer by layer into `sink` when it is not null. Backends that do
   // not run it refuse these (Error).
   virtual std::int64_t layer_inputs(int b) const;
+  virtual std::int64_t blocks_scratch(int b) const;
   virtual float forward_blocks(const float* params, const std::int32_t* tokens, const float* input,
                                const std::int32_t* targets, int b, float* kept, float* output,
                                float* scratch);

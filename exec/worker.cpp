@@ -776,7 +776,7 @@ void Worker::forward_blocks(const Op& op, Chunk& c) {
   if (c.first || c.last) samples(op, tokens, targets);
   Buffer kept(memory_, Category::activations, c.stage->layer_inputs(s_.plan().b), &pool_);
   Buffer out(memory_, Category::activations, c.sizes.output, &pool_);
-  Buffer scratch(memory_, Category::activations, c.sizes.scratch, &pool_);
+  Buffer scratch(memory_, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
   const float loss = timed_compute([&] {
     return c.stage->forward_blocks(params(c, op.version), c.first ? tokens.data() : nullptr,
                                    c.first ? nullptr : inputs_.at(key).data(),
@@ -797,7 +797,8 @@ void Worker::recompute(const Op& op) {
   // the scratch taken here (the simulator's recompute op holds it from here to that backward's
   // end as well).
   if (blocks_) {
-    full_[key] = Buffer(memory_, Category::activations, c.sizes.scratch, &pool_);
+    full_[key] =
+        Buffer(memory_, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
     return;
   }
   // A mixed stage's chunk whose blocks all swap: nothing to re-make (as the simulator's op).

@@ -129,15 +129,16 @@ void Worker::setup_chunks() {
                               t.name, t.chunk));
   // Each of the stage's layers' stash in bytes (fp32: the stage's carving is exactly
   // models::derive_costs at the plan's t and SP): the embedding on stage 0, its blocks, the head on
-  // the last stage.
+  // the last stage. Block recompute: each layer's input too (the embedding's: its token ids).
   const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
   const std::int64_t b = s_.plan().b;
   for (int l = 0; l < L.layers(); ++l) {
     const int g = L.first_layer + l;
-    layer_stash_bytes_.push_back(b * (g == 0                           ? mc.embedding
+    const models::LayerCosts& costs = g == 0                           ? mc.embedding
                                       : g == int(s_.model->layers + 1) ? mc.head
-                                                                       : mc.block)
-                                         .activation_bytes);
+                                                                       : mc.block;
+    layer_stash_bytes_.push_back(b * costs.activation_bytes);
+    if (blocks_) layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
   }
   std::int64_t stash = 0;
   for (std::int64_t bytes : layer_stash_bytes_)
@@ -146,21 +147,16 @@ void Worker::setup_chunks() {
     throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
                             stash, c.sizes.stash * std::int64_t(sizeof(float))));
   // Full recompute: the stage input a forward keeps and the scratch it runs its layers through.
-  // Block recompute: each layer's input (the embedding's: its token ids) and the scratch.
+  // Block recompute: the layers' inputs and the scratch the layers are made and re-made in.
   if (s_.plan().recomputes(stage_)) {
     kept_bytes_ = c.sizes.stash_recompute * std::int64_t(sizeof(float));
     scratch_bytes_ = c.sizes.scratch * std::int64_t(sizeof(float));
   }
   if (blocks_) {
+    scratch_bytes_ = c.stage->blocks_scratch(int(b)) * std::int64_t(sizeof(float));
     std::int64_t inputs = 0;
-    for (int l = 0; l < L.layers(); ++l) {
-      const int g = L.first_layer + l;
-      layer_input_bytes_.push_back(b * (g == 0                           ? mc.embedding
-                                        : g == int(s_.model->layers + 1) ? mc.head
-                                                                         : mc.block)
-                                           .activation_recompute_bytes);
-      inputs += layer_input_bytes_.back();
-    }
+    for (std::int64_t bytes : layer_input_bytes_)
+      inputs += bytes;
     if (inputs != c.stage->layer_inputs(int(b)) * std::int64_t(sizeof(float)))
       throw Error(fmt::format("rank {}: the layers' inputs ({} B) are not the stage's ({} B)",
                               rank_, inputs,
@@ -697,7 +693,7 @@ void Worker::chunk_forward_blocks(const Op& op, Chunk& c) {
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last) samples(op, tokens, targets);
   Buffer kept(nullptr, Category::activations, c.stage->layer_inputs(s_.plan().b), &pool_);
-  Buffer scratch(nullptr, Category::activations, c.sizes.scratch, &pool_);
+  Buffer scratch(nullptr, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
   Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
   make_message_room(c.last ? 0 : 1);
   ChunkMemory memory(*this, ChunkMemory::Kind::forward_blocks);
@@ -758,7 +754,7 @@ void Worker::chunk_backward(const Op& op) {
   if (blocks_) {  // each layer re-made from its kept input inside its backward's moment
     std::vector<std::int32_t> tokens, targets;
     if (c.last) samples(op, tokens, targets);
-    Buffer scratch(nullptr, Category::activations, c.sizes.scratch, &pool_);
+    Buffer scratch(nullptr, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
     ChunkMemory memory(*this, ChunkMemory::Kind::backward_blocks);
     timed_compute([&] {
       c.stage->backward_blocks(memory, stash_.at(key).data(), c.last ? targets.data() : nullptr,

@@ -301,6 +301,12 @@ ChunkCost chunk_cost(const models::ModelCosts& mc, const traces::Trace& trace, c
     if (last)
       ch.recompute_scratch_bytes =
           std::max(ch.recompute_scratch_bytes, e.layers[LayerKind::head].activation_bytes);
+    // Block recompute with SP: a layer's all-gathers fill full-width rows (b·T·C·e: the t ranks'
+    // pieces of a block's output) beside it, not the workspace a backward is using when it
+    // re-makes the layer.
+    if (p.sp && p.t > 1 && p.recompute_of(stage) == Recompute::block)
+      ch.recompute_scratch_bytes = bytes_add(
+          ch.recompute_scratch_bytes, bytes_mul(p.t, e.layers[LayerKind::block].output_bytes));
   }
   if (p.mixed_activations(stage)) {
     // The chunk's blocks in the stage's list: those of the chunks before it come first.

@@ -89,7 +89,9 @@ struct ChunkCost {
   std::int64_t swap_bytes = 0;              // the swapped layers' stash (stash_bytes if none)
   // A recomputing chunk's forward (full recompute, or a mixed stage's recomputed layers) runs
   // those layers through one scratch as large as the largest one's stash (a mixed stage's
-  // embedding runs in its first block's place: not counted), freed when the forward ends.
+  // embedding runs in its first block's place: not counted), freed when the forward ends. Block
+  // recompute: the same, re-made layers in it too, plus with SP the full-width rows (b·T·C·e)
+  // its layers' all-gathers fill.
   std::int64_t recompute_scratch_bytes = 0;
   // What a forward of this chunk keeps on the device until its backward on a mixed stage.
   std::int64_t mixed_kept_bytes() const { return swap_bytes + checkpoint_bytes; }

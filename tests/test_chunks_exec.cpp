@@ -612,7 +612,8 @@ TEST(ChunksExec, TensorParallelShardsAreBitIdenticalWithEachDevicesPeakAndBytes)
                           TpCase{Schedule::gpipe, 2, 2, 1, 3, true, false, false, 2},
                           TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, true, 2},
                           TpCase{Schedule::one_f_one_b, 2, 2, 1, 2, false, false, kBlock},
-                          TpCase{Schedule::gpipe, 2, 1, 1, 3, false, true, kBlock, 2}}) {
+                          TpCase{Schedule::gpipe, 2, 1, 1, 3, false, true, kBlock, 2},
+                          TpCase{Schedule::gpipe, 2, 2, 1, 2, true, false, kBlock}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain = train_cpu(

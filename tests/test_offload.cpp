@@ -1109,7 +1109,8 @@ TEST(ActivationSearch, SwapsInsteadOfRecomputingWhereTheCopiesHide) {
 }
 
 // The same model on 80 GB devices: nothing fits without offload; the fallback's fastest swaps,
-// faster than the same shape with optimizer offload and full recomputation.
+// faster than the fastest plan that recomputes instead (chunks with block recompute, ahead of
+// full, since 2026-11-29; optimizer offload with full recompute before).
 TEST(ActivationSearch, PicksActivationOffloadWhenNothingFitsWithoutIt) {
   const models::ModelSpec model = models::load_model("gpt3-175b");
   const clusters::Cluster c = clusters::load_cluster(
@@ -1128,7 +1129,9 @@ TEST(ActivationSearch, PicksActivationOffloadWhenNothingFitsWithoutIt) {
       std::find_if(r.fitting.begin(), r.fitting.end(),
                    [&](const Candidate& x) { return !x.plan.offload_activations; });
   ASSERT_NE(recomputing, r.fitting.end());
-  EXPECT_EQ(recomputing->plan.recompute_of(0), Recompute::full);
+  EXPECT_TRUE(recomputing->plan.recompute_of(0) == Recompute::full ||
+              recomputing->plan.recompute_of(0) == Recompute::block)
+      << to_string(recomputing->plan.recompute_of(0));
   EXPECT_GT(best.samples_per_s(), 1.2 * recomputing->samples_per_s());
 }
 

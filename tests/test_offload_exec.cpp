@@ -303,11 +303,11 @@ TEST(OffloadExec, BlockRecomputeWithOptimizerOffloadMatchesThePlanner) {
     expect_identical(r, train_cpu(model, plain, adamw_options(steps)));
     const planner::Estimate e = predicted(model, p);
     const planner::RunReport sim = simulated(model, p, steps);
-    // The CUDA executor and SP refuse it in one line, before anything runs.
+    // The CUDA executor refuses it in one line, before anything runs.
     const std::string cuda =
         testing::error_of([&] { detail::prepare_run(model, p, adamw_options(2), "cuda"); });
     EXPECT_NE(cuda.find("plan: recompute: block recompute (stage 0) runs on the cpu backend "
-                        "without sequence parallelism only (this is cuda)"),
+                        "only (this is cuda)"),
               std::string::npos)
         << cuda;
     EXPECT_EQ(cuda.find('\n'), std::string::npos) << cuda;

@@ -240,6 +240,28 @@ TEST(TensorParallel, BucketsAndRecomputeCompose) {
   }
 }
 
+// Block recompute with and without SP: each layer re-made alone inside its backward (with SP its
+// all-gathers into the scratch's own full-width rows, not the workspace the backward is using)
+// gives the same losses and weights as no recompute, bit for bit, and the same losses as t = 1.
+TEST(TensorParallel, BlockRecomputeIsBitIdenticalWithAndWithoutSequenceParallelism) {
+  for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
+    for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
+      for (const auto& [t, sp] : {std::pair{2, true}, std::pair{4, true}, std::pair{2, false}}) {
+        Plan p = make_plan(s, t, 1, 2, 4, 4);
+        p.sp = sp;
+        Plan q = p;
+        q.recompute.assign(2, planner::Recompute::block);
+        SCOPED_TRACE(model.name + " " + planner::to_string(s) + " t=" + std::to_string(t) +
+                     (sp ? " sp" : ""));
+        testing::expect_identical(train_cpu(model, q, options(3, "adamw")),
+                                  train_cpu(model, p, options(3, "adamw")));
+      }
+  Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 2, 2, 4);
+  p.sp = true;
+  p.recompute.assign(2, planner::Recompute::block);
+  worst_loss_difference(untied_padded(4), p, 2, 10, "adamw");
+}
+
 // Runs are deterministic: the TP sums are in group order.
 TEST(TensorParallel, BitIdenticalAcrossRuns) {
   const Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 2, 2, 4);
@@ -291,7 +313,8 @@ TEST(TensorParallel, CheckpointResumeIsBitIdenticalAndRefusesAnotherT) {
 // The executor's bytes per category on every device equal the planner's closed form for the TP
 // plan, activations too: the planner counts the message buffers held beside the stashes
 // (docs/formulas.md section 4), and with full recomputation a forward's scratch and a backward's
-// re-made stash with its buffers.
+// re-made stash with its buffers; with block recomputation every layer's input and one layer's
+// scratch (with SP, and its all-gathers' full-width rows).
 TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
   const clusters::Cluster node = clusters::load_cluster("dgx-h100");
   for (const models::ModelSpec& model : {testing::gpt_tiny(4), untied_padded(4)})
@@ -302,7 +325,9 @@ TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
                                       std::tuple{4, true, planner::Recompute::none},
                                       std::tuple{2, false, planner::Recompute::full},
                                       std::tuple{4, true, planner::Recompute::full},
-                                      std::tuple{4, false, planner::Recompute::block}}) {
+                                      std::tuple{4, false, planner::Recompute::block},
+                                      std::tuple{2, true, planner::Recompute::block},
+                                      std::tuple{4, true, planner::Recompute::block}}) {
         Plan p = make_plan(s, t, 1, 2, 4, 4);
         p.sp = sp;
         if (rc != planner::Recompute::none) p.recompute.assign(2, rc);

@@ -123,6 +123,7 @@ class CpuGptStage final : public StageCompute {
                       float loss_scale, float* grads, GradientSink* sink, float* d_input,
                       float* workspace) override;
   std::int64_t layer_inputs(int b) const override;
+  std::int64_t blocks_scratch(int b) const override;
   float forward_blocks(const float* params, const std::int32_t* tokens, const float* input,
                        const std::int32_t* targets, int b, float* kept, float* output,
                        float* scratch) override;
@@ -192,7 +193,21 @@ class CpuGptStage final : public StageCompute {
   std::vector<float*> kept_layers(float* kept, int64_t BT) const;
   float forward_blocks(const At& at, const std::int32_t* tokens, const float* input,
                        const std::int32_t* targets, int b, float* kept, float* output,
-                       float* scratch) const;
+                       float* scratch);
+  // Block recompute with SP: while it lives, the layers' all-gathers go to the tail of the
+  // scratch (blocks_scratch past sizes().scratch), not to the workspace a backward is using.
+  class GathersInScratch {
+   public:
+    GathersInScratch(CpuGptStage& stage, float* scratch, int b);
+    ~GathersInScratch();
+    GathersInScratch(const GathersInScratch&) = delete;
+    GathersInScratch& operator=(const GathersInScratch&) = delete;
+
+   private:
+    CpuGptStage& stage_;
+    float* saved_ = nullptr;
+    int64_t saved_floats_ = 0;
+  };
   void backward_blocks(const At& at, const float* kept, const std::int32_t* targets,
                        const float* d_output, int b, float loss_scale, float* d_input,
                        float* workspace, float* scratch);
@@ -847,11 +862,27 @@ float CpuGptStage::forward_blocks(LayerMemory& memory, const std::int32_t* token
                         scratch);
 }
 
+CpuGptStage::GathersInScratch::GathersInScratch(CpuGptStage& stage, float* scratch, int b)
+    : stage_(stage), saved_(stage.tp_.scratch), saved_floats_(stage.tp_.scratch_floats) {
+  if (!stage.layout_.sp) return;
+  stage.tp_.scratch = scratch + stage.sizes(b).scratch;
+  stage.tp_.scratch_floats = int64_t(b) * stage.layout_.T * stage.layout_.C;
+}
+
+CpuGptStage::GathersInScratch::~GathersInScratch() {
+  stage_.tp_.scratch = saved_;
+  stage_.tp_.scratch_floats = saved_floats_;
+}
+
+// The scratch a layer is made in, and with SP the full-width rows its all-gathers fill.
+std::int64_t CpuGptStage::blocks_scratch(int b) const {
+  return sizes(b).scratch + (layout_.sp ? int64_t(b) * layout_.T * layout_.C : 0);
+}
+
 float CpuGptStage::forward_blocks(const At& at, const std::int32_t* tokens, const float* input,
                                   const std::int32_t* targets, int b, float* kept, float* output,
-                                  float* scratch) const {
-  if (layout_.sp)
-    throw Error("cpu stage: block recompute with sequence parallelism is not supported");
+                                  float* scratch) {
+  const GathersInScratch gathers(*this, scratch, b);
   const int64_t BT = int64_t(b) * layout_.T;
   const std::vector<float*> k = kept_layers(kept, BT);
   const int n = layer_count();
@@ -891,8 +922,6 @@ void CpuGptStage::backward_blocks(LayerMemory& memory, const float* kept,
 void CpuGptStage::backward_blocks(const At& at, const float* kept, const std::int32_t* targets,
                                   const float* d_output, int b, float loss_scale, float* d_input,
                                   float* workspace, float* scratch) {
-  if (layout_.sp)
-    throw Error("cpu stage: block recompute with sequence parallelism is not supported");
   const int64_t BT = int64_t(b) * layout_.T;
   const std::vector<float*> k = kept_layers(const_cast<float*>(kept), BT);
   const int n = layer_count();
@@ -904,6 +933,7 @@ void CpuGptStage::backward_blocks(const At& at, const float* kept, const std::in
   forward_at.grads = nullptr;
   forward_at.hooks = false;
   const auto remake = [&](int l) {
+    const GathersInScratch gathers(*this, scratch, b);
     std::vector<float*> one(std::size_t(n), nullptr);
     one[std::size_t(l)] = scratch;
     run_range(forward_at, l, l, nullptr, k[std::size_t(l)], targets, b, one, nullptr);

@@ -259,9 +259,9 @@ assert r['plan']['offload'] == 'chunks' and o['copy_in_bytes_per_step'] > 0 and 
 expect_code "--chunk-shard with w = 1" 1 "chunk_shard: sharded chunks split each chunk over the w replicas: needs w > 1, found w = 1" $PW $TC -m 1 --steps 1 --chunk-shard --device-memory 2000000 --out "$O"
 expect_code "--chunk-shard without offload chunks" 1 "chunk_shard: sharded chunks need offload chunks" $PW estimate $WS -w 2 --ranks-per-gpu 2 --chunk-shard --out "$O"
 expect_code "--chunk-shard with 2bw" 1 "chunk_shard: sharded chunks with 2bw are not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --schedule 2bw --offload chunks --chunk-shard --out "$O"
-# Block recompute: the CPU executor runs it (without SP; with the chunk manager too); with SP it refuses it in one line.
+# Block recompute: the CPU executor runs it (with SP, and with the chunk manager too).
 expect_ok "train --recompute block" $PW train --backend cpu --model gpt-tiny -d 2 --steps 2 --recompute block --out "$TMP/block.json"
-expect_code "train --recompute block --sp" 1 "plan: recompute: block recompute (stage 0) runs on the cpu backend without sequence parallelism only (this is cpu with --sp)" $PW train --backend cpu --model gpt-tiny --tp 2 --sp --steps 1 --recompute block --out "$O"
+expect_ok "train --recompute block --sp" $PW train --backend cpu --model gpt-tiny --tp 2 --sp --steps 1 --recompute block --out "$TMP/blocksp.json"
 expect_ok "train --offload chunks --recompute block" $PW $TC -m 2 --steps 2 --recompute block --device-memory 1700000 --out "$TMP/tcb.json"
 python3 -c "
 import json; r = json.load(open('$TMP/tcb.json'))
