@@ -25,6 +25,10 @@ Tables (the figures are typed from the papers; docs/performance.md, "Held-out pu
                  layers minus that with 47 (one layer's forward + backward, recomputation
                  included), times the m microbatches; b = 1 (m = 4) is an assumption.
 
+Megatron's "full recomputation" keeps each transformer layer's input and re-makes one layer at a
+time: pipewright's `--recompute block` (its step time is that of `--recompute full`, the stage-level
+mode, which these rows used before 2026-11-29, with the same predictions).
+
 Both papers predate FlashAttention in Megatron-LM: attention is the unfused form (the T x T
 scores are materialized), as in the calibration rows (docs/formulas.md section 8).
 
@@ -93,7 +97,7 @@ def rows_narayanan(args, tmp):
         flops = 96 * batch * S * layers * h * h * (1 + S / (6 * h) + V / (16 * layers * h))
         measured = flops / (gpus * tflops * 1e12)
         predicted = estimate(args, tmp, model_json(name, h, heads, layers), t, p, w, b,
-                             batch // (w * b), gpus, ["--recompute", "full"])
+                             batch // (w * b), gpus, ["--recompute", "block"])
         yield name, "full", gpus, t, p, w, batch, predicted, measured
 
 
@@ -103,7 +107,7 @@ def rows_korthikanti(args, tmp):
         w = gpus // (t * p)
         model = model_json(name, h, heads, layers)
         m = batch // (w * b)
-        for mode, extra, measured in (("full", ["--recompute", "full"], full_s),
+        for mode, extra, measured in (("full", ["--recompute", "block"], full_s),
                                       ("sp+selective", ["--sp", "--recompute", "selective"],
                                        selective_s)):
             predicted = estimate(args, tmp, model, t, p, w, b, m, gpus, extra)
@@ -114,7 +118,7 @@ def rows_korthikanti(args, tmp):
 KORTHIKANTI_T4 = [
     ("none", ["--recompute", "none"], 19.6),
     ("sp", ["--sp", "--recompute", "none"], 19.0),
-    ("full", ["--recompute", "full"], 27.2),
+    ("full", ["--recompute", "block"], 27.2),
     ("selective", ["--recompute", "selective"], 20.9),
     ("sp+selective", ["--sp", "--recompute", "selective"], 20.3),
 ]
