@@ -406,7 +406,7 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     out.push_back(std::move(m));
     held -= give;
   };
-  // Block recompute: layer l's input (what its forward writes into the layer before it).
+  // Block recompute: layer l's input (what the layer before it writes; 0 past the last layer).
   auto input_of = [&](int l) {
     return l < layers ? e.layers[kind(l)].activation_recompute_bytes : std::int64_t(0);
   };

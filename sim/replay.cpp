@@ -568,7 +568,8 @@ class Replayer {
   }
 
   // What a recompute op re-makes and holds until its backward ends: the chunk's stash (full), or
-  // the layer being re-made, the largest one's stash (block).
+  // the scratch each layer is re-made in, the largest one's stash and with SP its all-gathers'
+  // rows (block).
   std::int64_t remade_bytes(const planner::ChunkCost& ch) const {
     return me_.recompute == planner::Recompute::block ? ch.recompute_scratch_bytes : ch.stash_bytes;
   }
