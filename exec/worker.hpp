@@ -349,8 +349,8 @@ class Worker {
   std::vector<std::int64_t> layer_stash_bytes_;  // per layer: its stash (counted as it fills)
   // Full recompute (0 without): a forward's kept stage input and its scratch, in bytes.
   std::int64_t kept_bytes_ = 0, scratch_bytes_ = 0;
-  // Block recompute (empty without): per layer, its input kept from forward to backward, in bytes
-  // (scratch_bytes_: the layer re-made in the scratch).
+  // Per layer, its input slot in bytes (the layer before it writes it). Block recompute keeps these
+  // from forward to backward (scratch_bytes_: the layer re-made in the scratch).
   std::vector<std::int64_t> layer_input_bytes_;
   double copy_wait_s_ = 0;  // inside compute ops: waiting for the moments' copies (not busy)
   std::deque<InFlight> in_flight_;  // sends' buffers (after pool_: destroyed before it)

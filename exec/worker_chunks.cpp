@@ -23,7 +23,8 @@ using planner::OpKind;
 // The stage's view of the chunks during a compute op: before each layer that moment's copies run
 // (chunk_moment), then its activations are counted as the planner's moments count the non-model
 // memory (N_k; ChunkMoment's alloc_bytes and free_bytes). Without recompute a forward fills the
-// stash layer by layer and the backward empties it. With full recompute a forward takes the stage
+// stash layer by layer, each layer taking its stash less its input slot and the next layer's input
+// slot, which it writes; the backward empties it. With full recompute a forward takes the stage
 // input it keeps and its scratch at its first layer and gives the scratch back after its last,
 // the recompute op fills the stash layer by layer, and the backward empties it and gives the kept
 // input back after its last layer. With block recompute a forward's layer takes the input of the
@@ -47,8 +48,9 @@ class Worker::ChunkMemory : public LayerMemory {
     w_.chunk_moment(layer);
     const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
     const int last = int(w_.layer_stash_bytes_.size()) - 1;
-    if (kind_ == Kind::forward || kind_ == Kind::recompute)
-      w_.memory_->add(Category::activations, stash);
+    if (kind_ == Kind::forward || kind_ == Kind::recompute)  // it writes the next one's input
+      w_.memory_->add(Category::activations, stash - (layer > 0 ? input(layer) : 0) +
+                                                 (layer < last ? input(layer + 1) : 0));
     if (kind_ == Kind::forward_recompute && layer == 0)
       w_.memory_->add(Category::activations, w_.kept_bytes_ + w_.scratch_bytes_);
     if (kind_ == Kind::forward_blocks)
@@ -129,7 +131,8 @@ void Worker::setup_chunks() {
                               t.name, t.chunk));
   // Each of the stage's layers' stash in bytes (fp32: the stage's carving is exactly
   // models::derive_costs at the plan's t and SP): the embedding on stage 0, its blocks, the head on
-  // the last stage. Block recompute: each layer's input too (the embedding's: its token ids).
+  // the last stage; each layer's input slot, the first thing in its stash (the embedding's: its
+  // token ids), which the layer before it writes.
   const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
   const std::int64_t b = s_.plan().b;
   for (int l = 0; l < L.layers(); ++l) {
@@ -138,7 +141,7 @@ void Worker::setup_chunks() {
                                       : g == int(s_.model->layers + 1) ? mc.head
                                                                        : mc.block;
     layer_stash_bytes_.push_back(b * costs.activation_bytes);
-    if (blocks_) layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
+    layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
   }
   std::int64_t stash = 0;
   for (std::int64_t bytes : layer_stash_bytes_)

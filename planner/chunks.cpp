@@ -351,13 +351,15 @@ models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& 
 // a forward keeps the stage input I (ChunkCost::input_bytes) and runs its layers through one
 // scratch X (recompute_scratch_bytes), taken at its first layer and given back after its last; the
 // recompute op re-makes the layers' stashes one by one; the backward gives each back, and I last.
-// Block recompute: the forward's layer l takes the input of layer l + 1 it writes (layer 0 also
-// its own and X), its last layer gives X back; the recompute op has no moments; each backward
-// moment re-makes its layer from its input into X (taken at the first, given back after the last)
-// and gives that input back. Selective recompute: a forward keeps its layer's stash without the
-// attention core
-// (activation_selective_bytes); the backward re-makes the core first (its selective_recompute_s,
-// taking the core's bytes back) and gives the whole stash back.
+// Without full or block recompute the forward's layer l takes its stash less its input slot and
+// the next layer's input slot, which it writes (the first layer its whole stash; the recompute op
+// of full recompute does the same). Block recompute: the forward's layer l takes the input of
+// layer l + 1 it writes (layer 0 also its own and X), its last layer gives X back; the recompute op
+// has no moments; each backward moment re-makes its layer from its input into X (taken at the
+// first, given back after the last) and gives that input back. Selective recompute: a forward keeps
+// its layer's stash without the attention core (activation_selective_bytes); the backward re-makes
+// the core first (its selective_recompute_s, taking the core's bytes back) and gives the whole
+// stash back.
 std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const traces::Trace& trace,
                                        const Plan& p, const ChunkLayout& L, std::int64_t workspace,
                                        const std::vector<ComputeSlot>& order) {
@@ -406,10 +408,20 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     out.push_back(std::move(m));
     held -= give;
   };
-  // Block recompute: layer l's input (what the layer before it writes; 0 past the last layer).
+  // Layer l's input slot (what the layer before it writes; 0 past the last layer).
   auto input_of = [&](int l) {
     return l < layers ? e.layers[kind(l)].activation_recompute_bytes : std::int64_t(0);
   };
+  // A layer that fills its stash (a forward without recompute, or the recompute op) writes its
+  // output into the next layer's input slot, the first thing in that layer's stash: its moment
+  // takes that slot with its own stash less its own input slot (which the layer before it took;
+  // the stage's first layer takes its own: it copies its input in). A slot is never more than
+  // its layer's stash (a trace may say so): the moments' sum is the stashes' sum.
+  auto written = [&](int l, auto stash_of) {
+    auto slot = [&](int k) { return std::min(input_of(k), stash_of(k)); };
+    return add(stash_of(l) - (l > 0 ? slot(l) : 0), l + 1 < layers ? slot(l + 1) : 0);
+  };
+  auto whole = [&](int l) { return e.layers[kind(l)].activation_bytes; };
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
     if (block && !back) {
@@ -430,13 +442,13 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
           moment(i, false, false, l, l == 0 ? add(input, scratch) : 0,
                  l == layers - 1 ? scratch : 0);
         else
-          moment(i, false, false, l, kept(l), 0);
+          moment(i, false, false, l, written(l, kept), 0);
       }
       continue;
     }
     if (rc)
       for (int l = 0; l < layers; ++l)
-        moment(i, false, true, l, e.layers[kind(l)].activation_bytes, 0);
+        moment(i, false, true, l, written(l, whole), 0);
     for (int l = layers - 1; l >= 0; --l) {
       const std::int64_t stash = e.layers[kind(l)].activation_bytes;
       if (rc)

@@ -1067,15 +1067,16 @@ TEST(ChunksRecompute, MomentsProgramsAndSimulatorByHand) {
   // gpipe's stage 0 holds two message buffers (formulas §4).
   const std::int64_t base = W0 + 2 * msg;
   auto at = [&](int k) { return s0.moments[std::size_t(k)].non_model_bytes - base; };
-  EXPECT_EQ(at(0), I0 + X0);           // F0:0 takes I and X
-  EXPECT_EQ(at(1), I0 + X0);           // F0:1, then X goes
-  EXPECT_EQ(at(5), 3 * I0 + X0);       // the third forward
-  EXPECT_EQ(at(6), 3 * I0 + ae);       // R3:0 re-makes the embedding's stash
-  EXPECT_EQ(at(7), 3 * I0 + ae + ab);  // R3:1, the peak: three inputs and one whole stash
-  EXPECT_EQ(at(8), 3 * I0 + ae + ab);  // B3:1, then the block's stash goes
-  EXPECT_EQ(at(9), 3 * I0 + ae);       // B3:0, then the embedding's and I go
-  EXPECT_EQ(at(10), 2 * I0 + ae);      // R4:0
-  EXPECT_EQ(s0.moments[7].alloc_bytes, ab);
+  EXPECT_EQ(at(0), I0 + X0);      // F0:0 takes I and X
+  EXPECT_EQ(at(1), I0 + X0);      // F0:1, then X goes
+  EXPECT_EQ(at(5), 3 * I0 + X0);  // the third forward
+  EXPECT_EQ(at(6),
+            3 * I0 + ae + I1);  // R3:0 re-makes the embedding's stash, writes block 0's input
+  EXPECT_EQ(at(7), 3 * I0 + ae + ab);   // R3:1, the peak: three inputs and one whole stash
+  EXPECT_EQ(at(8), 3 * I0 + ae + ab);   // B3:1, then the block's stash goes
+  EXPECT_EQ(at(9), 3 * I0 + ae);        // B3:0, then the embedding's and I go
+  EXPECT_EQ(at(10), 2 * I0 + ae + I1);  // R4:0
+  EXPECT_EQ(s0.moments[7].alloc_bytes, ab - I1);  // its input slot was taken by R3:0
   EXPECT_EQ(s0.moments[9].free_bytes, ae + I0);
   EXPECT_EQ(s0.moments[0].alloc_bytes, I0 + X0);
   EXPECT_EQ(s0.moments[1].free_bytes, X0);
@@ -1204,15 +1205,20 @@ TEST(ChunksRecompute, SelectiveKeepsTheStashWithoutTheCoresByHand) {
             "F0:0 F0:1 F0:2 F1:0 F1:1 F1:2 F2:0 F2:1 F2:2 B3:2 B3:1 B3:0 B4:2 B4:1 B4:0 B5:2 B5:1 "
             "B5:0 ");
   const std::int64_t ae = e.layers[models::LayerKind::embedding].activation_bytes;
-  EXPECT_EQ(s0.moments[0].alloc_bytes, ae);  // the embedding has no attention core
+  // Each layer writes the next one's input slot (ib): the embedding has no attention core, the
+  // last block's slot was taken by the block before it.
+  const std::int64_t ib = blk.activation_recompute_bytes;
+  ASSERT_LT(ib, sb);
+  EXPECT_EQ(s0.moments[0].alloc_bytes, ae + ib);
   EXPECT_EQ(s0.moments[1].alloc_bytes, sb);
+  EXPECT_EQ(s0.moments[2].alloc_bytes, sb - ib);
   EXPECT_EQ(s0.moments[9].alloc_bytes, ab - sb);  // B3:2 re-makes its core
   EXPECT_EQ(s0.moments[9].free_bytes, ab);
   EXPECT_EQ(s0.moments[11].alloc_bytes, 0);
   EXPECT_EQ(s0.moments[11].free_bytes, ae);
   // Each moment holds the kept stashes of the microbatches in flight: after three forwards
   // 3 (ae + 2 sb), and in the first backward one core more.
-  const std::int64_t base = s0.moments[0].non_model_bytes - ae;
+  const std::int64_t base = s0.moments[0].non_model_bytes - ae - ib;
   EXPECT_EQ(s0.moments[8].non_model_bytes - base, 3 * (ae + 2 * sb));
   EXPECT_EQ(s0.moments[9].non_model_bytes - base, 3 * (ae + 2 * sb) + ab - sb);
   EXPECT_NEAR(s0.moments[9].compute_s, blk.backward_s + blk.selective_recompute_s, 1e-15);
@@ -1222,8 +1228,13 @@ TEST(ChunksRecompute, SelectiveKeepsTheStashWithoutTheCoresByHand) {
   none.recompute.assign(2, Recompute::none);
   full.recompute.assign(2, Recompute::full);
   std::int64_t peak_none = 0, peak_full = 0;
-  for (const ChunkMoment& k : chunk_schedule(m, trace, c, none, 0).moments)
+  const ChunkSchedule n0 = chunk_schedule(m, trace, c, none, 0);
+  for (const ChunkMoment& k : n0.moments)
     peak_none = std::max(peak_none, k.non_model_bytes);
+  // Without recompute block 0's forward holds its stash and block 1's input, which it writes.
+  EXPECT_EQ(n0.moments[1].alloc_bytes, ab);
+  EXPECT_EQ(n0.moments[1].non_model_bytes - base, ae + ab + ib);
+  EXPECT_EQ(n0.moments[2].alloc_bytes, ab - ib);
   for (const ChunkMoment& k : chunk_schedule(m, trace, c, full, 0).moments)
     peak_full = std::max(peak_full, k.non_model_bytes);
   std::int64_t peak_sel = 0;
