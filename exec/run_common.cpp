@@ -127,6 +127,11 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
+  if (plan.offload == planner::Offload::chunks && plan.v > 1)
+    throw InputError(fmt::format(
+        "plan: v: offload chunks with interleaving (v = {}) are planned and simulated, not run by "
+        "an executor yet; estimate or simulate it, or train with v = 1",
+        plan.v));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "

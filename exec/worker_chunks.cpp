@@ -136,7 +136,7 @@ void Worker::setup_chunks() {
   const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
   const std::int64_t b = s_.plan().b;
   for (int l = 0; l < L.layers(); ++l) {
-    const int g = L.first_layer + l;
+    const int g = L.model_layer(l);
     const models::LayerCosts& costs = g == 0                           ? mc.embedding
                                       : g == int(s_.model->layers + 1) ? mc.head
                                                                        : mc.block;

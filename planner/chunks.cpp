@@ -117,23 +117,38 @@ std::int64_t default_chunk_bytes(const models::ModelSpec& model) {
 
 namespace {
 
-// The layout of `tensors` (model layers first_layer .. first_layer + names.size() - 1, in
-// first-use order), renumbered from 0. `tied_head`: the head computes with the embedding's wte
-// (the whole model on one stage).
+std::string layer_name(const models::ModelSpec& model, int layer) {
+  return layer == 0                       ? std::string("embedding")
+         : layer == int(model.layers + 1) ? std::string("head")
+                                          : fmt::format("block {}", layer - 1);
+}
+
+// The layout of `tensors` (of model layers `layers`, ascending, in first-use order), their layers
+// renumbered from 0 in that order. `tied_head`: the head computes with the embedding's wte (the
+// whole model on one stage). `bounds`: the model chunks' first layers and the count (v + 1).
 ChunkLayout layout_of(const models::ModelSpec& model, std::int64_t chunk_bytes,
-                      std::vector<ChunkTensor> tensors, int first_layer,
-                      std::vector<std::string> names, bool tied_head) {
+                      std::vector<ChunkTensor> tensors, std::vector<int> layers,
+                      std::vector<int> bounds, bool tied_head) {
   const std::int64_t e = models::dtype_bytes(model.dtype);
   ChunkLayout L;
-  L.first_layer = first_layer;
+  L.first_layer = layers.front();
+  L.model_layers = layers;
+  L.chunk_bounds = std::move(bounds);
+  std::vector<std::string> names;
+  for (int g : layers)
+    names.push_back(layer_name(model, g));
   L.chunk_bytes = chunk_bytes;
   L.move_bytes = chunk_bytes;
   L.chunk_elements = chunk_bytes / e;
   L.shard_elements = L.chunk_elements;
   L.os_chunk_bytes = mul(L.chunk_elements, optimizer_bytes_per_parameter(model.dtype));
   L.tensors = std::move(tensors);
-  for (ChunkTensor& t : L.tensors)
-    t.layer -= first_layer;
+  for (ChunkTensor& t : L.tensors) {
+    const auto at = std::find(layers.begin(), layers.end(), t.layer);
+    if (at == layers.end())
+      throw std::logic_error(fmt::format("chunk layout: tensor {} of a layer not here", t.name));
+    t.layer = int(at - layers.begin());
+  }
   const ChunkTensor* largest = &L.tensors.front();
   for (const ChunkTensor& t : L.tensors)
     if (t.elements > largest->elements) largest = &t;
@@ -168,12 +183,6 @@ ChunkLayout layout_of(const models::ModelSpec& model, std::int64_t chunk_bytes,
     cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
   }
   return L;
-}
-
-std::string layer_name(const models::ModelSpec& model, int layer) {
-  return layer == 0                       ? std::string("embedding")
-         : layer == int(model.layers + 1) ? std::string("head")
-                                          : fmt::format("block {}", layer - 1);
 }
 
 }  // namespace
@@ -271,10 +280,11 @@ const ChunkMoment& ChunkSchedule::peak() const {
 }
 
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, int tp) {
-  std::vector<std::string> names;
+  std::vector<int> layers;
   for (int l = 0; l < int(model.layers + 2); ++l)
-    names.push_back(layer_name(model, l));
-  return layout_of(model, chunk_bytes, model_tensors(model, tp), 0, std::move(names),
+    layers.push_back(l);
+  const int n = int(layers.size());
+  return layout_of(model, chunk_bytes, model_tensors(model, tp), std::move(layers), {0, n},
                    model.tied_embeddings);
 }
 
@@ -282,30 +292,42 @@ namespace {
 
 ChunkLayout stage_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& p,
                          int stage) {
-  if (p.d == 1) return chunk_layout(model, chunk_bytes, p.t);
+  if (p.d == 1 && p.v == 1) return chunk_layout(model, chunk_bytes, p.t);
   if (int(p.stage_blocks.size()) != p.virtual_stages() || stage < 0 || stage >= p.d)
     throw std::logic_error("chunk_layout: the plan's stages are not resolved");
+  const int stages = p.virtual_stages();
+  const int head = int(model.layers + 1);
+  // Model layers lo .. hi of each of the device's model chunks (virtual stage k d + stage): its
+  // blocks, with the embedding before on virtual stage 0 and the head after on the last.
+  std::vector<int> layers, bounds;
   std::int64_t before = 0;
-  for (int s = 0; s < stage; ++s)
-    before += p.stage_blocks[std::size_t(s)];
-  const bool first = stage == 0, last = stage == p.d - 1;
-  // Model layers lo .. hi: the stage's blocks, with the embedding before and the head after.
-  const int lo = first ? 0 : int(before + 1);
-  const int hi = int(before + p.stage_blocks[std::size_t(stage)]) + (last ? 1 : 0);
+  for (int vs = 0; vs < stages; ++vs) {
+    const std::int64_t blocks = p.stage_blocks[std::size_t(vs)];
+    if (vs % p.d == stage) {
+      bounds.push_back(int(layers.size()));
+      const int lo = vs == 0 ? 0 : int(before + 1);
+      const int hi = int(before + blocks) + (vs == stages - 1 ? 1 : 0);
+      for (int l = lo; l <= hi; ++l)
+        layers.push_back(l);
+    }
+    before += blocks;
+  }
+  bounds.push_back(int(layers.size()));
+  const bool has_head = layers.back() == head;
   std::vector<ChunkTensor> tensors;
   const std::vector<ChunkTensor> all = model_tensors(model, p.t);
   for (const ChunkTensor& t : all)
-    if (t.layer >= lo && t.layer <= hi) tensors.push_back(t);
-  if (last && model.tied_embeddings) {
+    if (std::binary_search(layers.begin(), layers.end(), t.layer)) tensors.push_back(t);
+  // d > 1: the last stage computes its head with its own copy of wte (the tied exchange keeps it
+  // equal to stage 0's); d = 1 (v > 1): with stage 0's, on the same device.
+  if (has_head && model.tied_embeddings && p.d > 1) {
     ChunkTensor copy = all.front();  // wte
-    copy.layer = hi;
+    copy.layer = head;
     copy.tied_copy = true;
     tensors.push_back(copy);
   }
-  std::vector<std::string> names;
-  for (int l = lo; l <= hi; ++l)
-    names.push_back(layer_name(model, l));
-  ChunkLayout L = layout_of(model, chunk_bytes, std::move(tensors), lo, std::move(names), false);
+  ChunkLayout L = layout_of(model, chunk_bytes, std::move(tensors), std::move(layers),
+                            std::move(bounds), has_head && model.tied_embeddings && p.d == 1);
   L.stage = stage;
   return L;
 }
@@ -327,7 +349,7 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
     // and written at the exchange wherever its chunk is: that chunk stays whole.
     if (p.d > 1 && model.tied_embeddings)
       for (const ChunkTensor& t : L.tensors)
-        if (t.tied_copy || (L.first_layer == 0 && t.layer == 0 && t.name == "wte"))
+        if (t.tied_copy || (L.model_layer(t.layer) == 0 && t.name == "wte"))
           L.sharded[std::size_t(t.chunk)] = false;
   }
   return L;
@@ -336,7 +358,7 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 namespace {
 
 models::LayerKind layer_kind(const models::ModelSpec& model, const ChunkLayout& L, int layer) {
-  const int g = L.first_layer + layer;
+  const int g = L.model_layer(layer);
   return g == 0                       ? models::LayerKind::embedding
          : g == int(model.layers + 1) ? models::LayerKind::head
                                       : models::LayerKind::block;
@@ -374,15 +396,22 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     const traces::LayerTimes& t = e.layers[kind(l)];
     return selective ? t.activation_selective_bytes : t.activation_bytes;
   };
-  // The stage's I and X, as §4 counts them for the stage without chunks (v = 1: one chunk).
-  std::int64_t input = 0, scratch = 0;
+  // Each model chunk's I and X, as §4 counts them for it without chunks (v = 1: one).
+  const int model_chunks = int(L.chunk_bounds.size()) - 1;
+  if (model_chunks < 1 || L.chunk_bounds.back() != layers)
+    throw std::logic_error("order_moments: the layout's model chunks do not cover its layers");
+  std::vector<std::int64_t> inputs(std::size_t(model_chunks), 0), scratches = inputs;
   if (rc) {
     if (int(p.stage_blocks.size()) != p.virtual_stages())
       throw std::logic_error("order_moments: the plan's stages are not resolved");
-    const ChunkCost ch = chunk_cost(models::derive_costs(model), trace, p, L.stage, 0);
-    input = ch.input_bytes;
-    scratch = ch.recompute_scratch_bytes;
+    for (int c = 0; c < model_chunks; ++c) {
+      const ChunkCost ch = chunk_cost(models::derive_costs(model), trace, p, L.stage, c);
+      inputs[std::size_t(c)] = ch.input_bytes;
+      scratches[std::size_t(c)] = ch.recompute_scratch_bytes;
+    }
   }
+  // The op's model chunk's layers [lo, hi) (set per op below).
+  int lo = 0, hi = layers;
   std::vector<ChunkMoment> out;
   out.reserve(order.size() * std::size_t(layers) * (rc && !block ? 2 : 1));  // at most
   std::int64_t held = 0;
@@ -408,9 +437,10 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
     out.push_back(std::move(m));
     held -= give;
   };
-  // Layer l's input slot (what the layer before it writes; 0 past the last layer).
+  // Layer l's input slot (what the layer before it writes; 0 past the model chunk's last layer,
+  // whose output is the pipeline message or the loss).
   auto input_of = [&](int l) {
-    return l < layers ? e.layers[kind(l)].activation_recompute_bytes : std::int64_t(0);
+    return l < hi ? e.layers[kind(l)].activation_recompute_bytes : std::int64_t(0);
   };
   // A layer that fills its stash (a forward without recompute, or the recompute op) writes its
   // output into the next layer's input slot, the first thing in that layer's stash: its moment
@@ -419,40 +449,45 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
   // its layer's stash (a trace may say so): the moments' sum is the stashes' sum.
   auto written = [&](int l, auto stash_of) {
     auto slot = [&](int k) { return std::min(input_of(k), stash_of(k)); };
-    return add(stash_of(l) - (l > 0 ? slot(l) : 0), l + 1 < layers ? slot(l + 1) : 0);
+    return add(stash_of(l) - (l > lo ? slot(l) : 0), l + 1 < hi ? slot(l + 1) : 0);
   };
   auto whole = [&](int l) { return e.layers[kind(l)].activation_bytes; };
   for (int i = 0; i < int(order.size()); ++i) {
     const bool back = order[std::size_t(i)].backward;
+    const int chunk = order[std::size_t(i)].chunk;
+    if (chunk < 0 || chunk >= model_chunks)
+      throw std::logic_error("order_moments: a compute op of a model chunk the layout lacks");
+    lo = L.chunk_bounds[std::size_t(chunk)];
+    hi = L.chunk_bounds[std::size_t(chunk) + 1];
+    const std::int64_t input = inputs[std::size_t(chunk)], scratch = scratches[std::size_t(chunk)];
     if (block && !back) {
-      for (int l = 0; l < layers; ++l)
-        moment(i, false, false, l, add(input_of(l + 1), l == 0 ? add(input_of(0), scratch) : 0),
-               l == layers - 1 ? scratch : 0);
+      for (int l = lo; l < hi; ++l)
+        moment(i, false, false, l, add(input_of(l + 1), l == lo ? add(input_of(lo), scratch) : 0),
+               l == hi - 1 ? scratch : 0);
       continue;
     }
     if (block) {
-      for (int l = layers - 1; l >= 0; --l)
-        moment(i, true, false, l, l == layers - 1 ? scratch : 0,
-               add(input_of(l), l == 0 ? scratch : 0));
+      for (int l = hi - 1; l >= lo; --l)
+        moment(i, true, false, l, l == hi - 1 ? scratch : 0,
+               add(input_of(l), l == lo ? scratch : 0));
       continue;
     }
     if (!back) {
-      for (int l = 0; l < layers; ++l) {
+      for (int l = lo; l < hi; ++l) {
         if (rc)
-          moment(i, false, false, l, l == 0 ? add(input, scratch) : 0,
-                 l == layers - 1 ? scratch : 0);
+          moment(i, false, false, l, l == lo ? add(input, scratch) : 0, l == hi - 1 ? scratch : 0);
         else
           moment(i, false, false, l, written(l, kept), 0);
       }
       continue;
     }
     if (rc)
-      for (int l = 0; l < layers; ++l)
+      for (int l = lo; l < hi; ++l)
         moment(i, false, true, l, written(l, whole), 0);
-    for (int l = layers - 1; l >= 0; --l) {
+    for (int l = hi - 1; l >= lo; --l) {
       const std::int64_t stash = e.layers[kind(l)].activation_bytes;
       if (rc)
-        moment(i, true, false, l, 0, add(stash, l == 0 ? input : 0));
+        moment(i, true, false, l, 0, add(stash, l == lo ? input : 0));
       else
         moment(i, true, false, l, stash - kept(l), stash);  // selective: the core re-made
     }
@@ -994,8 +1029,10 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
   const std::size_t mbs = std::size_t(steps) * std::size_t(p.m);
   std::vector<std::vector<ComputeSlot>> order(d);
   std::vector<std::vector<double>> dur(d);
-  // When stage s's forward and backward of microbatch j (over the run) end (-1: not yet).
-  std::vector<std::vector<double>> forward_end(d, std::vector<double>(mbs, -1.0));
+  // When stage s's forward and backward of microbatch j (over the run) end (-1: not yet), at
+  // [s][c * mbs + j] for its model chunk c (v > 1: virtual stage c d + s).
+  const std::size_t v = std::size_t(p.v);
+  std::vector<std::vector<double>> forward_end(d, std::vector<double>(v * mbs, -1.0));
   std::vector<std::vector<double>> backward_end = forward_end;
   for (std::size_t s = 0; s < d; ++s) {
     order[s] = two_bw ? run_compute_order(p, int(s), steps) : step_compute_order(p, int(s));
@@ -1024,15 +1061,19 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
         const ComputeSlot& op = order[s][i];
         const std::size_t j = std::size_t(op.step) * std::size_t(p.m) + std::size_t(op.microbatch);
         double ready = out.end[s];
-        const std::size_t from = op.backward ? s + 1 : s - 1;  // the stage it receives from
-        if (op.backward ? s + 1 < d : s > 0) {
-          const double sent = (op.backward ? backward_end : forward_end)[from][j];
+        // The virtual stage it receives from: the one before (forward) or after (backward) its
+        // own, vs = c d + s; none before the first or after the last.
+        const std::size_t vs = std::size_t(op.chunk) * d + s;
+        const bool receives = op.backward ? vs + 1 < v * d : vs > 0;
+        if (receives) {
+          const std::size_t fvs = op.backward ? vs + 1 : vs - 1, from = fvs % d;
+          const double sent = (op.backward ? backward_end : forward_end)[from][(fvs / d) * mbs + j];
           if (sent < 0) break;
           ready = std::max(ready, sent + hop_s[from]);
         }
         if (out.start[s] < 0) out.start[s] = ready;
         out.end[s] = ready + dur[s][i];
-        (op.backward ? backward_end : forward_end)[s][j] = out.end[s];
+        (op.backward ? backward_end : forward_end)[s][std::size_t(op.chunk) * mbs + j] = out.end[s];
         if (two_bw && op.backward && op.microbatch == p.m - 1) {  // the step's optimizer step
           out.end[s] += all[s].optimizer_s;
           tail_end[s].push_back(out.end[s]);

@@ -51,8 +51,16 @@ class ChunkWorkingSetError : public InputError {
 std::int64_t default_chunk_bytes(const models::ModelSpec& model);
 
 struct ChunkLayout {
-  int stage = 0;        // the pipeline stage whose layers these are
+  int stage = 0;  // the pipeline stage (the device's rank in the pipeline) whose layers these are
   int first_layer = 0;  // the model layer (0 embedding, 1 .. L blocks, L + 1 head) of layer 0
+  // Per layer of the stage, its model layer: first_layer, first_layer + 1, ... with v = 1; with
+  // interleaving (v > 1) the device's model chunks' layers one after the other (model chunk k is
+  // virtual stage k d + stage), so they jump between its model chunks.
+  std::vector<int> model_layers;
+  // Per model chunk k of the device (v of them; one with v = 1), its first layer; v + 1 bounds, the
+  // last the stage's layer count.
+  std::vector<int> chunk_bounds;
+  int model_layer(int layer) const { return model_layers.at(std::size_t(layer)); }
   std::int64_t chunk_bytes = 0;  // S_p: one parameter chunk in the compute dtype
   // What one chunk holds on the device and moves: S_p, or 2 S_p with a gradient half beside the
   // parameters when m > 1 (a gradient cannot reuse its parameter's slot while later microbatches
@@ -76,7 +84,7 @@ struct ChunkLayout {
   std::int64_t os_chunk_bytes = 0;
   std::vector<ChunkTensor> tensors;
   std::vector<std::int64_t> chunk_parameters;  // elements filled, per chunk
-  // Per layer of the stage (layer k is model layer first_layer + k): the chunks its tensors use,
+  // Per layer of the stage (layer k is model layer model_layer(k)): the chunks its tensors use,
   // ascending, and its name ("embedding", "block 0", ..., "head").
   std::vector<std::vector<int>> layer_chunks;
   std::vector<std::string> layer_names;
@@ -114,9 +122,10 @@ struct ChunkLayout {
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, int t = 1);
 
 // The layout of one pipeline stage of a resolved plan: its layers only (its blocks, the embedding
-// on stage 0, the head on stage d-1), renumbered from 0, with, when the model ties its
-// embeddings and d > 1, the last stage's copy of "wte" after the head's own tensors; its optimizer
-// state sharded over the plan's w replicas.
+// on stage 0, the head on stage d-1; with v > 1 those of each of its model chunks, in model
+// order), renumbered from 0, with, when the model ties its embeddings and d > 1, the last
+// stage's copy of "wte" after the head's own tensors; its optimizer state sharded over the plan's
+// w replicas.
 ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_bytes, const Plan& plan,
                          int stage);
 

@@ -274,10 +274,7 @@ void check(const Plan& p) {
     // Data parallelism (w > 1) shards each chunk's optimizer state over the replicas
     // (planner/chunks.hpp): the distributed optimizer's rule, built in.
     // Tensor parallelism (t > 1): each GPU of a TP group manages the chunks of its own shard.
-    if (p.v != 1)
-      reject("v", fmt::format("offload chunks with interleaving (v = {}) is not supported yet; use "
-                              "v = 1",
-                              p.v));
+    // Interleaving (v > 1): each device one layout over its model chunks' layers.
     if (p.distributed_optimizer)
       reject("distributed_optimizer",
              "offload chunks shard their optimizer state over the w replicas by themselves; "

@@ -594,8 +594,10 @@ Programs generate_programs(const Plan& plan, const ProgramOptions& options) {
     double most = 0;
     for (int s = 0; s < plan.d; ++s) {
       const ChunkSchedule& cs = (*options.chunks)[std::size_t(s)];
-      const std::int64_t layers =
-          plan.stage_blocks[std::size_t(s)] + (s == 0 ? 1 : 0) + (s == plan.d - 1 ? 1 : 0);
+      std::int64_t layers = 0;  // its model chunks' blocks, the embedding and the head
+      for (int vs = s; vs < plan.virtual_stages(); vs += plan.d)
+        layers += plan.stage_blocks[std::size_t(vs)] + (vs == 0 ? 1 : 0) +
+                  (vs == plan.virtual_stages() - 1 ? 1 : 0);
       if (cs.layout.layers() != int(layers) || cs.layout.stage != s)
         throw PlanError("plan: offload chunks: the chunk schedule is of another model");
       // Per step: the moments' copies (at most one per unit and moment each way; 2bw: the

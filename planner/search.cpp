@@ -214,8 +214,8 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses
-                // Chunks: gpipe, 1f1b or 2bw (each stage its own chunks).
-                if (offload == Offload::chunks && shape.schedule == Schedule::interleaved) continue;
+                // Chunks: every schedule (each stage its own chunks; interleaved: over its model
+                // chunks' layers).
                 Plan p = shape;
                 p.t = t;
                 p.sp = sp;
