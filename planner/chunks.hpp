@@ -165,13 +165,15 @@ struct ChunkMoment {
   // opening optimizer step made), else the older; a backward also uses the gradient.
   bool newer = false;
   // Activations taken after the moment's copies, before its layer runs, and given back after it
-  // (docs/formulas.md section 9, chunks): without recompute a forward takes its layer's stash and
-  // the backward gives it back; with full recompute a forward's first layer takes the stage
+  // (docs/formulas.md section 9, chunks): without recompute a forward takes its layer's stash
+  // less its input slot (which the layer before it took) and the next layer's input slot, which it
+  // writes (a model chunk's first layer its whole stash, its last no slot), and the backward gives
+  // the stash back; with full recompute a forward's first layer takes the stage
   // input I and the scratch X, its last layer gives X back, the recompute op's layers take their
-  // stashes, the backward's layers give them back and its last one I too. With block recompute a
-  // forward's layer takes the input of the layer after it (its first its own and X too, its last
-  // gives X back), and a backward's gives its input back (its first takes X, its last gives it
-  // back).
+  // stashes (as a forward without recompute: each writes the next one's input slot), the backward's
+  // layers give them back and its last one I too. With block recompute a forward's layer takes the
+  // input of the layer after it (its first its own and X too, its last gives X back), and a
+  // backward's gives its input back (its first takes X, its last gives it back).
   std::int64_t alloc_bytes = 0, free_bytes = 0;
   std::vector<ChunkCopy> copies;
   std::int64_t non_model_bytes = 0;  // N_k: activations held (alloc_bytes in) + workspace

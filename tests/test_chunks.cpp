@@ -1472,6 +1472,19 @@ TEST(ChunksInterleaved, EachDeviceLaysOutItsModelChunksAndTheSimulatorAgrees) {
     check(q);
     on_the_smallest_device(m, trace, c, q);
   }
+  // Over two replicas, each chunk's optimizer state split, and with its parameters sharded too.
+  for (bool shard : {false, true}) {
+    SCOPED_TRACE(shard ? "w = 2, sharded" : "w = 2");
+    Plan q = plan_of(Schedule::interleaved, 2, 2, 1, 4, 2, 8, grid(c));
+    q.offload = Offload::chunks;
+    q.chunk_bytes = 512;
+    q.chunk_shard = shard;
+    check(q);
+    const SmallestDeviceRun run = on_the_smallest_device(m, trace, c, q);
+    if (shard) {
+      EXPECT_GT(run.estimate.chunks->at(0).part_uploads, 0);
+    }
+  }
 }
 
 TEST(ChunksSearch, CapacityOnEightV100sWithAPipeline) {
