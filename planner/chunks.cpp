@@ -404,8 +404,9 @@ std::vector<ChunkMoment> order_moments(const models::ModelSpec& model, const tra
   if (rc) {
     if (int(p.stage_blocks.size()) != p.virtual_stages())
       throw std::logic_error("order_moments: the plan's stages are not resolved");
+    const models::ModelCosts costs = models::derive_costs(model);
     for (int c = 0; c < model_chunks; ++c) {
-      const ChunkCost ch = chunk_cost(models::derive_costs(model), trace, p, L.stage, c);
+      const ChunkCost ch = chunk_cost(costs, trace, p, L.stage, c);
       inputs[std::size_t(c)] = ch.input_bytes;
       scratches[std::size_t(c)] = ch.recompute_scratch_bytes;
     }
