@@ -131,7 +131,6 @@ ChunkLayout layout_of(const models::ModelSpec& model, std::int64_t chunk_bytes,
                       std::vector<int> bounds, bool tied_head) {
   const std::int64_t e = models::dtype_bytes(model.dtype);
   ChunkLayout L;
-  L.first_layer = layers.front();
   L.model_layers = layers;
   L.chunk_bounds = std::move(bounds);
   std::vector<std::string> names;

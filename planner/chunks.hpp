@@ -52,10 +52,9 @@ std::int64_t default_chunk_bytes(const models::ModelSpec& model);
 
 struct ChunkLayout {
   int stage = 0;  // the pipeline stage (the device's rank in the pipeline) whose layers these are
-  int first_layer = 0;  // the model layer (0 embedding, 1 .. L blocks, L + 1 head) of layer 0
-  // Per layer of the stage, its model layer: first_layer, first_layer + 1, ... with v = 1; with
-  // interleaving (v > 1) the device's model chunks' layers one after the other (model chunk k is
-  // virtual stage k d + stage), so they jump between its model chunks.
+  // Per layer of the stage, its model layer (0 embedding, 1 .. L blocks, L + 1 head): consecutive
+  // with v = 1; with interleaving (v > 1) the device's model chunks' layers one after the other
+  // (model chunk k is virtual stage k d + stage), so they jump between its model chunks.
   std::vector<int> model_layers;
   // Per model chunk k of the device (v of them; one with v = 1), its first layer; v + 1 bounds, the
   // last the stage's layer count.

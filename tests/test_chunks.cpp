@@ -766,7 +766,7 @@ TEST(ChunksPipeline, EachStageLaysOutItsOwnLayersWithTheTiedCopyOnTheLast) {
   // Stage 0: the embedding (wte 128 + wpe 32) and block 0, as the one-rank layout's first chunks
   // (chunk 6 holds only fc2.b here).
   const ChunkLayout a = chunk_layout(m, 512, p, 0);
-  EXPECT_EQ(a.first_layer, 0);
+  EXPECT_EQ(a.model_layer(0), 0);
   EXPECT_EQ(a.layer_names, (std::vector<std::string>{"embedding", "block 0"}));
   EXPECT_EQ(a.chunk_parameters, (std::vector<std::int64_t>{176, 216, 88, 256, 32, 256, 8}));
   EXPECT_EQ(a.chunk_owned, a.chunk_parameters);
@@ -775,7 +775,7 @@ TEST(ChunksPipeline, EachStageLaysOutItsOwnLayersWithTheTiedCopyOnTheLast) {
   // head's lnf 16 and the tied copy of wte 128 after it, owned by stage 0 (no Adam here).
   const ChunkLayout b = chunk_layout(m, 512, p, 1);
   EXPECT_EQ(b.stage, 1);
-  EXPECT_EQ(b.first_layer, 2);
+  EXPECT_EQ(b.model_layer(0), 2);
   EXPECT_EQ(b.layer_names, (std::vector<std::string>{"block 1", "head"}));
   EXPECT_EQ(b.chunk_parameters, (std::vector<std::int64_t>{232, 88, 256, 32, 256, 152}));
   EXPECT_EQ(b.chunk_owned, (std::vector<std::int64_t>{232, 88, 256, 32, 256, 24}));
