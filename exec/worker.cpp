@@ -518,18 +518,21 @@ void Worker::save_checkpoint(int step) {
                          {"step", updates},
                          {"versions", versions}};
   std::vector<ShardTensor> tensors;
-  // Offload chunks: the same tensors as without (the stage's flat weights, m and v), gathered.
-  std::vector<std::vector<float>> gathered;
+  // Offload chunks: the same tensors as without (each model chunk's flat weights, m and v),
+  // gathered.
+  std::vector<Flats> gathered;  // the versions', then m, v
   if (chunked_) {
     for (int version : versions)  // 2bw: both live versions, each from its part
       gathered.push_back(gather_chunks(0, version));
     for (int which = 1; which < 3; ++which)
       gathered.push_back(gather_chunks(which));
-    const std::int64_t n = chunks_.front().sizes.parameters;
-    for (std::size_t i = 0; i < versions.size(); ++i)
-      tensors.push_back({fmt::format("c0.w{}", versions[i]), gathered[i].data(), n});
-    tensors.push_back({"c0.m", gathered[versions.size()].data(), n});
-    tensors.push_back({"c0.v", gathered[versions.size() + 1].data(), n});
+    for (std::size_t c = 0; c < chunks_.size(); ++c) {
+      const std::int64_t n = chunks_[c].sizes.parameters;
+      for (std::size_t i = 0; i < versions.size(); ++i)
+        tensors.push_back({fmt::format("c{}.w{}", c, versions[i]), gathered[i][c].data(), n});
+      tensors.push_back({fmt::format("c{}.m", c), gathered[versions.size()][c].data(), n});
+      tensors.push_back({fmt::format("c{}.v", c), gathered[versions.size() + 1][c].data(), n});
+    }
   } else {
     tensors = shard_tensors(versions);
   }
@@ -1151,9 +1154,9 @@ RankResult Worker::result() const {
   // The newest version. Sharded chunks: from the parts gathered after the last step (none when
   // the run did not get there: no collective here, the other replicas may be gone).
   if (chunked_ && schedule_->layout.part_bytes > 0) {
-    if (!final_parts_.empty()) r.weights.push_back(gather_chunks(0, updates_, final_parts_));
+    if (!final_parts_.empty()) r.weights = gather_chunks(0, updates_, final_parts_);
   } else if (chunked_) {
-    r.weights.push_back(gather_chunks(0, updates_));
+    r.weights = gather_chunks(0, updates_);
   }
   for (const Chunk& c : chunks_) {
     if (chunked_) break;

@@ -189,12 +189,14 @@ class Worker {
   void make_message_room(int producing);
   int message_buffers_ = 0;
   std::int64_t message_floats_ = 0;
-  // The stage's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and back.
-  std::vector<float> gather_chunks(int which, int version = 0) const;
+  // Each model chunk's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and
+  // one model chunk's back.
+  using Flats = std::vector<std::vector<float>>;  // per model chunk (chunks_)
+  Flats gather_chunks(int which, int version = 0) const;
   using PartParams = std::vector<std::vector<float>>;  // per chunk (sharded on the host: whole)
   PartParams gather_parts() const;
-  std::vector<float> gather_chunks(int which, int version, const PartParams& params) const;
-  void scatter_chunks(int which, const float* flat, int version = 0);
+  Flats gather_chunks(int which, int version, const PartParams& params) const;
+  void scatter_chunks(int which, const Chunk& c, const float* flat, int version = 0);
   bool chunked_ = false;
   // Block recompute on this rank's stage: forward_blocks keeps each layer's input; the recompute
   // op takes the scratch the backward re-makes each layer in.
@@ -343,12 +345,17 @@ class Worker {
   // Offload chunks (after pool_, host_ and host_buffers_: destroyed before them).
   std::shared_ptr<const planner::ChunkSchedule> schedule_;
   std::vector<DataChunk> data_chunks_;
-  std::map<std::int64_t, std::pair<int, std::int64_t>> tensor_at_;  // layout offset -> chunk, at
+  // A tensor's offset in the rank's flat parameters (its model chunk's base + its offset in the
+  // model chunk's layout) -> its data chunk, and where in it.
+  std::map<std::int64_t, std::pair<int, std::int64_t>> tensor_at_;
   // The next compute op's copies (with their op index), in its layers' order.
   std::deque<std::pair<planner::Op, int>> pending_copies_;
-  std::vector<std::int64_t> layer_stash_bytes_;  // per layer: its stash (counted as it fills)
-  // Full recompute (0 without): a forward's kept stage input and its scratch, in bytes.
-  std::int64_t kept_bytes_ = 0, scratch_bytes_ = 0;
+  // Per layer of the stage (all its model chunks' layers, the chunk layout's: chunk_bounds says
+  // where each model chunk's begin): its stash (counted as it fills).
+  std::vector<std::int64_t> layer_stash_bytes_;
+  // Per model chunk, full recompute (0 without): a forward's kept input and its scratch, in bytes;
+  // block recompute: the scratch.
+  std::vector<std::int64_t> kept_bytes_, scratch_bytes_;
   // Per layer, its input slot in bytes (the layer before it writes it). Block recompute keeps these
   // from forward to backward (scratch_bytes_: the layer re-made in the scratch).
   std::vector<std::int64_t> layer_input_bytes_;

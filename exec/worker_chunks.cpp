@@ -43,33 +43,43 @@ class Worker::ChunkMemory : public LayerMemory {
     forward_blocks,
     backward_blocks
   };
-  ChunkMemory(Worker& w, Kind kind) : w_(w), kind_(kind) {}
+  // The compute op's model chunk `c` (chunks_[c]): its layers are the stage's layers
+  // chunk_bounds[c] .. chunk_bounds[c + 1] - 1, its tensors at its base in tensor_at_.
+  ChunkMemory(Worker& w, Kind kind, int c)
+      : w_(w),
+        kind_(kind),
+        chunk_(c),
+        first_(w.schedule_->layout.chunk_bounds.at(std::size_t(c))),
+        last_(w.schedule_->layout.chunk_bounds.at(std::size_t(c) + 1) - first_ - 1),
+        base_(w.chunks_.at(std::size_t(c)).base) {}
   void begin_layer(int layer, bool) override {
-    w_.chunk_moment(layer);
-    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
-    const int last = int(w_.layer_stash_bytes_.size()) - 1;
+    w_.chunk_moment(first_ + layer);
+    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(first_ + layer));
+    const std::int64_t kept = w_.kept_bytes_.at(std::size_t(chunk_));
+    const std::int64_t scratch = w_.scratch_bytes_.at(std::size_t(chunk_));
     if (kind_ == Kind::forward || kind_ == Kind::recompute)  // it writes the next one's input
       w_.memory_->add(Category::activations, stash - (layer > 0 ? input(layer) : 0) +
-                                                 (layer < last ? input(layer + 1) : 0));
+                                                 (layer < last_ ? input(layer + 1) : 0));
     if (kind_ == Kind::forward_recompute && layer == 0)
-      w_.memory_->add(Category::activations, w_.kept_bytes_ + w_.scratch_bytes_);
+      w_.memory_->add(Category::activations, kept + scratch);
     if (kind_ == Kind::forward_blocks)
-      w_.memory_->add(Category::activations, (layer < last ? input(layer + 1) : 0) +
-                                                 (layer == 0 ? input(0) + w_.scratch_bytes_ : 0));
-    if (kind_ == Kind::backward_blocks && layer == last)
-      w_.memory_->add(Category::activations, w_.scratch_bytes_);
+      w_.memory_->add(Category::activations, (layer < last_ ? input(layer + 1) : 0) +
+                                                 (layer == 0 ? input(0) + scratch : 0));
+    if (kind_ == Kind::backward_blocks && layer == last_)
+      w_.memory_->add(Category::activations, scratch);
   }
   void end_layer(int layer, bool) override {
-    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(layer));
-    const int last = int(w_.layer_stash_bytes_.size()) - 1;
+    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(first_ + layer));
+    const std::int64_t kept = w_.kept_bytes_.at(std::size_t(chunk_));
+    const std::int64_t scratch = w_.scratch_bytes_.at(std::size_t(chunk_));
     if (kind_ == Kind::backward)
-      w_.memory_->add(Category::activations, -stash - (layer == 0 ? w_.kept_bytes_ : 0));
-    if (kind_ == Kind::forward_recompute && layer == last)
-      w_.memory_->add(Category::activations, -w_.scratch_bytes_);
-    if (kind_ == Kind::forward_blocks && layer == last)
-      w_.memory_->add(Category::activations, -w_.scratch_bytes_);
+      w_.memory_->add(Category::activations, -stash - (layer == 0 ? kept : 0));
+    if (kind_ == Kind::forward_recompute && layer == last_)
+      w_.memory_->add(Category::activations, -scratch);
+    if (kind_ == Kind::forward_blocks && layer == last_)
+      w_.memory_->add(Category::activations, -scratch);
     if (kind_ == Kind::backward_blocks)
-      w_.memory_->add(Category::activations, -input(layer) - (layer == 0 ? w_.scratch_bytes_ : 0));
+      w_.memory_->add(Category::activations, -input(layer) - (layer == 0 ? scratch : 0));
   }
   // The weights of the op's version (2bw: its part of the chunk) and the gradient.
   const float* parameters(std::int64_t offset) override {
@@ -84,7 +94,7 @@ class Worker::ChunkMemory : public LayerMemory {
 
  private:
   std::pair<int, std::int64_t> find(std::int64_t offset, int unit) const {
-    const auto it = w_.tensor_at_.find(offset);
+    const auto it = w_.tensor_at_.find(base_ + offset);
     if (it == w_.tensor_at_.end())
       throw Error(fmt::format("rank {}: no chunk holds the tensor at {}", w_.rank_, offset));
     if (!w_.data_chunks_[std::size_t(it->second.first)].on_device[unit])
@@ -93,9 +103,13 @@ class Worker::ChunkMemory : public LayerMemory {
                               w_.parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
     return it->second;
   }
-  std::int64_t input(int layer) const { return w_.layer_input_bytes_.at(std::size_t(layer)); }
+  std::int64_t input(int layer) const {
+    return w_.layer_input_bytes_.at(std::size_t(first_ + layer));
+  }
   Worker& w_;
   Kind kind_;
+  int chunk_, first_, last_;  // the model chunk; its first layer in the stage's, its last (local)
+  std::int64_t base_;
 };
 
 // The chunks as the schedule starts a step (its fixed point): each on the device or the host, its
@@ -108,21 +122,26 @@ void Worker::setup_chunks() {
   if (!schedule_)
     throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
   const planner::ChunkLayout& L = schedule_->layout;
-  if (chunks_.size() != 1)
-    throw Error(fmt::format("rank {}: offload chunks with {} model chunks", rank_, chunks_.size()));
-  Chunk& c = chunks_.front();
-  // The schedule's tensors are the stage's, one to one, in the same order (planner/chunks.hpp).
-  const std::vector<TensorSlot>& slots = c.stage->layout();
-  if (slots.size() != L.tensors.size())
-    throw Error(fmt::format("rank {}: the stage has {} tensors, the chunk layout {}", rank_,
-                            slots.size(), L.tensors.size()));
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    const planner::ChunkTensor& t = L.tensors[i];
-    if (slots[i].size != t.elements || t.offset + t.elements > L.chunk_elements)
-      throw Error(fmt::format("rank {}: tensor {} has {} elements, the chunk layout's {} {}", rank_,
-                              slots[i].name, slots[i].size, t.name, t.elements));
-    tensor_at_[slots[i].offset] = {t.chunk, t.offset};
-  }
+  if (int(L.chunk_bounds.size()) != int(chunks_.size()) + 1)
+    throw Error(fmt::format("rank {}: {} model chunks, the chunk layout {}", rank_, chunks_.size(),
+                            int(L.chunk_bounds.size()) - 1));
+  // The schedule's tensors are the stage's model chunks', one to one, in the same order (the
+  // model chunks one after the other, the last stage's tied copy last; planner/chunks.hpp).
+  std::size_t i = 0;
+  for (const Chunk& c : chunks_)
+    for (const TensorSlot& slot : c.stage->layout()) {
+      if (i >= L.tensors.size())
+        throw Error(fmt::format("rank {}: the stage has more tensors than the chunk layout's {}",
+                                rank_, L.tensors.size()));
+      const planner::ChunkTensor& t = L.tensors[i++];
+      if (slot.size != t.elements || t.offset + t.elements > L.chunk_elements)
+        throw Error(fmt::format("rank {}: tensor {} has {} elements, the chunk layout's {} {}",
+                                rank_, slot.name, slot.size, t.name, t.elements));
+      tensor_at_[c.base + slot.offset] = {t.chunk, t.offset};
+    }
+  if (i != L.tensors.size())
+    throw Error(fmt::format("rank {}: the stage has {} tensors, the chunk layout {}", rank_, i,
+                            L.tensors.size()));
   // The last stage's copy of the tied wte (d > 1) gets no Adam step here: it is its chunk's last
   // tensor, so a chunk's Adam runs over its first chunk_owned elements.
   for (const planner::ChunkTensor& t : L.tensors)
@@ -143,27 +162,31 @@ void Worker::setup_chunks() {
     layer_stash_bytes_.push_back(b * costs.activation_bytes);
     layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
   }
-  std::int64_t stash = 0;
-  for (std::int64_t bytes : layer_stash_bytes_)
-    stash += bytes;
-  if (stash != c.sizes.stash * std::int64_t(sizeof(float)))
-    throw Error(fmt::format("rank {}: the layers' stashes ({} B) are not the stage's ({} B)", rank_,
-                            stash, c.sizes.stash * std::int64_t(sizeof(float))));
-  // Full recompute: the stage input a forward keeps and the scratch it runs its layers through.
-  // Block recompute: the layers' inputs and the scratch the layers are made and re-made in.
-  if (s_.plan().recomputes(stage_)) {
-    kept_bytes_ = c.sizes.stash_recompute * std::int64_t(sizeof(float));
-    scratch_bytes_ = c.sizes.scratch * std::int64_t(sizeof(float));
-  }
-  if (blocks_) {
-    scratch_bytes_ = c.stage->blocks_scratch(int(b)) * std::int64_t(sizeof(float));
-    std::int64_t inputs = 0;
-    for (std::int64_t bytes : layer_input_bytes_)
-      inputs += bytes;
-    if (inputs != c.stage->layer_inputs(int(b)) * std::int64_t(sizeof(float)))
-      throw Error(fmt::format("rank {}: the layers' inputs ({} B) are not the stage's ({} B)",
-                              rank_, inputs,
-                              c.stage->layer_inputs(int(b)) * std::int64_t(sizeof(float))));
+  const auto floats = [](std::int64_t n) { return n * std::int64_t(sizeof(float)); };
+  for (std::size_t k = 0; k < chunks_.size(); ++k) {
+    const Chunk& c = chunks_[k];
+    const auto lo = std::size_t(L.chunk_bounds[k]), hi = std::size_t(L.chunk_bounds[k + 1]);
+    std::int64_t stash = 0, inputs = 0;
+    for (std::size_t l = lo; l < hi; ++l) {
+      stash += layer_stash_bytes_[l];
+      inputs += layer_input_bytes_[l];
+    }
+    if (stash != floats(c.sizes.stash))
+      throw Error(
+          fmt::format("rank {}: model chunk {}'s layers' stashes ({} B) are not its "
+                      "stage's ({} B)",
+                      rank_, k, stash, floats(c.sizes.stash)));
+    // Full recompute: the input a forward keeps and the scratch it runs its layers through.
+    // Block recompute: the layers' inputs and the scratch the layers are made and re-made in.
+    kept_bytes_.push_back(s_.plan().recomputes(stage_) ? floats(c.sizes.stash_recompute) : 0);
+    scratch_bytes_.push_back(blocks_ ? floats(c.stage->blocks_scratch(int(b)))
+                             : s_.plan().recomputes(stage_) ? floats(c.sizes.scratch)
+                                                            : 0);
+    if (blocks_ && inputs != floats(c.stage->layer_inputs(int(b))))
+      throw Error(
+          fmt::format("rank {}: model chunk {}'s layers' inputs ({} B) are not its "
+                      "stage's ({} B)",
+                      rank_, k, inputs, floats(c.stage->layer_inputs(int(b)))));
   }
   // Pipeline messages (d > 1): the planner's count of them (planner::message_buffers: received,
   // produced, the last one sent), each a block's output, on the device for the whole run as the
@@ -171,7 +194,14 @@ void Worker::setup_chunks() {
   // uncounted buffers, never more at once than that (make_message_room).
   if (s_.plan().d > 1) {
     message_buffers_ = planner::message_buffers(s_.plan(), stage_);
-    message_floats_ = c.last ? c.sizes.input : c.sizes.output;
+    // Every model chunk's messages are a block's output (v > 1: received and sent by each).
+    for (const Chunk& c : chunks_)
+      for (std::int64_t n : {c.first ? 0 : c.sizes.input, c.last ? 0 : c.sizes.output}) {
+        if (n > 0 && message_floats_ > 0 && n != message_floats_)
+          throw Error(fmt::format("rank {}: pipeline messages of {} and {} floats", rank_,
+                                  message_floats_, n));
+        if (n > 0) message_floats_ = n;
+      }
     memory_->add(Category::activations,
                  std::int64_t(message_buffers_) * message_floats_ * std::int64_t(sizeof(float)));
   }
@@ -197,23 +227,25 @@ void Worker::setup_chunks() {
     d.m = Buffer(state, Category::optimizer, L.shard_elements);
     d.v = Buffer(state, Category::optimizer, L.shard_elements);
   }
-  // The live versions' weights (2bw resumed: two) into their parts.
-  for (int version : planner::initial_versions(s_.plan(), s_.first_step))
-    scatter_chunks(0, c.slots[slots_.slot_of(version)].data(), version);
-  scatter_chunks(1, c.m.data());
-  scatter_chunks(2, c.v.data());
-  c.slots[0] = Buffer();
-  c.slots[1] = Buffer();
-  c.m = Buffer();
-  c.v = Buffer();
-  c.m_at = c.v_at = nullptr;
+  // The live versions' weights (2bw resumed: two) into their parts, each model chunk's.
+  for (Chunk& c : chunks_) {
+    for (int version : planner::initial_versions(s_.plan(), s_.first_step))
+      scatter_chunks(0, c, c.slots[slots_.slot_of(version)].data(), version);
+    scatter_chunks(1, c, c.m.data());
+    scatter_chunks(2, c, c.v.data());
+    c.slots[0] = Buffer();
+    c.slots[1] = Buffer();
+    c.m = Buffer();
+    c.v = Buffer();
+    c.m_at = c.v_at = nullptr;
+  }
 }
 
-// The stage's flat parameters (which 0), Adam m (1) or v (2) out of the chunks. With w > 1 each
-// replica holds its part of m and v, and with sharded chunks its part of the host chunks'
+// Each model chunk's flat parameters (which 0), Adam m (1) or v (2) out of the chunks. With w > 1
+// each replica holds its part of m and v, and with sharded chunks its part of the host chunks'
 // parameters: the stage's replicas all-gather them (every replica calls this at the same point: a
 // checkpoint, the run's end), so every replica returns the whole state, as without chunks.
-std::vector<float> Worker::gather_chunks(int which, int version) const {
+Worker::Flats Worker::gather_chunks(int which, int version) const {
   return gather_chunks(which, version, which == 0 ? gather_parts() : PartParams{});
 }
 
@@ -235,8 +267,7 @@ Worker::PartParams Worker::gather_parts() const {
 }
 
 // gather_chunks with the sharded chunks' parameters gathered already (`params`, per chunk).
-std::vector<float> Worker::gather_chunks(int which, int version, const PartParams& params) const {
-  const Chunk& c = chunks_.front();
+Worker::Flats Worker::gather_chunks(int which, int version, const PartParams& params) const {
   const planner::ChunkLayout& L = schedule_->layout;
   std::vector<std::vector<float>> whole;  // w > 1, state: each chunk's, all parts
   if (which != 0 && L.replicas > 1) {
@@ -251,26 +282,30 @@ std::vector<float> Worker::gather_chunks(int which, int version, const PartParam
       whole.push_back(std::move(all));
     }
   }
-  std::vector<float> flat(std::size_t(c.sizes.parameters), 0.0f);
-  for (const TensorSlot& slot : c.stage->layout()) {
-    const auto [k, at] = tensor_at_.at(slot.offset);
-    const DataChunk& d = data_chunks_[std::size_t(k)];
-    const float* from = which == 0 && part_only(k) ? params.at(std::size_t(k)).data()
-                        : which == 0               ? d.part[weight_part(version)].data()
-                        : !whole.empty()           ? whole[std::size_t(k)].data()
-                        : which == 1               ? d.m.data()
-                                                   : d.v.data();
-    std::copy_n(from + at, slot.size, flat.data() + slot.offset);
+  Flats flats;
+  for (const Chunk& c : chunks_) {
+    std::vector<float> flat(std::size_t(c.sizes.parameters), 0.0f);
+    for (const TensorSlot& slot : c.stage->layout()) {
+      const auto [k, at] = tensor_at_.at(c.base + slot.offset);
+      const DataChunk& d = data_chunks_[std::size_t(k)];
+      const float* from = which == 0 && part_only(k) ? params.at(std::size_t(k)).data()
+                          : which == 0               ? d.part[weight_part(version)].data()
+                          : !whole.empty()           ? whole[std::size_t(k)].data()
+                          : which == 1               ? d.m.data()
+                                                     : d.v.data();
+      std::copy_n(from + at, slot.size, flat.data() + slot.offset);
+    }
+    flats.push_back(std::move(flat));
   }
-  return flat;
+  return flats;
 }
 
-// Into the chunks: the stage's flat parameters (which 0), or its Adam m (1) or v (2), of which
-// each replica keeps its part (ChunkLayout::shard).
-void Worker::scatter_chunks(int which, const float* flat, int version) {
+// Into the chunks: model chunk c's flat parameters (which 0), or its Adam m (1) or v (2), of
+// which each replica keeps its part (ChunkLayout::shard).
+void Worker::scatter_chunks(int which, const Chunk& c, const float* flat, int version) {
   const planner::ChunkLayout& L = schedule_->layout;
-  for (const TensorSlot& slot : chunks_.front().stage->layout()) {
-    const auto [k, at] = tensor_at_.at(slot.offset);
+  for (const TensorSlot& slot : c.stage->layout()) {
+    const auto [k, at] = tensor_at_.at(c.base + slot.offset);
     DataChunk& d = data_chunks_[std::size_t(k)];
     if (which == 0 && part_only(k)) {  // its part of the tensor
       const auto [pb, pe] = L.part(replica_);
@@ -321,7 +356,7 @@ void Worker::chunk_update(int k, int update) {
   const auto [lo, hi] = L.shard(k, replica_);
   // Stage 0, w > 1: the head's gathered gradient joins wte's summed one (chunk_tied).
   if (!tied_head_.empty()) {
-    const auto [tk, at] = tensor_at_.at(chunks_.front().tied_offset);
+    const auto [tk, at] = tensor_at_.at(chunks_.front().base + chunks_.front().tied_offset);
     if (tk == k) {
       float* grad = d.part[2].data();
       const std::int64_t end = std::min(hi, at + std::int64_t(tied_head_.size()));
@@ -662,7 +697,7 @@ void Worker::chunk_forward(const Op& op) {
   chunk_version_ = op.version;
   release_sends(compute_ops_);
   ++compute_ops_;
-  Chunk& c = chunks_.front();
+  Chunk& c = chunks_.at(std::size_t(op.chunk));
   if (blocks_) return chunk_forward_blocks(op, c);
   const bool rc = s_.plan().recomputes(stage_);
   std::vector<std::int32_t> tokens, targets;
@@ -675,7 +710,8 @@ void Worker::chunk_forward(const Op& op) {
   Buffer scratch(nullptr, Category::activations, rc ? c.sizes.scratch : 0, &pool_);
   Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
   make_message_room(c.last ? 0 : 1);
-  ChunkMemory memory(*this, rc ? ChunkMemory::Kind::forward_recompute : ChunkMemory::Kind::forward);
+  ChunkMemory memory(*this, rc ? ChunkMemory::Kind::forward_recompute : ChunkMemory::Kind::forward,
+                     op.chunk);
   const float loss = timed_compute([&] {
     return c.stage->forward(memory, c.first ? tokens.data() : nullptr,
                             c.first ? nullptr : inputs_.at(key).data(),
@@ -699,7 +735,7 @@ void Worker::chunk_forward_blocks(const Op& op, Chunk& c) {
   Buffer scratch(nullptr, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
   Buffer out(nullptr, Category::activations, c.last ? 0 : c.sizes.output, &pool_);
   make_message_room(c.last ? 0 : 1);
-  ChunkMemory memory(*this, ChunkMemory::Kind::forward_blocks);
+  ChunkMemory memory(*this, ChunkMemory::Kind::forward_blocks, op.chunk);
   const float loss = timed_compute([&] {
     return c.stage->forward_blocks(memory, c.first ? tokens.data() : nullptr,
                                    c.first ? nullptr : inputs_.at(key).data(),
@@ -726,14 +762,14 @@ void Worker::no_pending_copies(const char* what) const {
 void Worker::chunk_recompute(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   chunk_version_ = op.version;
-  Chunk& c = chunks_.front();
+  Chunk& c = chunks_.at(std::size_t(op.chunk));
   if (!s_.plan().recomputes(stage_))
     throw Error(fmt::format("rank {}: a recompute op on a stage without recompute", rank_));
   if (blocks_) return no_pending_copies("recompute");
   std::vector<std::int32_t> tokens, targets;
   if (c.last) samples(op, tokens, targets);
   Buffer full(nullptr, Category::activations, c.sizes.stash, &pool_);
-  ChunkMemory memory(*this, ChunkMemory::Kind::recompute);
+  ChunkMemory memory(*this, ChunkMemory::Kind::recompute, op.chunk);
   timed_compute([&] {
     c.stage->recompute(memory, c.last ? targets.data() : nullptr, s_.plan().b,
                        stash_.at(key).data(), full.data());
@@ -748,7 +784,7 @@ void Worker::chunk_backward(const Op& op) {
   chunk_version_ = op.version;
   release_sends(compute_ops_);
   ++compute_ops_;
-  Chunk& c = chunks_.front();
+  Chunk& c = chunks_.at(std::size_t(op.chunk));
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
@@ -758,7 +794,7 @@ void Worker::chunk_backward(const Op& op) {
     std::vector<std::int32_t> tokens, targets;
     if (c.last) samples(op, tokens, targets);
     Buffer scratch(nullptr, Category::activations, c.stage->blocks_scratch(s_.plan().b), &pool_);
-    ChunkMemory memory(*this, ChunkMemory::Kind::backward_blocks);
+    ChunkMemory memory(*this, ChunkMemory::Kind::backward_blocks, op.chunk);
     timed_compute([&] {
       c.stage->backward_blocks(memory, stash_.at(key).data(), c.last ? targets.data() : nullptr,
                                c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
@@ -767,7 +803,8 @@ void Worker::chunk_backward(const Op& op) {
       return 0.0f;
     });
   } else {
-    ChunkMemory memory(*this, ChunkMemory::Kind::backward);  // with recompute: the kept input too
+    ChunkMemory memory(*this, ChunkMemory::Kind::backward,
+                       op.chunk);  // with recompute: the kept input too
     timed_compute([&] {
       c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
                         c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,
@@ -826,8 +863,8 @@ void Worker::make_message_room(int producing) {
 // chunk's reduce-scatter (chunk_update), so each element is (sum of wte) + (sum of head) as without
 // chunks. The weights go back shard by shard and the last stage's replicas all-gather them.
 void Worker::chunk_tied(const Op& op) {
-  Chunk& c = chunks_.front();
-  const auto [k, at] = tensor_at_.at(c.tied_offset);
+  Chunk& c = chunks_.at(std::size_t(op.chunk));  // tied(): it holds the tied tensor
+  const auto [k, at] = tensor_at_.at(c.base + c.tied_offset);
   DataChunk& d = data_chunks_[std::size_t(k)];
   const std::int64_t n = c.tied_size;
   const int w = s_.plan().w;
