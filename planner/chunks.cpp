@@ -576,11 +576,12 @@ double optimizer_time(const ChunkSchedule& s) {
       // The reduce-scatter on the device and the gradient's part down, or (the chunk went to the
       // host whole during the step) the reduce-scatter on the host; no all-gather (the next
       // step's upload gathers).
-      down.push_back(units > 0 ? s.collective_s / 2 + s.part_copy_s : 0.0);
+      const double part = s.step_copy_s > 0 ? s.step_copy_s : s.part_copy_s;
+      down.push_back(units > 0 ? s.collective_s / 2 + part : 0.0);
       adam.push_back(s.host_adam_s[std::size_t(c)] + (units > 0 ? 0.0 : s.collective_s / 2));
       continue;
     }
-    down.push_back(units * s.copy_s);
+    down.push_back(units * (s.step_copy_s > 0 ? s.step_copy_s : s.copy_s));
     adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
@@ -1105,9 +1106,87 @@ namespace {
 // uplink / (replicas in lockstep + the others' busy fractions), from the stages' step in the
 // closed form (chunk_pipeline), eight rounds toward a fixed point (docs/formulas.md section 9,
 // chunks with 2bw).
+// Flush schedules: the stages behind one uplink each download their host-Adam chunks (or their
+// gradients' parts) at their optimizer step, from the moment their last compute op ends
+// (chunk_pipeline). Those downloads share the uplink: each of the n stages downloading at a time
+// gets min(its own link, uplink / (its replicas behind it x n)) until its bytes are down. A stage's
+// step_copy_s is then its mean download's time (latency included), where that is longer than
+// alone (docs/formulas.md section 9, chunks, "Time").
+void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
+                          const std::vector<std::pair<int, int>>& uplink) {
+  const std::size_t d = all.size();
+  const ChunkPipeline run = chunk_pipeline(all, p, std::vector<double>(d, 0.0));
+  std::vector<double> left(d, 0), finish(d, 0), rate_alone(d, 0);
+  std::vector<int> copies(d, 0);
+  for (std::size_t s = 0; s < d; ++s) {
+    const ChunkSchedule& cs = all[s];
+    const ChunkLayout& L = cs.layout;
+    for (int c = cs.device_adam_chunks; c < L.chunks(); ++c)
+      for (int u = c * L.parts; u < (c + 1) * L.parts; ++u)
+        if (cs.adam_download[std::size_t(u)]) {
+          ++copies[s];
+          left[s] += double(L.is_sharded(c) ? L.part_bytes : L.move_bytes);
+          if (L.is_sharded(c)) break;  // its gradient's part, once
+        }
+    rate_alone[s] = std::min(cs.link_bytes_per_s, cs.uplink_bytes_per_s / cs.uplink_sharers);
+  }
+  // Processor sharing per uplink, from the releases on (event by event: a release or an end).
+  std::vector<bool> done(d, false);
+  for (std::size_t s = 0; s < d; ++s)
+    done[s] = left[s] <= 0;
+  double now = 0;
+  for (;;) {
+    std::vector<std::size_t> active;
+    double next = std::numeric_limits<double>::infinity();
+    for (std::size_t s = 0; s < d; ++s) {
+      if (done[s]) continue;
+      if (run.end[s] <= now)
+        active.push_back(s);
+      else
+        next = std::min(next, run.end[s]);
+    }
+    if (active.empty()) {
+      if (next == std::numeric_limits<double>::infinity()) break;
+      now = next;
+      continue;
+    }
+    std::vector<double> rate(d, 0);
+    for (std::size_t s : active) {
+      int sharing = 0;
+      for (std::size_t j : active)
+        sharing += uplink[j] == uplink[s] ? all[j].uplink_sharers : 0;
+      rate[s] = std::min(all[s].link_bytes_per_s, all[s].uplink_bytes_per_s / sharing);
+    }
+    double until = next;
+    for (std::size_t s : active)
+      until = std::min(until, now + left[s] / rate[s]);
+    for (std::size_t s : active) {
+      left[s] -= (until - now) * rate[s];
+      if (left[s] <= 1e-6 * double(all[s].layout.move_bytes)) {
+        done[s] = true;
+        finish[s] = until;
+      }
+    }
+    now = until;
+  }
+  for (std::size_t s = 0; s < d; ++s) {
+    ChunkSchedule& cs = all[s];
+    if (copies[s] == 0) continue;
+    const double shared = cs.copy_latency_s + (finish[s] - run.end[s]) / copies[s];
+    const double alone = cs.copy_latency_s + (cs.layout.is_sharded(cs.device_adam_chunks)
+                                                  ? double(cs.layout.part_bytes)
+                                                  : double(cs.layout.move_bytes)) /
+                                                 rate_alone[s];
+    if (shared > alone * (1 + 1e-9)) {
+      cs.step_copy_s = shared;
+      cs.optimizer_s = optimizer_time(cs);
+    }
+  }
+}
+
 void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& cluster,
                    const Plan& p) {
-  if (p.schedule != Schedule::two_bw || p.d == 1 || p.placement.empty()) return;
+  if (p.d == 1 || p.placement.empty()) return;
   const std::size_t d = all.size();
   std::vector<std::pair<int, int>> uplink(d);  // (node, uplink) of the stage's replica 0
   for (std::size_t s = 0; s < d; ++s) {
@@ -1119,6 +1198,7 @@ void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& clu
     for (std::size_t j = s + 1; j < d; ++j)
       shared = shared || uplink[s] == uplink[j];
   if (!shared) return;
+  if (p.schedule != Schedule::two_bw) return share_step_downloads(all, p, uplink);
   for (int round = 0; round < 8; ++round) {
     const ChunkPipeline run = chunk_pipeline(all, p, std::vector<double>(d, 0.0));
     double step = 0;
@@ -1244,7 +1324,9 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     release[s] = run.end[s];
     const int c = cs.device_adam_chunks;  // the first host chunk's units on the device go down
     for (int u = c * L.parts; c < L.chunks() && u < (c + 1) * L.parts; ++u)
-      release[s] += cs.adam_download[std::size_t(u)] ? cs.copy_s : 0.0;
+      release[s] += cs.adam_download[std::size_t(u)]
+                        ? (cs.step_copy_s > 0 ? cs.step_copy_s : cs.copy_s)
+                        : 0.0;
   }
   // Processor sharing among the entries (each its jobs of their mean work: the entry's work
   // done when its last chunk's parts are). A stage's Adam of chunk c then takes its entry's
