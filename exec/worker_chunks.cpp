@@ -2,7 +2,9 @@
 // fixed-size chunks, moved whole between the emulated device and the host pool by the copy
 // engines as the program's chunk ops say, Adam per chunk on the device (rank thread) or on the
 // host CPU engine. With pipeline stages (d > 1) each rank runs its own stage's schedule; its
-// pipeline messages and the tied embedding's exchange work on the chunks. docs/formulas.md section
+// pipeline messages and the tied embedding's exchange work on the chunks. With interleaving
+// (v > 1) the rank's model chunks share its one set of chunks, each compute op counting its own
+// model chunk's layers. docs/formulas.md section
 // 9 (chunks); docs/formats.md, offload in the CPU executor.
 #include <algorithm>
 #include <cstring>
