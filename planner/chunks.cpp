@@ -1106,6 +1106,70 @@ namespace {
 // uplink / (replicas in lockstep + the others' busy fractions), from the stages' step in the
 // closed form (chunk_pipeline), eight rounds toward a fixed point (docs/formulas.md section 9,
 // chunks with 2bw).
+// Processor sharing with pauses: entry i, from release[i] on, runs its phases in order, a CPU
+// phase of `amount` work per job (its jobs[i] jobs sharing `capacity` equally with every job in a
+// CPU phase at the time) or a pause of `amount` seconds that uses no CPU. Per entry, the time each
+// of its CPU phases took, in order.
+struct SharedPhase {
+  bool cpu = false;
+  double amount = 0;
+};
+std::vector<std::vector<double>> shared_cpu_spans(
+    const std::vector<std::vector<SharedPhase>>& phases, const std::vector<double>& release,
+    const std::vector<double>& jobs, double capacity) {
+  const std::size_t n = phases.size();
+  std::vector<std::vector<double>> spans(n);
+  std::vector<std::size_t> at(n, 0);  // the phase under way
+  std::vector<double> left(n, 0), began(n, 0);
+  std::vector<bool> started(n, false);
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto finished = [&](std::size_t i) { return at[i] >= phases[i].size(); };
+  double now = inf;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!phases[i].empty()) now = std::min(now, release[i]);
+  for (;;) {
+    // Start the released entries, and step over phases of nothing.
+    for (std::size_t i = 0; i < n; ++i) {
+      if (finished(i)) continue;
+      if (!started[i] && release[i] <= now) {
+        started[i] = true;
+        left[i] = phases[i][0].amount;
+        began[i] = now;
+      }
+      while (started[i] && !finished(i) && left[i] <= 0) {
+        if (phases[i][at[i]].cpu) spans[i].push_back(now - began[i]);
+        if (++at[i] < phases[i].size()) {
+          left[i] = phases[i][at[i]].amount;
+          began[i] = now;
+        }
+      }
+    }
+    double cpu_jobs = 0, next = inf;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (finished(i)) continue;
+      if (!started[i]) {
+        next = std::min(next, release[i]);
+        continue;
+      }
+      if (phases[i][at[i]].cpu) cpu_jobs += jobs[i];
+    }
+    const double rate = cpu_jobs > 0 ? capacity / cpu_jobs : 0;
+    std::vector<double> end(n, inf);
+    for (std::size_t i = 0; i < n; ++i)
+      if (started[i] && !finished(i)) {
+        end[i] = now + (phases[i][at[i]].cpu ? left[i] / rate : left[i]);
+        next = std::min(next, end[i]);
+      }
+    if (next == inf) break;
+    for (std::size_t i = 0; i < n; ++i)
+      if (started[i] && !finished(i))
+        left[i] =
+            end[i] <= next ? 0.0 : left[i] - (next - now) * (phases[i][at[i]].cpu ? rate : 1.0);
+    now = next;
+  }
+  return spans;
+}
+
 // Flush schedules: the stages behind one uplink each download their host-Adam chunks (or their
 // gradients' parts) at their optimizer step, from the moment their last compute op ends
 // (chunk_pipeline). Those downloads share the uplink: each of the n stages downloading at a time
@@ -1328,25 +1392,38 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
                         ? (cs.step_copy_s > 0 ? cs.step_copy_s : cs.copy_s)
                         : 0.0;
   }
-  // Processor sharing among the entries (each its jobs of their mean work: the entry's work
-  // done when its last chunk's parts are). A stage's Adam of chunk c then takes its entry's
-  // chunk_work[c] at the entry's rate (its work over its time); its replica 0's node's entry sets
-  // it.
+  // Processor sharing among the entries, chunk by chunk: each entry's jobs run its host chunks'
+  // CPU Adam in order, each chunk's between its collectives (w > 1: the gradient's reduce-scatter
+  // before, the parameters' all-gather after, half of collective_s each; a sharded chunk's gradient
+  // reduce-scattered on the device has none before, and no all-gather after), which use no CPU:
+  // the other entries' jobs share it without them meanwhile, as in the simulator. A stage's Adam
+  // of chunk c takes the time its CPU phase took; its replica 0's node's entry sets it.
   for (const auto& [node, entries] : by_node) {
-    std::vector<double> w, rel, jobs;
+    std::vector<std::vector<SharedPhase>> phases;
+    std::vector<double> rel, jobs;
     for (const Entry& e : entries) {
-      w.push_back(e.work / double(e.jobs));
+      const ChunkSchedule& cs = out[e.stage];
+      const ChunkLayout& L = cs.layout;
+      std::vector<SharedPhase>& mine = phases.emplace_back();
+      for (int c = cs.device_adam_chunks; c < L.chunks(); ++c) {
+        bool down = false;  // a sharded chunk's gradient part came down after its reduce-scatter
+        for (int u = c * L.parts; u < (c + 1) * L.parts; ++u)
+          down = down || cs.adam_download[std::size_t(u)];
+        const bool sharded = L.is_sharded(c);
+        mine.push_back({false, sharded && down ? 0.0 : cs.collective_s / 2});
+        mine.push_back({true, e.chunk_work[std::size_t(c)] / double(e.jobs)});
+        mine.push_back({false, sharded ? 0.0 : cs.collective_s / 2});
+      }
       rel.push_back(release[e.stage]);
       jobs.push_back(double(e.jobs));
     }
-    const std::vector<double> end = processor_sharing_finish(w, rel, capacity, jobs);
+    const std::vector<std::vector<double>> spans = shared_cpu_spans(phases, rel, jobs, capacity);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const Entry& e = entries[i];
-      if (w[i] <= 0 || end[i] <= rel[i] || node_of(p.rank_of(int(e.stage), 0)) != node) continue;
+      if (e.work <= 0 || node_of(p.rank_of(int(e.stage), 0)) != node) continue;
       ChunkSchedule& cs = out[e.stage];
-      const double rate = e.work / (end[i] - rel[i]);
-      for (int c = cs.device_adam_chunks; c < cs.layout.chunks(); ++c)
-        cs.host_adam_s[std::size_t(c)] = e.chunk_work[std::size_t(c)] / rate;
+      for (int c = cs.device_adam_chunks, k = 0; c < cs.layout.chunks(); ++c, ++k)
+        cs.host_adam_s[std::size_t(c)] = spans[i][std::size_t(k)];
       cs.optimizer_s = optimizer_time(cs);
     }
   }
