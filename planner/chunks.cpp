@@ -1099,13 +1099,6 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
 
 namespace {
 
-// 2bw has no flush: in its steady state the stages copy at the same time, so stages behind one
-// uplink share it. Each copy is taken at the uplink's share left by the other stages' copying the
-// same way (a link carries each direction at its bandwidth), each busy for its fraction of the
-// step (the larger of its uploads and downloads x copy_s / the step): bandwidth
-// uplink / (replicas in lockstep + the others' busy fractions), from the stages' step in the
-// closed form (chunk_pipeline), eight rounds toward a fixed point (docs/formulas.md section 9,
-// chunks with 2bw).
 // Processor sharing with pauses: entry i, from release[i] on, runs its phases in order, a CPU
 // phase of `amount` work per job (its jobs[i] jobs sharing `capacity` equally with every job in a
 // CPU phase at the time) or a pause of `amount` seconds that uses no CPU. Per entry, the time each
@@ -1248,6 +1241,14 @@ void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
   }
 }
 
+// 2bw has no flush: in its steady state the stages copy at the same time, so stages behind one
+// uplink share it. Each copy is taken at the uplink's share left by the other stages' copying the
+// same way (a link carries each direction at its bandwidth), each busy for its fraction of the
+// step (the larger of its uploads and downloads x copy_s / the step): bandwidth
+// uplink / (replicas in lockstep + the others' busy fractions), from the stages' step in the
+// closed form (chunk_pipeline), eight rounds toward a fixed point (docs/formulas.md section 9,
+// chunks with 2bw). Flush schedules: only their optimizer steps' downloads share it
+// (share_step_downloads).
 void share_uplinks(std::vector<ChunkSchedule>& all, const clusters::Cluster& cluster,
                    const Plan& p) {
   if (p.d == 1 || p.placement.empty()) return;
