@@ -351,7 +351,7 @@ class Worker {
   // The next compute op's copies (with their op index), in its layers' order.
   std::deque<std::pair<planner::Op, int>> pending_copies_;
   // Per layer of the stage (all its model chunks' layers, the chunk layout's: chunk_bounds says
-  // where each model chunk's begin): its stash (counted as it fills).
+  // where each model chunk's layers begin): its stash (counted as it fills).
   std::vector<std::int64_t> layer_stash_bytes_;
   // Per model chunk, full recompute (0 without): a forward's kept input and its scratch, in bytes;
   // block recompute: the scratch.
