@@ -416,15 +416,15 @@ expect_error "validate files with --blocks" "--blocks: comparing --predicted" "$
 CAL_DATA="$SRC/../shared/data/calibration"
 if [ -f "$CAL_DATA/vtrain-a100-single-node.csv" ]; then
 CAL_HEADER='# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)'
-# The first 120 t = 1 rows of vTrain's data: fast enough for a CLI test.
-{ echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/../shared/data/calibration/vtrain-a100-single-node.csv" | head -120; } >"$TMP/cal.csv"
+# The first 60 t = 1 rows of vTrain's data: fast enough for a CLI test (also under ASan).
+{ echo "$CAL_HEADER"; awk -F, 'NR > 1 && $8 == 1' "$SRC/../shared/data/calibration/vtrain-a100-single-node.csv" | head -60; } >"$TMP/cal.csv"
 expect_ok "help calibrate" $PW calibrate --help
 expect_ok "calibrate a" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 3 --out "$TMP/cal-a.json" --residuals "$TMP/cal-a.csv"
 grep -q "3-fold cross-validation: mean |error|" "$TMP/out" && ok || bad "calibrate prints the CV error"
 expect_ok "calibrate b" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 3 --out "$TMP/cal-b.json"
 cmp -s "$TMP/cal-a.json" "$TMP/cal-b.json" && ok || bad "calibrate output is deterministic"
 python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['format']=='pipewright.device/1' and d['name']=='A100-80GB-cal' and 0<d['efficiency']['gemm_max']<=1" && ok || bad "calibrate writes a device"
-[ "$(wc -l <"$TMP/cal-a.csv")" -eq 121 ] && ok || bad "calibrate residuals: one line per row"
+[ "$(wc -l <"$TMP/cal-a.csv")" -eq 61 ] && ok || bad "calibrate residuals: one line per row"
 python3 -c "import json; d=json.load(open('$TMP/cal-a.json')); assert d['efficiency']['overhead_exponent']==0" && ok || bad "calibrate keeps the hard floor by default"
 expect_ok "calibrate --blend-floor" $PW calibrate --measurements "$TMP/cal.csv" --cluster vtrain-a100 --folds 2 --blend-floor --out "$TMP/cal-blend.json"
 python3 -c "import json; d=json.load(open('$TMP/cal-blend.json')); assert d['efficiency']['overhead_exponent']>1" && ok || bad "calibrate --blend-floor fits the exponent"
