@@ -916,6 +916,11 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     st.layer_inputs_bytes = bytes_add(st.layer_inputs_bytes, ch.layer_inputs_bytes);
     st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
+  if (st.forward_s + st.backward_s > 0)
+    st.first_chunk_share =
+        (chunks.front().forward_s + tp_time_s(chunks.front().tp_forward, p.t, tp) +
+         chunk_backward.front()) /
+        (st.forward_s + st.backward_s);
   const std::int64_t workspace = st.memory.workspace;
   st.memory = static_memory(model, p, st.parameters);
   st.memory.workspace = workspace;
@@ -1040,6 +1045,9 @@ double steady_period(const Plan& p, const std::vector<StageCost>& st) {
 //   interleaved  (m + (d-1)/v)(t_f + t_b) + 2(d - 1)c
 // With stages or hops that differ, 2BW's period is the largest cycle mean P (steady_period) and
 // 1F1B's exposed round trip per microbatch P - T_max; both reduce to the figures above.
+// Interleaved with model chunks that differ (layers not divisible by d v): the fill and drain
+// pass through each stage's model chunk 0 (share f_s of T_s), so the step is
+// max_k (m - f_k) max(T_k, L) + sum_s f_s T_s + comm, (m + (d-1)/v)(t_f + t_b) + comm when alike.
 double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
   double slowest = 0, sum = 0, comm = 0, hop = 0, link_bound = 0;
   for (const auto& s : st) {
@@ -1057,8 +1065,15 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
       return p.m * slowest;
     case Schedule::two_bw:
       return p.m * std::max(slowest + round_trip, link_bound);
-    case Schedule::interleaved:
-      return (p.m - 1.0 / p.v) * std::max(slowest, link_bound) + sum / p.v + comm;
+    case Schedule::interleaved: {
+      double busiest = 0, fill = 0;
+      for (const auto& s : st) {
+        const double t = s.forward_s + s.backward_s;
+        busiest = std::max(busiest, (p.m - s.first_chunk_share) * std::max(t, link_bound));
+        fill += s.first_chunk_share * t;
+      }
+      return busiest + fill + comm;
+    }
     case Schedule::gpipe:
       return (p.m - 1) * std::max(slowest, link_bound) + sum + comm;
     case Schedule::one_f_one_b:

@@ -271,11 +271,15 @@ struct StageCost {
   double forward_s = 0;         // t_f(s), TP collectives included
   double backward_s = 0;        // t_b(s), including the recompute forward when recomputing
   double tp_s = 0;              // TP collectives inside forward_s + backward_s
-  double optimizer_s = 0;       // AdamW over the stage's parameters (its shard with the
-                                // distributed optimizer); with offload the host step
-  RankOffload offload;          // offload figures of one rank (plan.offload != none)
-  StageSwap swap;               // activation offload of one rank (plan.swaps(stage))
-  double send_s = 0;            // activation to stage s+1 (and gradient back), one microbatch
+  // Interleaved: model chunk 0's part of t_f(s) + t_b(s) (its forward, backward, recompute and TP
+  // collectives over the model chunks' sum), what the schedule's fill and drain pass through on
+  // this stage: 1/v when the model chunks are alike; 1 for v = 1.
+  double first_chunk_share = 1;
+  double optimizer_s = 0;  // AdamW over the stage's parameters (its shard with the
+                           // distributed optimizer); with offload the host step
+  RankOffload offload;     // offload figures of one rank (plan.offload != none)
+  StageSwap swap;          // activation offload of one rank (plan.swaps(stage))
+  double send_s = 0;       // activation to stage s+1 (and gradient back), one microbatch
   // What that send moves through its link's bottleneck: the activation piece times the replicas
   // (and TP GPUs) sharing a node's NIC with it.
   double send_bytes = 0;

@@ -248,6 +248,23 @@ TEST_F(Uniform, InterleavedBubbleShrinksByV) {
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, (8 + 1.0) * stage(3), 1e-12);
 }
 
+// Interleaved with model chunks that differ (docs/formulas.md 5, "the fill and drain pass through
+// model chunk 0"): 12 blocks over d v = 8 virtual stages, balanced_split gives the first four 2
+// blocks and the rest 1, so each device's model chunk 0 is 2 of its 6 blocks (f = 1/3, not
+// 1/v = 1/4). With free communication the step is (m - f) T + d f T = (4 + 2/3 - 1/3) 6 stage(1):
+// 78 ms, where 1/v for every device said (4 + 1/4) 6 stage(1) = 76.5 ms.
+TEST_F(Uniform, InterleavedFillAndDrainPassThroughModelChunkZero) {
+  clusters::Cluster cl = node_with_latency(0);
+  Plan p = plan_of(Schedule::interleaved, 1, 2, 2, 4, 4, 12, grid(cl), 1);
+  ASSERT_EQ(p.stage_blocks, (std::vector<std::int64_t>{2, 2, 2, 2, 1, 1, 1, 1}));
+  const planner::Estimate est = planner::estimate(model, trace, cl, p);
+  for (const auto& st : est.stages)
+    EXPECT_NEAR(st.first_chunk_share, 1.0 / 3, 1e-12);
+  const double expected = (4 + 2.0 / 3 - 1.0 / 3) * stage(6);
+  EXPECT_NEAR(est.report.iteration_time_s, expected, 1e-12);
+  EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, expected, 1e-12);
+}
+
 // Where the closed form is exact (uniform stages, no contention) simulate and estimate agree.
 TEST_F(Uniform, SimulateAgreesWithEstimate) {
   clusters::Cluster cl = node_with_latency(2e-5);
