@@ -1070,7 +1070,7 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
           const std::size_t fvs = op.backward ? vs + 1 : vs - 1, from = fvs % d;
           const double sent = (op.backward ? backward_end : forward_end)[from][(fvs / d) * mbs + j];
           if (sent < 0) break;
-          ready = std::max(ready, sent + hop_s[from]);
+          ready = std::max(ready, sent + hop_s[op.backward ? s : from]);
         }
         if (out.start[s] < 0) out.start[s] = ready;
         out.end[s] = ready + dur[s][i];

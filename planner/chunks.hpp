@@ -294,7 +294,8 @@ std::int64_t smaller_fitting_chunk_bytes(const models::ModelSpec& model, const t
 // One step of a chunks pipeline (docs/formulas.md section 9, chunks): each compute op as long as
 // its moments (its layers and the copies before them), every stage in its step order, a forward
 // after the previous stage's forward of its microbatch plus that stage's hop_s, a backward after
-// the next stage's backward of it plus that stage's hop_s. Per stage the start of its first op and
+// the next stage's backward of it plus its own hop_s (hop_s[s]: one message between stage s and
+// s + 1, or stage 0 for the last with v > 1). Per stage the start of its first op and
 // the end of its last, from the step's start; makespan: the latest end. 2bw (no flush): a run of
 // four steps, each stage's optimizer step (optimizer_s) after its step's last backward; per stage
 // the steady step's start (the end of step 1's optimizer step) and the end of its last compute op

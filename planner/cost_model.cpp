@@ -907,6 +907,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
       st.backward_s += ch.selective_recompute_s;
     }
     chunk_backward.push_back(st.backward_s - backward_before);
+    st.chunk_forward_s.push_back(ch.forward_s + tp_forward);
     chunk_recompute.push_back(p.recomputes(s) ? ch.recompute_s + tp_forward : 0.0);
     st.optimizer_s += ch.optimizer_s;
     st.parameters = bytes_add(st.parameters, ch.parameters);
@@ -916,11 +917,7 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
     st.layer_inputs_bytes = bytes_add(st.layer_inputs_bytes, ch.layer_inputs_bytes);
     st.memory.workspace = std::max(st.memory.workspace, ch.workspace_bytes);
   }
-  if (st.forward_s + st.backward_s > 0)
-    st.first_chunk_share =
-        (chunks.front().forward_s + tp_time_s(chunks.front().tp_forward, p.t, tp) +
-         chunk_backward.front()) /
-        (st.forward_s + st.backward_s);
+  st.chunk_backward_s = chunk_backward;
   const std::int64_t workspace = st.memory.workspace;
   st.memory = static_memory(model, p, st.parameters);
   st.memory.workspace = workspace;
@@ -1036,6 +1033,75 @@ double steady_period(const Plan& p, const std::vector<StageCost>& st) {
   return period;
 }
 
+namespace {
+
+// Interleaved: one step of the schedule walked op by op (each stage's step_compute_order), each op
+// starting when its stage's previous op has ended and, but for the first virtual stage's forwards
+// and the last one's backwards, one hop after the virtual stage before it (forward) or after it
+// (backward) ended the same microbatch. A model chunk's forward and backward take their part of
+// t_f(s) and t_b(s) (StageCost::chunk_forward_s, chunk_backward_s; a recompute is in its
+// backward's). Exact without contention, whatever the model chunks and stages (layers not
+// divisible by d v, uneven stage_blocks); (m + (d-1)/v)(t_f + t_b) + 2(d-1)c when all alike.
+// chunk_pipeline (planner/chunks.cpp) walks the same way with offload chunks' moments.
+double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
+  const std::size_t d = std::size_t(p.d), v = std::size_t(p.v), m = std::size_t(p.m);
+  auto part = [](double total, const std::vector<double>& parts, std::size_t c) {
+    double sum = 0;
+    for (double x : parts)
+      sum += x;
+    if (sum <= 0 || c >= parts.size())
+      return total / double(std::max<std::size_t>(1, parts.size()));
+    return total * parts[c] / sum;
+  };
+  std::vector<std::vector<ComputeSlot>> order(d);
+  std::vector<std::vector<double>> forward(d), backward(d);  // per stage, per model chunk
+  for (std::size_t s = 0; s < d; ++s) {
+    order[s] = step_compute_order(p, int(s));
+    for (std::size_t c = 0; c < v; ++c) {
+      forward[s].push_back(part(st[s].forward_s, st[s].chunk_forward_s, c));
+      backward[s].push_back(part(st[s].backward_s, st[s].chunk_backward_s, c));
+    }
+  }
+  // When stage s's forward and backward of (model chunk c, microbatch j) end, at [s][c m + j];
+  // -1: not yet.
+  std::vector<std::vector<double>> forward_end(d, std::vector<double>(v * m, -1.0));
+  std::vector<std::vector<double>> backward_end = forward_end;
+  std::vector<double> end(d, 0.0);
+  std::vector<std::size_t> next(d, 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (std::size_t s = 0; s < d; ++s)
+      for (std::size_t& i = next[s]; i < order[s].size(); ++i) {
+        const ComputeSlot& op = order[s][i];
+        const std::size_t c = std::size_t(op.chunk), j = std::size_t(op.microbatch);
+        const std::size_t vs = c * d + s;
+        double ready = end[s];
+        if (op.backward ? vs + 1 < v * d : vs > 0) {
+          const std::size_t from_vs = op.backward ? vs + 1 : vs - 1, from = from_vs % d;
+          const double sent =
+              (op.backward ? backward_end : forward_end)[from][(from_vs / d) * m + j];
+          if (sent < 0) break;
+          // One hop: send_s is a microbatch's v messages over the link from stage s to s + 1
+          // (and the gradients back).
+          const std::size_t link = op.backward ? s : from;
+          ready = std::max(ready, sent + st[link].send_s / double(v));
+        }
+        end[s] = ready + (op.backward ? backward : forward)[s][c];
+        (op.backward ? backward_end : forward_end)[s][c * m + j] = end[s];
+        moved = true;
+      }
+  }
+  double makespan = 0;
+  for (std::size_t s = 0; s < d; ++s) {
+    if (next[s] < order[s].size())
+      throw std::logic_error("interleaved_walk: the stages' orders wait for each other");
+    makespan = std::max(makespan, end[s]);
+  }
+  return makespan;
+}
+
+}  // namespace
+
 // Forward/backward part of one steady-state step. Uniform stages and hop time c:
 //   gpipe        (m + d - 1)(t_f + t_b) + 2(d - 1)c
 //   1f1b         the same + (2(d-1)m/d - 2)c: in steady state a stage waits for a round trip to
@@ -1065,15 +1131,8 @@ double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
       return p.m * slowest;
     case Schedule::two_bw:
       return p.m * std::max(slowest + round_trip, link_bound);
-    case Schedule::interleaved: {
-      double busiest = 0, fill = 0;
-      for (const auto& s : st) {
-        const double t = s.forward_s + s.backward_s;
-        busiest = std::max(busiest, (p.m - s.first_chunk_share) * std::max(t, link_bound));
-        fill += s.first_chunk_share * t;
-      }
-      return busiest + fill + comm;
-    }
+    case Schedule::interleaved:
+      return std::max(interleaved_walk(p, st), p.m * link_bound);
     case Schedule::gpipe:
       return (p.m - 1) * std::max(slowest, link_bound) + sum + comm;
     case Schedule::one_f_one_b:
@@ -1443,9 +1502,9 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   if (est.chunks) {
     // Each op as long as its moments, each stage in its order (section 9, chunks); a stage's next
     // step starts start_s after stage 0's, once its optimizer step is done.
-    std::vector<double> hops;
+    std::vector<double> hops;  // one message (send_s is a microbatch's v of them)
     for (const StageCost& st : est.stages)
-      hops.push_back(st.send_s);
+      hops.push_back(st.send_s / p.v);
     const ChunkPipeline run = chunk_pipeline(*est.chunks, p, hops);
     // Ranks sharing a GPU that are not one stage's replicas in lockstep (stages of a pipeline on
     // one GPU) serialize their compute: the GPU's summed compute bounds the step, as above.

@@ -271,10 +271,10 @@ struct StageCost {
   double forward_s = 0;         // t_f(s), TP collectives included
   double backward_s = 0;        // t_b(s), including the recompute forward when recomputing
   double tp_s = 0;              // TP collectives inside forward_s + backward_s
-  // Interleaved: model chunk 0's part of t_f(s) + t_b(s) (its forward, backward, recompute and TP
-  // collectives over the model chunks' sum), what the schedule's fill and drain pass through on
-  // this stage: 1/v when the model chunks are alike; 1 for v = 1.
-  double first_chunk_share = 1;
+  // Per model chunk: its part of one microbatch's forward (TP collectives included) and backward
+  // (recompute and TP included), before offload and swaps; interleaved walks its programs with
+  // t_f(s) and t_b(s) split in these proportions (pipeline_time).
+  std::vector<double> chunk_forward_s, chunk_backward_s;
   double optimizer_s = 0;  // AdamW over the stage's parameters (its shard with the
                            // distributed optimizer); with offload the host step
   RankOffload offload;     // offload figures of one rank (plan.offload != none)

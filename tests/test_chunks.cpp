@@ -1821,12 +1821,13 @@ TEST(ChunksTensorParallel, ClosedFormAgreesWithTheSimulator) {
           "chunks t = %d w = %d d = %d, TP link %.0f GB/s: estimate %.3f s, simulate %.3f s\n", k.t,
           k.w, k.d, nvlink / 1e9, est.report.iteration_time_s, sr.report.iteration_time_s);
       // At 2 GB/s the simulator's pipeline sends share the TP group's links with its rings
-      // (d = 2), which the closed form leaves out: 2.2% at most here, 3.8% with w = 2 (the
+      // (d = 2), which the closed form leaves out: 2.2% at most here, 3.4% interleaved (v = 2:
+      // twice the messages on those links; 41.156 against 42.534 s), 3.8% with w = 2 (the
       // chunks' reduce-scatters and all-gathers on those links too). Interleaved with w = 2 at
-      // 150 GB/s: 11.171 against 11.153 s (it was 11.342, 1.7% slow, while the closed form's CPU
+      // 150 GB/s: 11.169 against 11.153 s (it was 11.342, 1.7% slow, while the closed form's CPU
       // Adam sharing left out that each chunk's collectives free the CPU for the other stage).
       EXPECT_NEAR(sr.report.iteration_time_s / est.report.iteration_time_s, 1.0,
-                  nvlink < 1e10 && k.d > 1 ? (k.w > 1 ? 0.04 : 0.03) : 0.01);
+                  nvlink < 1e10 && k.d > 1 ? (k.w > 1 || k.v > 1 ? 0.04 : 0.03) : 0.01);
       double tp = 0;
       for (const ChunkMoment& x : est.chunks->at(0).moments)
         tp += x.tp_s;

@@ -248,21 +248,34 @@ TEST_F(Uniform, InterleavedBubbleShrinksByV) {
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, (8 + 1.0) * stage(3), 1e-12);
 }
 
-// Interleaved with model chunks that differ (docs/formulas.md 5, "the fill and drain pass through
-// model chunk 0"): 12 blocks over d v = 8 virtual stages, balanced_split gives the first four 2
-// blocks and the rest 1, so each device's model chunk 0 is 2 of its 6 blocks (f = 1/3, not
-// 1/v = 1/4). With free communication the step is (m - f) T + d f T = (4 + 2/3 - 1/3) 6 stage(1):
-// 78 ms, where 1/v for every device said (4 + 1/4) 6 stage(1) = 76.5 ms.
-TEST_F(Uniform, InterleavedFillAndDrainPassThroughModelChunkZero) {
+// Interleaved with model chunks that differ (docs/formulas.md 5, "interleaved: the schedule
+// walked op by op"): 12 blocks over d v = 8 virtual stages, balanced_split gives the first four 2
+// blocks and the rest 1, so each device's model chunk 0 is 2 of its 6 blocks. The fill and drain
+// pass through model chunk 0: with free communication the step is (m - 1/3) T + d T / 3 with
+// T = stage(6): (4 + 2/3 - 1/3) 6 stage(1) = 78 ms, where 1/v for every device said
+// (4 + 1/4) 6 stage(1) = 76.5 ms. Then stages that differ (4 and 2 blocks a device, 2, 2, 1, 1 a
+// model chunk): the closed form walks the schedule as the simulator runs it, to the nanosecond
+// (102 ms, where the table's formula with stage 0 as the busiest device said (8 - 1/2) 12 ms +
+// (12 + 12 + 6 + 6) ms / 2 = 108: the light devices' model chunks do not all delay it).
+TEST_F(Uniform, InterleavedClosedFormWalksModelChunksThatDiffer) {
   clusters::Cluster cl = node_with_latency(0);
   Plan p = plan_of(Schedule::interleaved, 1, 2, 2, 4, 4, 12, grid(cl), 1);
   ASSERT_EQ(p.stage_blocks, (std::vector<std::int64_t>{2, 2, 2, 2, 1, 1, 1, 1}));
   const planner::Estimate est = planner::estimate(model, trace, cl, p);
-  for (const auto& st : est.stages)
-    EXPECT_NEAR(st.first_chunk_share, 1.0 / 3, 1e-12);
+  for (const auto& st : est.stages) {
+    ASSERT_EQ(st.chunk_forward_s.size(), 4u);
+    EXPECT_NEAR(st.chunk_forward_s[0], 2 * st.chunk_forward_s[3], 1e-15);
+    EXPECT_NEAR(st.chunk_backward_s[0], 2 * st.chunk_backward_s[3], 1e-15);
+  }
   const double expected = (4 + 2.0 / 3 - 1.0 / 3) * stage(6);
   EXPECT_NEAR(est.report.iteration_time_s, expected, 1e-12);
   EXPECT_NEAR(simulate(model, trace, cl, p).report.iteration_time_s, expected, 1e-12);
+
+  Plan q = plan_of(Schedule::interleaved, 1, 4, 2, 8, 2, 12, grid(cl), 1);
+  q.stage_blocks = {2, 2, 1, 1, 2, 2, 1, 1};
+  const double walked = planner::estimate(model, trace, cl, q).report.iteration_time_s;
+  EXPECT_NEAR(walked, simulate(model, trace, cl, q).report.iteration_time_s, 1e-9);
+  EXPECT_LT(walked, (8 - 0.5) * stage(4) + 0.5 * stage(12) - 1e-3);
 }
 
 // Where the closed form is exact (uniform stages, no contention) simulate and estimate agree.
