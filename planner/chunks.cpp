@@ -14,6 +14,7 @@
 #include "common/format.hpp"
 #include "common/limits.hpp"
 #include "planner/cost_model.hpp"
+#include "planner/order_walk.hpp"
 
 namespace pw::planner {
 
@@ -1027,14 +1028,8 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
   // steps ending steps 1 and 2.
   const bool two_bw = p.schedule == Schedule::two_bw;
   const int steps = two_bw ? 4 : 1;
-  const std::size_t mbs = std::size_t(steps) * std::size_t(p.m);
   std::vector<std::vector<ComputeSlot>> order(d);
   std::vector<std::vector<double>> dur(d);
-  // When stage s's forward and backward of microbatch j (over the run) end (-1: not yet), at
-  // [s][c * mbs + j] for its model chunk c (v > 1: virtual stage c d + s).
-  const std::size_t v = std::size_t(p.v);
-  std::vector<std::vector<double>> forward_end(d, std::vector<double>(v * mbs, -1.0));
-  std::vector<std::vector<double>> backward_end = forward_end;
   for (std::size_t s = 0; s < d; ++s) {
     order[s] = two_bw ? run_compute_order(p, int(s), steps) : step_compute_order(p, int(s));
     dur[s].assign(order[s].size(), 0.0);
@@ -1050,41 +1045,18 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
       first += ops;
     }
   }
-  ChunkPipeline out;
-  out.start.assign(d, -1.0);
-  out.end.assign(d, 0.0);
   std::vector<std::vector<double>> tail_end(d);
-  std::vector<std::size_t> next(d, 0);
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (std::size_t s = 0; s < d; ++s)
-      for (std::size_t& i = next[s]; i < order[s].size(); ++i) {
-        const ComputeSlot& op = order[s][i];
-        const std::size_t j = std::size_t(op.step) * std::size_t(p.m) + std::size_t(op.microbatch);
-        double ready = out.end[s];
-        // The virtual stage it receives from: the one before (forward) or after (backward) its
-        // own, vs = c d + s; none before the first or after the last.
-        const std::size_t vs = std::size_t(op.chunk) * d + s;
-        const bool receives = op.backward ? vs + 1 < v * d : vs > 0;
-        if (receives) {
-          const std::size_t fvs = op.backward ? vs + 1 : vs - 1, from = fvs % d;
-          const double sent = (op.backward ? backward_end : forward_end)[from][(fvs / d) * mbs + j];
-          if (sent < 0) break;
-          ready = std::max(ready, sent + hop_s[op.backward ? s : from]);
-        }
-        if (out.start[s] < 0) out.start[s] = ready;
-        out.end[s] = ready + dur[s][i];
-        (op.backward ? backward_end : forward_end)[s][std::size_t(op.chunk) * mbs + j] = out.end[s];
-        if (two_bw && op.backward && op.microbatch == p.m - 1) {  // the step's optimizer step
-          out.end[s] += all[s].optimizer_s;
-          tail_end[s].push_back(out.end[s]);
-        }
-        moved = true;
-      }
-  }
-  for (std::size_t s = 0; s < d; ++s)
-    if (next[s] < order[s].size())
-      throw std::logic_error("chunk_pipeline: the stages' orders wait for each other");
+  AfterOp optimizer_step;  // 2bw: the step's optimizer step after its last backward
+  if (two_bw)
+    optimizer_step = [&](std::size_t s, const ComputeSlot& op, double end) {
+      if (!op.backward || op.microbatch != p.m - 1) return end;
+      tail_end[s].push_back(end + all[s].optimizer_s);
+      return tail_end[s].back();
+    };
+  const OrderWalk walk = walk_compute_orders(p, order, dur, hop_s, steps, optimizer_step);
+  ChunkPipeline out;
+  out.start = walk.start;
+  out.end = walk.end;
   for (std::size_t s = 0; s < d; ++s) {
     if (two_bw) {  // the steady step: from the end of step 1's optimizer step to step 2's compute
       out.start[s] = tail_end[s].at(1);

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "common/limits.hpp"
+#include "planner/order_walk.hpp"
 
 namespace pw::planner {
 
@@ -1035,16 +1036,17 @@ double steady_period(const Plan& p, const std::vector<StageCost>& st) {
 
 namespace {
 
-// Interleaved: one step of the schedule walked op by op (each stage's step_compute_order), each op
-// starting when its stage's previous op has ended and, but for the first virtual stage's forwards
-// and the last one's backwards, one hop after the virtual stage before it (forward) or after it
-// (backward) ended the same microbatch. A model chunk's forward and backward take their part of
-// t_f(s) and t_b(s) (StageCost::chunk_forward_s, chunk_backward_s; a recompute is in its
-// backward's). Exact without contention, whatever the model chunks and stages (layers not
-// divisible by d v, uneven stage_blocks); (m + (d-1)/v)(t_f + t_b) + 2(d-1)c when all alike.
-// chunk_pipeline (planner/chunks.cpp) walks the same way with offload chunks' moments.
+// Interleaved: one step of the schedule walked op by op (walk_compute_orders over each stage's
+// step_compute_order: an op starts when its stage's previous op has ended and, but for the first
+// virtual stage's forwards and the last one's backwards, one hop after the virtual stage before
+// it (forward) or after it (backward) ended the same microbatch). A model chunk's forward and
+// backward take their part of t_f(s) and t_b(s) (StageCost::chunk_forward_s, chunk_backward_s; a
+// recompute is in its backward's). Exact without contention, whatever the model chunks and stages
+// (layers not divisible by d v, uneven stage_blocks); (m + (d-1)/v)(t_f + t_b) + 2(d-1)c when all
+// alike.
+// chunk_pipeline (planner/chunks.cpp) walks with offload chunks' moments.
 double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
-  const std::size_t d = std::size_t(p.d), v = std::size_t(p.v), m = std::size_t(p.m);
+  const std::size_t d = std::size_t(p.d), v = std::size_t(p.v);
   auto part = [](double total, const std::vector<double>& parts, std::size_t c) {
     double sum = 0;
     for (double x : parts)
@@ -1054,50 +1056,18 @@ double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
     return total * parts[c] / sum;
   };
   std::vector<std::vector<ComputeSlot>> order(d);
-  std::vector<std::vector<double>> forward(d), backward(d);  // per stage, per model chunk
+  std::vector<std::vector<double>> duration(d);
+  std::vector<double> hop(d);  // one message: send_s is a microbatch's v of them
   for (std::size_t s = 0; s < d; ++s) {
     order[s] = step_compute_order(p, int(s));
-    for (std::size_t c = 0; c < v; ++c) {
-      forward[s].push_back(part(st[s].forward_s, st[s].chunk_forward_s, c));
-      backward[s].push_back(part(st[s].backward_s, st[s].chunk_backward_s, c));
-    }
+    for (const ComputeSlot& op : order[s])
+      duration[s].push_back(
+          op.backward ? part(st[s].backward_s, st[s].chunk_backward_s, std::size_t(op.chunk))
+                      : part(st[s].forward_s, st[s].chunk_forward_s, std::size_t(op.chunk)));
+    hop[s] = st[s].send_s / double(v);
   }
-  // When stage s's forward and backward of (model chunk c, microbatch j) end, at [s][c m + j];
-  // -1: not yet.
-  std::vector<std::vector<double>> forward_end(d, std::vector<double>(v * m, -1.0));
-  std::vector<std::vector<double>> backward_end = forward_end;
-  std::vector<double> end(d, 0.0);
-  std::vector<std::size_t> next(d, 0);
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (std::size_t s = 0; s < d; ++s)
-      for (std::size_t& i = next[s]; i < order[s].size(); ++i) {
-        const ComputeSlot& op = order[s][i];
-        const std::size_t c = std::size_t(op.chunk), j = std::size_t(op.microbatch);
-        const std::size_t vs = c * d + s;
-        double ready = end[s];
-        if (op.backward ? vs + 1 < v * d : vs > 0) {
-          const std::size_t from_vs = op.backward ? vs + 1 : vs - 1, from = from_vs % d;
-          const double sent =
-              (op.backward ? backward_end : forward_end)[from][(from_vs / d) * m + j];
-          if (sent < 0) break;
-          // One hop: send_s is a microbatch's v messages over the link from stage s to s + 1
-          // (and the gradients back).
-          const std::size_t link = op.backward ? s : from;
-          ready = std::max(ready, sent + st[link].send_s / double(v));
-        }
-        end[s] = ready + (op.backward ? backward : forward)[s][c];
-        (op.backward ? backward_end : forward_end)[s][c * m + j] = end[s];
-        moved = true;
-      }
-  }
-  double makespan = 0;
-  for (std::size_t s = 0; s < d; ++s) {
-    if (next[s] < order[s].size())
-      throw std::logic_error("interleaved_walk: the stages' orders wait for each other");
-    makespan = std::max(makespan, end[s]);
-  }
-  return makespan;
+  const OrderWalk walk = walk_compute_orders(p, order, duration, hop, 1);
+  return *std::max_element(walk.end.begin(), walk.end.end());
 }
 
 }  // namespace
