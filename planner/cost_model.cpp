@@ -1043,8 +1043,7 @@ namespace {
 // backward take their part of t_f(s) and t_b(s) (StageCost::chunk_forward_s, chunk_backward_s; a
 // recompute is in its backward's). Exact without contention, whatever the model chunks and stages
 // (layers not divisible by d v, uneven stage_blocks); (m + (d-1)/v)(t_f + t_b) + 2(d-1)c when all
-// alike.
-// chunk_pipeline (planner/chunks.cpp) walks with offload chunks' moments.
+// alike. chunk_pipeline (planner/chunks.cpp) walks the same way with offload chunks' moments.
 double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
   const std::size_t d = std::size_t(p.d), v = std::size_t(p.v);
   auto part = [](double total, const std::vector<double>& parts, std::size_t c) {
@@ -1081,9 +1080,8 @@ double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
 //   interleaved  (m + (d-1)/v)(t_f + t_b) + 2(d - 1)c
 // With stages or hops that differ, 2BW's period is the largest cycle mean P (steady_period) and
 // 1F1B's exposed round trip per microbatch P - T_max; both reduce to the figures above.
-// Interleaved with model chunks that differ (layers not divisible by d v): the fill and drain
-// pass through each stage's model chunk 0 (share f_s of T_s), so the step is
-// max_k (m - f_k) max(T_k, L) + sum_s f_s T_s + comm, (m + (d-1)/v)(t_f + t_b) + comm when alike.
+// Interleaved walks its compute order (interleaved_walk, at least m L): exact without contention
+// whatever its model chunks and stages, the figure above when they are alike.
 double pipeline_time(const Plan& p, const std::vector<StageCost>& st) {
   double slowest = 0, sum = 0, comm = 0, hop = 0, link_bound = 0;
   for (const auto& s : st) {

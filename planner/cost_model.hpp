@@ -272,8 +272,8 @@ struct StageCost {
   double backward_s = 0;        // t_b(s), including the recompute forward when recomputing
   double tp_s = 0;              // TP collectives inside forward_s + backward_s
   // Per model chunk: its part of one microbatch's forward (TP collectives included) and backward
-  // (recompute and TP included), before offload and swaps; interleaved walks its programs with
-  // t_f(s) and t_b(s) split in these proportions (pipeline_time).
+  // (recompute and TP included), before offload and swaps; the interleaved closed form walks its
+  // compute order with t_f(s) and t_b(s) split in these proportions (pipeline_time).
   std::vector<double> chunk_forward_s, chunk_backward_s;
   double optimizer_s = 0;  // AdamW over the stage's parameters (its shard with the
                            // distributed optimizer); with offload the host step
