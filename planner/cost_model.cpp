@@ -1046,23 +1046,26 @@ namespace {
 // alike. chunk_pipeline (planner/chunks.cpp) walks the same way with offload chunks' moments.
 double interleaved_walk(const Plan& p, const std::vector<StageCost>& st) {
   const std::size_t d = std::size_t(p.d), v = std::size_t(p.v);
-  auto part = [](double total, const std::vector<double>& parts, std::size_t c) {
+  // `total` split over the model chunks in the proportions of `parts` (evenly without them).
+  auto split = [v](double total, const std::vector<double>& parts) {
     double sum = 0;
     for (double x : parts)
       sum += x;
-    if (sum <= 0 || c >= parts.size())
-      return total / double(std::max<std::size_t>(1, parts.size()));
-    return total * parts[c] / sum;
+    std::vector<double> out(v, total / double(v));
+    if (sum > 0 && parts.size() == v)
+      for (std::size_t c = 0; c < v; ++c)
+        out[c] = total * parts[c] / sum;
+    return out;
   };
   std::vector<std::vector<ComputeSlot>> order(d);
   std::vector<std::vector<double>> duration(d);
   std::vector<double> hop(d);  // one message: send_s is a microbatch's v of them
   for (std::size_t s = 0; s < d; ++s) {
+    const std::vector<double> forward = split(st[s].forward_s, st[s].chunk_forward_s);
+    const std::vector<double> backward = split(st[s].backward_s, st[s].chunk_backward_s);
     order[s] = step_compute_order(p, int(s));
     for (const ComputeSlot& op : order[s])
-      duration[s].push_back(
-          op.backward ? part(st[s].backward_s, st[s].chunk_backward_s, std::size_t(op.chunk))
-                      : part(st[s].forward_s, st[s].chunk_forward_s, std::size_t(op.chunk)));
+      duration[s].push_back((op.backward ? backward : forward).at(std::size_t(op.chunk)));
     hop[s] = st[s].send_s / double(v);
   }
   const OrderWalk walk = walk_compute_orders(p, order, duration, hop, 1);
