@@ -1,15 +1,21 @@
 // What both workers (CPU and CUDA) share of offload's rules (docs/formulas.md section 9,
 // exec/README.md "The device interface"): which parameters the host updates and in which CPU Adam
 // tiles, which of a layer's gradients stream to the host, which weight slot the uploads write,
-// when a swapped stash's device buffer goes, and the timeline op a backward's copies belong to.
+// when a swapped stash's device buffer goes (and the whole life of a swap: `Swaps`), and the
+// timeline op a backward's copies belong to.
 // Host-only, backend-independent: tested on the CPU (tests/test_offload_exec.cpp).
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "common/error.hpp"
 #include "exec/stage_compute.hpp"
 #include "planner/plan.hpp"
 #include "planner/program.hpp"
@@ -83,6 +89,89 @@ class HeldDownloads {
 
  private:
   std::deque<std::pair<int, T>> held_;
+};
+
+// Activation offload's swapped stashes (KARMA's swap; docs/formulas.md section 9), the one life
+// both workers give them: out after the forward, the device buffer released at the rule of
+// HeldDownloads (or earlier under a budget, oldest first), back on an upload issued at its op
+// after its own download's buffer is gone, and the stage's stash again at the backward. The rule
+// is here once; the worker `W` does only what a device does (exec/README.md, "The device
+// interface"), for its `Swap` (a device buffer, a host copy, the copies' events):
+//   void swap_out(Swap&, const Key&, int op)  takes the stage's stash of the key into the swap,
+//       gives it a host buffer and issues the download after the forward that wrote it
+//   void swap_done(Swap&)                     waits for the download, frees the device buffer
+//   void swap_in(const std::shared_ptr<Swap>&, int op)  a device buffer from now, the upload
+//                                             issued after the download (the copy may keep it)
+//   bool swapped_in(const Swap&)              whether the upload was issued
+//   void swap_back(Swap&, const Key&)         the upload waited for, the device buffer the stage's
+//                                             stash of the key again, the host buffer given back
+// `op` is the program op (the timeline's). Tested with a device that records its calls
+// (tests/test_offload_exec.cpp) and through both workers.
+template <class W, class Swap, class Key>
+class Swaps {
+ public:
+  explicit Swaps(W& w) : w_(w) {}
+  Swaps(const Swaps&) = delete;
+  Swaps& operator=(const Swaps&) = delete;
+
+  // copy_activation_to_host of `key`, whose forward was compute op `forward` (counted from 0).
+  void to_host(const Key& key, int forward, int op) {
+    auto sw = std::make_shared<Swap>();
+    w_.swap_out(*sw, key, op);
+    downloads_.push(forward, sw);
+    by_key_[key] = std::move(sw);
+  }
+  // The downloads due when compute slot `compute_op` begins (its upload, receive or compute op):
+  // their device buffers go.
+  void release_due(int compute_op) {
+    while (downloads_.due(compute_op))
+      reclaim();
+  }
+  // The oldest held download's device buffer, early (an allocation over the budget); false: none.
+  bool reclaim() {
+    if (downloads_.empty()) return false;
+    const std::shared_ptr<Swap> sw = downloads_.pop();
+    w_.swap_done(*sw);
+    return true;
+  }
+  // copy_activation_to_device of `key`, beginning compute slot `compute_op`. Throws Error naming
+  // `rank` when the stash never went to the host.
+  void to_device(const Key& key, int compute_op, int op, int rank) {
+    const auto it = by_key_.find(key);
+    if (it == by_key_.end())
+      throw Error(fmt::format(
+          "rank {}: copy_activation_to_device of a stash that never went to the host", rank));
+    const std::shared_ptr<Swap> sw = it->second;
+    release_due(compute_op);
+    // Its download's device buffer gone (always, with the schedule's gap between the two)...
+    while (downloads_.holds(sw))
+      reclaim();
+    // ...it is on the device again from the upload's issue.
+    w_.swap_in(sw, op);
+  }
+  // At the backward of `key`: its stash back from the host; false when it never went there.
+  // Throws Error naming `rank` when the upload was not issued.
+  bool back(const Key& key, int rank) {
+    const auto it = by_key_.find(key);
+    if (it == by_key_.end()) return false;
+    const std::shared_ptr<Swap> sw = it->second;
+    by_key_.erase(it);
+    if (!w_.swapped_in(*sw))
+      throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank));
+    w_.swap_back(*sw, key);
+    return true;
+  }
+  // Forgets every swap (the worker's teardown), without waiting for their copies.
+  void clear() {
+    by_key_.clear();
+    while (!downloads_.empty())
+      downloads_.pop();
+  }
+
+ private:
+  W& w_;
+  std::map<Key, std::shared_ptr<Swap>> by_key_;
+  HeldDownloads<std::shared_ptr<Swap>> downloads_;
 };
 
 }  // namespace pw::exec::detail

@@ -181,7 +181,7 @@ void Worker::setup_offload() {
   d2h_ = std::make_unique<CopyEngine>();
   h2d_ = std::make_unique<CopyEngine>();
   // A growth past --device-memory first takes back the buffers of the stashes on their way out.
-  if (swaps_) memory_->set_reclaim([this] { return reclaim_download(); });
+  if (swaps_) memory_->set_reclaim([this] { return swapped_.reclaim(); });
   if (!offload_optimizer_) return;
   host_cpu_ = std::make_unique<CopyEngine>();
   std::int64_t largest = 0;
@@ -230,21 +230,56 @@ void Worker::setup_offload() {
       b = Buffer(memory_, Category::gradients, largest);
 }
 
-// A swapped stash's device buffer is released when the second compute slot after its forward
-// begins (its upload, receive or compute op), its download done (waited for if still running):
-// the planner's account (a download overlaps the slot after its forward), so the device's peak is
-// the predicted one. Earlier only when an allocation would not fit the budget (reclaim_download).
-void Worker::release_downloads(int compute_op) {
-  while (downloads_.due(compute_op))
-    reclaim_download();
+// A swapped stash's device part (exec/offload.hpp, Swaps, has the rule of when each runs): the
+// download on the device-to-host engine, the upload on the host-to-device engine after it.
+void Worker::swap_out(Swap& sw, const Key& key, int op) {
+  const auto it = stash_.find(key);
+  if (it == stash_.end())
+    throw Error(
+        fmt::format("rank {}: copy_activation_to_host of a stash the forward did not keep", rank_));
+  sw.device = std::move(it->second);
+  stash_.erase(it);
+  sw.floats = sw.device.size();
+  sw.host = Buffer(&host_, Category::activations, sw.floats, &host_buffers_);
+  const float* src = sw.device.data();
+  float* dst = sw.host.data();
+  const std::int64_t n = sw.floats;
+  Worker* w = this;
+  sw.down = d2h_->submit([w, src, dst, n, op] {
+    const auto t0 = Clock::now();
+    std::copy_n(src, n, dst);
+    const std::int64_t bytes = n * std::int64_t(sizeof(float));
+    w->bytes_out_ += bytes;
+    w->activation_bytes_out_ += bytes;
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
 }
 
-bool Worker::reclaim_download() {
-  if (downloads_.empty()) return false;
-  const std::shared_ptr<Swap> sw = downloads_.pop();
-  d2h_->wait(sw->down);
-  sw->device = Buffer();
-  return true;
+void Worker::swap_done(Swap& sw) {
+  d2h_->wait(sw.down);
+  sw.device = Buffer();
+}
+
+// The host buffer goes on the engine once the upload has read it.
+void Worker::swap_in(const std::shared_ptr<Swap>& sw, int op) {
+  sw->device = Buffer(memory_, Category::activations, sw->floats, &pool_);
+  Worker* w = this;
+  const CopyEngine::Ticket down = sw->down;
+  sw->up = h2d_->submit([w, s = sw, down, op] {
+    w->d2h_->wait(down);
+    const auto t0 = Clock::now();
+    std::copy_n(s->host.data(), s->floats, s->device.data());
+    const std::int64_t bytes = s->floats * std::int64_t(sizeof(float));
+    w->bytes_in_ += bytes;
+    w->activation_bytes_in_ += bytes;
+    s->host = Buffer();
+    w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
+  });
+}
+
+void Worker::swap_back(Swap& sw, const Key& key) {
+  h2d_->wait(sw.up);
+  stash_[key] = std::move(sw.device);
 }
 
 float* Worker::tied_grad(Chunk& c) {
@@ -332,55 +367,14 @@ void Worker::offload_op(const Op& op) {
   const int at = op_;
   Worker* w = this;
   switch (op.kind) {
-    case OpKind::copy_activation_to_host: {
-      auto sw = std::make_shared<Swap>();
-      sw->device = std::move(stash_.at(key));
-      stash_.erase(key);
-      sw->floats = sw->device.size();
-      sw->host = Buffer(&host_, Category::activations, sw->floats, &host_buffers_);
-      const float* src = sw->device.data();
-      float* dst = sw->host.data();
-      const std::int64_t n = sw->floats;
-      sw->down = d2h_->submit([w, src, dst, n, at] {
-        const auto t0 = Clock::now();
-        std::copy_n(src, n, dst);
-        const std::int64_t bytes = n * std::int64_t(sizeof(float));
-        w->bytes_out_ += bytes;
-        w->activation_bytes_out_ += bytes;
-        w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
-      });
-      // The device buffer goes when the copy is done (release_downloads).
-      downloads_.push(compute_ops_ - 1, sw);
-      swaps_by_key_[key] = sw;
+    case OpKind::copy_activation_to_host:
+      // The forward was compute op compute_ops_ - 1; its device buffer goes at Swaps' rule.
+      swapped_.to_host(key, compute_ops_ - 1, at);
       return;
-    }
-    case OpKind::copy_activation_to_device: {
-      const auto it = swaps_by_key_.find(key);
-      if (it == swaps_by_key_.end())
-        throw Error(fmt::format("rank {}: {} of a stash that never went to the host", rank_,
-                                planner::to_string(op.kind)));
-      const std::shared_ptr<Swap> sw = it->second;
-      const CopyEngine::Ticket down = sw->down;
-      release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
-      release_sends(compute_ops_);
-      // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
-      while (downloads_.holds(sw))
-        reclaim_download();
-      // ...it is on the device again from the upload's issue (before the op preceding its
-      // backward).
-      sw->device = Buffer(memory_, Category::activations, sw->floats, &pool_);
-      sw->up = h2d_->submit([w, sw, down, at] {
-        w->d2h_->wait(down);
-        const auto t0 = Clock::now();
-        std::copy_n(sw->host.data(), sw->floats, sw->device.data());
-        const std::int64_t bytes = sw->floats * std::int64_t(sizeof(float));
-        w->bytes_in_ += bytes;
-        w->activation_bytes_in_ += bytes;
-        sw->host = Buffer();
-        w->copy_record(planner::kCopyInStream, t0, Clock::now(), at);
-      });
+    case OpKind::copy_activation_to_device:
+      release_sends(compute_ops_);  // this op begins compute slot compute_ops_
+      swapped_.to_device(key, compute_ops_, at, rank_);
       return;
-    }
     case OpKind::copy_gradient_to_host: {
       if (op.microbatch >= 0) {  // the backward's layers: ends when the last has arrived
         d2h_->wait(last_gradient_copy_);
@@ -678,7 +672,7 @@ void Worker::send(const Op& op, Channel channel) {
 
 void Worker::recv(const Op& op, Channel channel) {
   const Key key{op.step, op.microbatch, op.chunk};
-  if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
+  if (swaps_) swapped_.release_due(compute_ops_);  // a compute slot begins
   release_sends(compute_ops_);
   if (chunked_) make_message_room(1);
   const auto t0 = Clock::now();
@@ -706,7 +700,7 @@ const float* Worker::params(const Chunk& c, int version) const {
 void Worker::forward(const Op& op) {
   if (chunked_) return chunk_forward(op);
   const Key key{op.step, op.microbatch, op.chunk};
-  if (swaps_) release_downloads(compute_ops_);
+  if (swaps_) swapped_.release_due(compute_ops_);
   release_sends(compute_ops_);
   ++compute_ops_;
   Chunk& c = chunks_[std::size_t(op.chunk)];
@@ -831,17 +825,11 @@ void Worker::backward(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
-  if (swaps_) release_downloads(compute_ops_);
+  if (swaps_) swapped_.release_due(compute_ops_);
   release_sends(compute_ops_);
   ++compute_ops_;
   wait_grads(std::size_t(op.chunk));  // its gradients accumulate into what a collective may read
-  if (const auto it = swaps_by_key_.find(key); it != swaps_by_key_.end()) {
-    if (it->second->up == 0)
-      throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank_));
-    h2d_->wait(it->second->up);  // the stash is back on the device
-    stash_[key] = std::move(it->second->device);
-    swaps_by_key_.erase(it);
-  }
+  if (swaps_) swapped_.back(key, rank_);  // a swapped stash: on the device again
   const float* full = c.mixed || blocks_ ? nullptr
                       : rc               ? full_.at(key).data()
                                          : stash_.at(key).data();

@@ -328,13 +328,16 @@ class Worker {
   CopyEngine::Ticket last_upload_ = 0;
   int upload_slot_ = -1;     // the weight slot this step's uploads write
   BufferPool host_buffers_;  // the swapped stashes' host storage, reused
-  std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
-  // Downloads whose device buffer is still held, oldest first, with their forward's compute index:
-  // released, done, when the second compute slot after that forward begins (or under a budget).
-  HeldDownloads<std::shared_ptr<Swap>> downloads_;
+  // The swapped stashes, their life the shared rule's (exec/offload.hpp, Swaps); the device's part
+  // below (swap_out .. swap_back).
+  friend class Swaps<Worker, Swap, Key>;
+  Swaps<Worker, Swap, Key> swapped_{*this};
+  void swap_out(Swap& sw, const Key& key, int op);
+  void swap_done(Swap& sw);
+  void swap_in(const std::shared_ptr<Swap>& sw, int op);
+  bool swapped_in(const Swap& sw) const { return sw.up != 0; }
+  void swap_back(Swap& sw, const Key& key);
   int compute_ops_ = 0;  // forwards and backwards begun
-  void release_downloads(int compute_op);
-  bool reclaim_download();
   std::atomic<std::int64_t> bytes_out_{0}, bytes_in_{0}, activation_bytes_out_{0},
       activation_bytes_in_{0};
   // Chunks with 2bw: the bytes of copies issued in the run's first or last segment.

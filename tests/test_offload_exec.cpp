@@ -7,7 +7,10 @@
 #include <cmath>
 #include <functional>
 #include <set>
+#include <string>
+#include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "clusters/cluster.hpp"
@@ -1016,6 +1019,73 @@ TEST(OffloadRules, TilesRangesSlotsAndReleases) {
   EXPECT_EQ(held.pop(), 8);
   EXPECT_TRUE(held.empty());
   EXPECT_FALSE(held.holds(8));
+}
+
+// A device for Swaps that records what it is asked to do, in order: the life of a swapped stash
+// (the rule both workers run) checked call by call.
+struct SwapLog {
+  struct Swap {
+    int key = -1;
+    bool up = false;
+  };
+  std::vector<std::string> calls;
+  void swap_out(Swap& sw, const int& key, int op) {
+    sw.key = key;
+    calls.push_back(fmt::format("out {} op {}", key, op));
+  }
+  void swap_done(Swap& sw) { calls.push_back(fmt::format("done {}", sw.key)); }
+  void swap_in(const std::shared_ptr<Swap>& sw, int op) {
+    sw->up = true;
+    calls.push_back(fmt::format("in {} op {}", sw->key, op));
+  }
+  bool swapped_in(const Swap& sw) const { return sw.up; }
+  void swap_back(Swap& sw, const int& key) {
+    EXPECT_EQ(sw.key, key);
+    calls.push_back(fmt::format("back {}", key));
+  }
+};
+
+TEST(OffloadRules, SwapsReleaseAtTheSecondSlotReclaimOldestFirstAndUploadAfterTheirDownload) {
+  SwapLog log;
+  detail::Swaps<SwapLog, SwapLog::Swap, int> swaps(log);
+  swaps.to_host(10, 0, 1);  // microbatch 10's forward was compute op 0; its copy is program op 1
+  swaps.to_host(11, 1, 3);
+  swaps.release_due(1);  // the slot after the forward: the download overlaps it, nothing goes
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"out 10 op 1", "out 11 op 3"}));
+  swaps.release_due(2);  // the second slot after forward 0
+  EXPECT_EQ(log.calls.back(), "done 10");
+  EXPECT_TRUE(swaps.reclaim());  // a budget's early release: the oldest held
+  EXPECT_EQ(log.calls.back(), "done 11");
+  EXPECT_FALSE(swaps.reclaim());  // none held
+  // An upload whose download's buffer is still held (not yet due) releases it first.
+  swaps.to_host(12, 4, 7);
+  swaps.to_device(12, 5, 8, 3);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"out 10 op 1", "out 11 op 3", "done 10", "done 11",
+                                                 "out 12 op 7", "done 12", "in 12 op 8"}));
+  // The backward takes it back once, and only after its upload was issued.
+  EXPECT_TRUE(swaps.back(12, 3));
+  EXPECT_EQ(log.calls.back(), "back 12");
+  EXPECT_FALSE(swaps.back(12, 3));  // not swapped (any more): the stash stayed on the device
+  try {
+    swaps.back(11, 3);
+    ADD_FAILURE() << "a backward before its upload was taken";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rank 3: backward before its stash is back on the device");
+  }
+  try {
+    swaps.to_device(99, 6, 9, 3);
+    ADD_FAILURE() << "an upload of a stash that never went down was taken";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "rank 3: copy_activation_to_device of a stash that never went to the host");
+  }
+  // Uploads due by the slot release their downloads at the slot, before their own.
+  swaps.to_host(20, 10, 20);
+  swaps.to_host(21, 11, 22);
+  swaps.to_device(21, 12, 24, 3);  // slot 12: download 20 due; 21 held until its upload
+  EXPECT_EQ(std::vector<std::string>(log.calls.end() - 5, log.calls.end()),
+            (std::vector<std::string>{"out 20 op 20", "out 21 op 22", "done 20", "done 21",
+                                      "in 21 op 24"}));
 }
 
 }  // namespace

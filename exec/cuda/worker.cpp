@@ -172,9 +172,7 @@ CudaWorker::~CudaWorker() {
   d_inputs_.clear();
   to_self_.clear();
   retired_.clear();
-  swaps_by_key_.clear();
-  while (!downloads_.empty())
-    downloads_.pop();
+  swapped_.clear();
   for (Tensor& t : grad_tiles_)
     t = Tensor();
   for (HostChunk& h : host_chunks_)
@@ -345,7 +343,7 @@ void CudaWorker::send(const Op& op, Channel channel) {
 }
 
 void CudaWorker::recv(const Op& op, Channel channel) {
-  if (swaps_) release_downloads(compute_ops_);  // a compute slot begins
+  if (swaps_) swapped_.release_due(compute_ops_);  // a compute slot begins
   const Chunk& c = chunks_[std::size_t(op.chunk)];
   if (channel == Channel::activation)
     recv(op, channel, inputs_, c.sizes.input);
@@ -441,7 +439,7 @@ void CudaWorker::forward(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
-  if (swaps_) release_downloads(compute_ops_);
+  if (swaps_) swapped_.release_due(compute_ops_);
   ++compute_ops_;
   std::vector<std::int32_t> tokens, targets;
   if (c.first || c.last)
@@ -493,20 +491,9 @@ void CudaWorker::backward(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const planner::Plan& p = s_.plan();
   const bool rc = p.recomputes(stage_);
-  if (swaps_) release_downloads(compute_ops_);
+  if (swaps_) swapped_.release_due(compute_ops_);
   ++compute_ops_;
-  if (const auto it = swaps_by_key_.find(key); it != swaps_by_key_.end()) {
-    const std::shared_ptr<Swap> sw = it->second;
-    swaps_by_key_.erase(it);
-    if (!sw->up)
-      throw Error(fmt::format("rank {}: backward before its stash is back on the device", rank_));
-    wait(compute_, sw->up);  // the stash is back on the device
-    stash_[key] = Held{std::move(sw->device), nullptr};
-    // The host block is free once the upload has read it: the next download into it waits.
-    give_pinned(sw->host, sw->bytes, sw->up);
-    sw->up = nullptr;
-    host_.add(Category::activations, -sw->bytes);
-  }
+  if (swaps_) swapped_.back(key, rank_);  // a swapped stash: on the device again
   Held stash = take(stash_, key, "stash", rank_);
   Held full;
   if (rc) full = take(full_, key, "recomputed stash", rank_);
@@ -911,7 +898,7 @@ void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
   // A growth past --device-memory first takes back the buffers of the stashes on their way out,
   // then waits for the oldest block retired on a stream (the CPU worker has none: it releases at
   // fixed points), before the counter gives up with its one line.
-  memory_.set_reclaim([this] { return (swaps_ && reclaim_download()) || reclaim_retired(); });
+  memory_.set_reclaim([this] { return (swaps_ && swapped_.reclaim()) || reclaim_retired(); });
   if (!offload_optimizer_) return;
   std::int64_t largest = 0;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
@@ -968,14 +955,6 @@ void CudaWorker::timed(int stream_id, cudaStream_t stream, int op,
   pending_.push_back({stream_id, op, begin, record(stream)});
 }
 
-// A swapped stash's device buffer goes when the second compute slot after its forward begins, its
-// download done (exec/offload.hpp, HeldDownloads; the host waits for it if it is still running),
-// or earlier when an allocation would not fit --device-memory (reclaim_download).
-void CudaWorker::release_downloads(int compute_op) {
-  while (downloads_.due(compute_op))
-    reclaim_download();
-}
-
 bool CudaWorker::reclaim_retired() {
   if (retired_.empty()) return false;
   host_wait(retired_.front().done, "free a retired block");
@@ -984,13 +963,55 @@ bool CudaWorker::reclaim_retired() {
   return true;
 }
 
-bool CudaWorker::reclaim_download() {
-  if (downloads_.empty()) return false;
-  const std::shared_ptr<Swap> sw = downloads_.pop();
-  host_wait(sw->down, "copy a stash to the host");
+// A swapped stash's device part (exec/offload.hpp, Swaps, has the rule of when each runs): the
+// download on the device-to-host stream after the forward, the upload on the host-to-device
+// stream after the download, into pinned host blocks. Its device buffer goes when Swaps says,
+// the host waiting for the download if it is still running.
+void CudaWorker::swap_out(Swap& sw, const Key& key, int op) {
+  Held stash = take(stash_, key, "stash to swap", rank_);
+  sw.device = std::move(stash.tensor);
+  sw.bytes = sw.device.bytes();
+  sw.host = take_pinned(sw.bytes, d2h_);
+  host_.add(Category::activations, sw.bytes);
+  const cudaEvent_t produced = record(compute_);  // the forward wrote it
+  wait(d2h_, produced);
+  pool_.push_back(produced);
+  timed(planner::kCopyOutStream, d2h_, op, [&] {
+    CUDA_CHECK(cudaMemcpyAsync(sw.host, sw.device.as<void>(), std::size_t(sw.bytes),
+                               cudaMemcpyDeviceToHost, d2h_));
+  });
+  sw.down = record(d2h_);
+  bytes_out_ += sw.bytes;
+  activation_bytes_out_ += sw.bytes;
+}
+
+void CudaWorker::swap_done(Swap& sw) {
+  host_wait(sw.down, "copy a stash to the host");
   // The download has read it and the forward that wrote it is done: free at once.
-  sw->device = Tensor();
-  return true;
+  sw.device = Tensor();
+}
+
+void CudaWorker::swap_in(const std::shared_ptr<Swap>& sw, int op) {
+  sw->device = tensor(Category::activations, sw->bytes);
+  wait(h2d_, sw->down);
+  pool_.push_back(sw->down);
+  sw->down = nullptr;
+  timed(planner::kCopyInStream, h2d_, op, [&] {
+    CUDA_CHECK(cudaMemcpyAsync(sw->device.as<void>(), sw->host, std::size_t(sw->bytes),
+                               cudaMemcpyHostToDevice, h2d_));
+  });
+  sw->up = record(h2d_);
+  bytes_in_ += sw->bytes;
+  activation_bytes_in_ += sw->bytes;
+}
+
+void CudaWorker::swap_back(Swap& sw, const Key& key) {
+  wait(compute_, sw.up);  // the stash is back on the device
+  stash_[key] = Held{std::move(sw.device), nullptr};
+  // The host block is free once the upload has read it: the next download into it waits.
+  give_pinned(sw.host, sw.bytes, sw.up);
+  sw.up = nullptr;
+  host_.add(Category::activations, -sw.bytes);
 }
 
 void* CudaWorker::take_pinned(std::int64_t bytes, cudaStream_t writer) {
@@ -1022,52 +1043,13 @@ void CudaWorker::offload(const Op& op) {
                             planner::to_string(op.kind)));
   const Key key{op.step, op.microbatch, op.chunk};
   switch (op.kind) {
-    case OpKind::copy_activation_to_host: {
-      Held stash = take(stash_, key, "stash to swap", rank_);
-      auto sw = std::make_shared<Swap>();
-      sw->device = std::move(stash.tensor);
-      sw->bytes = sw->device.bytes();
-      sw->host = take_pinned(sw->bytes, d2h_);
-      host_.add(Category::activations, sw->bytes);
-      const cudaEvent_t produced = record(compute_);  // the forward wrote it
-      wait(d2h_, produced);
-      pool_.push_back(produced);
-      timed(planner::kCopyOutStream, d2h_, op_, [&] {
-        CUDA_CHECK(cudaMemcpyAsync(sw->host, sw->device.as<void>(), std::size_t(sw->bytes),
-                                   cudaMemcpyDeviceToHost, d2h_));
-      });
-      sw->down = record(d2h_);
-      bytes_out_ += sw->bytes;
-      activation_bytes_out_ += sw->bytes;
-      // The device buffer goes when the copy is done (release_downloads).
-      downloads_.push(compute_ops_ - 1, sw);
-      swaps_by_key_[key] = sw;
+    case OpKind::copy_activation_to_host:
+      // The forward was compute op compute_ops_ - 1; its device buffer goes at Swaps' rule.
+      swapped_.to_host(key, compute_ops_ - 1, op_);
       return;
-    }
-    case OpKind::copy_activation_to_device: {
-      const auto it = swaps_by_key_.find(key);
-      if (it == swaps_by_key_.end())
-        throw Error(fmt::format("rank {}: {} of a stash that never went to the host", rank_,
-                                planner::to_string(op.kind)));
-      const std::shared_ptr<Swap> sw = it->second;
-      release_downloads(compute_ops_);  // this op begins compute slot compute_ops_
-      // Its download's device buffer gone (always, with kSwapGap compute ops in between)...
-      while (downloads_.holds(sw))
-        reclaim_download();
-      // ...it is on the device again from the upload's issue.
-      sw->device = tensor(Category::activations, sw->bytes);
-      wait(h2d_, sw->down);
-      pool_.push_back(sw->down);
-      sw->down = nullptr;
-      timed(planner::kCopyInStream, h2d_, op_, [&] {
-        CUDA_CHECK(cudaMemcpyAsync(sw->device.as<void>(), sw->host, std::size_t(sw->bytes),
-                                   cudaMemcpyHostToDevice, h2d_));
-      });
-      sw->up = record(h2d_);
-      bytes_in_ += sw->bytes;
-      activation_bytes_in_ += sw->bytes;
+    case OpKind::copy_activation_to_device:  // begins compute slot compute_ops_
+      swapped_.to_device(key, compute_ops_, op_, rank_);
       return;
-    }
     case OpKind::copy_gradient_to_host: {
       if (!offload_optimizer_) break;
       if (op.microbatch >= 0) {  // the backward's layers: the next compute waits for the last

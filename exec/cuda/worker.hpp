@@ -193,8 +193,13 @@ class CudaWorker {
   // Enqueues on `stream` between two events, timed as program op `op` on the timeline's
   // `stream_id` (beside an open compute interval).
   void timed(int stream_id, cudaStream_t stream, int op, const std::function<void()>& enqueue);
-  void release_downloads(int compute_op);
-  bool reclaim_download();
+  // The swapped stashes, their life the shared rule's (exec/offload.hpp, Swaps): the device's
+  // part, on the copy streams.
+  void swap_out(Swap& sw, const Key& key, int op);
+  void swap_done(Swap& sw);
+  void swap_in(const std::shared_ptr<Swap>& sw, int op);
+  bool swapped_in(const Swap& sw) const { return sw.up != nullptr; }
+  void swap_back(Swap& sw, const Key& key);
   bool reclaim_retired();  // waits for the oldest retired block and frees it; false: none
   // Waits on the host (polled, with the transport's timeout and abort) for `e`.
   void host_wait(cudaEvent_t e, const char* what);
@@ -281,8 +286,8 @@ class CudaWorker {
   cudaEvent_t last_gradient_copy_ = nullptr;  // after the last backward's last tile
   cudaEvent_t last_upload_ = nullptr;
   int upload_slot_ = -1;  // the weight slot this step's uploads write
-  std::map<Key, std::shared_ptr<Swap>> swaps_by_key_;
-  exec::detail::HeldDownloads<std::shared_ptr<Swap>> downloads_;
+  friend class exec::detail::Swaps<CudaWorker, Swap, Key>;
+  exec::detail::Swaps<CudaWorker, Swap, Key> swapped_{*this};
   int compute_ops_ = 0;  // forwards and backwards begun
   struct PinnedBlock {
     void* data;
