@@ -198,7 +198,12 @@ int tp_nic_sharers(const clusters::Cluster& c, const Plan& p, const clusters::Li
 // around k inter-node rings at once (2(N - 1) steps of S/(kN)), the k rings (times the t TP rings)
 // sharing a node's one NIC; otherwise a ring over the slowest neighbour link (docs/formulas.md
 // §4). Each GPU of a TP group runs its own such all-reduce over its shard, the t at once.
-double replica_allreduce_s(const clusters::Cluster& c, const Plan& p, int s, double bytes) {
+struct ReplicaAllreduce {
+  double network_s = 0;  // the inter-node ring's steps (through the nodes' NICs)
+  double other_s = 0;    // the rest (intra-node steps, or a ring that does not leave a node)
+  double total() const { return network_s + other_s; }
+};
+ReplicaAllreduce replica_allreduce(const clusters::Cluster& c, const Plan& p, int s, double bytes) {
   std::map<int, std::vector<int>> by_node;  // node -> replicas of stage s on it
   for (int r = 0; r < p.w; ++r)
     by_node[p.placement[std::size_t(p.rank_of(s, r))].node].push_back(r);
@@ -214,13 +219,22 @@ double replica_allreduce_s(const clusters::Cluster& c, const Plan& p, int s, dou
     const double sharers =
         (c.network.nic_per == clusters::NicPer::node && inter.via == "network" ? k : 1) *
         tp_nic_sharers(c, p, inter);
-    return 2.0 * (k - 1) * (intra.latency_s + bytes / (k * intra.bandwidth_bytes_per_s)) +
-           2.0 * (N - 1) *
-               (inter.latency_s + sharers * bytes / (double(k) * N * inter.bandwidth_bytes_per_s));
+    ReplicaAllreduce r;
+    r.other_s = 2.0 * (k - 1) * (intra.latency_s + bytes / (k * intra.bandwidth_bytes_per_s));
+    r.network_s =
+        2.0 * (N - 1) *
+        (inter.latency_s + sharers * bytes / (double(k) * N * inter.bandwidth_bytes_per_s));
+    return r;
   }
   clusters::Link ring = replica_ring_link(c, p, s);
   ring.bandwidth_bytes_per_s /= tp_nic_sharers(c, p, ring);
-  return ring_allreduce_s(bytes, p.w, ring);
+  ReplicaAllreduce r;
+  (N > 1 ? r.network_s : r.other_s) = ring_allreduce_s(bytes, p.w, ring);
+  return r;
+}
+
+double replica_allreduce_s(const clusters::Cluster& c, const Plan& p, int s, double bytes) {
+  return replica_allreduce(c, p, s, bytes).total();
 }
 
 // Adds `count` layers' per-microbatch costs (trace entry at b) to a chunk.
@@ -1387,6 +1401,20 @@ static double overlapped_s(double total, double work, double slack) {
   return std::max(0.0, std::max(total - work * (P - 1) / P, total / P) - slack);
 }
 
+// Stages whose replicas' all-reduces leave a node through its one NIC share it: per stage the
+// node of its replica 0 where its replica ring spans more than one node and the cluster has one
+// NIC per node, else -1 (alone).
+static std::vector<int> data_parallel_nic(const clusters::Cluster& c, const Plan& p) {
+  std::vector<int> nic(std::size_t(p.d), -1);
+  if (p.w == 1 || c.network.nic_per != clusters::NicPer::node) return nic;
+  for (int s = 0; s < p.d; ++s) {
+    const int node = p.placement[std::size_t(p.rank_of(s, 0))].node;
+    for (int r = 1; r < p.w; ++r)
+      if (p.placement[std::size_t(p.rank_of(s, r))].node != node) nic[std::size_t(s)] = node;
+  }
+  return nic;
+}
+
 // The exposed data-parallel time of the step (docs/formulas.md §4): each stage's gradient
 // all-reduce (with the distributed optimizer its reduce-scatter, half of it) runs in buckets behind
 // its last backward; stage s's last backward ends sum_{j<s} (backward_j + hop_j) / v before the
@@ -1394,21 +1422,69 @@ static double overlapped_s(double total, double work, double slack) {
 // optimizer's parameter all-gather (the other half) follows the optimizer step: whole, or with
 // overlap_param_gather in pieces ahead of the next step's first forward, which stage s starts
 // sum_{j<s} (forward_j + hop_j) / v after stage 0 anyway. The slowest stage's sum.
-static double exposed_data_parallel_s(const std::vector<StageCost>& stages, const Plan& p) {
+static double exposed_data_parallel_s(const std::vector<StageCost>& stages,
+                                      const clusters::Cluster& cluster, const Plan& p) {
   if (p.w == 1) return 0;
-  double worst = 0, cool_down = 0, warm_up = 0;
-  for (const StageCost& st : stages) {
-    const bool sharded = p.distributed_optimizer;
-    const double reduce = sharded ? st.allreduce_s / 2 : st.allreduce_s;
-    const double gather = sharded ? st.allreduce_s / 2 : 0;
-    double exposed = overlapped_s(reduce, st.backward_s / p.v, cool_down);
+  const std::size_t d = stages.size();
+  const bool sharded = p.distributed_optimizer;
+  std::vector<double> reduce(d), gather(d), cool_down(d), warm_up(d), network(d, 0);
+  double cool = 0, warm = 0;
+  for (std::size_t s = 0; s < d; ++s) {
+    const StageCost& st = stages[s];
+    reduce[s] = sharded ? st.allreduce_s / 2 : st.allreduce_s;
+    gather[s] = sharded ? st.allreduce_s / 2 : 0;
+    // The share of it that crosses the NIC (the rest, intra-node, runs half before, half after).
+    const ReplicaAllreduce parts =
+        replica_allreduce(cluster, p, int(s), double(st.memory.gradients));
+    if (parts.total() > 0) network[s] = parts.network_s / parts.total();
+    cool_down[s] = cool;
+    warm_up[s] = warm;
+    cool += (st.backward_s + st.send_s) / p.v;
+    warm += (st.forward_s + st.send_s) / p.v;
+  }
+  // Stages sharing a NIC (data_parallel_nic) share it as processor sharing: the reduces' network
+  // steps from each stage's last backward's end (cool_down before the step's end) and its
+  // intra-node half before them, then the gathers' the same way from each one's reduce's end;
+  // each stage's phase lasts from its release to its network steps' finish and its other half.
+  const std::vector<int> nic = data_parallel_nic(cluster, p);
+  for (std::size_t s = 0; s < d; ++s) {
+    if (nic[s] < 0) continue;
+    std::vector<std::size_t> group;
+    for (std::size_t j = 0; j < d; ++j)
+      if (nic[j] == nic[s]) group.push_back(j);
+    if (group.size() < 2 || group.front() != s) continue;  // alone, or done with its first stage
+    // One phase (`phase`: each stage's time alone, released at `start`): the stages' time
+    // shared, and each one's end.
+    auto share = [&](std::vector<double>& phase, std::vector<double>& start) {
+      std::vector<double> work, release;
+      for (std::size_t k = 0; k < group.size(); ++k) {
+        const std::size_t j = group[k];
+        work.push_back(phase[j] * network[j]);
+        release.push_back(start[k] + phase[j] * (1 - network[j]) / 2);
+      }
+      const std::vector<double> finish = processor_sharing_finish(work, release, 1.0);
+      for (std::size_t k = 0; k < group.size(); ++k) {
+        const std::size_t j = group[k];
+        const double end = finish[k] + phase[j] * (1 - network[j]) / 2;
+        phase[j] = end - start[k];
+        start[k] = end;
+      }
+    };
+    std::vector<double> start;
+    for (std::size_t j : group)
+      start.push_back(-cool_down[j]);
+    share(reduce, start);
+    if (sharded) share(gather, start);
+  }
+  double worst = 0;
+  for (std::size_t s = 0; s < d; ++s) {
+    const StageCost& st = stages[s];
+    double exposed = overlapped_s(reduce[s], st.backward_s / p.v, cool_down[s]);
     if (p.overlap_param_gather)
-      exposed += overlapped_s(gather, st.forward_s / p.v, warm_up);
+      exposed += overlapped_s(gather[s], st.forward_s / p.v, warm_up[s]);
     else
-      exposed += gather;
+      exposed += gather[s];
     worst = std::max(worst, exposed);
-    cool_down += (st.backward_s + st.send_s) / p.v;
-    warm_up += (st.forward_s + st.send_s) / p.v;
   }
   return worst;
 }
@@ -1469,7 +1545,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
   for (const auto& [gpu, work] : gpu_work)
     est.pipeline_s = std::max(est.pipeline_s, work);
   if (p.offload == Offload::optimizer) share_host_cpus(est.stages, cluster, p);
-  est.allreduce_s = exposed_data_parallel_s(est.stages, p);
+  est.allreduce_s = exposed_data_parallel_s(est.stages, cluster, p);
   if (est.chunks) {
     // Each op as long as its moments, each stage in its order (section 9, chunks); a stage's next
     // step starts start_s after stage 0's, once its optimizer step is done.
