@@ -207,8 +207,10 @@ void add_plan_command(CLI::App& app) {
                   "the GPUs per node and the model)")
       ->delimiter(',')
       ->check(count_range());
-  cmd->add_option("--recompute", a->recompute_modes,
-                  "recompute modes to consider, comma-separated (none, selective, full, block)")
+  cmd->add_option(
+         "--recompute", a->recompute_modes,
+         "recompute modes to consider, comma-separated (none, selective, full, block); with "
+         "fused attention selective equals none and is left out where none is listed")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--sp", a->sp, "sequence parallelism where t > 1: on, off or both")

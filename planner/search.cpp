@@ -70,8 +70,13 @@ std::vector<std::pair<int, int>> shapes(int n, std::int64_t layers, const Search
   return out;
 }
 
-// The plans one (w, d, b) gives: each schedule (and v for interleaved) and recompute mode.
-std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const SearchOptions& o) {
+// The plans one (w, d, b) gives: each schedule (and v for interleaved) and recompute mode. With
+// fused attention selective recompute drops nothing (the cores are not stashed) and is none in
+// every figure: not a candidate of its own where none is one (`selective_differs` false).
+std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const SearchOptions& o,
+                            bool selective_differs) {
+  const bool none_listed =
+      std::find(o.recompute.begin(), o.recompute.end(), Recompute::none) != o.recompute.end();
   std::vector<Plan> out;
   if (o.global_batch % (std::int64_t(w) * b) != 0) return out;
   const std::int64_t m = o.global_batch / (std::int64_t(w) * b);
@@ -86,6 +91,7 @@ std::vector<Plan> plans_for(int w, int d, int b, std::int64_t layers, const Sear
           (d < 2 || v < 2 || m % d != 0 || std::int64_t(d) * v > layers))
         continue;
       for (Recompute rc : o.recompute) {
+        if (rc == Recompute::selective && !selective_differs && none_listed) continue;
         Plan p;
         p.schedule = s;
         p.w = w;
@@ -210,7 +216,8 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
             // optimizer, on the host; w = 1 without it.
             const std::vector<bool> dopts =
                 offload == Offload::optimizer ? std::vector<bool>{w > 1} : o.distributed_optimizer;
-            for (const Plan& shape : plans_for(w, d, b, model.layers, o))
+            for (const Plan& shape :
+                 plans_for(w, d, b, model.layers, o, model.attention == models::Attention::unfused))
               for (bool dopt : dopts) {
                 if (dopt && (w == 1 || offload == Offload::chunks)) continue;
                 if (modes.activations && any_recompute(shape)) continue;  // the rule chooses

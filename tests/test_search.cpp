@@ -1,5 +1,7 @@
 // planner/search: the planner's pick against simulating every candidate, the closed-form ranking
 // against the simulated one, and the memory filter against the simulator's ledger.
+#include <set>
+
 #include <gtest/gtest.h>
 
 #include "planner/search.hpp"
@@ -116,6 +118,35 @@ TEST(Search, EnumeratesOnlyValidPlans) {
       }
     }
   EXPECT_EQ(s.result.considered, std::int64_t(s.result.fitting.size() + s.result.rejected.size()));
+}
+
+// Selective recompute drops the attention cores, which fused attention does not stash: for a
+// fused model it is none in every figure, so it is no candidate of its own beside none (the
+// list would show each plan twice and simulate it twice); an unfused model keeps it, and asked
+// for alone it stays.
+TEST(Search, SelectiveIsACandidateWhereItDiffersFromNone) {
+  const auto modes = [](const models::ModelSpec& m, std::vector<Recompute> recompute) {
+    const clusters::Cluster c = clusters::load_cluster("dgx-a100");
+    const traces::Trace t = traces::analytic_trace(m, c.device, {1, 2, 4});
+    SearchOptions o;
+    o.global_batch = 32;
+    o.recompute = std::move(recompute);
+    const SearchResult r = search_plans(m, t, c, o);
+    std::set<Recompute> seen;
+    for (const auto* list : {&r.fitting, &r.rejected})
+      for (const auto& cand : *list)
+        seen.insert(cand.plan.recompute.empty() ? Recompute::none : cand.plan.recompute[0]);
+    return seen;
+  };
+  models::ModelSpec fused = models::load_model("gpt2-124m");
+  ASSERT_EQ(fused.attention, models::Attention::fused);
+  EXPECT_EQ(modes(fused, {Recompute::none, Recompute::selective, Recompute::full}),
+            (std::set<Recompute>{Recompute::none, Recompute::full}));
+  EXPECT_EQ(modes(fused, {Recompute::selective}), std::set<Recompute>{Recompute::selective});
+  models::ModelSpec unfused = fused;
+  unfused.attention = models::Attention::unfused;
+  EXPECT_EQ(modes(unfused, {Recompute::none, Recompute::selective}),
+            (std::set<Recompute>{Recompute::none, Recompute::selective}));
 }
 
 TEST(Search, NothingFitsExplainsTheBiggestTerm) {
