@@ -71,11 +71,20 @@ planner::SimulateFn simulate_fn(const Scenario& base, std::shared_ptr<const Trac
   };
 }
 
+// The schedule column: the schedule and what else sets plans of one shape apart (" by-time": the
+// blocks split over the stages by time, planner::time_balanced_split, not evenly).
 std::string plan_label(const planner::Plan& p) {
-  return fmt::format("{}{}{}{}{}", to_string(p.schedule), p.v > 1 ? fmt::format(" v={}", p.v) : "",
+  std::int64_t layers = 0;
+  for (std::int64_t blocks : p.stage_blocks)
+    layers += blocks;
+  const bool by_time =
+      !p.stage_blocks.empty() &&
+      p.stage_blocks != planner::balanced_split(layers, int(p.stage_blocks.size()));
+  return fmt::format("{}{}{}{}{}{}", to_string(p.schedule),
+                     p.v > 1 ? fmt::format(" v={}", p.v) : "",
                      p.distributed_optimizer ? " dopt" : "",
                      p.any_offload() ? " offload=" + planner::offload_name(p) : "",
-                     p.chunk_shard ? " shard" : "");
+                     p.chunk_shard ? " shard" : "", by_time ? " by-time" : "");
 }
 
 std::string tp_label(const planner::Plan& p) {
