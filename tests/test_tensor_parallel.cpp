@@ -370,8 +370,8 @@ TEST(DataParallelOverlap, SimulatorAgreesAndPlanChecks) {
 // took that and was 35% fast against the simulator (24.0 s against 37.0 s at m = 64); processor
 // sharing of the NIC from each stage's last backward on agrees within 2% at m = 32 (a constant
 // 0.43 s short with the distributed optimizer, whatever m: 1.5% here, 0.5% at m = 256), with and
-// without the distributed optimizer. Also two stages of four replicas per node (hierarchical: only the
-// inter-node ring shares the NIC).
+// without the distributed optimizer. Also two stages of four replicas per node (hierarchical: only
+// the inter-node ring shares the NIC).
 TEST(DataParallelOverlap, StagesSharingANicShareTheirAllReduces) {
   struct Case {
     const char *model, *cluster;
