@@ -1019,7 +1019,11 @@ StageCost stage_cost(const models::ModelSpec& model, const models::ModelCosts& m
   // Each GPU of a TP group all-reduces its own shard over the stage's w replicas, the t rings at
   // once (sharing a node's NIC). The distributed optimizer's reduce-scatter of the gradients and
   // all-gather of the new parameters move what one all-reduce moves.
-  if (p.w > 1) st.allreduce_s = replica_allreduce_s(cluster, p, s, double(st.memory.gradients));
+  if (p.w > 1) {
+    const ReplicaAllreduce ar = replica_allreduce(cluster, p, s, double(st.memory.gradients));
+    st.allreduce_s = ar.total();
+    st.allreduce_network_s = ar.network_s;
+  }
   return st;
 }
 
@@ -1434,9 +1438,7 @@ static double exposed_data_parallel_s(const std::vector<StageCost>& stages,
     reduce[s] = sharded ? st.allreduce_s / 2 : st.allreduce_s;
     gather[s] = sharded ? st.allreduce_s / 2 : 0;
     // The share of it that crosses the NIC (the rest, intra-node, runs half before, half after).
-    const ReplicaAllreduce parts =
-        replica_allreduce(cluster, p, int(s), double(st.memory.gradients));
-    if (parts.total() > 0) network[s] = parts.network_s / parts.total();
+    if (st.allreduce_s > 0) network[s] = st.allreduce_network_s / st.allreduce_s;
     cool_down[s] = cool;
     warm_up[s] = warm;
     cool += (st.backward_s + st.send_s) / p.v;
@@ -1522,6 +1524,7 @@ Estimate estimate(const models::ModelSpec& model, const traces::Trace& trace,
       st.backward_s = cs.backward_s / p.m;
       st.optimizer_s = cs.optimizer_s;
       st.allreduce_s = 0;  // w > 1: the gradients' sums are the optimizer step's (collective_s)
+      st.allreduce_network_s = 0;
       st.memory = MemoryBreakdown{};
       st.memory.weights = peak.weight_bytes;
       st.memory.gradients = peak.gradient_bytes;

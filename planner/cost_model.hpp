@@ -284,6 +284,7 @@ struct StageCost {
   // (and TP GPUs) sharing a node's NIC with it.
   double send_bytes = 0;
   double allreduce_s = 0;            // ring all-reduce of the stage's gradients over w replicas
+  double allreduce_network_s = 0;    // the part of it through the nodes' NICs (inter-node steps)
   std::int64_t in_flight = 0;        // microbatches stashed at once (n_s)
   std::int64_t stash_bytes = 0;      // A_s(b): one microbatch's stash without recompute
   std::int64_t selective_bytes = 0;  // one microbatch's stash with selective recompute
