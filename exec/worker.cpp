@@ -436,18 +436,11 @@ void Worker::offload_op(const Op& op) {
       return;
     }
     case OpKind::copy_parameters_to_device: {
-      if (upload_slot_ < 0) {
-        upload_slot_ = upload_slot(s_.plan(), slots_.newest());  // exec/offload.hpp
-        slot_sent_[upload_slot_].wait();  // the slot's last tied-weights send has read it
-        slot_sent_[upload_slot_] = {};
-        if (!slots_.allocated(upload_slot_))
-          for (Chunk& c : chunks_)
-            c.slots[upload_slot_] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
-      }
+      const int slot = slots_.upload_target(s_.plan());  // exec/weight_slots.hpp
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
       const Tile t = h.tiles.at(std::size_t(op.bucket));
       const float* src = h.master.data() + h.host_at[std::size_t(op.bucket)];
-      float* dst = chunks_[std::size_t(op.chunk)].slots[upload_slot_].data() + t.begin;
+      float* dst = chunks_[std::size_t(op.chunk)].slots[slot].data() + t.begin;
       const CopyEngine::Ticket adam = adam_[std::size_t(op.chunk)][std::size_t(op.bucket)];
       last_upload_ = h2d_->submit([w, src, dst, t, adam, at] {
         w->host_cpu_->wait(adam);
@@ -468,14 +461,10 @@ void Worker::offload_op(const Op& op) {
 // (CPU Adam ran on the host); it only switches to it.
 void Worker::offload_step(const Op& op) {
   h2d_->wait(last_upload_);
-  if (upload_slot_ < 0)
-    throw Error(fmt::format("rank {}: optimizer step of version {} without its uploads", rank_,
-                            op.version));
+  const int slot = slots_.end_upload(op.version);
   ++updates_;
   // Sharded: the replicas' uploaded shards to one another, into the new version's slot.
-  if (offload_sharded_) all_gather(op.step, upload_slot_);
-  slots_.place(op.version, upload_slot_);
-  upload_slot_ = -1;
+  if (offload_sharded_) all_gather(op.step, slot);
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
 }
@@ -1035,15 +1024,15 @@ void Worker::tied(const Op& op) {
       return;
     case OpKind::send_tied_weights: {
       // Read out of the version's slot on the send engine: an update or upload that rewrites the
-      // slot waits for it (slot_sent_), the compute thread does not.
+      // slot waits for it (slots_.read_by), the compute thread does not.
       const float* weights = params(c, op.version) + c.tied_offset;
-      slot_sent_[slots_.slot_of(op.version)] =
-          issue(send_engine_.get(), [self, weights, sh, at, src, dst] {
-            const auto t1 = Clock::now();
-            self->s_.transport->send(src, dst, Channel::tied_weights,
-                                     std::vector<float>(weights + sh.begin, weights + sh.end));
-            self->copy_record(planner::kSendStream, t1, Clock::now(), at);
-          });
+      slots_.read_by(op.version, issue(send_engine_.get(), [self, weights, sh, at, src, dst] {
+                       const auto t1 = Clock::now();
+                       self->s_.transport->send(
+                           src, dst, Channel::tied_weights,
+                           std::vector<float>(weights + sh.begin, weights + sh.end));
+                       self->copy_record(planner::kSendStream, t1, Clock::now(), at);
+                     }));
       return;
     }
     case OpKind::recv_tied_weights: {
@@ -1087,13 +1076,7 @@ void Worker::optimizer_step(const Op& op) {
     wait_grads(i);  // the step's gradient sums have arrived
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
-  bool allocate = false;
-  const int target = slots_.target_for(op.version, allocate);
-  slot_sent_[target].wait();  // the slot's last tied-weights send has read it
-  slot_sent_[target] = {};
-  if (allocate)
-    for (Chunk& c : chunks_)
-      c.slots[target] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+  const int target = slots_.begin_update(op.version);  // exec/weight_slots.hpp
   take_core();
   const auto t0 = Clock::now();
   for (Chunk& c : chunks_)
@@ -1102,7 +1085,7 @@ void Worker::optimizer_step(const Op& op) {
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
   if (sharded_) all_gather(op.step, target);
-  slots_.place(op.version, target);
+  slots_.end_update(op.version, target);
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
 }
@@ -1123,6 +1106,18 @@ void Worker::update(Chunk& c, int source, int target) {
                      c.v_at ? c.v_at + at : nullptr, end - begin);
   }
   if (sharded_) std::fill_n(c.grads.data(), c.grads.size(), 0.0f);
+}
+
+// The weight slots' device part (exec/weight_slots.hpp).
+void Worker::allocate_slot(int slot) {
+  for (Chunk& c : chunks_)
+    c.slots[slot] = Buffer(memory_, Category::weight_versions, c.sizes.parameters);
+}
+
+// The rank's thread writes a slot (its update, or the copy engine's uploads issued from it) only
+// once the send engine has read it: the compute thread waits here, not at the send.
+void Worker::before_slot_write(int, SlotWriter, Event last_send) {
+  last_send.wait();
 }
 
 RankResult Worker::result() const {

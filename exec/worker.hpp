@@ -22,6 +22,7 @@
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
 #include "exec/transport.hpp"
+#include "exec/weight_slots.hpp"
 #include "planner/program.hpp"
 
 namespace pw::exec::detail {
@@ -237,7 +238,6 @@ class Worker {
   // gradient's send over them have run.
   void wait_grads(std::size_t chunk);
   std::vector<Event> reduced_, tied_sent_;  // per chunk: the last collective, tied-gradient send
-  Event slot_sent_[2];  // after the last tied-weights send out of each weight slot
 
   // The program's ops, through the op switch the CUDA worker shares (interpret.hpp).
   template <class W>
@@ -297,7 +297,13 @@ class Worker {
   // Stage 0, w > 1: the head's gradient shards until gathered (with offload chunks, the gathered
   // gradient until the wte chunk's step adds it to its part: chunk_update).
   std::vector<float> tied_head_;
-  VersionSlots slots_;
+  // The weight slots and the reads their writes wait for, the shared rule's
+  // (exec/weight_slots.hpp); the device's part: allocate_slot, before_slot_write, retire_reader.
+  friend class WeightSlots<Worker, Event>;
+  WeightSlots<Worker, Event> slots_{*this};
+  void allocate_slot(int slot);
+  void before_slot_write(int slot, SlotWriter writer, Event last_send);
+  void retire_reader(Event) {}  // a later send on the same engine implies it
   int updates_ = 0;
   // stash_: the stash a forward keeps (the stage input with full recompute; a mixed chunk's
   // swapped layers), full_: a recompute's (a mixed chunk's recomputed layers), checkpoints_: a
@@ -326,7 +332,6 @@ class Worker {
   CopyEngine::Ticket last_gradient_copy_ = 0;          // the last backward's last tile
   std::vector<std::vector<CopyEngine::Ticket>> adam_;  // per chunk and tile, this step
   CopyEngine::Ticket last_upload_ = 0;
-  int upload_slot_ = -1;     // the weight slot this step's uploads write
   BufferPool host_buffers_;  // the swapped stashes' host storage, reused
   // The swapped stashes, their life the shared rule's (exec/offload.hpp, Swaps); the device's part
   // below (swap_out .. swap_back).

@@ -968,8 +968,7 @@ void Worker::chunk_optimizer_step(const Op& op) {
   }
   std::fill(part_gathers_.begin(), part_gathers_.end(), 0);
   ++updates_;
-  bool allocate = false;
-  slots_.place(op.version, slots_.target_for(op.version, allocate));
+  slots_.advance(op.version);  // the weights are in the chunks
   if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
   s_.finish_step(op.step);
   // Sharded chunks: their final parameters gathered while every replica is here (result() cannot;

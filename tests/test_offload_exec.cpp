@@ -17,6 +17,7 @@
 #include "exec/offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
+#include "exec/weight_slots.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
 #include "sim/simulator.hpp"
@@ -1086,6 +1087,104 @@ TEST(OffloadRules, SwapsReleaseAtTheSecondSlotReclaimOldestFirstAndUploadAfterTh
   EXPECT_EQ(std::vector<std::string>(log.calls.end() - 5, log.calls.end()),
             (std::vector<std::string>{"out 20 op 20", "out 21 op 22", "done 20", "done 21",
                                       "in 21 op 24"}));
+}
+
+// A device that records what the weight slots' rule asks of it; its events are numbers (0: none).
+struct SlotLog {
+  std::vector<std::string> calls;
+  void allocate_slot(int slot) { calls.push_back(fmt::format("allocate {}", slot)); }
+  void before_slot_write(int slot, detail::SlotWriter writer, int last_send) {
+    calls.push_back(fmt::format("{} slot {} after send {}",
+                                writer == detail::SlotWriter::update ? "update" : "upload", slot,
+                                last_send));
+  }
+  void retire_reader(int sent) { calls.push_back(fmt::format("retire {}", sent)); }
+};
+
+TEST(OffloadRules, WeightSlotsAreWrittenAfterTheirLastTiedSendAndAllocatedOnFirstUse) {
+  planner::Plan flush;
+  flush.schedule = Schedule::one_f_one_b;
+  planner::Plan two_bw;
+  two_bw.schedule = Schedule::two_bw;
+  {  // A flush schedule updates in place: slot 0, after the last send that read it.
+    SlotLog log;
+    detail::WeightSlots<SlotLog, int> slots(log);
+    slots.set_rank(2);
+    slots.read_by(0, 7);  // send_tied_weights of version 0 out of slot 0, event 7
+    slots.read_by(0, 8);  // a later one on the same engine supersedes it
+    slots.free_version(0);
+    const int target = slots.begin_update(1);
+    EXPECT_EQ(target, 0);
+    slots.end_update(1, target);
+    EXPECT_EQ(slots.slot_of(1), 0);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{"retire 7", "update slot 0 after send 8"}));
+    slots.free_version(1);
+    slots.begin_update(2);  // no send read it since: nothing to wait for
+    EXPECT_EQ(log.calls.back(), "update slot 0 after send 0");
+  }
+  {  // 2BW: the second version takes slot 1, allocated then; afterwards the slots alternate.
+    SlotLog log;
+    detail::WeightSlots<SlotLog, int> slots(log);
+    slots.read_by(0, 3);
+    EXPECT_EQ(slots.begin_update(1), 1);
+    slots.end_update(1, 1);
+    slots.read_by(1, 4);
+    slots.free_version(0);
+    EXPECT_EQ(slots.begin_update(2), 0);
+    slots.end_update(2, 0);
+    slots.free_version(1);
+    EXPECT_EQ(slots.begin_update(3), 1);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{"update slot 1 after send 0", "allocate 1",
+                                                   "update slot 0 after send 3",
+                                                   "update slot 1 after send 4"}));
+    try {  // versions 2 and 3 live, nothing freed: no slot for a fourth
+      slots.end_update(3, 1);
+      slots.begin_update(4);
+      ADD_FAILURE() << "an update without a free slot was taken";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "rank 0: no free weight slot for version 4");
+    }
+  }
+  {  // Optimizer offload's uploads, 2BW: the first upload of a step picks and readies the slot
+     // the shadow leaves; the others of the step write the same one.
+    SlotLog log;
+    detail::WeightSlots<SlotLog, int> slots(log);
+    slots.set_rank(5);
+    slots.read_by(0, 9);
+    EXPECT_EQ(slots.upload_target(two_bw), 1);
+    EXPECT_EQ(slots.upload_target(two_bw), 1);
+    EXPECT_EQ(slots.end_upload(1), 1);
+    slots.free_version(0);
+    EXPECT_EQ(slots.upload_target(two_bw), 0);
+    EXPECT_EQ(slots.end_upload(2), 0);
+    EXPECT_EQ(slots.newest(), 0);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{"upload slot 1 after send 0", "allocate 1",
+                                                   "upload slot 0 after send 9"}));
+    try {
+      slots.end_upload(3);
+      ADD_FAILURE() << "an optimizer step without uploads was taken";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "rank 5: optimizer step of version 3 without its uploads");
+    }
+  }
+  {  // Flush schedules' uploads write in place, after the slot's last send.
+    SlotLog log;
+    detail::WeightSlots<SlotLog, int> slots(log);
+    slots.read_by(0, 6);
+    EXPECT_EQ(slots.upload_target(flush), 0);
+    slots.free_version(0);
+    slots.end_upload(1);
+    EXPECT_EQ(slots.slot_of(1), 0);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{"upload slot 0 after send 6"}));
+  }
+  {  // Offload chunks: the newest version moves, nothing is written or allocated.
+    SlotLog log;
+    detail::WeightSlots<SlotLog, int> slots(log);
+    slots.free_version(0);
+    slots.advance(1);
+    EXPECT_EQ(slots.slot_of(1), 0);
+    EXPECT_TRUE(log.calls.empty());
+  }
 }
 
 }  // namespace

@@ -750,9 +750,7 @@ void CudaWorker::tied(const Op& op) {
       // The update that next rewrites this slot must not do so before the send has read it;
       // waiting there, not here, keeps the compute stream free until then (2BW rewrites it two
       // steps later, flush schedules at the next step).
-      cudaEvent_t& sent = slot_sent_[slots_.slot_of(op.version)];
-      if (sent) pool_.push_back(sent);
-      sent = record(stream);
+      slots_.read_by(op.version, record(stream));
       return;
     }
     case OpKind::recv_tied_weights: {
@@ -815,16 +813,7 @@ void CudaWorker::optimizer_step(const Op& op) {
   reduced_ = nullptr;
   if (s_.plan().d == 1) sum_local_tied();
   ++updates_;
-  bool allocate = false;
-  const int target = slots_.target_for(op.version, allocate);
-  if (allocate)
-    for (Chunk& c : chunks_)
-      c.slots[target] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
-  if (slot_sent_[target]) {
-    wait(compute_, slot_sent_[target]);
-    pool_.push_back(slot_sent_[target]);
-    slot_sent_[target] = nullptr;
-  }
+  const int target = slots_.begin_update(op.version);  // exec/weight_slots.hpp
   begin_timed(planner::kComputeStream, compute_);
   for (Chunk& c : chunks_) {
     update(c, c.slots[target].as<bf16>());
@@ -834,8 +823,34 @@ void CudaWorker::optimizer_step(const Op& op) {
   }
   end_timed(compute_);
   if (sharded_) all_gather(target);
-  slots_.place(op.version, target);
+  slots_.end_update(op.version, target);
   end_of_step(op.step);
+}
+
+// The weight slots' device part (exec/weight_slots.hpp).
+void CudaWorker::allocate_slot(int slot) {
+  for (Chunk& c : chunks_)
+    c.slots[slot] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
+}
+
+// The writer's stream waits for the slot's last tied-weights send (on its send stream). An upload
+// (h2d) also waits for every op enqueued on the compute stream so far, which may read the slot.
+void CudaWorker::before_slot_write(int, exec::detail::SlotWriter writer, cudaEvent_t last_send) {
+  const cudaStream_t stream = writer == exec::detail::SlotWriter::upload ? h2d_ : compute_;
+  if (writer == exec::detail::SlotWriter::upload) {
+    const cudaEvent_t before = record(compute_);
+    wait(stream, before);
+    pool_.push_back(before);
+  }
+  if (last_send) {
+    wait(stream, last_send);
+    pool_.push_back(last_send);
+  }
+}
+
+// A slot's earlier send, implied by the later one on the same send stream: its event back.
+void CudaWorker::retire_reader(cudaEvent_t sent) {
+  if (sent) pool_.push_back(sent);
 }
 
 // fp32 master weights (always the newest version) -> the target slot's bf16 copy, over the
@@ -1113,26 +1128,11 @@ void CudaWorker::offload(const Op& op) {
     }
     case OpKind::copy_parameters_to_device: {
       if (!offload_optimizer_) break;
-      if (upload_slot_ < 0) {
-        upload_slot_ = exec::detail::upload_slot(s_.plan(), slots_.newest());
-        // Every op enqueued so far that reads the slot (compute, and the last tied-weights send
-        // out of it) is done before the first upload writes it.
-        const cudaEvent_t before = record(compute_);
-        wait(h2d_, before);
-        pool_.push_back(before);
-        if (slot_sent_[upload_slot_]) {
-          wait(h2d_, slot_sent_[upload_slot_]);
-          pool_.push_back(slot_sent_[upload_slot_]);
-          slot_sent_[upload_slot_] = nullptr;
-        }
-        if (!slots_.allocated(upload_slot_))
-          for (Chunk& c : chunks_)
-            c.slots[upload_slot_] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
-      }
+      const int slot = slots_.upload_target(s_.plan());  // exec/weight_slots.hpp
       HostChunk& h = host_chunks_[std::size_t(op.chunk)];
       const exec::detail::Tile t = h.tiles.at(std::size_t(op.bucket));
       wait(h2d_, h.adam[std::size_t(op.bucket)]);
-      bf16* dst = chunks_[std::size_t(op.chunk)].slots[upload_slot_].as<bf16>() + t.begin;
+      bf16* dst = chunks_[std::size_t(op.chunk)].slots[slot].as<bf16>() + t.begin;
       const bf16* src = h.transfer.as<bf16>() + t.begin;
       timed(planner::kCopyInStream, h2d_, op_, [&] {
         CUDA_CHECK(
@@ -1153,9 +1153,7 @@ void CudaWorker::offload(const Op& op) {
 // The device's optimizer step under optimizer offload: the uploads have written the new version
 // (CPU Adam ran on the host); the compute stream waits for them, then the step ends as usual.
 void CudaWorker::offload_step(const Op& op) {
-  if (upload_slot_ < 0)
-    throw Error(fmt::format("rank {}: optimizer step of version {} without its uploads", rank_,
-                            op.version));
+  slots_.end_upload(op.version);  // the uploads' slot holds the version (throws: none came)
   wait(compute_, last_upload_);
   const cudaEvent_t copied = record(d2h_);  // and for every copy out (the tied one's zeroing)
   wait(compute_, copied);
@@ -1163,8 +1161,6 @@ void CudaWorker::offload_step(const Op& op) {
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = nullptr;
   ++updates_;
-  slots_.place(op.version, upload_slot_);
-  upload_slot_ = -1;
   end_of_step(op.step);
 }
 

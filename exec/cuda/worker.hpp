@@ -24,6 +24,7 @@
 #include "exec/memory.hpp"
 #include "exec/offload.hpp"
 #include "exec/run_common.hpp"
+#include "exec/weight_slots.hpp"
 
 namespace pw::exec::cuda::detail {
 
@@ -249,12 +250,16 @@ class CudaWorker {
   std::int64_t flat_ = 0;                    // the rank's parameters, every chunk's
   Tensor shard_master_, shard_m_, shard_v_;  // fp32, ceil(flat_ / w) each: the planner's figure
   Tensor workspace_, losses_;  // losses_: 2 x m floats (by step parity), on the last stage
-  exec::detail::VersionSlots slots_;
+  // The weight slots and the reads their writes wait for (the last tied-weights send out of each,
+  // stage 0), the shared rule's (exec/weight_slots.hpp); the device's part: allocate_slot,
+  // before_slot_write, retire_reader.
+  friend class exec::detail::WeightSlots<CudaWorker, cudaEvent_t>;
+  exec::detail::WeightSlots<CudaWorker, cudaEvent_t> slots_{*this};
+  void allocate_slot(int slot);
+  void before_slot_write(int slot, exec::detail::SlotWriter writer, cudaEvent_t last_send);
+  void retire_reader(cudaEvent_t sent);
   int updates_ = 0;
   cudaEvent_t reduced_ = nullptr;  // after the last all-reduce enqueued (null: none pending)
-  // After the last tied-weights send out of each weight slot (stage 0): an update that rewrites
-  // the slot waits for it.
-  cudaEvent_t slot_sent_[2] = {nullptr, nullptr};
   // w > 1: stage 0's received shard of the head's gradient (zeros elsewhere) until gathered; the
   // last stage's event after a received shard of tied weights, until gathered.
   Held tied_head_;
@@ -285,7 +290,6 @@ class CudaWorker {
   int next_grad_tile_ = 0;
   cudaEvent_t last_gradient_copy_ = nullptr;  // after the last backward's last tile
   cudaEvent_t last_upload_ = nullptr;
-  int upload_slot_ = -1;  // the weight slot this step's uploads write
   friend class exec::detail::Swaps<CudaWorker, Swap, Key>;
   exec::detail::Swaps<CudaWorker, Swap, Key> swapped_{*this};
   int compute_ops_ = 0;  // forwards and backwards begun
