@@ -972,86 +972,97 @@ void Worker::all_gather(int step, int target) {
 // only its shard (tied_shard) and the receiving stage's replicas all-gather the shards.
 void Worker::tied(const Op& op) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
-  if (c.tied_offset < 0)
-    throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
-                            planner::to_string(op.kind), op.chunk));
-  if (chunked_) return chunk_tied(op);
-  const planner::Plan& p = s_.plan();
-  const std::int64_t n = c.tied_size;
-  const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
-  float* grad = tied_grad(c);
-  const std::vector<int> group = replica_group();
-  // The tied gradient's ops read or write the chunk's gradients: after its collectives and its
-  // earlier tied-gradient send. (The weights' ops need no wait: a slot's sends only read it.)
-  if (op.kind == OpKind::send_tied_gradient || op.kind == OpKind::recv_tied_gradient ||
-      op.kind == OpKind::gather_tied_gradient)
-    wait_grads(std::size_t(op.chunk));
-  const auto t0 = Clock::now();
+  if (chunked_) {
+    require_tied(op, c.tied_offset, rank_);
+    return chunk_tied(op);
+  }
+  tied_.run(op, c.tied_offset, c.tied_size, s_.plan().w, replica_,
+            rank_);  // exec/tied_exchange.hpp
+}
+
+// The tied exchange's device part (exec/tied_exchange.hpp). The gradient's ops read or write the
+// chunk's gradients: after its collectives and its earlier tied-gradient send (wait_grads). The
+// weights' ops need no wait: a slot's sends only read it.
+void Worker::tied_gradient_out(const Op& op, planner::TiedShard sh) {
+  wait_grads(std::size_t(op.chunk));
+  float* grad = tied_grad(chunks_[std::size_t(op.chunk)]);
+  const std::int64_t n = chunks_[std::size_t(op.chunk)].tied_size;
   const int at = op_, src = device_, dst = device_of(op.peer);
   Worker* self = this;
-  switch (op.kind) {
-    case OpKind::send_tied_gradient:
-      // The gradient's next users (this step's optimizer, the next backward) wait for it.
-      tied_sent_[std::size_t(op.chunk)] =
-          issue(send_engine_.get(), [self, grad, sh, n, at, src, dst] {
-            const auto t1 = Clock::now();
-            self->s_.transport->send(src, dst, Channel::tied,
-                                     std::vector<float>(grad + sh.begin, grad + sh.end));
-            std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
-            self->copy_record(planner::kSendStream, t1, Clock::now(), at);
-          });
-      return;
-    case OpKind::recv_tied_gradient: {
-      const std::vector<float> head =
-          s_.transport->recv(device_of(op.peer), device_, Channel::tied);
-      if (p.w > 1) {
-        tied_head_.assign(std::size_t(n), 0.0f);
-        std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
-      } else {
-        for (std::int64_t i = 0; i < n; ++i)
-          grad[i] = grad[i] + head[std::size_t(i)];
-      }
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    case OpKind::gather_tied_gradient:
-      s_.transport->all_gather(fmt::format("tg/{}.{}/{}", stage_, tp_, op.step), group, device_,
-                               tied_head_.data(), shard_starts(n, 0, p.w));
-      for (std::int64_t i = 0; i < n; ++i)
-        grad[i] = grad[i] + tied_head_[std::size_t(i)];
-      tied_head_ = {};
-      record(planner::kCollectiveStream, t0, Clock::now());
-      return;
-    case OpKind::send_tied_weights: {
-      // Read out of the version's slot on the send engine: an update or upload that rewrites the
-      // slot waits for it (slots_.read_by), the compute thread does not.
-      const float* weights = params(c, op.version) + c.tied_offset;
-      slots_.read_by(op.version, issue(send_engine_.get(), [self, weights, sh, at, src, dst] {
-                       const auto t1 = Clock::now();
-                       self->s_.transport->send(
-                           src, dst, Channel::tied_weights,
-                           std::vector<float>(weights + sh.begin, weights + sh.end));
-                       self->copy_record(planner::kSendStream, t1, Clock::now(), at);
-                     }));
-      return;
-    }
-    case OpKind::recv_tied_weights: {
-      const std::vector<float> w =
-          s_.transport->recv(device_of(op.peer), device_, Channel::tied_weights);
-      float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
-      if (p.w > 1) std::fill(out, out + n, 0.0f);
-      std::copy(w.begin(), w.end(), out + sh.begin);
-      record(planner::kRecvStream, t0, Clock::now());
-      return;
-    }
-    default: {  // gather_tied_weights
-      float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
-      s_.transport->all_gather(fmt::format("tw/{}.{}/{}", stage_, tp_, op.version), group, device_,
-                               out, shard_starts(n, 0, p.w));
-      record(planner::kCollectiveStream, t0, Clock::now());
-      return;
-    }
+  // The gradient's next users (this step's optimizer, the next backward) wait for it.
+  tied_sent_[std::size_t(op.chunk)] = issue(send_engine_.get(), [self, grad, sh, n, at, src, dst] {
+    const auto t1 = Clock::now();
+    self->s_.transport->send(src, dst, Channel::tied,
+                             std::vector<float>(grad + sh.begin, grad + sh.end));
+    std::fill(grad, grad + n, 0.0f);  // the next step accumulates from zero
+    self->copy_record(planner::kSendStream, t1, Clock::now(), at);
+  });
+}
+
+void Worker::tied_gradient_in(const Op& op, planner::TiedShard sh, bool hold) {
+  wait_grads(std::size_t(op.chunk));
+  const auto t0 = Clock::now();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::vector<float> head = s_.transport->recv(device_of(op.peer), device_, Channel::tied);
+  if (hold) {
+    tied_head_.assign(std::size_t(c.tied_size), 0.0f);
+    std::copy(head.begin(), head.end(), tied_head_.begin() + sh.begin);
+  } else {
+    float* grad = tied_grad(c);
+    for (std::int64_t i = 0; i < c.tied_size; ++i)
+      grad[i] = grad[i] + head[std::size_t(i)];
   }
+  record(planner::kRecvStream, t0, Clock::now());
+}
+
+void Worker::tied_gradient_gather(const Op& op, planner::TiedShard) {
+  wait_grads(std::size_t(op.chunk));
+  const auto t0 = Clock::now();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::int64_t n = c.tied_size;
+  s_.transport->all_gather(fmt::format("tg/{}.{}/{}", stage_, tp_, op.step), replica_group(),
+                           device_, tied_head_.data(), shard_starts(n, 0, s_.plan().w));
+  float* grad = tied_grad(c);
+  for (std::int64_t i = 0; i < n; ++i)
+    grad[i] = grad[i] + tied_head_[std::size_t(i)];
+  tied_head_ = {};
+  record(planner::kCollectiveStream, t0, Clock::now());
+}
+
+void Worker::tied_weights_out(const Op& op, planner::TiedShard sh) {
+  // Read out of the version's slot on the send engine: an update or upload that rewrites the
+  // slot waits for it (slots_.read_by), the compute thread does not.
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  const float* weights = params(c, op.version) + c.tied_offset;
+  const int at = op_, src = device_, dst = device_of(op.peer);
+  Worker* self = this;
+  slots_.read_by(op.version, issue(send_engine_.get(), [self, weights, sh, at, src, dst] {
+                   const auto t1 = Clock::now();
+                   self->s_.transport->send(
+                       src, dst, Channel::tied_weights,
+                       std::vector<float>(weights + sh.begin, weights + sh.end));
+                   self->copy_record(planner::kSendStream, t1, Clock::now(), at);
+                 }));
+}
+
+void Worker::tied_weights_in(const Op& op, planner::TiedShard sh, bool hold) {
+  const auto t0 = Clock::now();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::vector<float> w =
+      s_.transport->recv(device_of(op.peer), device_, Channel::tied_weights);
+  float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
+  if (hold) std::fill(out, out + c.tied_size, 0.0f);
+  std::copy(w.begin(), w.end(), out + sh.begin);
+  record(planner::kRecvStream, t0, Clock::now());
+}
+
+void Worker::tied_weights_gather(const Op& op, planner::TiedShard) {
+  const auto t0 = Clock::now();
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  float* out = c.slots[slots_.slot_of(op.version)].data() + c.tied_offset;
+  s_.transport->all_gather(fmt::format("tw/{}.{}/{}", stage_, tp_, op.version), replica_group(),
+                           device_, out, shard_starts(c.tied_size, 0, s_.plan().w));
+  record(planner::kCollectiveStream, t0, Clock::now());
 }
 
 // One device holding both tied ends (d == 1, v > 1): the same sum, on both chunks, no messages.

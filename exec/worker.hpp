@@ -21,6 +21,7 @@
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
+#include "exec/tied_exchange.hpp"
 #include "exec/transport.hpp"
 #include "exec/weight_slots.hpp"
 #include "planner/program.hpp"
@@ -267,6 +268,15 @@ class Worker {
   std::vector<int> replica_group() const;
   void optimizer_step(const planner::Op& op);
   void tied(const planner::Op& op);
+  // The tied exchange, the shared rule's (exec/tied_exchange.hpp); the device's part below.
+  friend class TiedExchange<Worker>;
+  TiedExchange<Worker> tied_{*this};
+  void tied_gradient_out(const planner::Op& op, planner::TiedShard sh);
+  void tied_gradient_in(const planner::Op& op, planner::TiedShard sh, bool hold);
+  void tied_gradient_gather(const planner::Op& op, planner::TiedShard sh);
+  void tied_weights_out(const planner::Op& op, planner::TiedShard sh);
+  void tied_weights_in(const planner::Op& op, planner::TiedShard sh, bool hold);
+  void tied_weights_gather(const planner::Op& op, planner::TiedShard sh);
   void sum_local_tied();
   std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions);
   void save_checkpoint(int step);

@@ -17,6 +17,7 @@
 #include "exec/offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
+#include "exec/tied_exchange.hpp"
 #include "exec/weight_slots.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
@@ -1184,6 +1185,82 @@ TEST(OffloadRules, WeightSlotsAreWrittenAfterTheirLastTiedSendAndAllocatedOnFirs
     slots.advance(1);
     EXPECT_EQ(slots.slot_of(1), 0);
     EXPECT_TRUE(log.calls.empty());
+  }
+}
+
+// A device that records what the tied exchange's rule asks of it.
+struct TiedLog {
+  std::vector<std::string> calls;
+  void note(const char* what, const planner::Op& op, planner::TiedShard sh, int hold = -1) {
+    calls.push_back(fmt::format("{} peer {} [{}, {}){}", what, op.peer, sh.begin, sh.end,
+                                hold < 0 ? "" : (hold ? " held" : " now")));
+  }
+  void tied_gradient_out(const planner::Op& op, planner::TiedShard sh) { note("grad out", op, sh); }
+  void tied_gradient_in(const planner::Op& op, planner::TiedShard sh, bool hold) {
+    note("grad in", op, sh, hold);
+  }
+  void tied_gradient_gather(const planner::Op& op, planner::TiedShard sh) {
+    note("grad gather", op, sh);
+  }
+  void tied_weights_out(const planner::Op& op, planner::TiedShard sh) {
+    note("weights out", op, sh);
+  }
+  void tied_weights_in(const planner::Op& op, planner::TiedShard sh, bool hold) {
+    note("weights in", op, sh, hold);
+  }
+  void tied_weights_gather(const planner::Op& op, planner::TiedShard sh) {
+    note("weights gather", op, sh);
+  }
+};
+
+planner::Op tied_op(planner::OpKind kind, int peer) {
+  planner::Op op;
+  op.kind = kind;
+  op.peer = peer;
+  op.chunk = 0;
+  return op;
+}
+
+TEST(OffloadRules, TiedExchangeMovesEachReplicasShardAndGathersWhatItHeld) {
+  using planner::OpKind;
+  {  // w = 1: the whole tensor, the gradient added as it arrives, no gathers.
+    TiedLog log;
+    detail::TiedExchange<TiedLog> tied(log);
+    tied.run(tied_op(OpKind::send_tied_gradient, 3), 40, 10, 1, 0, 3);
+    tied.run(tied_op(OpKind::recv_tied_gradient, 3), 0, 10, 1, 0, 0);
+    tied.run(tied_op(OpKind::send_tied_weights, 3), 0, 10, 1, 0, 0);
+    tied.run(tied_op(OpKind::recv_tied_weights, 0), 40, 10, 1, 0, 3);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{
+                             "grad out peer 3 [0, 10)", "grad in peer 3 [0, 10) now",
+                             "weights out peer 3 [0, 10)", "weights in peer 0 [0, 10) now"}));
+  }
+  {  // w = 3, replica 2 of a 10-element tensor: its shard [8, 10), held until gathered.
+    TiedLog log;
+    detail::TiedExchange<TiedLog> tied(log);
+    tied.run(tied_op(OpKind::recv_tied_gradient, 5), 0, 10, 3, 2, 1);
+    tied.run(tied_op(OpKind::gather_tied_gradient, -1), 0, 10, 3, 2, 1);
+    tied.run(tied_op(OpKind::recv_tied_weights, 1), 0, 10, 3, 2, 5);
+    tied.run(tied_op(OpKind::gather_tied_weights, -1), 0, 10, 3, 2, 5);
+    EXPECT_EQ(log.calls, (std::vector<std::string>{
+                             "grad in peer 5 [8, 10) held", "grad gather peer -1 [8, 10)",
+                             "weights in peer 1 [8, 10) held", "weights gather peer -1 [8, 10)"}));
+    // A gather with nothing received, a second receive before the gather, a chunk without the
+    // tied tensor: one line each, naming the rank.
+    const auto error = [&](planner::OpKind kind, std::int64_t offset) {
+      try {
+        tied.run(tied_op(kind, 1), offset, 10, 3, 2, 5);
+      } catch (const Error& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    EXPECT_EQ(error(OpKind::gather_tied_gradient, 0),
+              "rank 5: gather_tied_gradient without a received shard to gather");
+    tied.run(tied_op(OpKind::recv_tied_weights, 1), 0, 10, 3, 2, 5);
+    EXPECT_EQ(error(OpKind::recv_tied_weights, 0),
+              "rank 5: recv_tied_weights before the last received shard was gathered");
+    EXPECT_EQ(error(OpKind::send_tied_weights, -1),
+              "rank 5: send_tied_weights on chunk 0, which holds no tied tensor");
   }
 }
 

@@ -675,119 +675,126 @@ void CudaWorker::all_gather(int target) {
 // w > 1 each message carries the replica's shard, and an all-reduce of buffers that hold zeros
 // outside each member's shard gathers them on the reduce stream).
 void CudaWorker::tied(const Op& op) {
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  tied_.run(op, c.tied_offset, c.tied_size, s_.plan().w, replica_, rank_);  // tied_exchange.hpp
+}
+
+// The tied exchange's device part (exec/tied_exchange.hpp).
+void CudaWorker::tied_gradient_out(const Op& op, planner::TiedShard sh) {
   Chunk& c = chunks_[std::size_t(op.chunk)];
-  if (c.tied_offset < 0)
-    throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank_,
-                            planner::to_string(op.kind), op.chunk));
-  const planner::Plan& p = s_.plan();
-  const std::int64_t n = c.tied_size, bytes = 2 * n;
-  const planner::TiedShard sh = planner::tied_shard(n, p.w, replica_);
   const std::int64_t shard_bytes = 2 * (sh.end - sh.begin);
   bf16* grad = tied_grad(c);
-  const std::vector<int> group = replica_group();
-  switch (op.kind) {
-    case OpKind::send_tied_gradient: {
-      const cudaStream_t stream = send_[int(Channel::tied)];
-      // A copy goes out, so the slice is zeroed at once for the next step's sums: the compute
-      // stream never waits for the receiver (NCCL's send waits for it).
-      wait(compute_, reduced_);
-      Tensor copy = tensor(Category::workspace, shard_bytes);
-      CUDA_CHECK(cudaMemcpyAsync(copy.as<void>(), grad + sh.begin, std::size_t(shard_bytes),
-                                 cudaMemcpyDeviceToDevice, compute_));
-      CUDA_CHECK(cudaMemsetAsync(grad, 0, std::size_t(bytes), compute_));
-      const cudaEvent_t produced = record(compute_);
-      wait(stream, produced);
-      pool_.push_back(produced);
-      begin_timed(planner::kSendStream, stream);
-      transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), shard_bytes, stream);
-      end_timed(stream);
-      retire(std::move(copy), stream);
-      return;
-    }
-    case OpKind::recv_tied_gradient: {
-      const cudaStream_t stream = recv_[int(Channel::tied)];
-      Tensor head = tensor(Category::workspace, bytes);
-      if (p.w > 1) CUDA_CHECK(cudaMemsetAsync(head.as<void>(), 0, std::size_t(bytes), stream));
-      begin_timed(planner::kRecvStream, stream);
-      transport_.recv(op.peer, rank_, Channel::tied, head.as<bf16>() + sh.begin, shard_bytes,
-                      stream);
-      end_timed(stream);
-      const cudaEvent_t arrived = record(stream);
-      if (p.w > 1) {
-        tied_head_ = Held{std::move(head), arrived};
-        return;
-      }
-      wait(compute_, arrived);
-      wait(compute_, reduced_);
-      pool_.push_back(arrived);
-      residual_add(grad, grad, head.as<bf16>(), n, compute_);
-      retire(std::move(head), compute_);
-      return;
-    }
-    case OpKind::gather_tied_gradient: {
-      wait(reduce_, tied_head_.ready);
-      pool_.push_back(tied_head_.ready);
-      begin_timed(planner::kCollectiveStream, reduce_);
-      transport_.all_reduce_sum_bf16(group, rank_, tied_head_.tensor.as<bf16>(), n, reduce_);
-      end_timed(reduce_);
-      if (reduced_) pool_.push_back(reduced_);
-      reduced_ = record(reduce_);
-      wait(compute_, reduced_);
-      residual_add(grad, grad, tied_head_.tensor.as<bf16>(), n, compute_);
-      retire(std::move(tied_head_.tensor), compute_);
-      tied_head_ = {};
-      return;
-    }
-    case OpKind::send_tied_weights: {
-      const cudaStream_t stream = send_[int(Channel::tied_weights)];
-      const cudaEvent_t produced = record(compute_);
-      wait(stream, produced);
-      pool_.push_back(produced);
-      begin_timed(planner::kSendStream, stream);
-      transport_.send(rank_, op.peer, Channel::tied_weights,
-                      params(c, op.version) + c.tied_offset + sh.begin, shard_bytes, stream);
-      end_timed(stream);
-      // The update that next rewrites this slot must not do so before the send has read it;
-      // waiting there, not here, keeps the compute stream free until then (2BW rewrites it two
-      // steps later, flush schedules at the next step).
-      slots_.read_by(op.version, record(stream));
-      return;
-    }
-    case OpKind::recv_tied_weights: {
-      const cudaStream_t stream = recv_[int(Channel::tied_weights)];
-      // Written straight into the version's slot, after the optimizer filled the rest of it (and
-      // after every earlier reader of the slot's previous version).
-      const cudaEvent_t before = record(compute_);
-      wait(stream, before);
-      pool_.push_back(before);
-      bf16* copy = params(c, op.version) + c.tied_offset;
-      if (p.w > 1) CUDA_CHECK(cudaMemsetAsync(copy, 0, std::size_t(bytes), stream));
-      begin_timed(planner::kRecvStream, stream);
-      transport_.recv(op.peer, rank_, Channel::tied_weights, copy + sh.begin, shard_bytes, stream);
-      end_timed(stream);
-      const cudaEvent_t arrived = record(stream);
-      if (p.w > 1) {
-        tied_arrived_ = arrived;
-        return;
-      }
-      wait(compute_, arrived);
-      pool_.push_back(arrived);
-      return;
-    }
-    default: {  // gather_tied_weights: the version's copy, in place
-      wait(reduce_, tied_arrived_);
-      pool_.push_back(tied_arrived_);
-      tied_arrived_ = nullptr;
-      begin_timed(planner::kCollectiveStream, reduce_);
-      transport_.all_reduce_sum_bf16(group, rank_, params(c, op.version) + c.tied_offset, n,
-                                     reduce_);
-      end_timed(reduce_);
-      const cudaEvent_t gathered = record(reduce_);
-      wait(compute_, gathered);
-      pool_.push_back(gathered);
-      return;
-    }
+  const cudaStream_t stream = send_[int(Channel::tied)];
+  // A copy goes out, so the gradient is zeroed at once for the next step's sums: the compute
+  // stream never waits for the receiver (NCCL's send waits for it).
+  wait(compute_, reduced_);
+  Tensor copy = tensor(Category::workspace, shard_bytes);
+  CUDA_CHECK(cudaMemcpyAsync(copy.as<void>(), grad + sh.begin, std::size_t(shard_bytes),
+                             cudaMemcpyDeviceToDevice, compute_));
+  CUDA_CHECK(cudaMemsetAsync(grad, 0, std::size_t(2 * c.tied_size), compute_));
+  const cudaEvent_t produced = record(compute_);
+  wait(stream, produced);
+  pool_.push_back(produced);
+  begin_timed(planner::kSendStream, stream);
+  transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), shard_bytes, stream);
+  end_timed(stream);
+  retire(std::move(copy), stream);
+}
+
+void CudaWorker::tied_gradient_in(const Op& op, planner::TiedShard sh, bool hold) {
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::int64_t n = c.tied_size, bytes = 2 * n;
+  const cudaStream_t stream = recv_[int(Channel::tied)];
+  Tensor head = tensor(Category::workspace, bytes);
+  if (hold) CUDA_CHECK(cudaMemsetAsync(head.as<void>(), 0, std::size_t(bytes), stream));
+  begin_timed(planner::kRecvStream, stream);
+  transport_.recv(op.peer, rank_, Channel::tied, head.as<bf16>() + sh.begin,
+                  2 * (sh.end - sh.begin), stream);
+  end_timed(stream);
+  const cudaEvent_t arrived = record(stream);
+  if (hold) {
+    tied_head_ = Held{std::move(head), arrived};
+    return;
   }
+  wait(compute_, arrived);
+  wait(compute_, reduced_);
+  pool_.push_back(arrived);
+  bf16* grad = tied_grad(c);
+  residual_add(grad, grad, head.as<bf16>(), n, compute_);
+  retire(std::move(head), compute_);
+}
+
+// The shards gathered as a sum: each replica's buffer is zero outside its own shard.
+void CudaWorker::tied_gradient_gather(const Op& op, planner::TiedShard) {
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  const std::int64_t n = c.tied_size;
+  wait(reduce_, tied_head_.ready);
+  pool_.push_back(tied_head_.ready);
+  begin_timed(planner::kCollectiveStream, reduce_);
+  transport_.all_reduce_sum_bf16(replica_group(), rank_, tied_head_.tensor.as<bf16>(), n, reduce_);
+  end_timed(reduce_);
+  if (reduced_) pool_.push_back(reduced_);
+  reduced_ = record(reduce_);
+  wait(compute_, reduced_);
+  bf16* grad = tied_grad(c);
+  residual_add(grad, grad, tied_head_.tensor.as<bf16>(), n, compute_);
+  retire(std::move(tied_head_.tensor), compute_);
+  tied_head_ = {};
+}
+
+void CudaWorker::tied_weights_out(const Op& op, planner::TiedShard sh) {
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  const cudaStream_t stream = send_[int(Channel::tied_weights)];
+  const cudaEvent_t produced = record(compute_);
+  wait(stream, produced);
+  pool_.push_back(produced);
+  begin_timed(planner::kSendStream, stream);
+  transport_.send(rank_, op.peer, Channel::tied_weights,
+                  params(c, op.version) + c.tied_offset + sh.begin, 2 * (sh.end - sh.begin),
+                  stream);
+  end_timed(stream);
+  // The update that next rewrites this slot must not do so before the send has read it;
+  // waiting there, not here, keeps the compute stream free until then (2BW rewrites it two
+  // steps later, flush schedules at the next step).
+  slots_.read_by(op.version, record(stream));
+}
+
+void CudaWorker::tied_weights_in(const Op& op, planner::TiedShard sh, bool hold) {
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  const cudaStream_t stream = recv_[int(Channel::tied_weights)];
+  // Written straight into the version's slot, after the optimizer filled the rest of it (and
+  // after every earlier reader of the slot's previous version).
+  const cudaEvent_t before = record(compute_);
+  wait(stream, before);
+  pool_.push_back(before);
+  bf16* copy = params(c, op.version) + c.tied_offset;
+  if (hold) CUDA_CHECK(cudaMemsetAsync(copy, 0, std::size_t(2 * c.tied_size), stream));
+  begin_timed(planner::kRecvStream, stream);
+  transport_.recv(op.peer, rank_, Channel::tied_weights, copy + sh.begin, 2 * (sh.end - sh.begin),
+                  stream);
+  end_timed(stream);
+  const cudaEvent_t arrived = record(stream);
+  if (hold) {
+    tied_arrived_ = arrived;
+    return;
+  }
+  wait(compute_, arrived);
+  pool_.push_back(arrived);
+}
+
+// The version's copy, in place, gathered as a sum (zeros outside each replica's shard).
+void CudaWorker::tied_weights_gather(const Op& op, planner::TiedShard) {
+  const Chunk& c = chunks_[std::size_t(op.chunk)];
+  wait(reduce_, tied_arrived_);
+  pool_.push_back(tied_arrived_);
+  tied_arrived_ = nullptr;
+  begin_timed(planner::kCollectiveStream, reduce_);
+  transport_.all_reduce_sum_bf16(replica_group(), rank_, params(c, op.version) + c.tied_offset,
+                                 c.tied_size, reduce_);
+  end_timed(reduce_);
+  const cudaEvent_t gathered = record(reduce_);
+  wait(compute_, gathered);
+  pool_.push_back(gathered);
 }
 
 // One device holding both tied ends (d == 1, v > 1): the same sum, on both chunks, no messages.

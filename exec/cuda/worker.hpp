@@ -24,6 +24,7 @@
 #include "exec/memory.hpp"
 #include "exec/offload.hpp"
 #include "exec/run_common.hpp"
+#include "exec/tied_exchange.hpp"
 #include "exec/weight_slots.hpp"
 
 namespace pw::exec::cuda::detail {
@@ -158,6 +159,15 @@ class CudaWorker {
   void all_gather(int target);
   std::vector<int> replica_group() const;
   void tied(const planner::Op& op);
+  // The tied exchange, the shared rule's (exec/tied_exchange.hpp); the device's part below.
+  friend class exec::detail::TiedExchange<CudaWorker>;
+  exec::detail::TiedExchange<CudaWorker> tied_{*this};
+  void tied_gradient_out(const planner::Op& op, planner::TiedShard sh);
+  void tied_gradient_in(const planner::Op& op, planner::TiedShard sh, bool hold);
+  void tied_gradient_gather(const planner::Op& op, planner::TiedShard sh);
+  void tied_weights_out(const planner::Op& op, planner::TiedShard sh);
+  void tied_weights_in(const planner::Op& op, planner::TiedShard sh, bool hold);
+  void tied_weights_gather(const planner::Op& op, planner::TiedShard sh);
   void sum_local_tied();
   void optimizer_step(const planner::Op& op);
   void update(Chunk& c, bf16* target);
