@@ -703,19 +703,18 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   for (int u : resident)
     put(u);
   // Sharded chunks: which have a gradient, and the chunks' bytes on the host (a host-Adam chunk's
-  // part; with a gradient and on the host, the chunk whole, beside the part only without a
-  // gradient half; an unsharded chunk whole while on the host).
+  // part; with a gradient and on the host, the chunk whole instead; an unsharded chunk whole while
+  // on the host). A whole chunk with a gradient half holds its parameters unchanged, the part among
+  // them; without one (fp16, m = 1) the gradient overwrote them, and the part is not kept either:
+  // nothing reads it before the optimizer step, whose CPU Adam writes the new parameters from the
+  // fp32 master into the part's place in the chunk (PatrickStar's regeneration).
   const bool sharding = L.part_bytes > 0;
   if (sharding && L.parts != 1) throw std::logic_error("run_step: sharded chunks with parts");
   std::vector<char> dirty(std::size_t(L.chunks()), 0);
-  // With a gradient half (move_bytes 2 S_p) the whole chunk holds its parameters unchanged, the
-  // part among them: the part is not kept beside it.
-  const bool half = L.move_bytes > L.chunk_bytes;
   auto host_of = [&](int c) -> std::int64_t {
     if (!L.is_sharded(c)) return on[std::size_t(c)] ? 0 : L.move_bytes;
-    const bool whole = dirty[std::size_t(c)] && !on[std::size_t(c)];
-    return (s.device_resident(c) || (whole && half) ? 0 : L.part_bytes) +
-           (whole ? L.move_bytes : 0);
+    if (dirty[std::size_t(c)] && !on[std::size_t(c)]) return L.move_bytes;  // whole
+    return s.device_resident(c) ? 0 : L.part_bytes;
   };
   std::int64_t host = 0;
   host_peak = 0;

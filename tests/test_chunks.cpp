@@ -1890,19 +1890,18 @@ TEST(ChunksSharded, PlanFieldParsesWritesAndRefuses) {
 // The rule walked independently of run_step: per chunk, on the device or not and whether a
 // backward of the step has used it. A copy is a part (an upload with its all-gather, or a drop)
 // exactly while its chunk has no gradient; the host holds each host-Adam chunk's part, a chunk
-// with a gradient whole while on the host (beside its part when it has no gradient half; with
-// one, the part is inside it), an unsharded chunk whole while there; at the optimizer step the
-// downloaded parts of the gradients come on top. Returns the host's most.
+// with a gradient whole instead while on the host (with a gradient half the part is inside it;
+// without one the part is regenerated from the fp32 master at the optimizer step), an unsharded
+// chunk whole while there; at the optimizer step the downloaded parts of the gradients come on
+// top. Returns the host's most.
 std::int64_t walk_sharded(const ChunkSchedule& cs) {
   const ChunkLayout& L = cs.layout;
   const std::size_t n = std::size_t(L.chunks());
   std::vector<bool> on = cs.start_on_device, grad(n, false);
   const auto chunk_host = [&](std::size_t c) -> std::int64_t {
     if (!L.is_sharded(int(c))) return on[c] ? 0 : L.move_bytes;
-    const bool whole = grad[c] && !on[c];  // with a gradient half, the part is inside it
-    return (cs.device_resident(int(c)) || (whole && L.move_bytes > L.chunk_bytes) ? 0
-                                                                                  : L.part_bytes) +
-           (whole ? L.move_bytes : 0);
+    if (grad[c] && !on[c]) return L.move_bytes;  // whole, its part inside it or regenerated
+    return cs.device_resident(int(c)) ? 0 : L.part_bytes;
   };
   const auto host = [&] {
     std::int64_t h = 0;
