@@ -88,7 +88,8 @@ void PlanOptions::add(CLI::App& app) {
          "optimizer,activations; or chunks (PatrickStar: all model data in fixed-size chunks "
          "that move between host and device; each pipeline stage, and with t > 1 each GPU of "
          "its TP group, its own chunks, their optimizer state sharded over w > 1 replicas; "
-         "interleaved: over its model chunks' layers, estimate, simulate and plan only)")
+         "interleaved: each device over its model chunks' layers; the cpu backend trains "
+         "chunks, the cuda backend does not)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "

@@ -190,11 +190,12 @@ void Worker::setup_chunks() {
                       "stage's ({} B)",
                       rank_, k, inputs, floats(c.stage->layer_inputs(int(b)))));
   }
-  // Pipeline messages (d > 1): the planner's count of them (planner::message_buffers: received,
-  // produced, the last one sent), each a block's output, on the device for the whole run as the
-  // schedule's non-model memory counts them at every moment; the messages themselves live in
-  // uncounted buffers, never more at once than that (make_message_room).
-  if (s_.plan().d > 1) {
+  // Pipeline messages (d > 1, or one device's v > 1 model chunks handing them to each other): the
+  // planner's count of them (planner::message_buffers: received, produced, the last one sent), each
+  // a block's output, on the device for the whole run as the schedule's non-model memory counts
+  // them at every moment; the messages themselves live in uncounted buffers, never more at once
+  // than that (make_message_room).
+  if (s_.plan().d > 1 || s_.plan().v > 1) {
     message_buffers_ = planner::message_buffers(s_.plan(), stage_);
     // Every model chunk's messages are a block's output (v > 1: received and sent by each).
     for (const Chunk& c : chunks_)

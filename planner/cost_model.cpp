@@ -84,7 +84,7 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes) {
 }
 
 int message_buffers(const Plan& p, int s) {
-  if (p.d == 1) return 0;
+  if (p.d == 1 && p.v == 1) return 0;
   const bool receives = s > 0 || p.v > 1, sends = s < p.d - 1 || p.v > 1;
   // The previous compute op's sent message, held at the peak; not on GPipe's last stage, whose
   // peak (its last forward, its first backward) follows a forward, which sends nothing there.
@@ -99,7 +99,7 @@ int backward_message_buffers(const Plan& p, int s) {
 }
 
 int op_message_buffers(const Plan& p, int s, const std::vector<ComputeSlot>& order, std::size_t i) {
-  if (p.d == 1 || order.empty()) return 0;
+  if ((p.d == 1 && p.v == 1) || order.empty()) return 0;
   const int last = p.virtual_stages() - 1;
   const auto sends = [&](const ComputeSlot& op) {
     const int vs = op.chunk * p.d + s;

@@ -336,7 +336,8 @@ std::int64_t message_piece_bytes(const Plan& p, std::int64_t bytes);
 // 0's forwards), the one it produces for the next or previous stage (not on the last virtual
 // stage's forwards), and the previous compute op's sent message, kept until the second compute
 // op after the one that produced it begins (the send overlaps the next compute op; none on
-// gpipe's last stage, whose peak follows a forward that sends nothing). 0 with d = 1.
+// gpipe's last stage, whose peak follows a forward that sends nothing). 0 with d = 1 and v = 1
+// (with v > 1 one device's model chunks hand their messages to each other: counted the same).
 int message_buffers(const Plan& p, int s);
 std::int64_t message_buffer_bytes(const Plan& p, const traces::Trace& trace, int s);
 // The buffers held while a backward of stage s runs (and the recompute op before it), by the
@@ -348,7 +349,7 @@ int backward_message_buffers(const Plan& p, int s);
 // the message it received (an activation before a forward of a virtual stage > 0, a gradient
 // before a backward of one before the last), the one it produces (a forward's activation for the
 // next virtual stage, a backward's gradient for the previous one) and the previous compute op's
-// sent message (the order is cyclic: op 0 follows the step's last). 0 with d = 1.
+// sent message (the order is cyclic: op 0 follows the step's last). 0 with d = 1 and v = 1.
 int op_message_buffers(const Plan& p, int s, const std::vector<ComputeSlot>& order, std::size_t i);
 
 // The link a TP group's ring runs over: between the group's first two GPUs (a group stays inside
