@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -22,6 +24,21 @@ inline void require_tied(const planner::Op& op, std::int64_t tied_offset, int ra
   if (tied_offset < 0)
     throw Error(fmt::format("rank {}: {} on chunk {}, which holds no tied tensor", rank,
                             planner::to_string(op.kind), op.chunk));
+}
+
+// One device holding both tied ends (d == 1, v > 1; its model chunks `chunks`, each with `first`
+// and `tied_offset`): the chunk of the embedding and the chunk of the head, whose gradients the
+// optimizer step sums on both, with no messages. {nullptr, nullptr} when the device holds fewer.
+template <class Chunk>
+std::pair<Chunk*, Chunk*> tied_ends_on_one_device(std::vector<Chunk>& chunks) {
+  Chunk* embedding = nullptr;
+  Chunk* head = nullptr;
+  for (Chunk& c : chunks) {
+    if (c.tied_offset < 0) continue;
+    (c.first ? embedding : head) = &c;
+  }
+  if (!embedding || !head) return {nullptr, nullptr};
+  return {embedding, head};
 }
 
 // The worker `W` does only what a device does with the shard `sh` of the op's chunk's tied tensor

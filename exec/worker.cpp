@@ -1067,13 +1067,8 @@ void Worker::tied_weights_gather(const Op& op, planner::TiedShard) {
 
 // One device holding both tied ends (d == 1, v > 1): the same sum, on both chunks, no messages.
 void Worker::sum_local_tied() {
-  Chunk* embedding = nullptr;
-  Chunk* head = nullptr;
-  for (Chunk& c : chunks_) {
-    if (c.tied_offset < 0) continue;
-    (c.first ? embedding : head) = &c;
-  }
-  if (!embedding || !head) return;
+  const auto [embedding, head] = tied_ends_on_one_device(chunks_);  // exec/tied_exchange.hpp
+  if (!embedding) return;
   float* e = embedding->grads.data() + embedding->tied_offset;
   float* h = head->grads.data() + head->tied_offset;
   for (std::int64_t i = 0; i < embedding->tied_size; ++i)

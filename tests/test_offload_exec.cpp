@@ -1262,6 +1262,18 @@ TEST(OffloadRules, TiedExchangeMovesEachReplicasShardAndGathersWhatItHeld) {
     EXPECT_EQ(error(OpKind::send_tied_weights, -1),
               "rank 5: send_tied_weights on chunk 0, which holds no tied tensor");
   }
+  {  // d = 1, v > 1: the model chunks holding the embedding and the head, found on one device.
+    struct FakeChunk {
+      bool first;
+      std::int64_t tied_offset;
+    };
+    std::vector<FakeChunk> chunks{{true, 0}, {false, -1}, {false, 300}};
+    const auto [embedding, head] = detail::tied_ends_on_one_device(chunks);
+    EXPECT_EQ(embedding, &chunks[0]);
+    EXPECT_EQ(head, &chunks[2]);
+    std::vector<FakeChunk> one{{true, 0}, {false, -1}};  // untied, or the head elsewhere
+    EXPECT_EQ(detail::tied_ends_on_one_device(one).first, nullptr);
+  }
 }
 
 }  // namespace

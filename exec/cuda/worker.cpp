@@ -799,13 +799,8 @@ void CudaWorker::tied_weights_gather(const Op& op, planner::TiedShard) {
 
 // One device holding both tied ends (d == 1, v > 1): the same sum, on both chunks, no messages.
 void CudaWorker::sum_local_tied() {
-  Chunk* embedding = nullptr;
-  Chunk* head = nullptr;
-  for (Chunk& c : chunks_) {
-    if (c.tied_offset < 0) continue;
-    (c.first ? embedding : head) = &c;
-  }
-  if (!embedding || !head) return;
+  const auto [embedding, head] = exec::detail::tied_ends_on_one_device(chunks_);
+  if (!embedding) return;
   bf16* e = embedding->grads.as<bf16>() + embedding->tied_offset;
   bf16* h = head->grads.as<bf16>() + head->tied_offset;
   residual_add(e, e, h, embedding->tied_size, compute_);
