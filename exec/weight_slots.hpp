@@ -31,8 +31,8 @@ enum class SlotWriter { update, upload };
 //                                            tied-weights send out of it since its last write
 //                                            (default-constructed: none) and whatever else of the
 //                                            device reads it
-//   void retire_reader(Reader)               a send's read the next one of the slot supersedes
-//                                            (both on one FIFO engine or stream)
+//   void retire_reader(Reader)               a send's read (or none) that the next one of the
+//                                            slot supersedes (both on one FIFO engine or stream)
 template <class W, class Reader>
 class WeightSlots {
  public:
@@ -46,16 +46,12 @@ class WeightSlots {
   }
   int slot_of(int version) const { return versions_.slot_of(version); }
   int newest() const { return versions_.newest(); }
-  bool allocated(int slot) const { return versions_.allocated(slot); }
   void free_version(int version) { versions_.free_version(version); }
   void resume(const std::vector<int>& versions) { versions_.resume(versions); }
 
   // send_tied_weights out of `version`'s slot, issued: `sent` is done once it has read it.
   void read_by(int version, Reader sent) {
-    const int slot = versions_.slot_of(version);
-    if (read_[slot]) w_.retire_reader(std::exchange(readers_[slot], Reader{}));
-    readers_[slot] = std::move(sent);
-    read_[slot] = true;
+    w_.retire_reader(std::exchange(readers_[versions_.slot_of(version)], std::move(sent)));
   }
 
   // The device's optimizer step to `version`: the slot it writes (a free one), ready to be
@@ -98,7 +94,6 @@ class WeightSlots {
 
  private:
   void ready(int slot, SlotWriter writer, bool allocate) {
-    read_[slot] = false;
     w_.before_slot_write(slot, writer, std::exchange(readers_[slot], Reader{}));
     if (allocate) w_.allocate_slot(slot);
   }
@@ -107,7 +102,6 @@ class WeightSlots {
   int rank_ = 0;
   VersionSlots versions_;
   Reader readers_[2]{};  // the last tied-weights send out of each slot since its last write
-  bool read_[2] = {false, false};
   int upload_ = -1;
 };
 

@@ -985,8 +985,9 @@ void Worker::tied(const Op& op) {
 // weights' ops need no wait: a slot's sends only read it.
 void Worker::tied_gradient_out(const Op& op, planner::TiedShard sh) {
   wait_grads(std::size_t(op.chunk));
-  float* grad = tied_grad(chunks_[std::size_t(op.chunk)]);
-  const std::int64_t n = chunks_[std::size_t(op.chunk)].tied_size;
+  Chunk& c = chunks_[std::size_t(op.chunk)];
+  float* grad = tied_grad(c);
+  const std::int64_t n = c.tied_size;
   const int at = op_, src = device_, dst = device_of(op.peer);
   Worker* self = this;
   // The gradient's next users (this step's optimizer, the next backward) wait for it.

@@ -195,8 +195,8 @@ void Worker::setup_chunks() {
   // a block's output, on the device for the whole run as the schedule's non-model memory counts
   // them at every moment; the messages themselves live in uncounted buffers, never more at once
   // than that (make_message_room).
-  if (s_.plan().d > 1 || s_.plan().v > 1) {
-    message_buffers_ = planner::message_buffers(s_.plan(), stage_);
+  message_buffers_ = planner::message_buffers(s_.plan(), stage_);
+  if (message_buffers_ > 0) {
     // Every model chunk's messages are a block's output (v > 1: received and sent by each).
     for (const Chunk& c : chunks_)
       for (std::int64_t n : {c.first ? 0 : c.sizes.input, c.last ? 0 : c.sizes.output}) {
