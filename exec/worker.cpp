@@ -185,14 +185,15 @@ void Worker::setup_offload() {
   if (!offload_optimizer_) return;
   host_cpu_ = std::make_unique<CopyEngine>();
   std::int64_t largest = 0;
+  std::vector<int> tiles;  // per chunk: its CPU Adam tiles
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     HostChunk h;
-    HostTiles tiles =
+    HostTiles host =
         host_tiles(c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
                    planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
-    h.n = tiles.host_n;
-    h.tiles = std::move(tiles.tiles);
+    h.n = host.host_n;
+    h.tiles = std::move(host.tiles);
     if (offload_sharded_) {
       // ZeRO-Offload's shards (planner::tile_shard, as the planner counts them): the replica's
       // part of each tile, packed in tile order on the host.
@@ -220,9 +221,10 @@ void Worker::setup_offload() {
     c.own_end = h.n;
     c.m_at = h.m.data();
     c.v_at = h.v.empty() ? nullptr : h.v.data();
-    adam_.emplace_back(h.tiles.size(), 0);
+    tiles.push_back(int(h.tiles.size()));
     host_chunks_.push_back(std::move(h));
   }
+  optimizer_.setup(rank_, p, offload_sharded_, tiles);
   // Double-buffered: one layer's gradients fill while the previous one's are on the copy engine
   // (sharded: none, the backward keeps its gradients).
   if (!offload_sharded_)
@@ -293,79 +295,169 @@ void Worker::copy_record(int stream, Clock::time_point a, Clock::time_point b, i
                        std::chrono::duration<double>(b - s_.start).count(), op});
 }
 
-// Optimizer offload's gradient sink for one backward: the layer's gradients go into the free one
-// of the two device tile buffers (zeroed), the tied tensor's into its resident buffer; when the
-// layer is done, the device-to-host engine adds its tile into the host's accumulator. Each
-// gradient element is added to once per backward (exec/cpu/kernels.hpp), so the accumulator gets
-// the bits the device's own accumulation would have.
+// Optimizer offload's gradient sink for one backward: where each gradient goes and when a layer's
+// tile goes to the host are the shared rule's (exec/optimizer_offload.hpp); the device's part
+// below (zero_tile .. upload_tile). Each gradient element is added to once per backward
+// (exec/cpu/kernels.hpp), so the host's accumulator gets the bits the device's own accumulation
+// would have.
 class Worker::TileSink : public GradientSink {
  public:
-  TileSink(Worker& w, std::size_t chunk, int op) : w_(w), chunk_(chunk), op_(op) {}
+  TileSink(Worker& w, std::size_t chunk, int op) : w_(w) {
+    const Chunk& c = w.chunks_[chunk];
+    HostChunk& h = w.host_chunks_[chunk];
+    b_.chunk = chunk;
+    b_.op = op;
+    b_.tiles = &h.tiles;
+    b_.tied_offset = c.tied_offset;
+    b_.tied_size = c.tied_size;
+    b_.tied = h.resident.empty() ? nullptr : h.resident.data();
+  }
   float* at(std::int64_t offset, std::int64_t size) override {
-    Chunk& c = w_.chunks_[chunk_];
-    HostChunk& h = w_.host_chunks_[chunk_];
-    if (c.tied_offset >= 0 && offset == c.tied_offset) return h.resident.data();
-    const int k = tile_of(h.tiles, offset, size);
-    if (k < 0)
-      throw Error(fmt::format("rank {}: gradients [{}, {}) of chunk {} are in no layer", w_.rank_,
-                              offset, offset + size, chunk_));
-    const Tile& t = h.tiles[std::size_t(k)];
-    if (k != open_) {
-      if (open_ >= 0)
-        throw Error(
-            fmt::format("rank {}: a layer's gradients began before the previous layer's "
-                        "were done",
-                        w_.rank_));
-      buffer_ = w_.next_grad_tile_;
-      w_.next_grad_tile_ ^= 1;
-      w_.d2h_->wait(w_.grad_tile_copy_[buffer_]);  // its previous layer has left
-      std::fill_n(w_.grad_tiles_[buffer_].data(), t.end - t.begin, 0.0f);
-      open_ = k;
-    }
-    return w_.grad_tiles_[buffer_].data() + (offset - t.begin);
+    return w_.optimizer_.gradient_at(b_, offset, size);
   }
-  void layer_done(std::int64_t, std::int64_t) override {
-    if (open_ < 0) return;  // every gradient of the layer stays on the device
-    Chunk& c = w_.chunks_[chunk_];
-    HostChunk& h = w_.host_chunks_[chunk_];
-    const Tile t = h.tiles[std::size_t(open_)];
-    // The streamed ranges: the layer less the tied tensor (resident on the device).
-    const std::vector<Tile> ranges = streamed_ranges(t, c.tied_offset, c.tied_size);
-    const float* src = w_.grad_tiles_[buffer_].data();
-    float* acc = h.accumulator.data();
-    Worker* w = &w_;
-    const int op = op_;
-    const CopyEngine::Ticket ticket = w_.d2h_->submit([w, ranges, t, src, acc, op] {
-      const auto t0 = Clock::now();
-      std::int64_t bytes = 0;
-      for (const Tile& r : ranges) {
-        for (std::int64_t i = r.begin; i < r.end; ++i)
-          acc[i] = acc[i] + src[i - t.begin];
-        bytes += (r.end - r.begin) * std::int64_t(sizeof(float));
-      }
-      w->bytes_out_ += bytes;
-      w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
-    });
-    w_.grad_tile_copy_[buffer_] = ticket;
-    w_.last_gradient_copy_ = ticket;
-    open_ = -1;
-  }
+  void layer_done(std::int64_t, std::int64_t) override { w_.optimizer_.layer_done(b_); }
 
  private:
   Worker& w_;
-  std::size_t chunk_;
-  int op_;  // the program's copy_gradient_to_host op of this backward
-  int open_ = -1, buffer_ = 0;
+  StreamedBackward<float> b_;
 };
+
+// Optimizer offload's device calls (exec/optimizer_offload.hpp). A mark is an engine's ticket; the
+// compute runs on the rank's thread, so its mark is none and its waits are the thread's.
+Worker::Event Worker::mark(Engine e) const {
+  CopyEngine* engine = engine_of(e);
+  return engine ? Event{engine, engine->last()} : Event{};
+}
+
+void Worker::after(Engine e, Event m) {
+  if (!m.engine) return;
+  if (e == Engine::compute) return m.wait();
+  offload_waits_[std::size_t(e)].push_back(m);
+}
+
+CopyEngine* Worker::engine_of(Engine e) const {
+  switch (e) {
+    case Engine::d2h:
+      return d2h_.get();
+    case Engine::h2d:
+      return h2d_.get();
+    case Engine::host:
+      return host_cpu_.get();
+    case Engine::compute:
+      break;
+  }
+  return nullptr;
+}
+
+// `work` on engine `e`, after the marks `after` gave it.
+void Worker::issue_after(Engine e, std::function<void()> work) {
+  std::vector<Event> waits = std::move(offload_waits_[std::size_t(e)]);
+  offload_waits_[std::size_t(e)].clear();
+  engine_of(e)->submit([waits = std::move(waits), work = std::move(work)] {
+    for (const Event& m : waits)
+      m.wait();
+    work();
+  });
+}
+
+float* Worker::zero_tile(int buffer, std::int64_t n) {
+  float* data = grad_tiles_[buffer].data();
+  std::fill_n(data, n, 0.0f);
+  return data;
+}
+
+void Worker::stream_tile(std::size_t chunk, int buffer, Tile t, const std::vector<Tile>& ranges,
+                         int op) {
+  const float* src = grad_tiles_[buffer].data();
+  float* acc = host_chunks_[chunk].accumulator.data();
+  Worker* w = this;
+  issue_after(Engine::d2h, [w, ranges, t, src, acc, op] {
+    const auto t0 = Clock::now();
+    std::int64_t bytes = 0;
+    for (const Tile& r : ranges) {
+      for (std::int64_t i = r.begin; i < r.end; ++i)
+        acc[i] = acc[i] + src[i - t.begin];
+      bytes += (r.end - r.begin) * std::int64_t(sizeof(float));
+    }
+    w->bytes_out_ += bytes;
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
+}
+
+bool Worker::keeps_tied_gradient(std::size_t chunk) const {
+  return chunks_[chunk].tied_offset >= 0 && !host_chunks_[chunk].resident.empty();
+}
+
+void Worker::download_tied_gradient(std::size_t chunk, int op) {
+  const Chunk& c = chunks_[chunk];
+  float* dst = host_chunks_[chunk].accumulator.data() + c.tied_offset;
+  float* src = host_chunks_[chunk].resident.data();
+  const std::int64_t n = c.tied_size;
+  Worker* w = this;
+  issue_after(Engine::d2h, [w, dst, src, n, op] {
+    const auto t0 = Clock::now();
+    std::copy_n(src, n, dst);
+    std::fill_n(src, n, 0.0f);  // the next step accumulates from zero
+    w->bytes_out_ += n * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
+}
+
+// Sharded: the replica's shard of each tile, reduce-scattered (and on stage 0 the tied head's
+// gradient added) on the device; the device's gradients are zeroed for the next step (the other
+// shards hold this replica's unreduced sums).
+void Worker::download_gradient_shards(std::size_t chunk, int op) {
+  HostChunk* h = &host_chunks_[chunk];
+  float* grads = chunks_[chunk].grads.data();
+  const std::int64_t n = chunks_[chunk].grads.size();
+  Worker* w = this;
+  issue_after(Engine::d2h, [w, h, grads, n, op] {
+    const auto t0 = Clock::now();
+    for (std::size_t k = 0; k < h->tiles.size(); ++k)
+      std::copy(grads + h->tiles[k].begin, grads + h->tiles[k].end,
+                h->accumulator.data() + h->host_at[k]);
+    std::fill_n(grads, n, 0.0f);
+    w->bytes_out_ += h->n * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
+  });
+}
+
+void Worker::host_adam(std::size_t chunk, int tile, int update, int op) {
+  HostChunk* h = &host_chunks_[chunk];
+  const std::int64_t n = h->tiles[std::size_t(tile)].size();
+  const std::int64_t i = h->host_at[std::size_t(tile)];  // its parameters on the host
+  Worker* w = this;
+  issue_after(Engine::host, [w, h, i, n, update, op] {
+    const auto t0 = Clock::now();
+    float* master = h->master.data() + i;
+    optimizer_update(*w->s_.options, update, master, master, h->accumulator.data() + i,
+                     h->m.data() + i, h->v.empty() ? nullptr : h->v.data() + i, n);
+    w->copy_record(planner::kHostStream, t0, Clock::now(), op);
+  });
+}
+
+void Worker::upload_tile(std::size_t chunk, int tile, int slot, int op) {
+  const HostChunk& h = host_chunks_[chunk];
+  const Tile t = h.tiles[std::size_t(tile)];
+  const float* src = h.master.data() + h.host_at[std::size_t(tile)];
+  float* dst = chunks_[chunk].slots[slot].data() + t.begin;
+  Worker* w = this;
+  issue_after(Engine::h2d, [w, src, dst, t, op] {
+    const auto t0 = Clock::now();
+    std::copy_n(src, t.end - t.begin, dst);
+    w->bytes_in_ += (t.end - t.begin) * std::int64_t(sizeof(float));
+    w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
+  });
+}
 
 // The copies and the host's CPU Adam (docs/formats.md, program ops): issued in program order on
 // their engines; the dependencies are waits inside the work (an upload after its download or its
 // tile's Adam, Adam after the step's gradient copies) and waits of the compute (a backward for its
-// stash's upload, the optimizer step for the last parameter upload).
+// stash's upload, the optimizer step for the last parameter upload). The activations' by Swaps,
+// the optimizer's by OptimizerOffload (exec/offload.hpp, exec/optimizer_offload.hpp).
 void Worker::offload_op(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
   const int at = op_;
-  Worker* w = this;
   switch (op.kind) {
     case OpKind::copy_activation_to_host:
       // The forward was compute op compute_ops_ - 1; its device buffer goes at Swaps' rule.
@@ -375,93 +467,22 @@ void Worker::offload_op(const Op& op) {
       release_sends(compute_ops_);  // this op begins compute slot compute_ops_
       swapped_.to_device(key, compute_ops_, at, rank_);
       return;
-    case OpKind::copy_gradient_to_host: {
-      if (op.microbatch >= 0) {  // the backward's layers: ends when the last has arrived
-        d2h_->wait(last_gradient_copy_);
-        return;
-      }
-      // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
-      wait_grads(std::size_t(op.chunk));
-      Chunk& c = chunks_[std::size_t(op.chunk)];
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      if (offload_sharded_) {
-        // Sharded: the replica's shard of each tile, reduce-scattered (and on stage 0 the tied
-        // head's gradient added) on the device, to the host once; the device's gradients are
-        // zeroed for the next step (the other shards hold this replica's unreduced sums).
-        HostChunk* hc = &h;
-        float* grads = c.grads.data();
-        const std::int64_t n = c.grads.size();
-        d2h_->submit([w, hc, grads, n, at] {
-          const auto t0 = Clock::now();
-          for (std::size_t k = 0; k < hc->tiles.size(); ++k)
-            std::copy(grads + hc->tiles[k].begin, grads + hc->tiles[k].end,
-                      hc->accumulator.data() + hc->host_at[k]);
-          std::fill_n(grads, n, 0.0f);
-          w->bytes_out_ += hc->n * std::int64_t(sizeof(float));
-          w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
-        });
-        return;
-      }
-      if (c.tied_offset < 0 || h.resident.empty())
-        throw Error(fmt::format("rank {}: tied gradient copy on chunk {}, which keeps none", rank_,
-                                op.chunk));
-      float* dst = h.accumulator.data() + c.tied_offset;
-      float* src = h.resident.data();
-      const std::int64_t n = c.tied_size;
-      d2h_->submit([w, dst, src, n, at] {
-        const auto t0 = Clock::now();
-        std::copy_n(src, n, dst);
-        std::fill_n(src, n, 0.0f);  // the next step accumulates from zero
-        w->bytes_out_ += n * std::int64_t(sizeof(float));
-        w->copy_record(planner::kCopyOutStream, t0, Clock::now(), at);
-      });
-      return;
-    }
-    case OpKind::host_optimizer_step: {
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      const std::int64_t n = h.tiles.at(std::size_t(op.bucket)).size();
-      const std::int64_t i = h.host_at[std::size_t(op.bucket)];  // its parameters on the host
-      const CopyEngine::Ticket copied = d2h_->last();  // the step's gradients, all of them
-      const int update = op.step + 1;
-      HostChunk* hc = &h;
-      adam_[std::size_t(op.chunk)][std::size_t(op.bucket)] =
-          host_cpu_->submit([w, hc, i, n, copied, update, at] {
-            w->d2h_->wait(copied);
-            const auto t0 = Clock::now();
-            float* master = hc->master.data() + i;
-            optimizer_update(*w->s_.options, update, master, master, hc->accumulator.data() + i,
-                             hc->m.data() + i, hc->v.empty() ? nullptr : hc->v.data() + i, n);
-            w->copy_record(planner::kHostStream, t0, Clock::now(), at);
-          });
-      return;
-    }
-    case OpKind::copy_parameters_to_device: {
-      const int slot = slots_.upload_target(s_.plan());  // exec/weight_slots.hpp
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      const Tile t = h.tiles.at(std::size_t(op.bucket));
-      const float* src = h.master.data() + h.host_at[std::size_t(op.bucket)];
-      float* dst = chunks_[std::size_t(op.chunk)].slots[slot].data() + t.begin;
-      const CopyEngine::Ticket adam = adam_[std::size_t(op.chunk)][std::size_t(op.bucket)];
-      last_upload_ = h2d_->submit([w, src, dst, t, adam, at] {
-        w->host_cpu_->wait(adam);
-        const auto t0 = Clock::now();
-        std::copy_n(src, t.end - t.begin, dst);
-        w->bytes_in_ += (t.end - t.begin) * std::int64_t(sizeof(float));
-        w->copy_record(planner::kCopyInStream, t0, Clock::now(), at);
-      });
-      return;
-    }
+    case OpKind::copy_gradient_to_host:
+    case OpKind::host_optimizer_step:
+    case OpKind::copy_parameters_to_device:
+      if (!offload_optimizer_) break;
+      return optimizer_.run(op, at);  // exec/optimizer_offload.hpp
     default:
-      throw Error(
-          fmt::format("rank {}: {} is not an offload op", rank_, planner::to_string(op.kind)));
+      break;
   }
+  throw Error(fmt::format("rank {}: {} is not an offload op of this program", rank_,
+                          planner::to_string(op.kind)));
 }
 
 // The device's optimizer step under optimizer offload: the uploads have written the new version
 // (CPU Adam ran on the host); it only switches to it.
 void Worker::offload_step(const Op& op) {
-  h2d_->wait(last_upload_);
-  const int slot = slots_.end_upload(op.version);
+  const int slot = optimizer_.finish(op.version);
   ++updates_;
   // Sharded: the replicas' uploaded shards to one another, into the new version's slot.
   if (offload_sharded_) all_gather(op.step, slot);

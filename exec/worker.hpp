@@ -18,6 +18,7 @@
 #include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/offload.hpp"
+#include "exec/optimizer_offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/stage_compute.hpp"
@@ -337,11 +338,26 @@ class Worker {
   MemoryCounter host_;
   std::vector<HostChunk> host_chunks_;
   Buffer grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy engine
-  CopyEngine::Ticket grad_tile_copy_[2] = {0, 0};
-  int next_grad_tile_ = 0;
-  CopyEngine::Ticket last_gradient_copy_ = 0;          // the last backward's last tile
-  std::vector<std::vector<CopyEngine::Ticket>> adam_;  // per chunk and tile, this step
-  CopyEngine::Ticket last_upload_ = 0;
+  // Optimizer offload's ordering, the shared rule's (exec/optimizer_offload.hpp); the device's part
+  // below (mark .. upload_tile). A mark is an engine's ticket (the compute's: none, it ran).
+  using Mark = Event;
+  friend class OptimizerOffload<Worker, WeightSlots<Worker, Event>>;
+  OptimizerOffload<Worker, WeightSlots<Worker, Event>> optimizer_{*this, slots_};
+  std::vector<Event> offload_waits_[4];  // per Engine: the marks its next work waits for
+  Event mark(Engine e) const;
+  void after(Engine e, Event m);
+  void drop(Event) {}
+  CopyEngine* engine_of(Engine e) const;  // the compute: none
+  void issue_after(Engine e, std::function<void()> work);
+  float* zero_tile(int buffer, std::int64_t n);
+  float* tile_at(int buffer) { return grad_tiles_[buffer].data(); }
+  void stream_tile(std::size_t chunk, int buffer, Tile t, const std::vector<Tile>& ranges, int op);
+  void gradient_sums_done(std::size_t chunk) { wait_grads(chunk); }
+  bool keeps_tied_gradient(std::size_t chunk) const;
+  void download_tied_gradient(std::size_t chunk, int op);
+  void download_gradient_shards(std::size_t chunk, int op);
+  void host_adam(std::size_t chunk, int tile, int update, int op);
+  void upload_tile(std::size_t chunk, int tile, int slot, int op);
   BufferPool host_buffers_;  // the swapped stashes' host storage, reused
   // The swapped stashes, their life the shared rule's (exec/offload.hpp, Swaps); the device's part
   // below (swap_out .. swap_back).

@@ -15,6 +15,7 @@
 
 #include "clusters/cluster.hpp"
 #include "exec/offload.hpp"
+#include "exec/optimizer_offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "exec/tied_exchange.hpp"
@@ -1276,6 +1277,181 @@ TEST(OffloadRules, TiedExchangeMovesEachReplicasShardAndGathersWhatItHeld) {
     std::vector<FakeChunk> one{{true, 0}, {false, -1}};  // untied, or the head elsewhere
     EXPECT_EQ(detail::tied_ends_on_one_device(one).first, nullptr);
   }
+}
+
+// A device that records what optimizer offload's rule asks of it. A mark is a number, given in
+// order by every engine (0: none).
+struct OffloadLog {
+  using Mark = int;
+  using Engine = detail::Engine;
+  std::vector<std::string> calls;
+  int marks = 0;
+  float tiles[2][64] = {};
+  float tied[16] = {};
+  static const char* name(Engine e) {
+    switch (e) {
+      case Engine::compute:
+        return "compute";
+      case Engine::d2h:
+        return "d2h";
+      case Engine::h2d:
+        return "h2d";
+      case Engine::host:
+        return "host";
+    }
+    return "?";
+  }
+  int mark(Engine e) {
+    calls.push_back(fmt::format("mark {} {}", name(e), ++marks));
+    return marks;
+  }
+  void after(Engine e, int m) {
+    if (m) calls.push_back(fmt::format("{} after {}", name(e), m));
+  }
+  void drop(int m) {
+    if (m) calls.push_back(fmt::format("drop {}", m));
+  }
+  float* zero_tile(int buffer, std::int64_t n) {
+    calls.push_back(fmt::format("zero buffer {} x {}", buffer, n));
+    return tiles[buffer];
+  }
+  float* tile_at(int buffer) { return tiles[buffer]; }
+  void stream_tile(std::size_t chunk, int buffer, detail::Tile t,
+                   const std::vector<detail::Tile>& ranges, int op) {
+    std::string r;
+    for (const detail::Tile& x : ranges)
+      r += fmt::format(" [{}, {})", x.begin, x.end);
+    calls.push_back(fmt::format("stream chunk {} buffer {} tile [{}, {}):{} op {}", chunk, buffer,
+                                t.begin, t.end, r, op));
+  }
+  void gradient_sums_done(std::size_t chunk) { calls.push_back(fmt::format("sums {}", chunk)); }
+  bool keeps_tied_gradient(std::size_t chunk) const { return chunk == 0; }
+  void download_tied_gradient(std::size_t chunk, int op) {
+    calls.push_back(fmt::format("tied down {} op {}", chunk, op));
+  }
+  void download_gradient_shards(std::size_t chunk, int op) {
+    calls.push_back(fmt::format("shards down {} op {}", chunk, op));
+  }
+  void host_adam(std::size_t chunk, int tile, int update, int op) {
+    calls.push_back(fmt::format("adam {}.{} update {} op {}", chunk, tile, update, op));
+  }
+  void upload_tile(std::size_t chunk, int tile, int slot, int op) {
+    calls.push_back(fmt::format("upload {}.{} slot {} op {}", chunk, tile, slot, op));
+  }
+  // The weight slots' device calls.
+  void allocate_slot(int slot) { calls.push_back(fmt::format("allocate {}", slot)); }
+  void before_slot_write(int slot, detail::SlotWriter, int) {
+    calls.push_back(fmt::format("ready slot {}", slot));
+  }
+  void retire_reader(int) {}
+};
+
+planner::Op offload_op(planner::OpKind kind, int chunk, int microbatch = -1, int tile = -1) {
+  planner::Op op;
+  op.kind = kind;
+  op.chunk = chunk;
+  op.microbatch = microbatch;
+  op.bucket = tile;
+  return op;
+}
+
+TEST(OffloadRules, OptimizerOffloadOrdersCopiesAdamAndUploads) {
+  using planner::OpKind;
+  Plan flush;
+  flush.schedule = Schedule::one_f_one_b;
+  // Stage 0's chunk 0: tiles embedding [0, 16) (the tied wte [0, 10) and wpe), a block [16, 30),
+  // the final norm [30, 40); chunk 1 keeps no tied gradient.
+  const std::vector<detail::Tile> tiles{{0, 16}, {16, 30}, {30, 40}};
+  OffloadLog log;
+  detail::WeightSlots<OffloadLog, int> slots(log);
+  slots.set_rank(3);
+  detail::OptimizerOffload<OffloadLog, detail::WeightSlots<OffloadLog, int>> off(log, slots);
+  off.setup(3, flush, false, {3, 1});
+  detail::StreamedBackward<float> b;
+  b.chunk = 0;
+  b.op = 7;
+  b.tiles = &tiles;
+  b.tied_offset = 0;
+  b.tied_size = 10;
+  b.tied = log.tied;
+  // The backward, last layer first: each layer in the free tile buffer, zeroed once its previous
+  // layer's copy is done; the tied tensor's gradient on the device; the rest streamed after the
+  // compute that wrote it.
+  EXPECT_EQ(off.gradient_at(b, 30, 10), log.tiles[0]);
+  EXPECT_EQ(off.gradient_at(b, 34, 6), log.tiles[0] + 4);
+  off.layer_done(b);
+  EXPECT_EQ(off.gradient_at(b, 16, 14), log.tiles[1]);
+  off.layer_done(b);
+  EXPECT_EQ(off.gradient_at(b, 0, 10), log.tied);
+  EXPECT_EQ(off.gradient_at(b, 10, 6), log.tiles[0] + 10);
+  off.layer_done(b);
+  EXPECT_EQ(log.calls,
+            (std::vector<std::string>{"zero buffer 0 x 10",
+                                      "mark compute 1",
+                                      "d2h after 1",
+                                      "drop 1",
+                                      "stream chunk 0 buffer 0 tile [30, 40): [30, 40) op 7",
+                                      "mark d2h 2",
+                                      "zero buffer 1 x 14",
+                                      "mark compute 3",
+                                      "d2h after 3",
+                                      "drop 3",
+                                      "stream chunk 0 buffer 1 tile [16, 30): [16, 30) op 7",
+                                      "mark d2h 4",
+                                      "compute after 2",
+                                      "zero buffer 0 x 16",
+                                      "mark compute 5",
+                                      "d2h after 5",
+                                      "drop 5",
+                                      "stream chunk 0 buffer 0 tile [0, 16): [10, 16) op 7",
+                                      "drop 2",
+                                      "mark d2h 6"}));
+  // The step: the next compute after the backward's last copy; the tied gradient down after its
+  // sums; CPU Adam after every download; the upload after its tile's Adam; the device's step
+  // after the last upload and the last download.
+  log.calls.clear();
+  off.run(offload_op(OpKind::copy_gradient_to_host, 0, 3), 19);
+  off.run(offload_op(OpKind::copy_gradient_to_host, 0), 20);
+  off.run(offload_op(OpKind::host_optimizer_step, 0, -1, 1), 21);
+  off.run(offload_op(OpKind::copy_parameters_to_device, 0, -1, 1), 22);
+  EXPECT_EQ(off.finish(1), 0);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{
+                           "compute after 6", "sums 0", "mark compute 7", "d2h after 7", "drop 7",
+                           "tied down 0 op 20", "mark d2h 8", "host after 8", "drop 8",
+                           "adam 0.1 update 1 op 21", "mark host 9", "ready slot 0", "h2d after 9",
+                           "upload 0.1 slot 0 op 22", "mark h2d 10", "compute after 10",
+                           "mark d2h 11", "compute after 11", "drop 11"}));
+  // Bad programs: one line each, naming the rank.
+  const auto error = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error([&] { off.gradient_at(b, 40, 5); }),
+            "rank 3: gradients [40, 45) of chunk 0 are in no layer");
+  off.gradient_at(b, 30, 10);
+  EXPECT_EQ(error([&] { off.gradient_at(b, 16, 4); }),
+            "rank 3: a layer's gradients began before the previous layer's were done");
+  EXPECT_EQ(error([&] { off.run(offload_op(OpKind::copy_gradient_to_host, 1), 0); }),
+            "rank 3: tied gradient copy on chunk 1, which keeps none");
+  EXPECT_EQ(error([&] { off.run(offload_op(OpKind::host_optimizer_step, 0, -1, 5), 0); }),
+            "rank 3: host_optimizer_step of tile 5 of chunk 0, which has 3");
+  EXPECT_EQ(error([&] { off.run(offload_op(OpKind::copy_parameters_to_device, 4, -1, 0), 0); }),
+            "rank 3: copy_parameters_to_device of chunk 4, which the rank does not hold");
+  EXPECT_EQ(error([&] { off.run(offload_op(OpKind::copy_activation_to_host, 0, 0), 0); }),
+            "rank 3: copy_activation_to_host is not an optimizer offload op");
+  EXPECT_EQ(error([&] { off.finish(2); }),
+            "rank 3: optimizer step of version 2 without its uploads");
+  // Sharded (w > 1): every tile's shard goes down once, after the chunk's reduce-scatter.
+  log.calls.clear();
+  log.marks = 0;
+  off.setup(3, flush, true, {3, 1});
+  off.run(offload_op(OpKind::copy_gradient_to_host, 1), 30);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"sums 1", "mark compute 1", "d2h after 1",
+                                                 "drop 1", "shards down 1 op 30"}));
 }
 
 }  // namespace

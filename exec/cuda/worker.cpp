@@ -363,76 +363,73 @@ static Held take(std::map<std::tuple<int, int, int>, Held>& from,
   return h;
 }
 
-// Optimizer offload's gradient sink for one backward (the CPU worker's TileSink on the GPU): a
-// layer's gradients go into the free one of the two device tile buffers, zeroed on the compute
-// stream once its previous layer's copy is done; the tied tensor's into its resident buffer. When
-// the layer is done the device-to-host stream waits for it, copies the streamed ranges into the
-// pinned transfer buffer and adds them into the host's fp32 accumulator (a host function, in
-// stream order: the next copy into the same range waits for the add).
+// Optimizer offload's gradient sink for one backward (the CPU worker's TileSink on the GPU): where
+// each gradient goes and when a layer's tile goes to the host are the shared rule's
+// (exec/optimizer_offload.hpp); the device's part below (zero_tile .. upload_tile).
 class CudaWorker::TileSink : public DeviceGradientSink {
  public:
-  TileSink(CudaWorker& w, std::size_t chunk, int op) : w_(w), chunk_(chunk), op_(op) {}
+  TileSink(CudaWorker& w, std::size_t chunk, int op) : w_(w) {
+    const Chunk& c = w.chunks_[chunk];
+    HostChunk& h = w.host_chunks_[chunk];
+    b_.chunk = chunk;
+    b_.op = op;
+    b_.tiles = &h.tiles;
+    b_.tied_offset = c.tied_offset;
+    b_.tied_size = c.tied_size;
+    b_.tied = h.resident.bytes() == 0 ? nullptr : h.resident.as<bf16>();
+  }
   bf16* at(std::int64_t offset, std::int64_t size) override {
-    Chunk& c = w_.chunks_[chunk_];
-    HostChunk& h = w_.host_chunks_[chunk_];
-    if (c.tied_offset >= 0 && offset == c.tied_offset) return h.resident.as<bf16>();
-    const int k = exec::detail::tile_of(h.tiles, offset, size);
-    if (k < 0)
-      throw Error(fmt::format("rank {}: gradients [{}, {}) of chunk {} are in no layer", w_.rank_,
-                              offset, offset + size, chunk_));
-    const exec::detail::Tile& t = h.tiles[std::size_t(k)];
-    if (k != open_) {
-      if (open_ >= 0)
-        throw Error(fmt::format(
-            "rank {}: a layer's gradients began before the previous layer's were done", w_.rank_));
-      buffer_ = w_.next_grad_tile_;
-      w_.next_grad_tile_ ^= 1;
-      w_.wait(w_.compute_, w_.grad_tile_copied_[buffer_]);  // its previous layer has left
-      CUDA_CHECK(cudaMemsetAsync(w_.grad_tiles_[buffer_].as<void>(), 0, std::size_t(2 * t.size()),
-                                 w_.compute_));
-      open_ = k;
-    }
-    return w_.grad_tiles_[buffer_].as<bf16>() + (offset - t.begin);
+    return w_.optimizer_.gradient_at(b_, offset, size);
   }
-  void layer_done(std::int64_t, std::int64_t) override {
-    if (open_ < 0) return;  // every gradient of the layer stays on the device
-    Chunk& c = w_.chunks_[chunk_];
-    HostChunk& h = w_.host_chunks_[chunk_];
-    const exec::detail::Tile t = h.tiles[std::size_t(open_)];
-    const std::vector<exec::detail::Tile> ranges =
-        exec::detail::streamed_ranges(t, c.tied_offset, c.tied_size);
-    const bf16* src = w_.grad_tiles_[buffer_].as<bf16>();
-    bf16* transfer = h.transfer.as<bf16>();
-    float* acc = h.accumulator.data();
-    const cudaEvent_t produced = w_.record(w_.compute_);
-    w_.wait(w_.d2h_, produced);
-    w_.pool_.push_back(produced);
-    w_.timed(planner::kCopyOutStream, w_.d2h_, op_, [&] {
-      for (const exec::detail::Tile& r : ranges) {
-        CUDA_CHECK(cudaMemcpyAsync(transfer + r.begin, src + (r.begin - t.begin),
-                                   std::size_t(2 * r.size()), cudaMemcpyDeviceToHost, w_.d2h_));
-        w_.bytes_out_ += 2 * r.size();
-      }
-      w_.host_function(w_.d2h_, [ranges, transfer, acc] {
-        for (const exec::detail::Tile& r : ranges)
-          for (std::int64_t i = r.begin; i < r.end; ++i)
-            acc[i] = acc[i] + __bfloat162float(transfer[i]);
-      });
-    });
-    cudaEvent_t& copied = w_.grad_tile_copied_[buffer_];
-    if (copied) w_.pool_.push_back(copied);
-    copied = w_.record(w_.d2h_);
-    // Pooled events are re-recorded only by later calls: the copy stream's newest record.
-    w_.last_gradient_copy_ = copied;
-    open_ = -1;
-  }
+  void layer_done(std::int64_t, std::int64_t) override { w_.optimizer_.layer_done(b_); }
 
  private:
   CudaWorker& w_;
-  std::size_t chunk_;
-  int op_;  // the program's copy_gradient_to_host op of this backward
-  int open_ = -1, buffer_ = 0;
+  exec::detail::StreamedBackward<bf16> b_;
 };
+
+cudaStream_t CudaWorker::stream_of(Engine e) const {
+  switch (e) {
+    case Engine::d2h:
+      return d2h_;
+    case Engine::h2d:
+      return h2d_;
+    case Engine::host:
+      return host_stream_;
+    case Engine::compute:
+      break;
+  }
+  return compute_;
+}
+
+// Zeroed on the compute stream, after its previous layer's copy (the rule's wait).
+bf16* CudaWorker::zero_tile(int buffer, std::int64_t n) {
+  CUDA_CHECK(cudaMemsetAsync(grad_tiles_[buffer].as<void>(), 0, std::size_t(2 * n), compute_));
+  return grad_tiles_[buffer].as<bf16>();
+}
+
+// The streamed ranges into the pinned transfer buffer, then added into the host's fp32
+// accumulator (a host function, in stream order: the next copy into the same range waits for the
+// add).
+void CudaWorker::stream_tile(std::size_t chunk, int buffer, exec::detail::Tile t,
+                             const std::vector<exec::detail::Tile>& ranges, int op) {
+  HostChunk& h = host_chunks_[chunk];
+  const bf16* src = grad_tiles_[buffer].as<bf16>();
+  bf16* transfer = h.transfer.as<bf16>();
+  float* acc = h.accumulator.data();
+  timed(planner::kCopyOutStream, d2h_, op, [&] {
+    for (const exec::detail::Tile& r : ranges) {
+      CUDA_CHECK(cudaMemcpyAsync(transfer + r.begin, src + (r.begin - t.begin),
+                                 std::size_t(2 * r.size()), cudaMemcpyDeviceToHost, d2h_));
+      bytes_out_ += 2 * r.size();
+    }
+    host_function(d2h_, [ranges, transfer, acc] {
+      for (const exec::detail::Tile& r : ranges)
+        for (std::int64_t i = r.begin; i < r.end; ++i)
+          acc[i] = acc[i] + __bfloat162float(transfer[i]);
+    });
+  });
+}
 
 void CudaWorker::forward(const Op& op) {
   const Key key{op.step, op.microbatch, op.chunk};
@@ -918,14 +915,15 @@ void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
   memory_.set_reclaim([this] { return (swaps_ && swapped_.reclaim()) || reclaim_retired(); });
   if (!offload_optimizer_) return;
   std::int64_t largest = 0;
+  std::vector<int> tiles;  // per chunk: its CPU Adam tiles
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     HostChunk h;
-    exec::detail::HostTiles tiles = exec::detail::host_tiles(
+    exec::detail::HostTiles host = exec::detail::host_tiles(
         c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
         planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
-    h.n = tiles.host_n;
-    h.tiles = std::move(tiles.tiles);
+    h.n = host.host_n;
+    h.tiles = std::move(host.tiles);
     for (const exec::detail::Tile& t : h.tiles)
       largest = std::max(largest, t.size());
     // The planner's (12 + 4 + e) bytes per host-updated parameter: fp32 master, m, v, the fp32
@@ -940,9 +938,10 @@ void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
       h.resident = tensor(Category::gradients, 2 * c.tied_size);
       CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * c.tied_size), compute_));
     }
-    h.adam.assign(h.tiles.size(), nullptr);
+    tiles.push_back(int(h.tiles.size()));
     host_chunks_.push_back(std::move(h));
   }
+  optimizer_.setup(rank_, p, false, tiles);
   // Double-buffered: one layer's gradients fill while the previous one's are on the copy stream.
   for (Tensor& t : grad_tiles_)
     t = tensor(Category::gradients, 2 * largest);
@@ -1067,84 +1066,11 @@ void CudaWorker::offload(const Op& op) {
     case OpKind::copy_activation_to_device:  // begins compute slot compute_ops_
       swapped_.to_device(key, compute_ops_, op_, rank_);
       return;
-    case OpKind::copy_gradient_to_host: {
+    case OpKind::copy_gradient_to_host:
+    case OpKind::host_optimizer_step:
+    case OpKind::copy_parameters_to_device:
       if (!offload_optimizer_) break;
-      if (op.microbatch >= 0) {  // the backward's layers: the next compute waits for the last
-        wait(compute_, last_gradient_copy_);
-        return;
-      }
-      // Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
-      Chunk& c = chunks_[std::size_t(op.chunk)];
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      if (c.tied_offset < 0 || h.resident.bytes() == 0)
-        throw Error(fmt::format("rank {}: tied gradient copy on chunk {}, which keeps none", rank_,
-                                op.chunk));
-      wait(compute_, reduced_);  // the tied exchange's sums (on compute or reduce) are done
-      const cudaEvent_t summed = record(compute_);
-      wait(d2h_, summed);
-      pool_.push_back(summed);
-      bf16* transfer = h.transfer.as<bf16>() + c.tied_offset;
-      float* acc = h.accumulator.data() + c.tied_offset;
-      const std::int64_t n = c.tied_size;
-      timed(planner::kCopyOutStream, d2h_, op_, [&] {
-        CUDA_CHECK(cudaMemcpyAsync(transfer, h.resident.as<void>(), std::size_t(2 * n),
-                                   cudaMemcpyDeviceToHost, d2h_));
-        // The next step accumulates from zero (its backward waits for this step's uploads).
-        CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * n), d2h_));
-        host_function(d2h_, [transfer, acc, n] {
-          for (std::int64_t i = 0; i < n; ++i)
-            acc[i] = __bfloat162float(transfer[i]);
-        });
-      });
-      bytes_out_ += 2 * n;
-      return;
-    }
-    case OpKind::host_optimizer_step: {
-      if (!offload_optimizer_) break;
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      const exec::detail::Tile t = h.tiles.at(std::size_t(op.bucket));
-      const cudaEvent_t copied = record(d2h_);  // the step's gradients, all of them, added
-      wait(host_stream_, copied);
-      pool_.push_back(copied);
-      const int update = op.step + 1;
-      const TrainOptions* options = s_.options;
-      float* master = h.master.data() + t.begin;
-      float* acc = h.accumulator.data() + t.begin;
-      float* m = h.m.data() + t.begin;
-      float* v = h.v.empty() ? nullptr : h.v.data() + t.begin;
-      bf16* transfer = h.transfer.as<bf16>() + t.begin;
-      const std::int64_t n = t.size();
-      timed(planner::kHostStream, host_stream_, op_, [&] {
-        host_function(host_stream_, [options, update, master, acc, m, v, transfer, n] {
-          // The CPU worker's optimizer on the fp32 master (zeroes the accumulator), then the new
-          // bf16 parameters, rounded to nearest even as the device's update writes them.
-          optimizer_update(*options, update, master, master, acc, m, v, n);
-          for (std::int64_t i = 0; i < n; ++i)
-            transfer[i] = __float2bfloat16(master[i]);
-        });
-      });
-      cudaEvent_t& done = h.adam[std::size_t(op.bucket)];
-      if (done) pool_.push_back(done);
-      done = record(host_stream_);
-      return;
-    }
-    case OpKind::copy_parameters_to_device: {
-      if (!offload_optimizer_) break;
-      const int slot = slots_.upload_target(s_.plan());  // exec/weight_slots.hpp
-      HostChunk& h = host_chunks_[std::size_t(op.chunk)];
-      const exec::detail::Tile t = h.tiles.at(std::size_t(op.bucket));
-      wait(h2d_, h.adam[std::size_t(op.bucket)]);
-      bf16* dst = chunks_[std::size_t(op.chunk)].slots[slot].as<bf16>() + t.begin;
-      const bf16* src = h.transfer.as<bf16>() + t.begin;
-      timed(planner::kCopyInStream, h2d_, op_, [&] {
-        CUDA_CHECK(
-            cudaMemcpyAsync(dst, src, std::size_t(2 * t.size()), cudaMemcpyHostToDevice, h2d_));
-      });
-      bytes_in_ += 2 * t.size();
-      if (last_upload_) pool_.push_back(last_upload_);
-      last_upload_ = record(h2d_);
-      return;
-    }
+      return optimizer_.run(op, op_);  // exec/optimizer_offload.hpp
     default:
       break;
   }
@@ -1152,14 +1078,72 @@ void CudaWorker::offload(const Op& op) {
                           planner::to_string(op.kind)));
 }
 
+bool CudaWorker::keeps_tied_gradient(std::size_t chunk) const {
+  return chunks_[chunk].tied_offset >= 0 && host_chunks_[chunk].resident.bytes() > 0;
+}
+
+// Stage 0's tied gradient, summed on the device by the tied exchange: to the host once.
+void CudaWorker::download_tied_gradient(std::size_t chunk, int op) {
+  const Chunk& c = chunks_[chunk];
+  HostChunk& h = host_chunks_[chunk];
+  bf16* transfer = h.transfer.as<bf16>() + c.tied_offset;
+  float* acc = h.accumulator.data() + c.tied_offset;
+  const std::int64_t n = c.tied_size;
+  timed(planner::kCopyOutStream, d2h_, op, [&] {
+    CUDA_CHECK(cudaMemcpyAsync(transfer, h.resident.as<void>(), std::size_t(2 * n),
+                               cudaMemcpyDeviceToHost, d2h_));
+    // The next step accumulates from zero (its backward waits for this step's uploads).
+    CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * n), d2h_));
+    host_function(d2h_, [transfer, acc, n] {
+      for (std::int64_t i = 0; i < n; ++i)
+        acc[i] = __bfloat162float(transfer[i]);
+    });
+  });
+  bytes_out_ += 2 * n;
+}
+
+// Not in this worker: prepare_run refuses sharded optimizer offload for the CUDA backend.
+void CudaWorker::download_gradient_shards(std::size_t, int) {
+  throw std::logic_error("CudaWorker: sharded optimizer offload");
+}
+
+// CPU Adam of the tile as a host function on the host stream: the CPU worker's optimizer on the
+// fp32 master (zeroes the accumulator), then the new bf16 parameters, rounded to nearest even as
+// the device's update writes them.
+void CudaWorker::host_adam(std::size_t chunk, int tile, int update, int op) {
+  HostChunk& h = host_chunks_[chunk];
+  const exec::detail::Tile t = h.tiles[std::size_t(tile)];
+  const TrainOptions* options = s_.options;
+  float* master = h.master.data() + t.begin;
+  float* acc = h.accumulator.data() + t.begin;
+  float* m = h.m.data() + t.begin;
+  float* v = h.v.empty() ? nullptr : h.v.data() + t.begin;
+  bf16* transfer = h.transfer.as<bf16>() + t.begin;
+  const std::int64_t n = t.size();
+  timed(planner::kHostStream, host_stream_, op, [&] {
+    host_function(host_stream_, [options, update, master, acc, m, v, transfer, n] {
+      optimizer_update(*options, update, master, master, acc, m, v, n);
+      for (std::int64_t i = 0; i < n; ++i)
+        transfer[i] = __float2bfloat16(master[i]);
+    });
+  });
+}
+
+void CudaWorker::upload_tile(std::size_t chunk, int tile, int slot, int op) {
+  HostChunk& h = host_chunks_[chunk];
+  const exec::detail::Tile t = h.tiles[std::size_t(tile)];
+  bf16* dst = chunks_[chunk].slots[slot].as<bf16>() + t.begin;
+  const bf16* src = h.transfer.as<bf16>() + t.begin;
+  timed(planner::kCopyInStream, h2d_, op, [&] {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, std::size_t(2 * t.size()), cudaMemcpyHostToDevice, h2d_));
+  });
+  bytes_in_ += 2 * t.size();
+}
+
 // The device's optimizer step under optimizer offload: the uploads have written the new version
 // (CPU Adam ran on the host); the compute stream waits for them, then the step ends as usual.
 void CudaWorker::offload_step(const Op& op) {
-  slots_.end_upload(op.version);  // the uploads' slot holds the version (throws: none came)
-  wait(compute_, last_upload_);
-  const cudaEvent_t copied = record(d2h_);  // and for every copy out (the tied one's zeroing)
-  wait(compute_, copied);
-  pool_.push_back(copied);
+  optimizer_.finish(op.version);  // the uploads' slot holds the version (throws: none came)
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = nullptr;
   ++updates_;

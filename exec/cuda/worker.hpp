@@ -23,6 +23,7 @@
 #include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/offload.hpp"
+#include "exec/optimizer_offload.hpp"
 #include "exec/run_common.hpp"
 #include "exec/tied_exchange.hpp"
 #include "exec/weight_slots.hpp"
@@ -186,7 +187,6 @@ class CudaWorker {
     Buffer master, accumulator, m, v;  // host fp32 (exec/memory.hpp's counted buffers)
     PinnedBuffer transfer;             // pinned bf16: gradients arrive, new parameters leave
     Tensor resident;  // device: the tied tensor's bf16 gradient at a tied end, summed there
-    std::vector<cudaEvent_t> adam;  // per tile: after its CPU Adam this step (null: none yet)
   };
   // A swapped stash: on the host between its download and its upload.
   struct Swap {
@@ -296,10 +296,29 @@ class CudaWorker {
   MemoryCounter host_;  // the host pool: optimizer state, accumulator, transfer, swapped stashes
   std::vector<HostChunk> host_chunks_;
   Tensor grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy stream
-  cudaEvent_t grad_tile_copied_[2] = {nullptr, nullptr};
-  int next_grad_tile_ = 0;
-  cudaEvent_t last_gradient_copy_ = nullptr;  // after the last backward's last tile
-  cudaEvent_t last_upload_ = nullptr;
+  // Optimizer offload's ordering, the shared rule's (exec/optimizer_offload.hpp); the device's part
+  // below (mark .. upload_tile): a mark is an event recorded on the engine's stream.
+  using Mark = cudaEvent_t;
+  using Engine = exec::detail::Engine;
+  using Slots = exec::detail::WeightSlots<CudaWorker, cudaEvent_t>;
+  friend class exec::detail::OptimizerOffload<CudaWorker, Slots>;
+  exec::detail::OptimizerOffload<CudaWorker, Slots> optimizer_{*this, slots_};
+  cudaStream_t stream_of(Engine e) const;
+  cudaEvent_t mark(Engine e) { return record(stream_of(e)); }
+  void after(Engine e, cudaEvent_t m) { wait(stream_of(e), m); }
+  void drop(cudaEvent_t m) {
+    if (m) pool_.push_back(m);
+  }
+  bf16* zero_tile(int buffer, std::int64_t n);
+  bf16* tile_at(int buffer) { return grad_tiles_[buffer].as<bf16>(); }
+  void stream_tile(std::size_t chunk, int buffer, exec::detail::Tile t,
+                   const std::vector<exec::detail::Tile>& ranges, int op);
+  void gradient_sums_done(std::size_t) { wait(compute_, reduced_); }
+  bool keeps_tied_gradient(std::size_t chunk) const;
+  void download_tied_gradient(std::size_t chunk, int op);
+  void download_gradient_shards(std::size_t chunk, int op);
+  void host_adam(std::size_t chunk, int tile, int update, int op);
+  void upload_tile(std::size_t chunk, int tile, int slot, int op);
   friend class exec::detail::Swaps<CudaWorker, Swap, Key>;
   exec::detail::Swaps<CudaWorker, Swap, Key> swapped_{*this};
   int compute_ops_ = 0;  // forwards and backwards begun
