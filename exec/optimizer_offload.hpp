@@ -34,11 +34,19 @@ enum class Engine { compute, d2h, h2d, host };
 // timeline's op of its copies).
 template <class T>
 struct StreamedBackward {
-  std::size_t chunk = 0;
-  int op = 0;
-  const std::vector<Tile>* tiles = nullptr;
-  std::int64_t tied_offset = -1, tied_size = 0;
-  T* tied = nullptr;
+  StreamedBackward(std::size_t chunk, int op, const std::vector<Tile>& tiles,
+                   std::int64_t tied_offset, std::int64_t tied_size, T* tied)
+      : chunk(chunk),
+        op(op),
+        tiles(&tiles),
+        tied_offset(tied_offset),
+        tied_size(tied_size),
+        tied(tied) {}
+  std::size_t chunk;
+  int op;
+  const std::vector<Tile>* tiles;
+  std::int64_t tied_offset, tied_size;
+  T* tied;
   int open = -1;   // the tile whose layer's gradients are being written (-1: none)
   int buffer = 0;  // the tile buffer they go into
 };

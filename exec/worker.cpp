@@ -302,16 +302,10 @@ void Worker::copy_record(int stream, Clock::time_point a, Clock::time_point b, i
 // would have.
 class Worker::TileSink : public GradientSink {
  public:
-  TileSink(Worker& w, std::size_t chunk, int op) : w_(w) {
-    const Chunk& c = w.chunks_[chunk];
-    HostChunk& h = w.host_chunks_[chunk];
-    b_.chunk = chunk;
-    b_.op = op;
-    b_.tiles = &h.tiles;
-    b_.tied_offset = c.tied_offset;
-    b_.tied_size = c.tied_size;
-    b_.tied = h.resident.empty() ? nullptr : h.resident.data();
-  }
+  TileSink(Worker& w, std::size_t chunk, int op)
+      : w_(w),
+        b_(chunk, op, w.host_chunks_[chunk].tiles, w.chunks_[chunk].tied_offset,
+           w.chunks_[chunk].tied_size, w.tied_grad(w.chunks_[chunk])) {}
   float* at(std::int64_t offset, std::int64_t size) override {
     return w_.optimizer_.gradient_at(b_, offset, size);
   }

@@ -1367,13 +1367,7 @@ TEST(OffloadRules, OptimizerOffloadOrdersCopiesAdamAndUploads) {
   slots.set_rank(3);
   detail::OptimizerOffload<OffloadLog, detail::WeightSlots<OffloadLog, int>> off(log, slots);
   off.setup(3, flush, false, {3, 1});
-  detail::StreamedBackward<float> b;
-  b.chunk = 0;
-  b.op = 7;
-  b.tiles = &tiles;
-  b.tied_offset = 0;
-  b.tied_size = 10;
-  b.tied = log.tied;
+  detail::StreamedBackward<float> b(0, 7, tiles, 0, 10, log.tied);
   // The backward, last layer first: each layer in the free tile buffer, zeroed once its previous
   // layer's copy is done; the tied tensor's gradient on the device; the rest streamed after the
   // compute that wrote it.

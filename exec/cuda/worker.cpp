@@ -368,16 +368,10 @@ static Held take(std::map<std::tuple<int, int, int>, Held>& from,
 // (exec/optimizer_offload.hpp); the device's part below (zero_tile .. upload_tile).
 class CudaWorker::TileSink : public DeviceGradientSink {
  public:
-  TileSink(CudaWorker& w, std::size_t chunk, int op) : w_(w) {
-    const Chunk& c = w.chunks_[chunk];
-    HostChunk& h = w.host_chunks_[chunk];
-    b_.chunk = chunk;
-    b_.op = op;
-    b_.tiles = &h.tiles;
-    b_.tied_offset = c.tied_offset;
-    b_.tied_size = c.tied_size;
-    b_.tied = h.resident.bytes() == 0 ? nullptr : h.resident.as<bf16>();
-  }
+  TileSink(CudaWorker& w, std::size_t chunk, int op)
+      : w_(w),
+        b_(chunk, op, w.host_chunks_[chunk].tiles, w.chunks_[chunk].tied_offset,
+           w.chunks_[chunk].tied_size, w.tied_grad(w.chunks_[chunk])) {}
   bf16* at(std::int64_t offset, std::int64_t size) override {
     return w_.optimizer_.gradient_at(b_, offset, size);
   }
