@@ -127,18 +127,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
                     "yet (the cpu backend does); estimate or simulate it instead",
                     backend));
-  // Interleaving on one device (d = 1, v > 1) with a tied embedding: the chunk layout holds one
-  // wte for both ends (their gradients summed into it microbatch by microbatch), the executor's
-  // model chunks one each (summed once, at the step): a different order of the same sum, so not
-  // the bits of the plan without chunks. Untied, it runs (its hand-overs are pipeline messages).
-  if (plan.offload == planner::Offload::chunks && plan.v > 1 && plan.d == 1 &&
-      model.tied_embeddings)
-    throw InputError(fmt::format(
-        "plan: v: offload chunks with interleaving on one device (d = 1, v = {}) and a tied "
-        "embedding are planned and simulated, not run by an executor (the chunks' one wte sums the "
-        "two ends' gradients in another order); estimate or simulate it, or train with d > 1, "
-        "v = 1 or an untied model",
-        plan.v));
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "

@@ -27,8 +27,9 @@ inline void require_tied(const planner::Op& op, std::int64_t tied_offset, int ra
 }
 
 // One device holding both tied ends (d == 1, v > 1; its model chunks `chunks`, each with `first`
-// and `tied_offset`): the chunk of the embedding and the chunk of the head, whose gradients the
-// optimizer step sums on both, with no messages. {nullptr, nullptr} when the device holds fewer.
+// and `tied_offset`): the chunk of the embedding and the chunk of the head, whose gradients add
+// into one accumulator (TiedEndsSink), with no messages. {nullptr, nullptr} when the device holds
+// fewer.
 template <class Chunk>
 std::pair<Chunk*, Chunk*> tied_ends_on_one_device(std::vector<Chunk>& chunks) {
   Chunk* embedding = nullptr;
@@ -40,6 +41,35 @@ std::pair<Chunk*, Chunk*> tied_ends_on_one_device(std::vector<Chunk>& chunks) {
   if (!embedding || !head) return {nullptr, nullptr};
   return {embedding, head};
 }
+
+// The head chunk's gradient sink when one device holds both tied ends (tied_ends_on_one_device):
+// its copy of the tied tensor's gradient is added into the embedding chunk's, so both ends add into
+// one accumulator in program order, as one chunk holding both ends (v = 1) and the offload chunks'
+// one wte do (their bits); the optimizer step then copies the sum into the head's copy. Its other
+// gradients go where they are. `Sink` is the backend's gradient sink (exec/stage_compute.hpp's
+// GradientSink, or the CUDA stage's), `T` its gradient element.
+template <class Sink, class T>
+class TiedEndsSink : public Sink {
+ public:
+  // The head chunk's gradients, its tied tensor [tied_offset, tied_offset + tied_size) of them, and
+  // the embedding chunk's gradient of the tied tensor.
+  TiedEndsSink(T* head_grads, std::int64_t tied_offset, std::int64_t tied_size, T* embedding_tied)
+      : head_grads_(head_grads),
+        tied_offset_(tied_offset),
+        tied_size_(tied_size),
+        embedding_tied_(embedding_tied) {}
+  T* at(std::int64_t offset, std::int64_t) override {
+    const std::int64_t into = offset - tied_offset_;
+    if (into >= 0 && into < tied_size_) return embedding_tied_ + into;
+    return head_grads_ + offset;
+  }
+  void layer_done(std::int64_t, std::int64_t) override {}
+
+ private:
+  T* head_grads_;
+  std::int64_t tied_offset_, tied_size_;
+  T* embedding_tied_;
+};
 
 // The worker `W` does only what a device does with the shard `sh` of the op's chunk's tied tensor
 // (exec/README.md, "The device interface"):

@@ -841,12 +841,21 @@ void Worker::backward(const Op& op) {
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   // Optimizer offload streams the gradients out layer by layer (the copy_gradient_to_host after
-  // the backward, for the timeline).
-  std::unique_ptr<TileSink> sink;
-  if (offload_optimizer_ && !offload_sharded_)
+  // the backward, for the timeline); otherwise they are added into the chunk's.
+  std::unique_ptr<GradientSink> sink;
+  if (offload_optimizer_ && !offload_sharded_) {
     sink = std::make_unique<TileSink>(
         *this, std::size_t(op.chunk),
         gradient_copy_op(s_.programs->devices[std::size_t(rank_)].ops, op_));
+  } else if (const auto [embedding, head] = tied_ends_on_one_device(chunks_); head == &c) {
+    // Both tied ends on this device (d = 1, v > 1): the head's gradient of the tied tensor adds
+    // into the embedding's, one accumulator for both ends in program order, as one chunk holding
+    // both (v = 1) and the offload chunks' one wte do; sum_local_tied then copies it back.
+    wait_grads(std::size_t(embedding - chunks_.data()));
+    sink = std::make_unique<TiedEndsSink<GradientSink, float>>(
+        c.grads.data(), c.tied_offset, c.tied_size,
+        embedding->grads.data() + embedding->tied_offset);
+  }
   take_core();
   const auto t0 = Clock::now();
   if (blocks_) {  // each layer re-made from its kept input just before its backward
@@ -1085,10 +1094,9 @@ void Worker::tied_weights_gather(const Op& op, planner::TiedShard) {
 void Worker::sum_local_tied() {
   const auto [embedding, head] = tied_ends_on_one_device(chunks_);  // exec/tied_exchange.hpp
   if (!embedding) return;
-  float* e = embedding->grads.data() + embedding->tied_offset;
-  float* h = head->grads.data() + head->tied_offset;
-  for (std::int64_t i = 0; i < embedding->tied_size; ++i)
-    e[i] = h[i] = e[i] + h[i];
+  // The head's backward added its gradient into the embedding's (TiedEndsSink): the sum of both.
+  std::copy_n(embedding->grads.data() + embedding->tied_offset, embedding->tied_size,
+              head->grads.data() + head->tied_offset);
 }
 
 void Worker::optimizer_step(const Op& op) {

@@ -128,10 +128,18 @@ void Worker::setup_chunks() {
     throw Error(fmt::format("rank {}: {} model chunks, the chunk layout {}", rank_, chunks_.size(),
                             int(L.chunk_bounds.size()) - 1));
   // The schedule's tensors are the stage's model chunks', one to one, in the same order (the
-  // model chunks one after the other, the last stage's tied copy last; planner/chunks.hpp).
+  // model chunks one after the other, the last stage's tied copy last; planner/chunks.hpp). Both
+  // tied ends on this device (d = 1, v > 1): the layout holds one wte, which the head's copy is
+  // (its forward reads it, its backward adds into its gradient: the executor without chunks adds
+  // the head's gradient into the embedding's too, Worker::TiedEndsSink).
+  const auto [embedding, head] = tied_ends_on_one_device(chunks_);
   std::size_t i = 0;
   for (const Chunk& c : chunks_)
     for (const TensorSlot& slot : c.stage->layout()) {
+      if (&c == head && slot.offset == c.tied_offset) {
+        tensor_at_[c.base + slot.offset] = tensor_at_.at(embedding->base + embedding->tied_offset);
+        continue;
+      }
       if (i >= L.tensors.size())
         throw Error(fmt::format("rank {}: the stage has more tensors than the chunk layout's {}",
                                 rank_, L.tensors.size()));

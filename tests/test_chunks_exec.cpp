@@ -920,9 +920,9 @@ TEST(ChunksExec, ShardedChunksWithReplicasTakingTurnsOnOneCore) {
 // Interleaving (Megatron's schedule, v = 2 model chunks per device): each device's chunks hold its
 // model chunks' tensors one after the other (the last stage's tied copy last), each compute op
 // runs its model chunk's layers with that model chunk's moments, and the tied exchange works on
-// the model chunks holding the two ends. d = 2 and 4, tied and untied, and d = 1 untied (its
-// model chunks' hand-overs held as pipeline messages; tied it is refused: the layout's one wte
-// sums the two ends' gradients in another order), without recompute, with
+// the model chunks holding the two ends. d = 2 and 4, tied and untied, and d = 1 (its model chunks'
+// hand-overs held as pipeline messages; tied, the layout's one wte is both ends', whose gradients
+// the executor without chunks adds in the same order), without recompute, with
 // full and block recompute, and over two replicas with whole and sharded chunks: losses and
 // weights bit-identical to the same interleaved plan without offload; each rank's measured peak is
 // its stage's schedule peak and the simulator's exactly, inside the budget; the bytes moved are the
@@ -937,7 +937,9 @@ TEST(ChunksExec, InterleavedIsBitIdenticalWithEachRanksPeakAndBytes) {
   const int steps = 3, v = 2;
   for (const InterleavedCase& k :
        {InterleavedCase{1, 1, 2, false, true, false}, InterleavedCase{1, 1, 4, true, true, false},
-        InterleavedCase{1, 2, 2, false, true, true}, InterleavedCase{2, 1, 2, false, false, false},
+        InterleavedCase{1, 2, 2, false, true, true}, InterleavedCase{1, 1, 2, false, false, false},
+        InterleavedCase{1, 1, 4, kBlock, false, false}, InterleavedCase{1, 2, 2, false, false, true},
+        InterleavedCase{2, 1, 2, false, false, false},
         InterleavedCase{2, 1, 4, false, true, false}, InterleavedCase{4, 1, 4, false, false, false},
         InterleavedCase{2, 1, 4, true, false, false}, InterleavedCase{2, 1, 2, kBlock, true, false},
         InterleavedCase{2, 2, 2, true, false, false},

@@ -1276,6 +1276,19 @@ TEST(OffloadRules, TiedExchangeMovesEachReplicasShardAndGathersWhatItHeld) {
     EXPECT_EQ(head, &chunks[2]);
     std::vector<FakeChunk> one{{true, 0}, {false, -1}};  // untied, or the head elsewhere
     EXPECT_EQ(detail::tied_ends_on_one_device(one).first, nullptr);
+    // The head's sink: its tied tensor [300, 310) into the embedding's gradient, the rest in place.
+    struct Sink {
+      virtual ~Sink() = default;
+      virtual float* at(std::int64_t offset, std::int64_t size) = 0;
+      virtual void layer_done(std::int64_t begin, std::int64_t end) = 0;
+    };
+    std::vector<float> head_grads(310), embedding_grads(40);
+    detail::TiedEndsSink<Sink, float> sink(head_grads.data(), 300, 10, embedding_grads.data() + 4);
+    Sink& base = sink;
+    EXPECT_EQ(base.at(300, 10), embedding_grads.data() + 4);
+    EXPECT_EQ(base.at(305, 5), embedding_grads.data() + 9);
+    EXPECT_EQ(base.at(0, 300), head_grads.data());
+    EXPECT_EQ(base.at(299, 1), head_grads.data() + 299);
   }
 }
 

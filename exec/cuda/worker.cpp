@@ -508,6 +508,16 @@ void CudaWorker::backward(const Op& op) {
     c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
                       c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, sink,
                       c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
+  } else if (const auto [embedding, head] = exec::detail::tied_ends_on_one_device(chunks_);
+             head == &c) {
+    // Both tied ends on this device (d = 1, v > 1): the head's gradient of the tied tensor adds
+    // into the embedding's (exec/tied_exchange.hpp); sum_local_tied copies it back.
+    exec::detail::TiedEndsSink<DeviceGradientSink, bf16> sink(
+        c.grads.as<bf16>(), c.tied_offset, c.tied_size,
+        embedding->grads.as<bf16>() + embedding->tied_offset);
+    c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
+                      c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, sink,
+                      c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
   } else {
     c.stage->backward(params(c, op.version), (rc ? full : stash).tensor.as<bf16>(),
                       c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale, c.grads.as<bf16>(),
@@ -792,10 +802,10 @@ void CudaWorker::tied_weights_gather(const Op& op, planner::TiedShard) {
 void CudaWorker::sum_local_tied() {
   const auto [embedding, head] = exec::detail::tied_ends_on_one_device(chunks_);
   if (!embedding) return;
-  bf16* e = embedding->grads.as<bf16>() + embedding->tied_offset;
-  bf16* h = head->grads.as<bf16>() + head->tied_offset;
-  residual_add(e, e, h, embedding->tied_size, compute_);
-  CUDA_CHECK(cudaMemcpyAsync(h, e, std::size_t(2 * embedding->tied_size), cudaMemcpyDeviceToDevice,
+  // The head's backward added its gradient into the embedding's (TiedEndsSink): the sum of both.
+  CUDA_CHECK(cudaMemcpyAsync(head->grads.as<bf16>() + head->tied_offset,
+                             embedding->grads.as<bf16>() + embedding->tied_offset,
+                             std::size_t(2 * embedding->tied_size), cudaMemcpyDeviceToDevice,
                              compute_));
 }
 
