@@ -1070,70 +1070,6 @@ ChunkPipeline chunk_pipeline(const std::vector<ChunkSchedule>& all, const Plan& 
 
 namespace {
 
-// Processor sharing with pauses: entry i, from release[i] on, runs its phases in order, a CPU
-// phase of `amount` work per job (its jobs[i] jobs sharing `capacity` equally with every job in a
-// CPU phase at the time) or a pause of `amount` seconds that uses no CPU. Per entry, the time each
-// of its CPU phases took, in order.
-struct SharedPhase {
-  bool cpu = false;
-  double amount = 0;
-};
-std::vector<std::vector<double>> shared_cpu_spans(
-    const std::vector<std::vector<SharedPhase>>& phases, const std::vector<double>& release,
-    const std::vector<double>& jobs, double capacity) {
-  const std::size_t n = phases.size();
-  std::vector<std::vector<double>> spans(n);
-  std::vector<std::size_t> at(n, 0);  // the phase under way
-  std::vector<double> left(n, 0), began(n, 0);
-  std::vector<bool> started(n, false);
-  const double inf = std::numeric_limits<double>::infinity();
-  const auto finished = [&](std::size_t i) { return at[i] >= phases[i].size(); };
-  double now = inf;
-  for (std::size_t i = 0; i < n; ++i)
-    if (!phases[i].empty()) now = std::min(now, release[i]);
-  for (;;) {
-    // Start the released entries, and step over phases of nothing.
-    for (std::size_t i = 0; i < n; ++i) {
-      if (finished(i)) continue;
-      if (!started[i] && release[i] <= now) {
-        started[i] = true;
-        left[i] = phases[i][0].amount;
-        began[i] = now;
-      }
-      while (started[i] && !finished(i) && left[i] <= 0) {
-        if (phases[i][at[i]].cpu) spans[i].push_back(now - began[i]);
-        if (++at[i] < phases[i].size()) {
-          left[i] = phases[i][at[i]].amount;
-          began[i] = now;
-        }
-      }
-    }
-    double cpu_jobs = 0, next = inf;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (finished(i)) continue;
-      if (!started[i]) {
-        next = std::min(next, release[i]);
-        continue;
-      }
-      if (phases[i][at[i]].cpu) cpu_jobs += jobs[i];
-    }
-    const double rate = cpu_jobs > 0 ? capacity / cpu_jobs : 0;
-    std::vector<double> end(n, inf);
-    for (std::size_t i = 0; i < n; ++i)
-      if (started[i] && !finished(i)) {
-        end[i] = now + (phases[i][at[i]].cpu ? left[i] / rate : left[i]);
-        next = std::min(next, end[i]);
-      }
-    if (next == inf) break;
-    for (std::size_t i = 0; i < n; ++i)
-      if (started[i] && !finished(i))
-        left[i] =
-            end[i] <= next ? 0.0 : left[i] - (next - now) * (phases[i][at[i]].cpu ? rate : 1.0);
-    now = next;
-  }
-  return spans;
-}
-
 // Flush schedules: the stages behind one uplink each download their host-Adam chunks (or their
 // gradients' parts) at their optimizer step, from the moment their last compute op ends
 // (chunk_pipeline). Those downloads share the uplink: each of the n stages downloading at a time
@@ -1159,44 +1095,19 @@ void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
     rate_alone[s] = std::min(cs.link_bytes_per_s, cs.uplink_bytes_per_s / cs.uplink_sharers);
   }
   // Processor sharing per uplink, from the releases on (event by event: a release or an end).
-  std::vector<bool> done(d, false);
-  for (std::size_t s = 0; s < d; ++s)
-    done[s] = left[s] <= 0;
-  double now = 0;
-  for (;;) {
-    std::vector<std::size_t> active;
-    double next = std::numeric_limits<double>::infinity();
-    for (std::size_t s = 0; s < d; ++s) {
-      if (done[s]) continue;
-      if (run.end[s] <= now)
-        active.push_back(s);
-      else
-        next = std::min(next, run.end[s]);
-    }
-    if (active.empty()) {
-      if (next == std::numeric_limits<double>::infinity()) break;
-      now = next;
-      continue;
-    }
-    std::vector<double> rate(d, 0);
-    for (std::size_t s : active) {
-      int sharing = 0;
-      for (std::size_t j : active)
-        sharing += uplink[j] == uplink[s] ? all[j].uplink_sharers : 0;
-      rate[s] = std::min(all[s].link_bytes_per_s, all[s].uplink_bytes_per_s / sharing);
-    }
-    double until = next;
-    for (std::size_t s : active)
-      until = std::min(until, now + left[s] / rate[s]);
-    for (std::size_t s : active) {
-      left[s] -= (until - now) * rate[s];
-      if (left[s] <= 1e-6 * double(all[s].layout.move_bytes)) {
-        done[s] = true;
-        finish[s] = until;
-      }
-    }
-    now = until;
+  std::vector<SharedEntry> jobs(d);
+  std::map<std::pair<int, int>, int> groups;  // an uplink's group
+  for (std::size_t s = 0; s < d; ++s) {
+    jobs[s].release = run.end[s];
+    if (left[s] > 0) jobs[s].phases = {{true, left[s]}};
+    jobs[s].group = groups.emplace(uplink[s], int(groups.size())).first->second;
+    jobs[s].weight = double(all[s].uplink_sharers);
+    jobs[s].capacity = all[s].uplink_bytes_per_s;
+    jobs[s].cap = all[s].link_bytes_per_s;
   }
+  const std::vector<std::vector<double>> ends = processor_sharing(jobs);
+  for (std::size_t s = 0; s < d; ++s)
+    if (!ends[s].empty()) finish[s] = ends[s].back();
   for (std::size_t s = 0; s < d; ++s) {
     ChunkSchedule& cs = all[s];
     if (copies[s] == 0) continue;
@@ -1371,12 +1282,15 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
   // the other entries' jobs share it without them meanwhile, as in the simulator. A stage's Adam
   // of chunk c takes the time its CPU phase took; its replica 0's node's entry sets it.
   for (const auto& [node, entries] : by_node) {
-    std::vector<std::vector<SharedPhase>> phases;
-    std::vector<double> rel, jobs;
+    std::vector<SharedEntry> shared;
     for (const Entry& e : entries) {
       const ChunkSchedule& cs = out[e.stage];
       const ChunkLayout& L = cs.layout;
-      std::vector<SharedPhase>& mine = phases.emplace_back();
+      SharedEntry& se = shared.emplace_back();
+      se.release = release[e.stage];
+      se.weight = double(e.jobs);
+      se.capacity = capacity;
+      std::vector<SharedPhase>& mine = se.phases;
       for (int c = cs.device_adam_chunks; c < L.chunks(); ++c) {
         bool down = false;  // a sharded chunk's gradient part came down after its reduce-scatter
         for (int u = c * L.parts; u < (c + 1) * L.parts; ++u)
@@ -1386,16 +1300,16 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
         mine.push_back({true, e.chunk_work[std::size_t(c)] / double(e.jobs)});
         mine.push_back({false, sharded ? 0.0 : cs.collective_s / 2});
       }
-      rel.push_back(release[e.stage]);
-      jobs.push_back(double(e.jobs));
     }
-    const std::vector<std::vector<double>> spans = shared_cpu_spans(phases, rel, jobs, capacity);
+    const std::vector<std::vector<double>> ends = processor_sharing(shared);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const Entry& e = entries[i];
       if (e.work <= 0 || node_of(p.rank_of(int(e.stage), 0)) != node) continue;
       ChunkSchedule& cs = out[e.stage];
+      // Chunk k's CPU phase is phase 3k + 1: from the end of the pause before it to its own end.
       for (int c = cs.device_adam_chunks, k = 0; c < cs.layout.chunks(); ++c, ++k)
-        cs.host_adam_s[std::size_t(c)] = spans[i][std::size_t(k)];
+        cs.host_adam_s[std::size_t(c)] =
+            ends[i][std::size_t(3 * k + 1)] - ends[i][std::size_t(3 * k)];
       cs.optimizer_s = optimizer_time(cs);
     }
   }

@@ -795,45 +795,73 @@ void time_host_step(RankOffload& r, double rate) {
       r.tied_copy_out_s + r.shard_copy_out_s + two_stage_pipeline_s(adam, r.tile_upload_s);
 }
 
+std::vector<std::vector<double>> processor_sharing(const std::vector<SharedEntry>& entries) {
+  const std::size_t n = entries.size();
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> ends(n);
+  std::vector<std::size_t> at(n, 0);  // the phase under way
+  std::vector<double> left(n, 0);
+  std::vector<bool> started(n, false);
+  const auto finished = [&](std::size_t i) { return at[i] >= entries[i].phases.size(); };
+  const auto working = [&](std::size_t i) { return entries[i].phases[at[i]].work; };
+  double now = inf;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!entries[i].phases.empty()) now = std::min(now, entries[i].release);
+  std::map<int, double> weights;  // per group: the weights of its entries in a work phase
+  std::vector<double> rate(n, 0), end(n, inf);
+  for (;;) {
+    // Start the released entries, and step over phases of nothing.
+    for (std::size_t i = 0; i < n; ++i) {
+      if (finished(i)) continue;
+      if (!started[i] && entries[i].release <= now) {
+        started[i] = true;
+        left[i] = entries[i].phases[0].amount;
+      }
+      while (started[i] && !finished(i) && left[i] <= 0) {
+        ends[i].push_back(now);
+        if (++at[i] < entries[i].phases.size()) left[i] = entries[i].phases[at[i]].amount;
+      }
+    }
+    weights.clear();
+    double next = inf;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (finished(i)) continue;
+      if (!started[i]) {
+        next = std::min(next, entries[i].release);
+        continue;
+      }
+      if (working(i)) weights[entries[i].group] += entries[i].weight;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      end[i] = inf;
+      if (!started[i] || finished(i)) continue;
+      const SharedEntry& e = entries[i];
+      rate[i] = working(i) ? std::min(e.cap, e.capacity / weights[e.group]) : 1.0;
+      end[i] = now + left[i] / rate[i];
+      next = std::min(next, end[i]);
+    }
+    if (next == inf) break;
+    for (std::size_t i = 0; i < n; ++i)
+      if (started[i] && !finished(i))
+        left[i] = end[i] <= next ? 0.0 : left[i] - (next - now) * rate[i];
+    now = next;
+  }
+  return ends;
+}
+
 std::vector<double> processor_sharing_finish(const std::vector<double>& work,
                                              const std::vector<double>& release, double capacity,
                                              const std::vector<double>& copies) {
-  const std::size_t n = work.size();
-  std::vector<double> left = work, finish(n, 0);
-  std::vector<bool> done(n, false);
-  double now = release.empty() ? 0 : *std::min_element(release.begin(), release.end());
-  for (std::size_t finished = 0; finished < n;) {
-    std::vector<std::size_t> active;
-    double next_release = std::numeric_limits<double>::infinity();
-    for (std::size_t i = 0; i < n; ++i) {
-      if (done[i]) continue;
-      if (release[i] <= now)
-        active.push_back(i);
-      else
-        next_release = std::min(next_release, release[i]);
-    }
-    if (active.empty()) {
-      now = next_release;
-      continue;
-    }
-    double jobs = 0;
-    for (std::size_t i : active)
-      jobs += copies.empty() ? 1.0 : copies[i];
-    const double rate = capacity / jobs;
-    double first_end = std::numeric_limits<double>::infinity();
-    for (std::size_t i : active)
-      first_end = std::min(first_end, now + left[i] / rate);
-    const double until = std::min(first_end, next_release);
-    for (std::size_t i : active) {
-      if (until == first_end && now + left[i] / rate <= first_end) {  // the first to end
-        done[i] = true;
-        finish[i] = until;
-        ++finished;
-      }
-      left[i] -= (until - now) * rate;
-    }
-    now = until;
+  std::vector<SharedEntry> entries(work.size());
+  for (std::size_t i = 0; i < work.size(); ++i) {
+    entries[i].release = release[i];
+    entries[i].phases = {{true, work[i]}};
+    entries[i].weight = copies.empty() ? 1.0 : copies[i];
+    entries[i].capacity = capacity;
   }
+  std::vector<double> finish;
+  for (const std::vector<double>& e : processor_sharing(entries))
+    finish.push_back(e.back());
   return finish;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -193,11 +194,31 @@ double two_stage_pipeline_s(const std::vector<double>& a, const std::vector<doub
 // Sets a rank's CPU Adam rate (parameters/s) and times its host step with it: cpu_adam_s and
 // host_step_s.
 void time_host_step(RankOffload& r, double cpu_adam_params_per_s);
-// Processor sharing of one resource of `capacity` units/s among jobs of `work` units released at
-// `release` (s): while k jobs are active each runs at capacity / k. Returns each job's finish time.
-// With `copies` (one per entry, else 1 each) entry i is copies[i] identical jobs in lockstep (each
-// of work[i] units), and while entries are active each of their jobs runs at capacity / (the
-// active entries' copies summed).
+// Processor sharing, event by event (docs/formulas.md section 9): entry i, from `release` on, runs
+// its phases in order, each either `amount` units of work on its group's shared resource or a
+// pause of `amount` seconds that uses none of it. While entries of one group are in a work phase,
+// each runs at min(cap, capacity / the weights of those entries summed): `weight` identical jobs
+// in lockstep (copies of one CPU Adam, a stage's replicas behind one uplink), `capacity` the
+// group's units/s as the entry sees it, `cap` what the entry could take alone.
+struct SharedPhase {
+  bool work = false;
+  double amount = 0;
+};
+struct SharedEntry {
+  double release = 0;
+  std::vector<SharedPhase> phases;
+  int group = 0;
+  double weight = 1;
+  double capacity = 1;
+  double cap = std::numeric_limits<double>::infinity();
+};
+// Per entry, the time at which each of its phases ended.
+std::vector<std::vector<double>> processor_sharing(const std::vector<SharedEntry>& entries);
+// One resource of `capacity` units/s among jobs of `work` units released at `release` (s): while k
+// jobs are active each runs at capacity / k. Returns each job's finish time. With `copies` (one
+// per entry, else 1 each) entry i is copies[i] identical jobs in lockstep (each of work[i] units),
+// and while entries are active each of their jobs runs at capacity / (the active entries' copies
+// summed).
 std::vector<double> processor_sharing_finish(const std::vector<double>& work,
                                              const std::vector<double>& release, double capacity,
                                              const std::vector<double>& copies = {});

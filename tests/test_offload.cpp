@@ -186,6 +186,30 @@ TEST_F(Workstation, StepTimeByHand) {
   EXPECT_EQ(processor_sharing_finish({1, 3}, {0, 0}, 1), (std::vector<double>{2, 4}));
   EXPECT_EQ(processor_sharing_finish({2, 2}, {0, 1}, 1), (std::vector<double>{3, 4}));
   EXPECT_EQ(processor_sharing_finish({1, 1}, {0, 5}, 2), (std::vector<double>{0.5, 5.5}));
+  {  // The general form: groups share nothing; a cap holds an entry below its share; weights are
+     // jobs in lockstep; pauses use none of the resource.
+    using Ends = std::vector<std::vector<double>>;
+    SharedEntry a, b;
+    a.phases = b.phases = {{true, 2}};
+    a.capacity = b.capacity = 2;
+    b.group = 1;
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{1}, {1}}));
+    b.group = 0;
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{2}, {2}}));
+    a.capacity = b.capacity = 4;
+    a.cap = 1;  // 1 while both run (B at 2), then still 1 alone
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{2}, {1}}));
+    a.cap = std::numeric_limits<double>::infinity();
+    a.weight = 3;  // each job at 4 / 4; B alone after A's end
+    a.phases = {{true, 1}};
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{1}, {1.25}}));
+    a.weight = 1;
+    a.capacity = b.capacity = 1;
+    a.phases = {{false, 1}, {true, 2}, {false, 1}};  // B alone until 1, then both at 0.5
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{1, 4, 5}, {3}}));
+    b.release = 10;  // nothing shared: A alone, B from its release
+    EXPECT_EQ(processor_sharing({a, b}), (Ends{{1, 3, 4}, {12}}));
+  }
   // The pipeline bound: max(A, U) <= host step <= A + U.
   EXPECT_NEAR(two_stage_pipeline_s({1, 1, 1}, {2, 2, 2}), 1 + 6, 1e-12);
   EXPECT_NEAR(two_stage_pipeline_s({2, 2, 2}, {1, 1, 1}), 6 + 1, 1e-12);
