@@ -58,9 +58,10 @@ struct StreamedBackward {
 //   void after(Engine, Mark)     the engine's next work waits for the mark (the compute: the
 //                                rank's next op)
 //   void drop(Mark)              a mark no longer held (a GPU event back to its pool)
-//   T* zero_tile(int buffer, std::int64_t n)  tile buffer `buffer` zeroed on the compute, n
-//   elements T* tile_at(int buffer)       tile buffer `buffer` void stream_tile(std::size_t chunk,
-//   int buffer, Tile tile, const std::vector<Tile>& ranges,
+//   T* zero_tile(int buffer, std::int64_t n)   tile buffer `buffer`, its first n elements
+//                                zeroed on the compute
+//   T* tile_at(int buffer)       tile buffer `buffer`
+//   void stream_tile(std::size_t chunk, int buffer, Tile tile, const std::vector<Tile>& ranges,
 //                    int op)     d2h: the buffer's `ranges` (of `tile`) added into the host's
 //                                gradient accumulator
 //   void gradient_sums_done(std::size_t chunk)  the compute waits for the chunk's gradient sums

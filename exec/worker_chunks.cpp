@@ -131,7 +131,7 @@ void Worker::setup_chunks() {
   // model chunks one after the other, the last stage's tied copy last; planner/chunks.hpp). Both
   // tied ends on this device (d = 1, v > 1): the layout holds one wte, which the head's copy is
   // (its forward reads it, its backward adds into its gradient: the executor without chunks adds
-  // the head's gradient into the embedding's too, Worker::TiedEndsSink).
+  // the head's gradient into the embedding's too, TiedEndsSink).
   const auto [embedding, head] = tied_ends_on_one_device(chunks_);
   std::size_t i = 0;
   for (const Chunk& c : chunks_)

@@ -938,8 +938,8 @@ TEST(ChunksExec, InterleavedIsBitIdenticalWithEachRanksPeakAndBytes) {
   for (const InterleavedCase& k :
        {InterleavedCase{1, 1, 2, false, true, false}, InterleavedCase{1, 1, 4, true, true, false},
         InterleavedCase{1, 2, 2, false, true, true}, InterleavedCase{1, 1, 2, false, false, false},
-        InterleavedCase{1, 1, 4, kBlock, false, false}, InterleavedCase{1, 2, 2, false, false, true},
-        InterleavedCase{2, 1, 2, false, false, false},
+        InterleavedCase{1, 1, 4, kBlock, false, false},
+        InterleavedCase{1, 2, 2, false, false, true}, InterleavedCase{2, 1, 2, false, false, false},
         InterleavedCase{2, 1, 4, false, true, false}, InterleavedCase{4, 1, 4, false, false, false},
         InterleavedCase{2, 1, 4, true, false, false}, InterleavedCase{2, 1, 2, kBlock, true, false},
         InterleavedCase{2, 2, 2, true, false, false},
