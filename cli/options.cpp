@@ -98,7 +98,7 @@ void PlanOptions::add(CLI::App& app) {
                  "of it that fits)")
       ->check(CLI::Range(std::int64_t{1}, common::kMaxBytes));
   app.add_flag("--chunk-shard", chunk_shard,
-               "with --offload chunks and w > 1 (gpipe or 1f1b): each replica's host keeps only "
+               "with --offload chunks and w > 1: each replica's host keeps only "
                "its part of each chunk's parameters (PatrickStar's data-parallel chunks): a chunk "
                "without a gradient yet is dropped instead of copied down and comes up as the "
                "replica's part and an all-gather; at the optimizer step only the replica's part "
@@ -253,11 +253,15 @@ std::string offload_summary(const planner::RunReport& r) {
         c.contains("part_bytes")
             ? fmt::format(
                   " ({} sharded in parts of {}: {} of the uploads and {} of the downloads "
-                  "parts, {} dropped)",
+                  "parts, {} dropped{})",
                   c["sharded_chunks"].get<int>(), human_bytes(c["part_bytes"].get<double>()),
                   c["part_uploads_per_step"].get<std::int64_t>(),
                   c["part_downloads_per_step"].get<std::int64_t>(),
-                  c["drops_per_step"].get<std::int64_t>())
+                  c["drops_per_step"].get<std::int64_t>(),
+                  c.contains("zero_fills_per_step")
+                      ? fmt::format(", {} gradients zero-filled",
+                                    c["zero_fills_per_step"].get<std::int64_t>())
+                      : "")
             : "";
     out += fmt::format(
         "  {}chunks: {} x {}{} (the optimizer state of {} of them on the device); {} up and {} "

@@ -216,10 +216,10 @@ class DeviceChecker {
     return copy && chunks_->layout.parts > 1 ? "chunk part" : "chunk";
   }
 
-  // Sharded chunks (ChunkLayout::sharded; a unit is a chunk): before the chunk has a gradient in
-  // the step (its first backward layer) it moves as the replica's part, a drop on the way down;
-  // after, whole; at the optimizer step its gradient's part goes down. An unsharded chunk never
-  // moves as a part.
+  // Sharded chunks (ChunkLayout::sharded): before the chunk has a gradient in the step (its first
+  // backward layer) it (with 2bw its gradient part) moves as the replica's part, a drop on the way
+  // down; after, whole; at the optimizer step its gradient's part goes down. With 2bw a weight
+  // version's slot always moves as its part. An unsharded chunk never moves as a part.
   void move_chunk(const Op& op) {
     const bool up = op.kind == OpKind::copy_chunk_to_device;
     const std::string name =
@@ -231,6 +231,10 @@ class DeviceChecker {
     const int c = op.bucket / L.parts;
     if (!L.is_sharded(c)) {
       if (op.part) bad(name + " as a part, but the chunk is not sharded");
+      return;
+    }
+    if (L.version_unit(op.bucket)) {
+      if (!op.part) bad(name + " whole, but a sharded chunk's weight version moves as its part");
       return;
     }
     const bool dirty = dirty_[std::size_t(c)];

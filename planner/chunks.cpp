@@ -574,6 +574,8 @@ double optimizer_time(const ChunkSchedule& s) {
     for (int u = c * parts; u < (c + 1) * parts; ++u)
       units += s.adam_download[std::size_t(u)] ? 1 : 0;
     if (s.layout.is_sharded(c)) {
+      // Its gradient (with 2bw its gradient part; the version slots' drops take no time).
+      units = s.adam_download[std::size_t(s.layout.gradient_unit(c))] ? 1 : 0;
       // The reduce-scatter on the device and the gradient's part down, or (the chunk went to the
       // host whole during the step) the reduce-scatter on the host; no all-gather (the next
       // step's upload gathers).
@@ -626,8 +628,9 @@ void time_copies(ChunkSchedule& s) {
 // goes to the host, the larger unit index first on a tie. Then the missing units come up,
 // ascending. At the optimizer step every host-Adam chunk's unit still on the device goes down.
 // `where`: "stage s: " in a pipeline (each stage's device has its own plan), else empty.
-// Sharded chunks (ChunkLayout::sharded; parts = 1): a chunk has a gradient from its first backward
-// moment of the step on; before that its copies are parts (ChunkCopy::part), after it whole.
+// Sharded chunks (ChunkLayout::sharded): a chunk (with 2bw its gradient part) has a gradient from
+// its first backward moment of the step on; before that its copies are parts (ChunkCopy::part),
+// after it whole; with 2bw a version's slot always moves as its part.
 // `host_peak`: the most bytes the chunks then take on the host (ChunkSchedule::host_peak_bytes'
 // chunk part; 0 without sharding).
 void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
@@ -702,25 +705,28 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   };
   for (int u : resident)
     put(u);
-  // Sharded chunks: which have a gradient, and the chunks' bytes on the host (a host-Adam chunk's
-  // part; with a gradient and on the host, the chunk whole instead; an unsharded chunk whole while
-  // on the host). A whole chunk with a gradient half holds its parameters unchanged, the part among
-  // them; without one (fp16, m = 1) the gradient overwrote them, and the part is not kept either:
-  // nothing reads it before the optimizer step, whose CPU Adam writes the new parameters from the
-  // fp32 master into the part's place in the chunk (PatrickStar's regeneration).
+  // Sharded chunks: which units have a gradient, and the units' bytes on the host (a host-Adam
+  // chunk's part; with a gradient and on the host, the unit whole instead; an unsharded chunk's
+  // unit whole while on the host; with 2bw a gradient part without a gradient nothing: its zeros
+  // are made on the device). A whole chunk with a gradient half holds its parameters unchanged,
+  // the part among them; without one (fp16, m = 1) the gradient overwrote them, and the part is
+  // not kept either: nothing reads it before the optimizer step, whose CPU Adam writes the new
+  // parameters from the fp32 master into the part's place in the chunk (PatrickStar's
+  // regeneration).
   const bool sharding = L.part_bytes > 0;
-  if (sharding && L.parts != 1) throw std::logic_error("run_step: sharded chunks with parts");
-  std::vector<char> dirty(std::size_t(L.chunks()), 0);
-  auto host_of = [&](int c) -> std::int64_t {
-    if (!L.is_sharded(c)) return on[std::size_t(c)] ? 0 : L.move_bytes;
-    if (dirty[std::size_t(c)] && !on[std::size_t(c)]) return L.move_bytes;  // whole
+  std::vector<char> dirty(std::size_t(units), 0);
+  auto host_of = [&](int u) -> std::int64_t {
+    const int c = u / L.parts;
+    if (!L.is_sharded(c)) return on[std::size_t(u)] ? 0 : L.move_bytes;
+    if (dirty[std::size_t(u)] && !on[std::size_t(u)]) return L.move_bytes;  // whole
+    if (L.parts > 1 && !L.version_unit(u)) return 0;
     return s.device_resident(c) ? 0 : L.part_bytes;
   };
   std::int64_t host = 0;
   host_peak = 0;
   if (sharding) {
-    for (int c = 0; c < L.chunks(); ++c)
-      host = add(host, host_of(c));
+    for (int u = 0; u < units; ++u)
+      host = add(host, host_of(u));
     host_peak = host;
   }
   auto moved = [&](int u, bool up) {  // a unit's copy, with the host's bytes
@@ -745,17 +751,19 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
         if (d >= far) far = d, victim = u;  // ascending: a tie goes to the larger index
       }
       m.copies.push_back(
-          {false, victim, sharding && L.is_sharded(victim) && !dirty[std::size_t(victim)]});
+          {false, victim,
+           sharding && L.is_sharded(victim / L.parts) && !dirty[std::size_t(victim)]});
       moved(victim, false);
     }
     host_peak = std::max(host_peak, host);  // the evictions' whole chunks before the uploads
     for (int u : missing) {
-      m.copies.push_back({true, u, sharding && L.is_sharded(u) && !dirty[std::size_t(u)]});
+      m.copies.push_back(
+          {true, u, sharding && L.is_sharded(u / L.parts) && !dirty[std::size_t(u)]});
       moved(u, true);
     }
     if (sharding && m.backward)
       for (const int* u = here; u != here_end; ++u)
-        dirty[std::size_t(*u)] = 1;  // on the device: the host's bytes stay
+        if (!L.version_unit(*u)) dirty[std::size_t(*u)] = 1;  // on the device: the host's stay
     m.resident = count;
     m.weight_bytes = weights;
     m.gradient_bytes = gradients;
@@ -764,22 +772,25 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
   // gradients and, with 2bw, writes the new version into the older one's slot there);
   // device-Adam chunks stay (K > 0 only when every unit fits). A sharded chunk's download is its
   // gradient's part (P), held until the step's end; the whole chunks of the step go then too.
+  // With 2bw a sharded version's slot is dropped (its part is on the host).
   adam_download.assign(std::size_t(units), false);
   std::int64_t downloaded = 0;
   for (int u = s.device_adam_chunks * L.parts; u < units; ++u)
     if (on[std::size_t(u)]) {
       drop(u);
       adam_download[std::size_t(u)] = true;
-      downloaded = add(downloaded, L.is_sharded(u) ? L.part_bytes : L.move_bytes);
+      const bool part = L.is_sharded(u / L.parts);
+      downloaded = add(downloaded, !part ? L.move_bytes : L.version_unit(u) ? 0 : L.part_bytes);
     }
   if (sharding) {
-    // Until the step's end: every chunk as the step's moments left it (a downloaded sharded one
-    // its part), and the downloads. Then each sharded chunk is its part again.
+    // Until the step's end: every unit as the step's moments left it (a downloaded sharded one
+    // its parameters' part: none for a 2bw gradient part), and the downloads. Then each sharded
+    // unit is its part again.
     std::int64_t at_step = downloaded;
-    for (int c = 0; c < L.chunks(); ++c)
-      if (!adam_download[std::size_t(c)])
-        at_step = add(at_step, host_of(c));
-      else if (L.is_sharded(c))
+    for (int u = 0; u < units; ++u)
+      if (!adam_download[std::size_t(u)])
+        at_step = add(at_step, host_of(u));
+      else if (L.is_sharded(u / L.parts) && (L.parts == 1 || L.version_unit(u)))
         at_step = add(at_step, L.part_bytes);
     host_peak = std::max(host_peak, at_step);
   }
@@ -993,6 +1004,10 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
         ++s.drops;
         continue;
       }
+      if (c.part && L.parts > 1 && !L.version_unit(c.unit)) {
+        ++s.zero_fills;
+        continue;
+      }
       (c.to_device ? s.uploads : s.downloads) += 1;
       if (c.part) ++s.part_uploads;
       std::int64_t& bytes = c.to_device ? s.copy_in_bytes : s.copy_out_bytes;
@@ -1005,8 +1020,12 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     if (s.device_resident(c)) device_adam += s.device_adam_s[std::size_t(c)];
   for (int u = 0; u < units; ++u)
     if (s.adam_download[std::size_t(u)]) {
-      ++s.downloads;
       const bool part = L.is_sharded(u / L.parts);
+      if (part && L.version_unit(u)) {  // 2bw: a version's slot, dropped
+        ++s.drops;
+        continue;
+      }
+      ++s.downloads;
       if (part) ++s.part_downloads;
       s.copy_out_bytes = add(s.copy_out_bytes, part ? L.part_bytes : L.move_bytes);
     }
@@ -1088,6 +1107,7 @@ void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
     for (int c = cs.device_adam_chunks; c < L.chunks(); ++c)
       for (int u = c * L.parts; u < (c + 1) * L.parts; ++u)
         if (cs.adam_download[std::size_t(u)]) {
+          if (L.is_sharded(c) && L.version_unit(u)) continue;  // 2bw: a drop
           ++copies[s];
           left[s] += double(L.is_sharded(c) ? L.part_bytes : L.move_bytes);
           if (L.is_sharded(c)) break;  // its gradient's part, once
@@ -1203,7 +1223,10 @@ std::int64_t fitting_ladder(const models::ModelSpec& model, const traces::Trace&
 double ChunkSchedule::copies_s(const ChunkMoment& moment) const {
   double t = 0;
   for (const ChunkCopy& c : moment.copies)
-    t += !c.part ? copy_s : c.to_device ? part_copy_s + collective_s / 2 : 0.0;
+    t += !c.part ? copy_s
+         : c.to_device && (layout.parts == 1 || layout.version_unit(c.unit))
+             ? part_copy_s + collective_s / 2
+             : 0.0;
   return t;
 }
 
@@ -1271,7 +1294,7 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     release[s] = run.end[s];
     const int c = cs.device_adam_chunks;  // the first host chunk's units on the device go down
     for (int u = c * L.parts; c < L.chunks() && u < (c + 1) * L.parts; ++u)
-      release[s] += cs.adam_download[std::size_t(u)]
+      release[s] += cs.adam_download[std::size_t(u)] && !(L.is_sharded(c) && L.version_unit(u))
                         ? (cs.step_copy_s > 0 ? cs.step_copy_s : cs.copy_s)
                         : 0.0;
   }
@@ -1292,9 +1315,8 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
       se.capacity = capacity;
       std::vector<SharedPhase>& mine = se.phases;
       for (int c = cs.device_adam_chunks; c < L.chunks(); ++c) {
-        bool down = false;  // a sharded chunk's gradient part came down after its reduce-scatter
-        for (int u = c * L.parts; u < (c + 1) * L.parts; ++u)
-          down = down || cs.adam_download[std::size_t(u)];
+        // A sharded chunk's gradient part came down after its reduce-scatter.
+        const bool down = cs.adam_download[std::size_t(L.gradient_unit(c))];
         const bool sharded = L.is_sharded(c);
         mine.push_back({false, sharded && down ? 0.0 : cs.collective_s / 2});
         mine.push_back({true, e.chunk_work[std::size_t(c)] / double(e.jobs)});

@@ -101,6 +101,10 @@ struct ChunkLayout {
   std::vector<std::int64_t> part_bounds() const;
   int chunks() const { return int(chunk_parameters.size()); }
   int units() const { return chunks() * parts; }
+  // With 2bw (parts = 3): unit u is a weight version's slot (or role), not the gradient.
+  bool version_unit(int unit) const { return parts > 1 && unit % parts != 2; }
+  // The unit that holds chunk c's gradient: the chunk itself, or with 2bw its gradient part.
+  int gradient_unit(int chunk) const { return parts == 1 ? chunk : chunk * parts + 2; }
   int layers() const { return int(layer_chunks.size()); }
   // The bytes of unit u that are weights and gradients (the report's categories): a whole chunk's
   // S_p and move_bytes - S_p; with 2bw a version slot's S_p or the gradient's.
@@ -139,6 +143,12 @@ ChunkLayout chunk_layout(const models::ModelSpec& model, std::int64_t chunk_byte
 // has no gradient yet in the step, its parameters' part is on the host). To the host at the
 // optimizer step: its gradient reduce-scattered over the replicas on the device, then the
 // replica's part of it down (P). A sharded chunk with a gradient moves whole (part false).
+// With 2bw (parts = 3) a version's slot is always its part (its weights never change while
+// live): up as the part and an all-gather, down as a drop (at the optimizer step too; CPU Adam
+// writes the new version's part into the older slot's on the host). The gradient part, before
+// its first backward of the segment, comes up as zeros (a zero fill: no bytes, no all-gather) and
+// goes down as a drop; afterwards it moves whole, and at the optimizer step its part comes down
+// after its reduce-scatter, as a flush schedule's chunk.
 struct ChunkCopy {
   bool to_device = false;
   int unit = 0;
@@ -255,7 +265,8 @@ struct ChunkSchedule {
   int uploads = 0, downloads = 0;  // chunk copies host -> device, device -> host
   // Sharded chunks: of those, the parts (uploads with an all-gather, downloads of a gradient part
   // after a reduce-scatter), and the drops (evictions that copy nothing; not in downloads).
-  int part_uploads = 0, part_downloads = 0, drops = 0;
+  // 2bw: the gradient parts zero-filled on the device (no copy; not in uploads).
+  int part_uploads = 0, part_downloads = 0, drops = 0, zero_fills = 0;
   std::int64_t copy_in_bytes = 0, copy_out_bytes = 0;
   std::int64_t device_peak_bytes = 0;  // max_k (resident_k move_bytes + N_k) + K S_os
   int peak_moment = 0;                 // the moment of that peak

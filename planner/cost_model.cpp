@@ -1321,6 +1321,7 @@ common::Json chunk_report(const ChunkSchedule& cs) {
     j["part_uploads_per_step"] = cs.part_uploads;
     j["part_downloads_per_step"] = cs.part_downloads;
     j["drops_per_step"] = cs.drops;
+    if (cs.layout.parts > 1) j["zero_fills_per_step"] = cs.zero_fills;
     j["part_copy_s"] = cs.part_copy_s;
   }
   return j;

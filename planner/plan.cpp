@@ -265,8 +265,6 @@ void check(const Plan& p) {
              fmt::format("sharded chunks split each chunk over the w replicas: needs w > 1, "
                          "found w = {}",
                          p.w));
-    if (p.schedule == Schedule::two_bw)
-      reject("chunk_shard", "sharded chunks with 2bw are not supported yet; use gpipe or 1f1b");
   }
   if (p.offload == Offload::chunks) {
     // What the chunk manager does not do yet (planner/chunks.hpp), each a one-line refusal.

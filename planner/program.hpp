@@ -130,8 +130,9 @@ struct Op {
   int layer = -1;       // chunk copies: the layer of the next compute op they precede, else -1
   // Sharded chunks (Plan::chunk_shard): a chunk copy of the replica's part (ChunkCopy::part: an
   // upload with its all-gather, a drop, or at the optimizer step a reduce-scatter and the
-  // gradient's part down); a chunk_step_host whose gradient was reduce-scattered on the device
-  // (its part downloaded), so CPU Adam neither reduce-scatters nor all-gathers.
+  // gradient's part down; with 2bw a version's slot down is a drop, also at the optimizer step,
+  // and a gradient part up is a zero fill); a chunk_step_host whose gradient was reduce-scattered
+  // on the device (its part downloaded), so CPU Adam neither reduce-scatters nor all-gathers.
   bool part = false;
   bool operator==(const Op&) const = default;
 };

@@ -374,14 +374,16 @@ class ProgramBuilder {
     chunk_slot_ = 0;
     ++segment_step_;
     const int n = chunks_->layout.chunks(), parts = chunks_->layout.parts;
-    // A sharded chunk on the device goes down as its gradient's part (reduce-scattered there).
+    // A sharded chunk on the device goes down as its gradient's part (reduce-scattered there); with
+    // 2bw its versions' slots are dropped.
     for (int c = chunks_->device_adam_chunks; c < n; ++c) {
       const bool sharded = chunks_->layout.is_sharded(c);
       bool part = false;
       for (int u = c * parts; u < (c + 1) * parts; ++u)
         if (down[std::size_t(u)]) {
           Op op{OpKind::copy_chunk_to_host, step, -1, 0, -1, -1, chunks_->unit_in(u, step)};
-          op.part = part = sharded;
+          op.part = sharded;  // 2bw: a version's slot dropped, the gradient part's part down
+          if (u == chunks_->layout.gradient_unit(c)) part = sharded;
           program_.ops.push_back(op);
         }
       Op adam{OpKind::chunk_step_host, step, -1, 0, -1, step + 1, c};

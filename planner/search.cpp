@@ -262,8 +262,8 @@ SearchResult search_plans(const models::ModelSpec& model, const TraceFn& trace_f
                   }
                 }
                 // Chunks over w > 1 replicas: whole on every replica, and sharded (PatrickStar's
-                // data-parallel chunks; not with 2bw yet): the estimate picks.
-                if (offload == Offload::chunks && p.w > 1 && p.schedule != Schedule::two_bw)
+                // data-parallel chunks): the estimate picks.
+                if (offload == Offload::chunks && p.w > 1)
                   for (std::size_t i = 0, n = splits.size(); i < n; ++i) {
                     Plan x = splits[i];
                     x.chunk_shard = true;

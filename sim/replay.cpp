@@ -244,9 +244,10 @@ class Replayer {
     int step = 0;
     std::int64_t after_downs = 0;  // downloads issued before it
     bool edge = false;             // in the run's first or last segment (2bw)
-    // Sharded chunks (Op::part): a part copy (a drop, when a download before a layer), or a CPU
-    // Adam whose gradient was reduce-scattered on the device; `sharded`: the chunk is.
-    bool part = false, drop = false, sharded = false;
+    // Sharded chunks (Op::part): a part copy (a drop, when a download before a layer or with 2bw
+    // of a version's slot; a zero fill, when a 2bw gradient part's upload), or a CPU Adam whose
+    // gradient was reduce-scattered on the device; `sharded`: the chunk is.
+    bool part = false, drop = false, zero = false, sharded = false;
     int gather = 0;  // a part upload: the chunk's all-gathers of the step before it (the key)
   };
   struct ChunkEngines {
@@ -277,7 +278,10 @@ class Replayer {
     ChunkJob job{kind,    op.bucket,     index,
                  op.step, ck_.issued[0], chunk_step_ == first || chunk_step_ == last};
     job.part = op.part;
-    job.drop = op.part && kind == 0 && op.layer >= 0;
+    const planner::ChunkLayout& L = schedule().layout;
+    const bool version = kind != 2 && L.version_unit(op.bucket);
+    job.drop = op.part && kind == 0 && (op.layer >= 0 || version);
+    job.zero = op.part && kind == 1 && L.parts > 1 && !version;
     job.sharded = kind == 2 && schedule().layout.is_sharded(op.bucket);
     if (op.part && kind == 1) job.gather = ck_gathers_[{op.step, op.bucket}]++;
     ck_.queue[kind].push_back(job);
@@ -314,10 +318,15 @@ class Replayer {
         record(kHostCpu, start, sg4::Engine::get_clock(), job.op);
         // The new parameters to all (a sharded chunk's at its next upload).
         if (!job.sharded) chunk_collective(job.step, job.chunk, true, job.op);
-      } else if (job.drop) {  // a sharded chunk without a gradient: freed, nothing copied
-        allocate(&planner::MemoryBreakdown::weights, -cs.layout.unit_weight_bytes(job.chunk));
-        allocate(&planner::MemoryBreakdown::gradients, -cs.layout.unit_gradient_bytes(job.chunk));
-        ++me_.chunk_drops;
+      } else if (job.drop || job.zero) {
+        // A sharded chunk without a gradient (with 2bw a version's slot) freed, or a 2bw
+        // gradient part without one made as zeros on the device: nothing copied.
+        const int sign = job.drop ? -1 : 1;
+        allocate(&planner::MemoryBreakdown::weights, sign * cs.layout.unit_weight_bytes(job.chunk));
+        allocate(&planner::MemoryBreakdown::gradients,
+                 sign * cs.layout.unit_gradient_bytes(job.chunk));
+        if (!job.edge || cs.layout.parts == 1)
+          ++(job.drop ? me_.chunk_drops : me_.chunk_zero_fills);
       } else {
         const bool down = kind == 0;
         const std::int64_t params = cs.layout.unit_weight_bytes(job.chunk),
@@ -337,7 +346,8 @@ class Replayer {
         record(down ? kCopyOut : kCopyIn, c.start(), c.finish(), job.op);
         (down ? me_.copied_out_bytes : me_.copied_in_bytes) += moved;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
-        if (job.part) (down ? me_.chunk_part_downloads : me_.chunk_part_uploads) += 1;
+        if (job.part && (!job.edge || cs.layout.parts == 1))  // 2bw: the steady segments'
+          (down ? me_.chunk_part_downloads : me_.chunk_part_uploads) += 1;
         if (job.edge) {
           (down ? me_.edge_out_bytes : me_.edge_in_bytes) += moved;
           (down ? me_.edge_downloads : me_.edge_uploads) += 1;

@@ -207,10 +207,11 @@ void add_offload_report(planner::RunReport& rep, const World& w, const clusters:
       rank["chunks"] = planner::chunk_report((*w.programs->chunks)[std::size_t(r.stage)]);
       rank["chunks"]["uploads_per_step"] = per_step(r.chunk_uploads, r.edge_uploads);
       rank["chunks"]["downloads_per_step"] = per_step(r.chunk_downloads, r.edge_downloads);
-      if (rank["chunks"].contains("part_bytes")) {  // sharded chunks (no 2bw: no edges)
-        rank["chunks"]["part_uploads_per_step"] = r.chunk_part_uploads / steps;
-        rank["chunks"]["part_downloads_per_step"] = r.chunk_part_downloads / steps;
-        rank["chunks"]["drops_per_step"] = r.chunk_drops / steps;
+      if (rank["chunks"].contains("part_bytes")) {  // sharded chunks (2bw: steady segments')
+        rank["chunks"]["part_uploads_per_step"] = per_step(r.chunk_part_uploads, 0);
+        rank["chunks"]["part_downloads_per_step"] = per_step(r.chunk_part_downloads, 0);
+        rank["chunks"]["drops_per_step"] = per_step(r.chunk_drops, 0);
+        if (segments) rank["chunks"]["zero_fills_per_step"] = per_step(r.chunk_zero_fills, 0);
       }
     }
     if (w.plan().offload_activations) {

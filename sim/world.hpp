@@ -92,8 +92,10 @@ struct RankState {
   // offload chunks: whole-chunk copies the replay ran (all steps). With 2bw the first and last
   // segments (between optimizer steps) move other amounts than the steady ones: theirs also here.
   std::int64_t chunk_uploads = 0, chunk_downloads = 0;
-  // Sharded chunks: of those, the replica's parts; and the drops (no bytes, not downloads).
-  std::int64_t chunk_part_uploads = 0, chunk_part_downloads = 0, chunk_drops = 0;
+  // Sharded chunks: of those, the replica's parts; the drops (no bytes, not downloads); with 2bw
+  // the zero fills (no bytes, not uploads); with 2bw the steady segments' only.
+  std::int64_t chunk_part_uploads = 0, chunk_part_downloads = 0, chunk_drops = 0,
+               chunk_zero_fills = 0;
   std::int64_t edge_in_bytes = 0, edge_out_bytes = 0, edge_uploads = 0, edge_downloads = 0;
   std::vector<Event> events;                         // every op that took time
   std::vector<double> optimizer_end;                 // per step

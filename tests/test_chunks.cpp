@@ -1879,8 +1879,8 @@ TEST(ChunksSharded, PlanFieldParsesWritesAndRefuses) {
   k["distributed_optimizer"] = true;
   refused(k, "sharded chunks need offload chunks");
   k = j;
-  k["schedule"] = "2bw";
-  refused(k, "with 2bw are not supported yet");
+  k["schedule"] = "2bw";  // every schedule
+  EXPECT_TRUE(parse_plan(k, "plan.json").chunk_shard);
   k = j;
   k["chunk_shard"] = "yes";
   EXPECT_NE(error_of<Error>([&] { parse_plan(k, "plan.json"); }).find("chunk_shard"),
@@ -2089,6 +2089,164 @@ TEST(ChunksSharded, ProgramsPassTheCheckerWhichRefusesWrongMoves) {
   }
 }
 
+// 2bw (parts = 3) with sharded chunks, walked independently of run_step, segment by segment
+// from the fixed point: a version's slot always moves as its part (up with its all-gather, down
+// a drop, at the optimizer step too); the gradient part comes up as zeros and goes down as a drop
+// until a backward of the segment has used it, whole afterwards, and at the optimizer step its
+// part comes down. The host holds each host-Adam chunk's two versions' parts, a gradient with
+// its sums whole while there, and the step's gradient parts on top. Returns the host's most.
+std::int64_t walk_sharded_2bw(const ChunkSchedule& cs, const ChunkSegmentPlan& g) {
+  const ChunkLayout& L = cs.layout;
+  const int units = L.units();
+  std::vector<bool> on = cs.start_on_device, grad(std::size_t(units), false);
+  const auto unit_host = [&](int u) -> std::int64_t {
+    const int c = u / 3;
+    if (!L.is_sharded(c)) return on[std::size_t(u)] ? 0 : L.move_bytes;
+    if (u % 3 == 2) return grad[std::size_t(u)] && !on[std::size_t(u)] ? L.move_bytes : 0;
+    return cs.device_resident(c) ? 0 : L.part_bytes;
+  };
+  const auto host = [&] {
+    std::int64_t h = 0;
+    for (int u = 0; u < units; ++u)
+      h += unit_host(u);
+    return h;
+  };
+  std::int64_t most = host();
+  for (const ChunkMoment& m : g.moments) {
+    for (const ChunkCopy& copy : m.copies) {
+      const int u = copy.unit;
+      const bool part = L.is_sharded(u / 3) && (u % 3 < 2 || !grad[std::size_t(u)]);
+      EXPECT_EQ(copy.part, part) << m.label(L) << " unit " << u;
+      on[std::size_t(u)] = copy.to_device;
+      most = std::max(most, host());
+    }
+    if (m.backward)
+      for (int c : L.layer_chunks[std::size_t(m.layer)])
+        grad[std::size_t(c * 3 + 2)] = true;
+  }
+  std::int64_t step = 0;
+  for (int u = 0; u < units; ++u) {
+    if (!g.adam_download[std::size_t(u)]) {
+      step += unit_host(u);
+      continue;
+    }
+    EXPECT_TRUE(on[std::size_t(u)]) << u;
+    if (!L.is_sharded(u / 3))
+      step += L.move_bytes;
+    else
+      step += L.part_bytes;  // a version's part (held), or the gradient's part (down)
+    if (L.is_sharded(u / 3) && u % 3 == 2) {
+      EXPECT_TRUE(grad[std::size_t(u)]) << u;
+    }
+  }
+  return std::max(most, step);
+}
+
+// The same Belady moves as 2bw with whole chunks, segment by segment, each part exactly by the
+// rule above (walk_sharded_2bw), the counts and bytes by it: version uploads are parts with an
+// all-gather, gradient parts without sums zero fills, version downloads drops (at the optimizer
+// step too), the step's gradient downloads parts; fewer bytes both ways than whole chunks.
+TEST(ChunksSharded, TwoBwVersionsMoveAsPartsByHand) {
+  const models::ModelSpec m = tiny4();
+  const traces::Trace t = no_activations(m);
+  clusters::Cluster c = eight();
+  for (int mb : {1, 2}) {
+    SCOPED_TRACE(fmt::format("m = {}", mb));
+    c.device.memory_bytes = eight_chunks(t, 1024);  // 16 parts of 512 B; a block's backward 14
+    Plan whole = plan_of(Schedule::two_bw, 2, 1, 1, mb, 1, m.layers, grid(c));
+    whole.offload = Offload::chunks;
+    whole.chunk_bytes = 512;
+    Plan p = whole;
+    p.chunk_shard = true;
+    check(p);
+    const ChunkSchedule a = chunk_schedule(m, t, c, whole);
+    const ChunkSchedule s = chunk_schedule(m, t, c, p);
+    const ChunkLayout& L = s.layout;
+    ASSERT_EQ(L.parts, 3);
+    ASSERT_EQ(L.part_bytes, 256);
+    ASSERT_EQ(s.segments.size(), a.segments.size());
+    EXPECT_EQ(s.start_on_device, a.start_on_device);
+    EXPECT_EQ(s.device_peak_bytes, a.device_peak_bytes);
+    std::int64_t host = 0;
+    for (std::size_t g = 0; g < s.segments.size(); ++g) {
+      SCOPED_TRACE(to_string(ChunkSegment(g)));
+      const ChunkSegmentPlan& x = s.segments[g];
+      const ChunkSegmentPlan& y = a.segments[g];
+      ASSERT_EQ(x.moments.size(), y.moments.size());
+      for (std::size_t k = 0; k < x.moments.size(); ++k) {
+        ASSERT_EQ(x.moments[k].copies.size(), y.moments[k].copies.size()) << k;
+        for (std::size_t i = 0; i < x.moments[k].copies.size(); ++i) {
+          EXPECT_EQ(x.moments[k].copies[i].to_device, y.moments[k].copies[i].to_device);
+          EXPECT_EQ(x.moments[k].copies[i].unit, y.moments[k].copies[i].unit);
+        }
+      }
+      EXPECT_EQ(x.adam_download, y.adam_download);
+      EXPECT_EQ(x.device_peak_bytes, y.device_peak_bytes);
+      host = std::max(host, walk_sharded_2bw(s, x));
+    }
+    EXPECT_EQ(s.host_chunk_peak_bytes, host);
+    EXPECT_EQ(s.host_peak_bytes,
+              s.host_chunk_peak_bytes + (L.chunks() - s.device_adam_chunks) * L.os_chunk_bytes);
+    // One step's figures: the steady segment's.
+    int parts_up = 0, zeros = 0, drops = 0, whole_up = 0, whole_down = 0, step_parts = 0;
+    for (const ChunkMoment& x : s.moments)
+      for (const ChunkCopy& y : x.copies) {
+        if (y.to_device)
+          (!y.part ? whole_up : y.unit % 3 == 2 ? zeros : parts_up) += 1;
+        else
+          (y.part ? drops : whole_down) += 1;
+      }
+    for (int u = 0; u < L.units(); ++u)
+      if (s.adam_download[std::size_t(u)]) (u % 3 == 2 ? step_parts : drops) += 1;
+    EXPECT_GT(parts_up, 0);
+    EXPECT_GT(zeros, 0);
+    EXPECT_GT(drops, 0);
+    EXPECT_EQ(s.part_uploads, parts_up);
+    EXPECT_EQ(s.zero_fills, zeros);
+    EXPECT_EQ(s.drops, drops);
+    EXPECT_EQ(s.part_downloads, step_parts);
+    EXPECT_EQ(s.uploads, parts_up + whole_up);
+    EXPECT_EQ(s.downloads, whole_down + step_parts);
+    EXPECT_EQ(s.uploads + s.zero_fills, a.uploads);
+    EXPECT_EQ(s.downloads + s.drops, a.downloads);
+    EXPECT_EQ(s.copy_in_bytes, parts_up * L.part_bytes + whole_up * L.move_bytes);
+    EXPECT_EQ(s.copy_out_bytes, step_parts * L.part_bytes + whole_down * L.move_bytes);
+    EXPECT_LT(s.copy_in_bytes, a.copy_in_bytes);
+    EXPECT_LT(s.copy_out_bytes, a.copy_out_bytes);
+    EXPECT_LT(s.host_peak_bytes, a.host_peak_bytes);
+    for (const ChunkMoment& x : s.moments) {
+      double want = 0;
+      for (const ChunkCopy& y : x.copies)
+        want += !y.part                         ? s.copy_s
+                : y.to_device && y.unit % 3 < 2 ? s.part_copy_s + s.collective_s / 2
+                                                : 0;
+      EXPECT_DOUBLE_EQ(s.copies_s(x), want);
+    }
+    // The programs of fresh and resumed runs pass the checker, which refuses a version's slot
+    // moving whole and CPU Adam of a part when only a version's slot came down.
+    ProgramOptions o;
+    o.tied_embeddings = true;
+    o.chunks = std::make_shared<const std::vector<ChunkSchedule>>(std::vector<ChunkSchedule>{s});
+    for (auto [first, steps] : {std::pair{0, 1}, {0, 4}, {2, 3}}) {
+      o.first_step = first;
+      o.steps = steps;
+      EXPECT_NO_THROW(check_programs(generate_programs(p, o))) << first << " " << steps;
+    }
+    o.first_step = 0;
+    o.steps = 4;
+    const Programs ps = generate_programs(p, o);
+    Programs bad = ps;
+    auto& ops = bad.devices[0].ops;
+    const auto it = std::find_if(ops.begin(), ops.end(), [](const Op& op) {
+      return op.kind == OpKind::copy_chunk_to_device && op.part && op.bucket % 3 < 2;
+    });
+    ASSERT_NE(it, ops.end());
+    it->part = false;
+    const std::string msg = error_of<Error>([&] { check_programs(bad); });
+    EXPECT_NE(msg.find("weight version moves as its part"), std::string::npos) << msg;
+  }
+}
+
 // The closed form against the simulator (which runs each part's copy, each all-gather after a
 // part upload and each reduce-scatter before a part download as flows): GPT 10B on the eight
 // V100-16GBs of a p3.16xlarge, one stage of w = 8 (m = 1: most evictions of the forward are
@@ -2099,16 +2257,19 @@ TEST(ChunksSharded, ClosedFormAgreesWithTheSimulator) {
   const models::ModelSpec m = models::load_model("gpt-10b");
   const clusters::Cluster c = clusters::load_cluster("p3.16xlarge", {}, {});
   const traces::Trace t = traces::analytic_trace(m, c.device, {1});
-  for (const auto& [w, d, mb] : {std::tuple{8, 1, 1}, std::tuple{4, 2, 4}}) {
-    SCOPED_TRACE(fmt::format("w = {} d = {}", w, d));
-    Plan whole = plan_of(Schedule::one_f_one_b, w, d, 1, mb, 1, m.layers, grid(c));
+  for (const auto& [w, d, mb, schedule] :
+       {std::tuple{8, 1, 1, Schedule::one_f_one_b}, std::tuple{4, 2, 4, Schedule::one_f_one_b},
+        std::tuple{8, 1, 2, Schedule::two_bw}, std::tuple{4, 2, 4, Schedule::two_bw}}) {
+    SCOPED_TRACE(fmt::format("{} w = {} d = {}", to_string(schedule), w, d));
+    Plan whole = plan_of(schedule, w, d, 1, mb, 1, m.layers, grid(c));
     whole.offload = Offload::chunks;
     whole.recompute.assign(std::size_t(d), Recompute::full);
     Plan p = whole;
     p.chunk_shard = true;
     const Estimate est = estimate(m, t, c, p);
     const Estimate a = estimate(m, t, c, whole);
-    const sim::SimResult s = sim::simulate(m, t, c, p, {.steps = 3});
+    const sim::SimResult s =
+        sim::simulate(m, t, c, p, {.steps = schedule == Schedule::two_bw ? 4 : 3});
     EXPECT_NEAR(s.report.iteration_time_s / est.report.iteration_time_s, 1.0, 0.01);
     expect_same_ranks(s.report, est.report, p.ranks());
     EXPECT_EQ(s.report.hosts[0].peak_memory_bytes, est.report.hosts[0].peak_memory_bytes);
@@ -2116,19 +2277,21 @@ TEST(ChunksSharded, ClosedFormAgreesWithTheSimulator) {
       EXPECT_EQ(s.report.extra["offload"][key], est.report.extra["offload"][key]) << key;
     for (int r = 0; r < p.ranks(); ++r)
       for (const char* key : {"part_uploads_per_step", "part_downloads_per_step", "drops_per_step",
-                              "uploads_per_step", "downloads_per_step"})
+                              "zero_fills_per_step", "uploads_per_step", "downloads_per_step"}) {
+        if (schedule != Schedule::two_bw && std::string(key) == "zero_fills_per_step") continue;
         EXPECT_EQ(s.report.extra["offload"]["ranks"][std::size_t(r)]["chunks"][key],
                   est.report.extra["offload"]["ranks"][std::size_t(r)]["chunks"][key])
             << key << r;
+      }
     EXPECT_LT(est.report.iteration_time_s, a.report.iteration_time_s);
     EXPECT_LT(est.report.hosts[0].peak_memory_bytes, a.report.hosts[0].peak_memory_bytes);
     EXPECT_LT(est.report.extra["offload"]["copy_in_bytes_per_step"].get<std::int64_t>(),
               a.report.extra["offload"]["copy_in_bytes_per_step"].get<std::int64_t>());
     fmt::print(
-        "gpt-10b w = {} d = {} m = {}: sharded step {:.3f} s (simulated {:.3f} s), host {:.2f} "
+        "gpt-10b {} w = {} d = {} m = {}: sharded step {:.3f} s (simulated {:.3f} s), host {:.2f} "
         "GiB, in {:.2f} GiB / out {:.2f} GiB per step; whole chunks {:.3f} s, {:.2f} GiB, {:.2f} / "
         "{:.2f} GiB\n",
-        w, d, mb, est.report.iteration_time_s, s.report.iteration_time_s,
+        to_string(schedule), w, d, mb, est.report.iteration_time_s, s.report.iteration_time_s,
         double(est.report.hosts[0].peak_memory_bytes) / double(1LL << 30),
         est.report.extra["offload"]["copy_in_bytes_per_step"].get<double>() / double(1LL << 30),
         est.report.extra["offload"]["copy_out_bytes_per_step"].get<double>() / double(1LL << 30),
