@@ -151,9 +151,10 @@ class Worker {
     CopyEngine::Ticket down[3] = {}, up[3] = {};  // per unit: its last download, upload
     CopyEngine::Ticket adam = 0;                  // its last CPU Adam
     // Sharded chunks (ChunkLayout::sharded, host-Adam): the replica's part of the parameters,
-    // always on the host (shard_elements), and at the optimizer step its gradient's part
-    // (downloaded after the reduce-scatter; held until the step's end).
-    Buffer host_part, grad_part;
+    // always on the host (shard_elements; with 2bw one per version slot, host_part[slot]), and at
+    // the optimizer step its gradient's part (downloaded after the reduce-scatter; held until the
+    // step's end).
+    Buffer host_part[2], grad_part;
   };
   int parts_ = 1;          // ChunkLayout::parts: 3 with 2bw
   int chunk_version_ = 0;  // the weight version of the compute op under way
@@ -169,16 +170,19 @@ class Worker {
   void chunk_update(int chunk, int update);
   CopyEngine::Ticket download_chunk(int c, int op);
   void upload_chunk(int c, int op);
-  // Sharded chunks: a drop (the device's buffers freed), the replica's part up (its all-gather
-  // follows on the rank's thread: gather_part), the gradient's part down at the optimizer step
-  // after its reduce-scatter, and Adam on the replica's part in host memory.
-  void drop_chunk(int c);
-  void upload_part(int c, int op);
-  void gather_part(int c, int op);
-  void download_part(int c, int step, int op);
+  // Sharded chunks, per unit u (a chunk; with 2bw a version's slot or the gradient part): a drop
+  // (the device's buffers freed), the replica's part up (its all-gather follows on the rank's
+  // thread: gather_part; with 2bw a gradient part comes up as zeros instead), the gradient's part
+  // down at the optimizer step after its reduce-scatter (with 2bw a version's slot is dropped
+  // there), and Adam on the replica's part in host memory.
+  void drop_chunk(int u);
+  void upload_part(int u, int op);
+  void gather_part(int u, int op);
+  void download_part(int u, int step, int op);
   void part_update(int chunk, int update);
   bool part_only(int chunk) const;  // sharded, with its parameters' part on the host
-  DataChunk& sharded_chunk(int chunk, bool on_device, const char* what);
+  bool zero_part(int u) const { return parts_ > 1 && u % parts_ == 2; }  // 2bw: a gradient part
+  DataChunk& sharded_chunk(int u, bool on_device, const char* what);
   void chunk_forward(const planner::Op& op);
   void chunk_forward_blocks(const planner::Op& op, Chunk& c);
   void no_pending_copies(const char* what) const;
@@ -197,14 +201,14 @@ class Worker {
   using Flats = std::vector<std::vector<float>>;  // per model chunk (chunks_)
   Flats gather_chunks(int which, int version = 0) const;
   using PartParams = std::vector<std::vector<float>>;  // per chunk (sharded on the host: whole)
-  PartParams gather_parts() const;
+  PartParams gather_parts(int version) const;
   Flats gather_chunks(int which, int version, const PartParams& params) const;
   void scatter_chunks(int which, const Chunk& c, const float* flat, int version = 0);
   bool chunked_ = false;
   // Block recompute on this rank's stage: forward_blocks keeps each layer's input; the recompute
   // op takes the scratch the backward re-makes each layer in.
   bool blocks_ = false;
-  std::vector<int> part_gathers_;  // sharded chunks: per chunk, its all-gathers in this step
+  std::vector<int> part_gathers_;  // sharded chunks: per unit, its all-gathers in this step
   PartParams final_parts_;         // sharded chunks: gathered after the run's last step
   void offload_op(const planner::Op& op);
   void offload_step(const planner::Op& op);

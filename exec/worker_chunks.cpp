@@ -222,7 +222,7 @@ void Worker::setup_chunks() {
   const std::int64_t e = L.chunk_elements;
   parts_ = L.parts;
   data_chunks_.resize(std::size_t(L.chunks()));
-  part_gathers_.assign(std::size_t(L.chunks()), 0);
+  part_gathers_.assign(std::size_t(L.units()), 0);
   for (int k = 0; k < L.chunks(); ++k) {
     DataChunk& d = data_chunks_[std::size_t(k)];
     for (int u = 0; u < parts_; ++u) {
@@ -232,7 +232,8 @@ void Worker::setup_chunks() {
       for (int part : unit_parts(u))
         d.part[part] = Buffer(where, part == 2 ? Category::gradients : Category::weights, e);
     }
-    if (part_only(k)) d.host_part = Buffer(&host_, Category::weights, L.shard_elements);
+    for (int slot = 0; part_only(k) && slot < std::min(parts_, 2); ++slot)
+      d.host_part[slot] = Buffer(&host_, Category::weights, L.shard_elements);
     // The Adam state of the replica's part of the chunk (all of it with w = 1).
     MemoryCounter* state = schedule_->device_resident(k) ? memory_ : &host_;
     d.m = Buffer(state, Category::optimizer, L.shard_elements);
@@ -257,12 +258,12 @@ void Worker::setup_chunks() {
 // parameters: the stage's replicas all-gather them (every replica calls this at the same point: a
 // checkpoint, the run's end), so every replica returns the whole state, as without chunks.
 Worker::Flats Worker::gather_chunks(int which, int version) const {
-  return gather_chunks(which, version, which == 0 ? gather_parts() : PartParams{});
+  return gather_chunks(which, version, which == 0 ? gather_parts(version) : PartParams{});
 }
 
-// Sharded chunks on the host: each one's parameters all-gathered from the replicas' parts (every
-// replica calls this at the same point); empty for the others.
-Worker::PartParams Worker::gather_parts() const {
+// Sharded chunks on the host: each one's parameters of `version` all-gathered from the replicas'
+// parts (every replica calls this at the same point); empty for the others.
+Worker::PartParams Worker::gather_parts(int version) const {
   const planner::ChunkLayout& L = schedule_->layout;
   PartParams params(std::size_t(L.chunks()));
   for (int k = 0; k < L.chunks(); ++k) {
@@ -270,8 +271,9 @@ Worker::PartParams Worker::gather_parts() const {
     const auto [pb, pe] = L.part(replica_);
     std::vector<float>& all = params[std::size_t(k)];
     all.assign(std::size_t(L.chunk_elements), 0.0f);
-    std::copy_n(data_chunks_[std::size_t(k)].host_part.data(), pe - pb, all.data() + pb);
-    s_.transport->all_gather(fmt::format("ck/{}.{}/w/{}/{}", stage_, tp_, updates_, k),
+    std::copy_n(data_chunks_[std::size_t(k)].host_part[weight_part(version)].data(), pe - pb,
+                all.data() + pb);
+    s_.transport->all_gather(fmt::format("ck/{}.{}/w/{}/{}/{}", stage_, tp_, updates_, version, k),
                              replica_group(), device_, all.data(), L.part_bounds());
   }
   return params;
@@ -323,7 +325,7 @@ void Worker::scatter_chunks(int which, const Chunk& c, const float* flat, int ve
       const std::int64_t begin = std::max(at, pb), end = std::min(at + slot.size, pe);
       if (begin < end)
         std::copy_n(flat + slot.offset + (begin - at), end - begin,
-                    d.host_part.data() + (begin - pb));
+                    d.host_part[weight_part(version)].data() + (begin - pb));
       continue;
     }
     if (which == 0) {
@@ -389,17 +391,25 @@ bool Worker::part_only(int k) const {
 }
 
 // Adam on the replica's part of sharded chunk k in host memory: its parameters' part (in place;
-// sharded chunks are flush schedules only), and the gradient's part that came down after the
-// reduce-scatter on the device, or the whole gradient on the host (reduce-scattered there).
+// with 2bw from the newest version's part into the older one's, as chunk_update), and the
+// gradient's part that came down after the reduce-scatter on the device, or the whole gradient on
+// the host (reduce-scattered there).
 void Worker::part_update(int k, int update) {
   const planner::ChunkLayout& L = schedule_->layout;
   DataChunk& d = data_chunks_[std::size_t(k)];
   const auto [lo, hi] = L.shard(k, replica_);
   if (hi <= lo) return;
   const std::int64_t pb = L.part(replica_).first;  // lo == pb: the shard starts the part
-  // Its parameters: the part, or in the whole chunk on the host (which holds the part then).
-  float* params = d.host_part.empty() ? d.part[0].data() + lo : d.host_part.data() + (lo - pb);
   float* grad = d.grad_part.empty() ? d.part[2].data() + lo : d.grad_part.data() + (lo - pb);
+  if (parts_ > 1) {
+    const float* in = d.host_part[weight_part(update - 1)].data() + (lo - pb);
+    float* out = d.host_part[weight_part(update)].data() + (lo - pb);
+    optimizer_update(*s_.options, update, in, out, grad, d.m.data(), d.v.data(), hi - lo);
+    return;
+  }
+  // Its parameters: the part, or in the whole chunk on the host (which holds the part then).
+  float* params =
+      d.host_part[0].empty() ? d.part[0].data() + lo : d.host_part[0].data() + (lo - pb);
   optimizer_update(*s_.options, update, params, params, grad, d.m.data(), d.v.data(), hi - lo);
 }
 
@@ -427,11 +437,12 @@ CopyEngine::Ticket Worker::download_chunk(int u, int op) {
   const std::int64_t e = schedule_->layout.chunk_elements;
   const std::vector<int> parts = unit_parts(unit);
   // A sharded chunk with its gradient comes down whole: its parameters' part is in it (the
-  // parameters stay as they are beside the gradient half), so the host's part goes.
-  if (part_only(k)) {
+  // parameters stay as they are beside the gradient half), so the host's part goes. (With 2bw
+  // only a gradient part comes down whole; the versions' parts stay.)
+  if (part_only(k) && parts_ == 1) {
     if (schedule_->layout.move_bytes == schedule_->layout.chunk_bytes)
       throw Error(fmt::format("rank {}: sharded chunk {} without a gradient half", rank_, k));
-    d.host_part = Buffer();
+    d.host_part[0] = Buffer();
   }
   auto host = std::make_shared<std::vector<Buffer>>();
   for (int part : parts)
@@ -473,8 +484,9 @@ void Worker::upload_chunk(int u, int op) {
   Worker* w = this;
   const CopyEngine::Ticket down = d.down[unit], adam = d.adam;
   const bool edge = edge_segment();
-  // A sharded chunk going up whole keeps its parameters' part on the host.
-  const bool keep = part_only(k);
+  // A sharded chunk going up whole keeps its parameters' part on the host (2bw: a gradient part,
+  // nothing to keep).
+  const bool keep = part_only(k) && parts_ == 1;
   const auto [pb, pe] =
       keep ? schedule_->layout.part(replica_) : std::pair<std::int64_t, std::int64_t>{};
   d.up[unit] =
@@ -487,7 +499,7 @@ void Worker::upload_chunk(int u, int op) {
           if (keep && parts[i] == 0) {
             Buffer part = std::move(dc->part[0]);
             part.keep(pb, pe);
-            dc->host_part = std::move(part);
+            dc->host_part[0] = std::move(part);
           }
           dc->part[parts[i]] = std::move((*device)[i]);  // the host's buffer goes back to the pool
         }
@@ -497,79 +509,99 @@ void Worker::upload_chunk(int u, int op) {
       });
 }
 
-// Sharded chunk u, checked to be one (a unit is a chunk) and on the device (`on_device`) or the
-// host before `what` moves it.
+// Sharded chunk u's unit (a chunk; with 2bw a version's slot or the gradient part), checked to be
+// one and on the device (`on_device`) or the host before `what` moves it.
 Worker::DataChunk& Worker::sharded_chunk(int u, bool on_device, const char* what) {
-  DataChunk& d = data_chunks_.at(std::size_t(u));
-  if (parts_ != 1 || !part_only(u) || d.on_device[0] != on_device)
-    throw Error(fmt::format("rank {}: {} of chunk {}, which is not a sharded chunk on the {}",
-                            rank_, what, u, on_device ? "device" : "host"));
+  const int k = u / parts_;
+  DataChunk& d = data_chunks_.at(std::size_t(k));
+  if (!part_only(k) || d.on_device[u % parts_] != on_device)
+    throw Error(fmt::format("rank {}: {} of chunk {}{}, which is not a sharded chunk on the {}",
+                            rank_, what, k,
+                            parts_ > 1 ? fmt::format(" (part {})", u % parts_) : std::string(),
+                            on_device ? "device" : "host"));
   return d;
 }
 
-// A sharded chunk without a gradient leaves the device: its buffers are freed (its parameters'
-// part is on the host, the other parts on the other replicas' hosts).
+// A sharded unit without a gradient leaves the device: its buffers are freed (its parameters'
+// part is on the host, the other parts on the other replicas' hosts; a 2bw gradient part without
+// sums is zeros).
 void Worker::drop_chunk(int u) {
   DataChunk& d = sharded_chunk(u, true, "a drop");
-  d.on_device[0] = false;
-  d.part[0] = Buffer();
-  d.part[2] = Buffer();
+  d.on_device[u % parts_] = false;
+  for (int part : unit_parts(u % parts_))
+    d.part[part] = Buffer();
 }
 
-// A sharded chunk's part to the device on the host-to-device engine: the device's buffers taken
-// now, the replica's part of the parameters copied into its place, the gradient half zeroed (no
-// gradient yet); gather_part then fills in the other replicas' parts.
+// A sharded unit's part to the device on the host-to-device engine: the device's buffers taken
+// now, the replica's part of the parameters copied into its place, a gradient half zeroed (no
+// gradient yet); gather_part then fills in the other replicas' parts. With 2bw a gradient part
+// comes up as zeros, on the rank's thread (nothing to copy or gather).
 void Worker::upload_part(int u, int op) {
   DataChunk& d = sharded_chunk(u, false, "a part upload");
   const planner::ChunkLayout& L = schedule_->layout;
   const std::int64_t e = L.chunk_elements;
-  d.part[0] = Buffer(memory_, Category::weights, e, &pool_);
-  d.part[2] = Buffer(memory_, Category::gradients, e, &pool_);
-  d.on_device[0] = true;
+  const int unit = u % parts_;
+  for (int part : unit_parts(unit))
+    d.part[part] = Buffer(memory_, part == 2 ? Category::gradients : Category::weights, e, &pool_);
+  d.on_device[unit] = true;
+  if (zero_part(u)) {
+    std::fill_n(d.part[2].data(), e, 0.0f);
+    return;
+  }
   DataChunk* dc = &d;
   Worker* w = this;
   const auto [pb, pe] = L.part(replica_);
   const CopyEngine::Ticket adam = d.adam;
-  d.up[0] = h2d_->submit([w, dc, pb = pb, pe = pe, e, adam, op] {
+  const bool edge = edge_segment(), half = parts_ == 1;
+  d.up[unit] = h2d_->submit([w, dc, pb = pb, pe = pe, e, adam, op, unit, edge, half] {
     w->host_cpu_->wait(adam);
     const auto t0 = Clock::now();
-    std::copy_n(dc->host_part.data(), pe - pb, dc->part[0].data() + pb);
-    std::fill_n(dc->part[2].data(), e, 0.0f);
-    w->bytes_in_ += (pe - pb) * std::int64_t(sizeof(float));
+    std::copy_n(dc->host_part[unit].data(), pe - pb, dc->part[unit].data() + pb);
+    if (half) std::fill_n(dc->part[2].data(), e, 0.0f);
+    const std::int64_t bytes = (pe - pb) * std::int64_t(sizeof(float));
+    w->bytes_in_ += bytes;
+    if (edge) w->edge_bytes_in_ += bytes;
     w->copy_record(planner::kCopyInStream, t0, Clock::now(), op);
   });
 }
 
-// After a part upload has ended: the chunk's parameters all-gathered over the stage's replicas
+// After a part upload has ended: the unit's parameters all-gathered over the stage's replicas
 // (each its part), on the rank's thread (in program order on every replica).
 void Worker::gather_part(int u, int op) {
   const planner::ChunkLayout& L = schedule_->layout;
-  DataChunk& d = data_chunks_.at(std::size_t(u));
+  DataChunk& d = data_chunks_.at(std::size_t(u / parts_));
   const auto t0 = Clock::now();
   s_.transport->all_gather(fmt::format("ck/{}.{}/{}/{}/ag{}", stage_, tp_, updates_, u,
                                        part_gathers_.at(std::size_t(u))++),
-                           replica_group(), device_, d.part[0].data(), L.part_bounds());
+                           replica_group(), device_, d.part[u % parts_].data(), L.part_bounds());
   copy_record(planner::kCollectiveStream, t0, Clock::now(), op);
 }
 
 // At the optimizer step, a sharded chunk on the device: its gradient reduce-scattered over the
 // stage's replicas there (on the rank's thread), then the replica's part of it down on the
-// device-to-host engine; the device's buffers go when it has ended.
+// device-to-host engine; the device's buffers go when it has ended. With 2bw a version's slot is
+// dropped (its part is on the host).
 void Worker::download_part(int u, int step, int op) {
+  if (parts_ > 1 && !zero_part(u)) return drop_chunk(u);
   DataChunk& d = sharded_chunk(u, true, "a gradient part download");
   const planner::ChunkLayout& L = schedule_->layout;
-  chunk_collective(u, step, false, op);
+  const int k = u / parts_, unit = u % parts_;
+  chunk_collective(k, step, false, op);
   const auto [pb, pe] = L.part(replica_);
   d.grad_part = Buffer(&host_, Category::gradients, L.shard_elements, &host_buffers_);
-  d.on_device[0] = false;
+  d.on_device[unit] = false;
   DataChunk* dc = &d;
   Worker* w = this;
-  d.down[0] = d2h_->submit([w, dc, pb = pb, pe = pe, op] {
+  const bool edge = edge_segment();
+  const std::vector<int> parts = unit_parts(unit);
+  d.down[unit] = d2h_->submit([w, dc, pb = pb, pe = pe, op, edge, parts] {
     const auto t0 = Clock::now();
     std::copy_n(dc->part[2].data() + pb, pe - pb, dc->grad_part.data());
-    dc->part[0] = Buffer();  // the device's buffers go back to the arena
-    dc->part[2] = Buffer();
-    w->bytes_out_ += (pe - pb) * std::int64_t(sizeof(float));
+    for (int part : parts)
+      dc->part[part] = Buffer();  // the device's buffers go back to the arena
+    const std::int64_t bytes = (pe - pb) * std::int64_t(sizeof(float));
+    w->bytes_out_ += bytes;
+    if (edge) w->edge_bytes_out_ += bytes;
     w->copy_record(planner::kCopyOutStream, t0, Clock::now(), op);
   });
 }
@@ -603,7 +635,7 @@ void Worker::chunk_moment(int layer) {
   // wait for each other's turn otherwise).
   bool released = false;
   for (const auto& [op, at] : in)
-    if (op.part) {
+    if (op.part && !zero_part(op.bucket)) {
       if (!released) release_core();
       released = true;
       gather_part(op.bucket, at);
@@ -968,10 +1000,14 @@ void Worker::chunk_optimizer_step(const Op& op) {
     DataChunk& d = data_chunks_[std::size_t(k)];
     if (!part_only(k)) continue;
     d.grad_part = Buffer();
-    if (!d.on_device[0] && d.host_part.empty()) {  // it came down whole: its part is kept
+    if (parts_ > 1) {  // 2bw: a gradient that came down whole goes (the next is zeros)
+      if (!d.on_device[2]) d.part[2] = Buffer();
+      continue;
+    }
+    if (!d.on_device[0] && d.host_part[0].empty()) {  // it came down whole: its part is kept
       const auto [pb, pe] = schedule_->layout.part(replica_);
       d.part[0].keep(pb, pe);
-      d.host_part = std::move(d.part[0]);
+      d.host_part[0] = std::move(d.part[0]);
       d.part[2] = Buffer();
     }
   }
@@ -984,7 +1020,7 @@ void Worker::chunk_optimizer_step(const Op& op) {
   // the last stage's tied copy, whole, may still arrive after this), after the step's end: they
   // are the run's result, not its training, so the last step's time leaves them out.
   if (schedule_->layout.part_bytes > 0 && op.step == s_.first_step + s_.programs->steps - 1)
-    final_parts_ = gather_parts();
+    final_parts_ = gather_parts(updates_);
 }
 
 }  // namespace pw::exec::detail

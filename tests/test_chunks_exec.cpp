@@ -715,23 +715,31 @@ struct TwoBwCase {
   bool untied;
   int t = 1;
   Rc recompute = false;
+  bool shard = false;  // sharded chunks (Plan::chunk_shard)
 };
 
 // The bytes a rank's plan moves over a run of `steps` from step 0, each way, and its peak: the
-// segments' (fill, steady ones, last).
+// segments' (fill, steady ones, last). Sharded chunks: replica `replica`'s part of a version's
+// slot up, nothing for a drop or a gradient's zero fill, the gradient's part down at the step.
 struct RunFigures {
   std::int64_t out = 0, in = 0, peak = 0;
 };
-RunFigures run_figures(const planner::ChunkSchedule& s, int steps) {
+RunFigures run_figures(const planner::ChunkSchedule& s, int steps, int replica = 0) {
+  const planner::ChunkLayout& L = s.layout;
+  const auto [pb, pe] = L.part(replica);
+  const std::int64_t part = (pe - pb) * std::int64_t(sizeof(float));
   RunFigures f;
   for (int t = 0; t < steps; ++t) {
     const auto g = std::size_t(planner::chunk_segment(0, steps, t));
     const planner::ChunkSegmentPlan& seg = s.segments.at(g);
     for (const planner::ChunkMoment& m : seg.moments)
       for (const planner::ChunkCopy& c : m.copies)
-        (c.to_device ? f.in : f.out) += s.layout.move_bytes;
-    for (bool down : seg.adam_download)
-      f.out += down ? s.layout.move_bytes : 0;
+        (c.to_device ? f.in : f.out) += !c.part                                 ? L.move_bytes
+                                        : c.to_device && L.version_unit(c.unit) ? part
+                                                                                : 0;
+    for (int u = 0; u < L.units(); ++u)
+      if (seg.adam_download[std::size_t(u)])
+        f.out += !L.is_sharded(u / L.parts) ? L.move_bytes : L.version_unit(u) ? 0 : part;
     f.peak = std::max(f.peak, seg.device_peak_bytes);
   }
   return f;
@@ -743,14 +751,18 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
        {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 3, 1, true}, TwoBwCase{2, 2, 1, false},
         TwoBwCase{4, 4, 1, true}, TwoBwCase{2, 2, 2, true}, TwoBwCase{2, 2, 1, false, 2},
         TwoBwCase{1, 3, 1, true, 4}, TwoBwCase{1, 2, 2, false, 2},
-        TwoBwCase{2, 3, 1, true, 1, kBlock}, TwoBwCase{1, 2, 2, false, 2, kBlock}}) {
+        TwoBwCase{2, 3, 1, true, 1, kBlock}, TwoBwCase{1, 2, 2, false, 2, kBlock},
+        TwoBwCase{1, 2, 2, false, 1, false, true}, TwoBwCase{1, 3, 3, true, 1, false, true},
+        TwoBwCase{2, 2, 2, true, 1, false, true}, TwoBwCase{2, 3, 2, false, 1, kBlock, true}}) {
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
     const TrainResult plain =
         train_cpu(model, make_plan(model, Schedule::two_bw, 1, k.m, -1, k.d, k.recompute, k.w, k.t),
                   adamw_options(steps));
-    const Plan p = make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d,
-                             k.recompute, k.w, k.t);
+    Plan p = make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d, k.recompute,
+                       k.w, k.t);
+    p.chunk_shard = k.shard;
+    planner::check(p);
     const std::int64_t low = pipeline_budget(model, p);
     std::int64_t roomy = 0;  // every part of every stage's chunks, and two chunks' Adam state
     for (int s = 0; s < k.d; ++s) {
@@ -763,8 +775,9 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
                                   2 * c.layout.os_chunk_bytes + 7);
     }
     for (std::int64_t budget : {low, roomy}) {
-      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} t={} {}{} budget={}", k.d, k.m, k.w, k.t,
-                               k.untied ? "untied" : "tied", rc_name(k.recompute), budget));
+      SCOPED_TRACE(fmt::format("2bw d={} m={} w={} t={} {}{}{} budget={}", k.d, k.m, k.w, k.t,
+                               k.untied ? "untied" : "tied", rc_name(k.recompute),
+                               k.shard ? " sharded" : "", budget));
       const TrainResult r = train_cpu(model, p, adamw_options(steps, budget));
       expect_identical(r, plain);
       const planner::RunReport sim = simulated(model, p, budget, steps);
@@ -776,7 +789,7 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
         const RankResult& got = r.ranks[std::size_t(device)];
         const planner::ChunkSchedule s = schedule_of(model, p, budget, stage);
         EXPECT_EQ(s.layout.parts, 3);
-        const RunFigures f = run_figures(s, steps);
+        const RunFigures f = run_figures(s, steps, p.replica_of(rank));
         EXPECT_LE(got.peak_memory_bytes, budget);
         EXPECT_EQ(got.peak_memory_bytes, f.peak);
         EXPECT_EQ(got.peak_memory_bytes, sim.devices[std::size_t(rank)].memory.total());
@@ -784,14 +797,26 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
         EXPECT_EQ(got.copy_in_bytes, f.in);
         // The simulator's per-step bytes are a steady segment's: the schedule's figures (one
         // device's of the rank's TP group).
+        // Sharded: replica 0's part is P; another's may be shorter when w does not divide a chunk.
         const common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
-        EXPECT_EQ(sr["copy_out_bytes_per_step"].get<std::int64_t>(), s.copy_out_bytes);
-        EXPECT_EQ(sr["copy_in_bytes_per_step"].get<std::int64_t>(), s.copy_in_bytes);
-        // And the executor's, over its steady segments (what validate compares).
-        EXPECT_EQ((got.copy_out_bytes - got.edge_copy_out_bytes) / (steps - 2), s.copy_out_bytes);
-        EXPECT_EQ((got.copy_in_bytes - got.edge_copy_in_bytes) / (steps - 2), s.copy_in_bytes);
+        if (!k.shard || p.replica_of(rank) == 0 || s.layout.chunk_elements % k.w == 0) {
+          EXPECT_EQ(sr["copy_out_bytes_per_step"].get<std::int64_t>(), s.copy_out_bytes);
+          EXPECT_EQ(sr["copy_in_bytes_per_step"].get<std::int64_t>(), s.copy_in_bytes);
+          // And the executor's, over its steady segments (what validate compares).
+          EXPECT_EQ((got.copy_out_bytes - got.edge_copy_out_bytes) / (steps - 2), s.copy_out_bytes);
+          EXPECT_EQ((got.copy_in_bytes - got.edge_copy_in_bytes) / (steps - 2), s.copy_in_bytes);
+        }
         if (budget == low) {
           EXPECT_GT(got.copy_in_bytes, 0);
+        }
+        if (k.shard && budget == low) {  // parts and zero fills: fewer bytes than whole chunks
+          Plan whole = p;
+          whole.chunk_shard = false;
+          const RunFigures a = run_figures(schedule_of(model, whole, budget, stage), steps);
+          EXPECT_GT(s.part_uploads, 0);
+          EXPECT_GT(s.zero_fills, 0);
+          EXPECT_LT(got.copy_in_bytes, a.in);
+          EXPECT_LT(got.copy_out_bytes, a.out);
         }
         device_adam += s.device_adam_chunks;
         std::printf(
@@ -814,15 +839,18 @@ TEST(ChunksExec, TwoBwIsBitIdenticalWithEachStagesPeakAndBytes) {
 TEST(ChunksExec, TwoBwResumeIsBitIdentical) {
   for (const TwoBwCase& k :
        {TwoBwCase{1, 2, 1, false}, TwoBwCase{2, 2, 1, true}, TwoBwCase{2, 2, 2, true},
-        TwoBwCase{2, 2, 1, false, 2}, TwoBwCase{2, 2, 2, true, 2}}) {
-    SCOPED_TRACE(fmt::format("d={} w={} t={}", k.d, k.w, k.t));
+        TwoBwCase{2, 2, 1, false, 2}, TwoBwCase{2, 2, 2, true, 2},
+        TwoBwCase{1, 2, 2, false, 1, false, true}, TwoBwCase{2, 2, 2, true, 1, false, true}}) {
+    SCOPED_TRACE(fmt::format("d={} w={} t={}{}", k.d, k.w, k.t, k.shard ? " sharded" : ""));
     const models::ModelSpec model =
         k.untied ? untied(testing::gpt_tiny(2 * k.d)) : testing::gpt_tiny(2 * k.d);
-    const Plan p =
+    Plan p =
         make_plan(model, Schedule::two_bw, 1, k.m, k.t > 1 ? 32768 : 65536, k.d, false, k.w, k.t);
+    p.chunk_shard = k.shard;
+    planner::check(p);
     testing::expect_resume_is_bit_identical(
         model, p, adamw_options(5, pipeline_budget(model, p)),
-        fmt::format("chunkexec_2bw_d{}_w{}_t{}", k.d, k.w, k.t));
+        fmt::format("chunkexec_2bw_d{}_w{}_t{}{}", k.d, k.w, k.t, k.shard ? "_shard" : ""));
   }
 }
 

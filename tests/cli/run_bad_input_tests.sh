@@ -259,7 +259,6 @@ assert r['plan']['offload'] == 'chunks' and o['copy_in_bytes_per_step'] > 0 and 
 # Sharded chunks (--chunk-shard): the refusals, and a run that moves less than whole chunks.
 expect_code "--chunk-shard with w = 1" 1 "chunk_shard: sharded chunks split each chunk over the w replicas: needs w > 1, found w = 1" $PW $TC -m 1 --steps 1 --chunk-shard --device-memory 2000000 --out "$O"
 expect_code "--chunk-shard without offload chunks" 1 "chunk_shard: sharded chunks need offload chunks" $PW estimate $WS -w 2 --ranks-per-gpu 2 --chunk-shard --out "$O"
-expect_code "--chunk-shard with 2bw" 1 "chunk_shard: sharded chunks with 2bw are not supported yet" $PW estimate $WS -w 2 --ranks-per-gpu 2 --schedule 2bw --offload chunks --chunk-shard --out "$O"
 # Block recompute: the CPU executor runs it (with SP, and with the chunk manager too).
 expect_ok "train --recompute block" $PW train --backend cpu --model gpt-tiny -d 2 --steps 2 --recompute block --out "$TMP/block.json"
 expect_ok "train --recompute block --sp" $PW train --backend cpu --model gpt-tiny --tp 2 --sp --steps 1 --recompute block --out "$TMP/blocksp.json"
@@ -278,5 +277,14 @@ assert b['plan']['chunk_shard'] is True and 'chunk_shard' not in a['plan'], (a['
 assert a['losses'] == b['losses'], (a['losses'], b['losses'])
 for k in ('copy_in_bytes_per_step', 'copy_out_bytes_per_step'):
     assert 0 < b['offload'][k] < a['offload'][k], (k, a['offload'][k], b['offload'][k])" && ok || bad "train --chunk-shard: plan.chunk_shard, the same losses, fewer bytes moved than whole chunks"
+expect_ok "train --offload chunks -w 2 --schedule 2bw" $PW $TW --schedule 2bw --out "$TMP/tw2.json"
+expect_ok "train --offload chunks -w 2 --schedule 2bw --chunk-shard" $PW $TW --schedule 2bw --chunk-shard --out "$TMP/tws2.json"
+python3 -c "
+import json
+a, b = json.load(open('$TMP/tw2.json')), json.load(open('$TMP/tws2.json'))
+assert b['plan']['chunk_shard'] is True and b['plan']['schedule'] == '2bw', b['plan']
+assert a['losses'] == b['losses'], (a['losses'], b['losses'])
+for k in ('copy_in_bytes_per_step', 'copy_out_bytes_per_step'):
+    assert 0 < b['offload'][k] < a['offload'][k], (k, a['offload'][k], b['offload'][k])" && ok || bad "train --chunk-shard -s 2bw: the same losses as whole chunks, fewer bytes moved"
 
 finish "bad-input CLI tests"
