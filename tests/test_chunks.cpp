@@ -1948,6 +1948,20 @@ std::int64_t eight_chunks(const traces::Trace& t, std::int64_t move_bytes) {
   return 8 * move_bytes + 2 * t.entries[0].layers[models::LayerKind::block].output_bytes;
 }
 
+// tiny4's plan on `c` with 512 B chunks over w = 2 replicas (`schedule`, m, full recompute or
+// none), with whole chunks (first) and sharded (second).
+std::pair<Plan, Plan> whole_and_sharded(const clusters::Cluster& c, Schedule schedule, int mb,
+                                        bool rc) {
+  Plan whole = plan_of(schedule, 2, 1, 1, mb, 1, tiny4().layers, grid(c));
+  whole.offload = Offload::chunks;
+  whole.chunk_bytes = 512;
+  if (rc) whole.recompute = {Recompute::full};
+  Plan p = whole;
+  p.chunk_shard = true;
+  check(p);
+  return {whole, p};
+}
+
 TEST(ChunksSharded, CopiesArePartsUntilTheChunkHasAGradientByHand) {
   const models::ModelSpec m = tiny4();
   const traces::Trace t = no_activations(m);
@@ -1956,13 +1970,7 @@ TEST(ChunksSharded, CopiesArePartsUntilTheChunkHasAGradientByHand) {
     for (bool rc : {false, true}) {
       SCOPED_TRACE(fmt::format("m = {} recompute {}", mb, rc));
       c.device.memory_bytes = eight_chunks(t, 512 * mb);
-      Plan whole = plan_of(Schedule::one_f_one_b, 2, 1, 1, mb, 1, m.layers, grid(c));
-      whole.offload = Offload::chunks;
-      whole.chunk_bytes = 512;
-      if (rc) whole.recompute = {Recompute::full};
-      Plan p = whole;
-      p.chunk_shard = true;
-      check(p);
+      const auto [whole, p] = whole_and_sharded(c, Schedule::one_f_one_b, mb, rc);
       const ChunkSchedule a = chunk_schedule(m, t, c, whole);
       const ChunkSchedule s = chunk_schedule(m, t, c, p);
       const ChunkLayout& L = s.layout;
@@ -2153,12 +2161,7 @@ TEST(ChunksSharded, TwoBwVersionsMoveAsPartsByHand) {
   for (int mb : {1, 2}) {
     SCOPED_TRACE(fmt::format("m = {}", mb));
     c.device.memory_bytes = eight_chunks(t, 1024);  // 16 parts of 512 B; a block's backward 14
-    Plan whole = plan_of(Schedule::two_bw, 2, 1, 1, mb, 1, m.layers, grid(c));
-    whole.offload = Offload::chunks;
-    whole.chunk_bytes = 512;
-    Plan p = whole;
-    p.chunk_shard = true;
-    check(p);
+    const auto [whole, p] = whole_and_sharded(c, Schedule::two_bw, mb, false);
     const ChunkSchedule a = chunk_schedule(m, t, c, whole);
     const ChunkSchedule s = chunk_schedule(m, t, c, p);
     const ChunkLayout& L = s.layout;
