@@ -435,6 +435,13 @@ void run_and_compare(const ValidateArgs& a) {
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
+  // The profile times no selective backward and keeps the scores in its stash sizes: what it
+  // would predict is not what train runs.
+  for (planner::Recompute r : plan.recompute)
+    if (r == planner::Recompute::selective)
+      throw InputError(
+          "plan: recompute: validate does not profile selective recompute yet (train --backend "
+          "cpu runs it); use none, full or block");
   if (plan.t > 1 && gpu)
     throw InputError(fmt::format(
         "plan: t: the cuda executor does not run tensor parallelism yet (t = {}); validate it "

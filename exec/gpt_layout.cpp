@@ -58,6 +58,9 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
     unsupported(m, backend, "vocab_multiple", std::to_string(m.vocab_multiple));
   if (backend != "cpu" && s.t != 1) unsupported(m, backend, "t", std::to_string(s.t));
   if (backend != "cpu" && s.sp) unsupported(m, backend, "sp", "true");
+  if (backend != "cpu" && s.selective)
+    throw InputError("stage of model '" + m.name + "': the " + backend +
+                     " stage does not run selective recompute");
   // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
   if (m.seq_len % word_elements != 0)
@@ -75,6 +78,7 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   C = m.hidden, F = m.ffn, T = m.seq_len, NH = m.heads, V = m.vocab;
   t = s.t, tp = s.tp_rank, C_t = C / t, F_t = F / t, NH_t = NH / t;
   sp = sharding.sp, R = sp ? T / t : T;
+  selective = s.selective;
   // The embedding's backward gathers its output's gradient into the workspace of the stage's
   // blocks or head; an embedding-only stage has none.
   if (sp && s.has_embedding && s.blocks == 0 && !s.has_head)
@@ -83,7 +87,8 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   V_pad = models::padded_vocab(m, s.t), V_t = V_pad / t, v_begin = tp * V_t;
   // The backends' stash carving must be what models/ counts.
   if (element_bytes * embedding_elements(T) != costs.embedding.activation_bytes ||
-      element_bytes * block_elements(T) != costs.block.activation_bytes ||
+      element_bytes * block_elements(T) !=
+          (selective ? costs.block.activation_selective_bytes : costs.block.activation_bytes) ||
       element_bytes * head_elements(T) != costs.head.activation_bytes)
     throw Error(backend + " stage: the stash layout disagrees with models::derive_costs (" +
                 models::to_string(dtype) + ")");
@@ -124,7 +129,9 @@ StageSizes GptLayout::sizes(int b) const {
   std::int64_t stash = 0, workspace = 0, largest = 0;
   for (int i = 0; i < 3; ++i) {
     if (!layers[i]) continue;
-    stash += count[i] * layers[i]->activation_bytes;
+    // Selective: the blocks' stash without the scores (models/: activation_selective_bytes).
+    stash += count[i] *
+             (selective ? layers[i]->activation_selective_bytes : layers[i]->activation_bytes);
     workspace = std::max(workspace, layers[i]->workspace_bytes);
     largest = std::max(largest, layers[i]->activation_bytes);
   }

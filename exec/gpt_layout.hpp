@@ -49,8 +49,10 @@ struct GptLayout {
   // attention output, the scores and the MLP's F-wide tensors; the head its vocabulary shard.
   // With SP the full-width tensors and the norms' statistics hold the rank's rows(BT) tokens.
   std::int64_t rows(std::int64_t BT) const { return BT / T * R; }
+  // Selective recompute: no scores.
   std::int64_t block_elements(std::int64_t BT) const {
-    return rows(BT) * (4 * C + 4 * word_elements) + BT * (4 * C_t + 2 * F_t + NH_t * T);
+    return rows(BT) * (4 * C + 4 * word_elements) +
+           BT * (4 * C_t + 2 * F_t + (selective ? 0 : NH_t * T));
   }
   std::int64_t head_elements(std::int64_t BT) const {
     return rows(BT) * (2 * C + 2 * word_elements) + BT * (V_t + 2 * word_elements);
@@ -69,7 +71,8 @@ struct GptLayout {
   // TP: t ranks, this one tp; per-rank hidden (the attention's heads), ffn and heads.
   std::int64_t t = 1, tp = 0, C_t = 0, F_t = 0, NH_t = 0;
   bool sp = false;
-  std::int64_t R = 0;  // tokens per sample outside the TP region: T, or T / t with SP
+  bool selective = false;  // StageSpec::selective
+  std::int64_t R = 0;      // tokens per sample outside the TP region: T, or T / t with SP
   std::int64_t wte = -1, wpe = -1, lnf_w = -1, lnf_b = -1, head_w = -1, parameters = 0;
   std::vector<std::int64_t> block_base;     // offset of each block's first tensor
   std::int64_t block_rel[kBlockTensors]{};  // offsets of a block's tensors from its first

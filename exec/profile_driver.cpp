@@ -114,8 +114,8 @@ traces::Entry measured_entry(const models::ModelCosts& costs, std::int64_t b,
     auto& x = e.layers[k];
     x.activation_bytes = b * l.activation_bytes;
     x.activation_recompute_bytes = b * l.activation_recompute_bytes;
-    // The executors do not run selective recompute: nothing dropped, nothing re-run (as an old
-    // trace without these fields reads).
+    // The profilers do not time selective recompute (the CPU executor runs it; validate refuses
+    // it): nothing dropped, nothing re-run (as an old trace without these fields reads).
     x.activation_selective_bytes = x.activation_bytes;
     x.selective_recompute_s = 0;
     x.output_bytes = b * l.output_bytes;

@@ -191,12 +191,20 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   if (options.device_memory < 0)
     throw InputError(fmt::format("--device-memory: {} is negative (bytes; 0: unlimited)",
                                  options.device_memory));
+  // Selective recompute: the CPU executor without activation offload or chunks (their per-layer
+  // stash sizes are the non-selective ones).
   if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
-                  [](planner::Recompute r) { return r == planner::Recompute::selective; }))
-    throw InputError(
-        fmt::format("plan: recompute: the {} executor recomputes whole stages "
-                    "(full) or nothing, not selective",
-                    backend));
+                  [](planner::Recompute r) { return r == planner::Recompute::selective; })) {
+    if (backend != "cpu")
+      throw InputError(fmt::format(
+          "plan: recompute: the {} executor recomputes whole stages (full), block by block "
+          "(block) or nothing, not selective (the cpu executor runs it)",
+          backend));
+    if (plan.offload_activations || plan.offload == planner::Offload::chunks)
+      throw InputError(
+          "plan: recompute: the cpu executor runs selective recompute without activation "
+          "offload and chunks only; use full or block recompute with them");
+  }
   // Offload chunks: the eviction plan the programs carry, made before anything is written (a chunk
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).
   std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
@@ -389,6 +397,7 @@ StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int
   spec.blocks = p.stage_blocks[std::size_t(vs)];
   spec.has_embedding = vs == 0;
   spec.has_head = vs == p.virtual_stages() - 1;
+  spec.selective = p.recompute_of(stage) == planner::Recompute::selective;
   return spec;
 }
 

@@ -29,17 +29,24 @@ struct StageSpec {
   // [tp_rank * bT/t, (tp_rank + 1) * bT/t); all-gathers before the column-parallel GEMMs and
   // reduce-scatters after the row-parallel ones replace the all-reduces.
   bool sp = false;
+  // Selective recomputation (Korthikanti et al. 2022; plan recompute "selective"): the blocks keep
+  // no attention probabilities; each block's backward makes them again from q and k (the same
+  // bits). The forward makes them a block of rows at a time in the TpComm scratch (the rank's
+  // workspace, free while it runs). CPU stage only.
+  bool selective = false;
 };
 
 // The TP group's collectives over n floats in place (every member calls them in the same order
-// with the same n; bit-identical results on every member). Only used when StageSpec::t > 1.
+// with the same n; bit-identical results on every member). Only used when StageSpec::t > 1 (the
+// scratch also with StageSpec::selective).
 struct TpComm {
   std::function<void(float* data, std::int64_t n)> all_reduce;  // sum
   // data: t equal parts in group order. all_gather: every member's part to every member;
   // reduce_scatter: the caller's part becomes the sum of every member's part (the rest unchanged).
   std::function<void(float*data, std::int64_t n)> all_gather, reduce_scatter;
   // Sequence parallelism: where forward and recompute gather full-width activations
-  // (sizes().workspace floats: the rank's backward workspace, free while they run).
+  // (sizes().workspace floats: the rank's backward workspace, free while they run); selective
+  // recompute: where the forward makes the attention probabilities (after the gathers' rows).
   float* scratch = nullptr;
   std::int64_t scratch_floats = 0;
 };

@@ -145,7 +145,10 @@ Worker::Worker(Shared& s, int device)
     ch.v_at = v.empty() ? nullptr : v.data() + at;
   }
   workspace_ = Buffer(memory_, Category::workspace, workspace);
-  // Forward and recompute gather (SP) into the workspace: free while they run.
+  // Forward and recompute gather (SP) into the workspace, and a selective forward makes its
+  // attention probabilities there: free while they run.
+  if (tp_comms_.empty() && p.recompute_of(stage_) == planner::Recompute::selective)
+    tp_comms_.resize(chunks_.size());  // t = 1: the scratch only
   for (std::size_t c = 0; c < tp_comms_.size(); ++c) {
     tp_comms_[c].scratch = workspace_.data();
     tp_comms_[c].scratch_floats = workspace_.size();

@@ -223,6 +223,35 @@ TEST(CpuKernels, CausalAttentionRowBlocks) {
     EXPECT_NEAR(dqkv_rows[i], dqkv[i], 1e-5f);
 }
 
+// Selective recomputation: the forward keeps no probabilities (one 64-row block of scratch,
+// reused), the backward makes each block again from q and k: the output and the gradient are
+// those with the probabilities kept, bit for bit (T = 150: three blocks, the last partial; T = 5:
+// one). Too little scratch for two blocks is an error, not other bits.
+TEST(CpuKernels, SelectiveAttentionIsBitIdentical) {
+  for (const int T : {5, 150}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const int B = 2, C = 8, NH = 2;
+    const Vec qkv = randn(B * T * 3 * C, 31);
+    const Vec g = randn(B * T * C, 32);
+    Vec out(B * T * C), att(B * NH * T * T), scratch(T * T);
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    Vec dqkv(qkv.size());
+    cpu::attention_backward(dqkv.data(), g.data(), qkv.data(), att.data(), scratch.data(), T * T, B,
+                            T, C, NH);
+    const std::int64_t block = cpu::attention_block_floats(T);
+    EXPECT_EQ(block, 64 * T);
+    Vec out_s(B * T * C), one(block, -1.0f), ws(2 * block, -1.0f), dqkv_s(qkv.size());
+    cpu::attention_forward(out_s.data(), one.data(), qkv.data(), B, T, C, NH, true);
+    cpu::attention_backward(dqkv_s.data(), g.data(), qkv.data(), nullptr, ws.data(), 2 * block, B,
+                            T, C, NH);
+    EXPECT_EQ(std::memcmp(out.data(), out_s.data(), out.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(dqkv.data(), dqkv_s.data(), dqkv.size() * sizeof(float)), 0);
+    EXPECT_THROW(cpu::attention_backward(dqkv_s.data(), g.data(), qkv.data(), nullptr, ws.data(),
+                                         2 * block - 1, B, T, C, NH),
+                 pw::Error);
+  }
+}
+
 TEST(CpuKernels, EmbeddingGradientsAndRange) {
   const int B = 2, T = 3, C = 4, V = 5;
   const std::vector<std::int32_t> tokens = {0, 4, 4, 2, 0, 1};

@@ -104,7 +104,8 @@ TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
   for (Schedule s :
        {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw, Schedule::interleaved})
     for (int d : {1, 2})
-      for (auto mode : {pw::planner::Recompute::full, pw::planner::Recompute::block}) {
+      for (auto mode : {pw::planner::Recompute::full, pw::planner::Recompute::block,
+                        pw::planner::Recompute::selective}) {
         if (d == 1 && s != Schedule::interleaved) continue;
         Plan p = make_plan(s, 1, d, 2, 4);
         if (s == Schedule::interleaved) {
@@ -117,7 +118,8 @@ TEST(FlushSchedules, EqualSingleDeviceMiniBatchTraining) {
         SCOPED_TRACE(to_string(s) + " d=" + std::to_string(d) + " with recompute " +
                      to_string(mode));
         // Bit-identical: the recomputed stash is the forward's, bit for bit (block: each layer
-        // re-made alone from its kept input just before its backward).
+        // re-made alone from its kept input just before its backward; selective: each block's
+        // attention probabilities made again inside its backward).
         testing::expect_identical(train_cpu(testing::gpt_tiny(4), q, options(3)),
                                   train_cpu(testing::gpt_tiny(4), p, options(3)));
       }
@@ -504,15 +506,17 @@ TEST(Memory, MeasuredPeakMatchesTheClosedForm) {
   const models::ModelSpec model = testing::gpt_tiny(4);
   const clusters::Cluster one = clusters::load_cluster("h100-x1");
   for (Schedule s : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::two_bw})
-    for (int variant = 0; variant < 5; ++variant) {
+    for (int variant = 0; variant < 6; ++variant) {
       // Plain, full recomputation, the distributed optimizer over w = 3 (uneven shards) and
-      // w = 2, and block recomputation.
-      const bool rc = variant == 1 || variant == 4, sharded = variant == 2 || variant == 3;
+      // w = 2, block recomputation and selective recomputation (the stash without the scores).
+      const bool rc = variant == 1 || variant == 4 || variant == 5,
+                 sharded = variant == 2 || variant == 3;
       const int w = variant == 2 ? 3 : variant == 3 ? 2 : 1;
       Plan p = make_plan(s, w, 2, 2, variant == 2 ? 2 : 4);
       if (rc)
-        p.recompute.assign(
-            2, variant == 4 ? pw::planner::Recompute::block : pw::planner::Recompute::full);
+        p.recompute.assign(2, variant == 4   ? pw::planner::Recompute::block
+                              : variant == 5 ? pw::planner::Recompute::selective
+                                             : pw::planner::Recompute::full);
       p.distributed_optimizer = sharded;
       SCOPED_TRACE(to_string(s) + (rc ? " recompute " + to_string(p.recompute[0]) : "") +
                    (sharded ? " distributed optimizer w=" + std::to_string(w) : ""));

@@ -262,6 +262,21 @@ TEST(TensorParallel, BlockRecomputeIsBitIdenticalWithAndWithoutSequenceParalleli
   worst_loss_difference(untied_padded(4), p, 2, 10, "adamw");
 }
 
+// Selective recompute with and without SP (the forward's probabilities in the workspace after the
+// gathers' rows): bit-identical to no recompute.
+TEST(TensorParallel, SelectiveRecomputeIsBitIdenticalWithAndWithoutSequenceParallelism) {
+  for (Schedule s : {Schedule::gpipe, Schedule::two_bw})
+    for (const auto& [t, sp] : {std::pair{2, true}, std::pair{4, false}}) {
+      Plan p = make_plan(s, t, 1, 2, 4, 4);
+      p.sp = sp;
+      Plan q = p;
+      q.recompute.assign(2, planner::Recompute::selective);
+      SCOPED_TRACE(planner::to_string(s) + " t=" + std::to_string(t) + (sp ? " sp" : ""));
+      testing::expect_identical(train_cpu(untied_padded(4), q, options(3, "adamw")),
+                                train_cpu(untied_padded(4), p, options(3, "adamw")));
+    }
+}
+
 // Runs are deterministic: the TP sums are in group order.
 TEST(TensorParallel, BitIdenticalAcrossRuns) {
   const Plan p = make_plan(Schedule::one_f_one_b, 2, 2, 2, 2, 4);
@@ -327,7 +342,9 @@ TEST(TensorParallel, MeasuredMemoryMatchesThePlanner) {
                                       std::tuple{4, true, planner::Recompute::full},
                                       std::tuple{4, false, planner::Recompute::block},
                                       std::tuple{2, true, planner::Recompute::block},
-                                      std::tuple{4, true, planner::Recompute::block}}) {
+                                      std::tuple{4, true, planner::Recompute::block},
+                                      std::tuple{2, false, planner::Recompute::selective},
+                                      std::tuple{4, true, planner::Recompute::selective}}) {
         Plan p = make_plan(s, t, 1, 2, 4, 4);
         p.sp = sp;
         if (rc != planner::Recompute::none) p.recompute.assign(2, rc);

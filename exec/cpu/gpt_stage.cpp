@@ -311,7 +311,8 @@ void CpuGptStage::tp_sum(float* data, int64_t n) const {
 
 float* CpuGptStage::scratch(int64_t floats) const {
   if (!tp_.scratch || tp_.scratch_floats < floats)
-    throw Error("cpu stage: sequence parallelism without a large enough gather scratch");
+    throw Error(
+        "cpu stage: sequence parallelism or selective recompute without a large enough scratch");
   return tp_.scratch;
 }
 
@@ -454,7 +455,8 @@ BlockActs<F> CpuGptStage::carve_block(F* base, int64_t BT) const {
   const int64_t R = layout_.rows(BT);  // tokens outside the TP region (SP: this rank's)
   a.x = c.take(R * C), a.ln1 = c.take(R * C);
   a.ln1_mean = c.take(R), a.ln1_rstd = c.take(R);
-  a.qkv = c.take(BT * 3 * C_t), a.att = c.take(BT * NH_t * T), a.atty = c.take(BT * C_t);
+  a.qkv = c.take(BT * 3 * C_t), a.att = layout_.selective ? nullptr : c.take(BT * NH_t * T);
+  a.atty = c.take(BT * C_t);
   a.resid1 = c.take(R * C), a.ln2 = c.take(R * C);
   a.ln2_mean = c.take(R), a.ln2_rstd = c.take(R);
   a.fc = c.take(BT * layout_.F_t), a.gelu = c.take(BT * layout_.F_t);
@@ -741,7 +743,14 @@ void CpuGptStage::block_forward(const At& at, int64_t base, const BlockActs<floa
   };
   cpu::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w(ln1_w), w(ln1_b), R, C);
   cpu::matmul_forward(a.qkv, full(a.ln1), w(qkv_w), w(qkv_b), nullptr, BT, C, 3 * C_t);
-  cpu::attention_forward(a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+  // Selective: the probabilities a block of rows at a time in the scratch (after the gathers').
+  float* att = a.att;
+  if (layout_.selective)
+    att =
+        scratch((layout_.sp ? int64_t(BT) * C : 0) + cpu::attention_block_floats(int(layout_.T))) +
+        (layout_.sp ? int64_t(BT) * C : 0);
+  cpu::attention_forward(a.atty, att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t),
+                         layout_.selective);
   row_parallel_forward(a.resid1, a.atty, w(attproj_w), w(attproj_b), a.x, BT, C_t);
   cpu::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w(ln2_w), w(ln2_b), R, C);
   cpu::matmul_forward(a.fc, full(a.ln2), w(fc_w), w(fc_b), nullptr, BT, C, F_t);

@@ -292,10 +292,29 @@ inline void causal_softmax_row(float* row, int n, int T) {
 // T = 256, 136/256 at T = 1024). 32 rows ran no faster on this project's machine, 128 slower.
 constexpr int kAttentionRows = 64;
 
-// Per sample and head: S = q k^T / sqrt(hd), P = causal softmax(S), y = P v, by row blocks of
-// kAttentionRows. att holds P with zeros above the diagonal.
+// Rows [r0, r0 + n) of P for one sample and head: S = q k^T / sqrt(hd) over keys [0, r0 + n),
+// then the causal softmax of each row (zeros past its last key). The forward and a selective
+// backward make a block with this one call: the same bits.
 PW_VECTOR_CLONES
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+static void attention_block(float* pb, const float* q, const float* k, int r0, int n, int T, int hd,
+                            int C3, float scale) {
+  const int cols = r0 + n;
+  // S[r0:r0+n, 0:cols] (n, cols) = q[r0:r0+n] (n, hd) · k[0:cols]^T (hd, cols) * scale
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cols, hd, scale, q + size_t(r0) * C3, C3,
+              k, C3, 0.0f, pb, T);
+  for (int i = 0; i < n; ++i)
+    causal_softmax_row(pb + size_t(i) * T, r0 + i + 1, T);
+}
+
+std::int64_t attention_block_floats(int T) {
+  return std::int64_t(kAttentionRows) * T;
+}
+
+// Per sample and head: S = q k^T / sqrt(hd), P = causal softmax(S), y = P v, by row blocks of
+// kAttentionRows. att holds P with zeros above the diagonal (selective: one block, reused).
+PW_VECTOR_CLONES
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+                       bool selective) {
   const int hd = C / NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(float(hd));
   for (int b = 0; b < B; ++b) {
@@ -303,16 +322,12 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
       const float* q = qkv + size_t(b) * T * C3 + size_t(h) * hd;
       const float* k = q + C;
       const float* v = q + 2 * C;
-      float* p = att + (size_t(b) * NH + h) * T * T;
+      float* p = att + (selective ? 0 : (size_t(b) * NH + h) * T * T);
       float* y = out + size_t(b) * T * C + size_t(h) * hd;
       for (int r0 = 0; r0 < T; r0 += kAttentionRows) {
         const int n = std::min(kAttentionRows, T - r0), cols = r0 + n;
-        float* pb = p + size_t(r0) * T;
-        // S[r0:r0+n, 0:cols] (n, cols) = q[r0:r0+n] (n, hd) · k[0:cols]^T (hd, cols) * scale
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cols, hd, scale,
-                    q + size_t(r0) * C3, C3, k, C3, 0.0f, pb, T);
-        for (int i = 0; i < n; ++i)
-          causal_softmax_row(pb + size_t(i) * T, r0 + i + 1, T);
+        float* pb = selective ? p : p + size_t(r0) * T;
+        attention_block(pb, q, k, r0, n, T, hd, C3, scale);
         // y[r0:r0+n] (n, hd) = P[r0:r0+n, 0:cols] (n, cols) · v[0:cols] (cols, hd)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hd, cols, 1.0f, pb, T, v, C3,
                     0.0f, y + size_t(r0) * C, C);
@@ -329,6 +344,17 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                         float* scratch, std::int64_t scratch_floats, int B, int T, int C, int NH) {
   const int hd = C / NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(float(hd));
+  // Selective: the forward's blocks exactly (kAttentionRows rows), each made again in the
+  // scratch's first block beside dS.
+  float* made = nullptr;
+  if (!att) {
+    if (scratch_floats < 2 * attention_block_floats(T))
+      throw Error(
+          "attention_backward: a selective backward needs two blocks of 64 rows of scratch");
+    made = scratch;
+    scratch += attention_block_floats(T);
+    scratch_floats -= attention_block_floats(T);
+  }
   const int rows = int(std::min<std::int64_t>(kAttentionRows, scratch_floats / T));
   if (rows < 1) throw Error("attention_backward: scratch smaller than one row of T floats");
   const int last = (T - 1) / rows * rows;
@@ -340,12 +366,13 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
       float* dq = dqkv + size_t(b) * T * C3 + size_t(h) * hd;
       float* dk = dq + C;
       float* dv = dq + 2 * C;
-      const float* p = att + (size_t(b) * NH + h) * T * T;
+      const float* p = made ? nullptr : att + (size_t(b) * NH + h) * T * T;
       const float* dy = dout + size_t(b) * T * C + size_t(h) * hd;
       for (int r0 = last; r0 >= 0; r0 -= rows) {
         const int n = std::min(rows, T - r0), cols = r0 + n;
         const float beta = r0 == last ? 0.0f : 1.0f;
-        const float* pb = p + size_t(r0) * T;
+        if (made) attention_block(made, q, k, r0, n, T, hd, C3, scale);
+        const float* pb = made ? made : p + size_t(r0) * T;
         const float* dyb = dy + size_t(r0) * C;
         float* ds = scratch;  // (n, T), the first cols of each row used
         // dv[0:cols] (cols, hd) += P[r0:r0+n, 0:cols]^T (cols, n) · dy[r0:r0+n] (n, hd)

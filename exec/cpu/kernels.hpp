@@ -62,16 +62,23 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_
 // att = softmax(q k^T / sqrt(hd)) with zeros above the diagonal; out = att · v. Both directions
 // work in blocks of 64 query rows and skip the key columns past each block's last row, so they
 // do a bit more than half of the full T x T products at large T.
+// Selective recomputation (Korthikanti et al. 2022): `selective` true keeps no att; it is one
+// block's rows (attention_block_floats(T)), reused block after block, and the backward makes each
+// block of att again from q and k exactly as the forward made it (the same products and softmax
+// per block: the same bits).
 void attention_forward(float* out,        // (B, T, C)
-                       float* att,        // (B, NH, T, T)
+                       float* att,        // (B, NH, T, T); selective: attention_block_floats(T)
                        const float* qkv,  // (B, T, 3C)
-                       int B, int T, int C, int NH);
+                       int B, int T, int C, int NH, bool selective = false);
+std::int64_t attention_block_floats(int T);  // one block of att's rows (64 rows of T)
 // dqkv = d(qkv) (overwritten). scratch holds rows of dS (T floats each); scratch_floats >= T.
-// Up to 64 rows are used; less scratch means smaller blocks (one row at T floats).
+// Up to 64 rows are used; less scratch means smaller blocks (one row at T floats). att null: the
+// forward was selective, and scratch also holds the block of att made again (scratch_floats >=
+// 2 attention_block_floats(T); Error otherwise).
 void attention_backward(float* dqkv,        // (B, T, 3C)
                         const float* dout,  // (B, T, C)
                         const float* qkv,   // (B, T, 3C)
-                        const float* att,   // (B, NH, T, T)
+                        const float* att,   // (B, NH, T, T), or null (selective)
                         float* scratch, std::int64_t scratch_floats, int B, int T, int C, int NH);
 
 // Softmax over V in place (logits become probabilities) and losses = -log p[target]. Targets

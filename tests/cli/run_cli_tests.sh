@@ -287,7 +287,18 @@ import csv; rows = list(csv.DictReader(open('$TMP/swt.csv')))
 assert [(r['t'], r['w']) for r in rows] == [('1', '8'), ('4', '2')] and all(r['error'] == '' for r in rows), rows
 " && ok || bad "sweep --vary t sets t and the default w"
 expect_error "trace --sp without --tp" "needs --tp > 1" "$O" $PW trace --model llama2-7b --device A100-80GB --sp --out "$O"
-expect_error "train refuses selective recompute" "not selective" "$O" $PW train --model gpt-tiny -d 2 -w 1 --recompute selective --steps 1 --out "$O"
+expect_ok "train --recompute selective (cpu)" $PW train --model gpt-tiny -d 2 -w 1 -m 2 --recompute selective --steps 2 --out "$TMP/sel.json"
+expect_ok "train without recompute (cpu)" $PW train --model gpt-tiny -d 2 -w 1 -m 2 --steps 2 --out "$TMP/nosel.json"
+python3 -c "
+import json
+a, b = json.load(open('$TMP/nosel.json')), json.load(open('$TMP/sel.json'))
+assert b['plan']['recompute'] == ['selective', 'selective'], b['plan']
+assert a['losses'] == b['losses'], (a['losses'], b['losses'])
+for x, y in zip(a['devices'], b['devices']):
+    assert y['memory_breakdown_bytes']['activations'] < x['memory_breakdown_bytes']['activations'], (x, y)
+" && ok || bad "train --recompute selective: the same losses, fewer activation bytes"
+expect_error "train --offload chunks refuses selective recompute" "selective recompute without activation offload and chunks" "$O" $PW train --model gpt-tiny -d 1 -m 2 --recompute selective --offload chunks --device-memory 4000000 --steps 1 --out "$O"
+expect_error "validate refuses selective recompute" "validate does not profile selective recompute" "$O" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --steps 2 --out "$O"
 expect_error "train refuses --overlap-param-gather" "overlap_param_gather: the cpu executor" "$O" $PW train --model gpt-tiny -d 2 -w 2 -m 2 --distributed-optimizer --overlap-param-gather --steps 2 --out "$O"
 expect_error "--overlap-param-gather needs the distributed optimizer" "overlap_param_gather" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 --overlap-param-gather --out "$O"
 expect_ok "simulate --overlap-param-gather" $PW simulate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 -m 4 --distributed-optimizer --overlap-param-gather --out "$TMP/opg.json"
