@@ -19,16 +19,20 @@ namespace {
 // After check_backend: "cuda" only reaches here in a build with CUDA and a device.
 traces::Trace profile_on([[maybe_unused]] const std::string& backend,
                          const models::ModelSpec& model, const std::vector<std::int64_t>& sizes,
-                         int repeats, const models::Sharding& sharding) {
+                         int repeats, const models::Sharding& sharding, bool selective) {
 #ifdef PW_HAVE_CUDA
   if (backend == "cuda") {
     if (sharding.t > 1)
       throw InputError(
           "--tp: the cuda profiler times whole layers (t = 1); use --backend cpu for a TP shard");
+    if (selective)
+      throw InputError(
+          "--selective: the cuda stage does not run selective recompute; use --backend cpu");
     return exec::cuda::profile_cuda(model, sizes, repeats);
   }
 #endif
-  return exec::profile_cpu(model, sizes, repeats, exec::ProfileStatistic::median, sharding);
+  return exec::profile_cpu(model, sizes, repeats, exec::ProfileStatistic::median, sharding,
+                           selective);
 }
 
 }  // namespace
@@ -43,6 +47,7 @@ void add_profile_command(CLI::App& app) {
     int repeats = 3;
     int t = 1;
     bool sp = false;
+    bool selective = false;
     std::string out;
   };
   auto a = std::make_shared<Args>();
@@ -63,13 +68,18 @@ void add_profile_command(CLI::App& app) {
       ->capture_default_str()
       ->check(count_range());
   cmd->add_flag("--sp", a->sp, "with --tp: sequence parallelism");
+  cmd->add_flag("--selective", a->selective,
+                "also time selective recompute (cpu): a block that keeps no attention "
+                "probabilities, its backward against the plain one's (the trace's "
+                "selective_recompute_s and activation_selective_bytes)");
   cmd->add_option("--out,-o", a->out, "output trace (default: standard output)");
   cmd->callback([a] {
     check_backend(a->backend);
     if (a->sp && a->t == 1) throw InputError("--sp: sequence parallelism needs --tp 2 or more");
     const std::vector<std::int64_t> sizes = parse_int_list(a->microbatch, "--microbatch");
-    const traces::Trace t = profile_on(a->backend, exec::as_executed(models::load_model(a->model)),
-                                       sizes, a->repeats, models::Sharding{a->t, a->sp});
+    const traces::Trace t =
+        profile_on(a->backend, exec::as_executed(models::load_model(a->model)), sizes, a->repeats,
+                   models::Sharding{a->t, a->sp}, a->selective);
     if (a->out.empty()) {
       fmt::print("{}\n", traces::to_json(t).dump(2));
       return;
@@ -77,9 +87,12 @@ void add_profile_command(CLI::App& app) {
     traces::write_trace(a->out, t);
     for (const auto& e : t.entries) {
       const auto& bl = e.layers[models::LayerKind::block];
-      fmt::print("b={:<3} block forward {} backward {} recompute {}\n", e.microbatch_size,
-                 human_seconds(bl.forward_s), human_seconds(bl.backward_s),
-                 human_seconds(bl.recompute_s));
+      fmt::print(
+          "b={:<3} block forward {} backward {} recompute {}{}\n", e.microbatch_size,
+          human_seconds(bl.forward_s), human_seconds(bl.backward_s), human_seconds(bl.recompute_s),
+          a->selective
+              ? fmt::format(" selective recompute {}", human_seconds(bl.selective_recompute_s))
+              : "");
     }
     fmt::print("wrote {}\n", a->out);
   });

@@ -435,13 +435,13 @@ void run_and_compare(const ValidateArgs& a) {
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
-  // The profile times no selective backward and keeps the scores in its stash sizes: what it
-  // would predict is not what train runs.
-  for (planner::Recompute r : plan.recompute)
-    if (r == planner::Recompute::selective)
-      throw InputError(
-          "plan: recompute: validate does not profile selective recompute yet (train --backend "
-          "cpu runs it); use none, full or block");
+  // Selective recompute: the profile times a selective block's backward too (the CPU profiler).
+  const bool selective = std::find(plan.recompute.begin(), plan.recompute.end(),
+                                   planner::Recompute::selective) != plan.recompute.end();
+  if (selective && gpu)
+    throw InputError(
+        "plan: recompute: the cuda executor does not run selective recompute (validate it with "
+        "--backend cpu)");
   if (plan.t > 1 && gpu)
     throw InputError(fmt::format(
         "plan: t: the cuda executor does not run tensor parallelism yet (t = {}); validate it "
@@ -506,7 +506,8 @@ void run_and_compare(const ValidateArgs& a) {
         profiles.push_back(exec::cuda::profile_cuda(model, sizes, a.repeats, statistic));
       else
 #endif
-        profiles.push_back(exec::profile_cpu(model, sizes, a.repeats, statistic, sharding));
+        profiles.push_back(
+            exec::profile_cpu(model, sizes, a.repeats, statistic, sharding, selective));
     }
     if (job) exec::wait_for_all(*job, "wait for rank 0's profile");
     profile_loads.push_back(phase_load(start, job));

@@ -31,9 +31,11 @@ double seconds_of(const std::function<void()>& f) {
 class ProfiledStage {
  public:
   ProfiledStage(const models::ModelSpec& model, bool embedding, bool head, int b,
-                const models::Sharding& sharding)
+                const models::Sharding& sharding, bool selective = false)
       : embedding_(embedding), head_(head), b_(b) {
-    stage_ = make_cpu_stage(profiling::single_block_stage(model, embedding, head, sharding));
+    StageSpec spec = profiling::single_block_stage(model, embedding, head, sharding);
+    spec.selective = selective;
+    stage_ = make_cpu_stage(spec);
     sizes_ = stage_->sizes(b);
     const auto& z = sizes_;
     params_.resize(std::size_t(z.parameters));
@@ -47,10 +49,11 @@ class ProfiledStage {
     input_.assign(std::size_t(z.input), 0.01f);
     work_.resize(std::size_t(z.workspace));
     scratch_.resize(std::size_t(z.scratch));
-    if (sharding.t > 1) {
+    if (sharding.t > 1 || selective) {
       // One TP rank alone: its collectives do nothing (a sum of one; a gather leaves the other
       // ranks' rows as they were, zeros or an earlier op's finite values), so only its compute
-      // is timed. SP gathers into the workspace, as the executor's ranks do.
+      // is timed. SP gathers into the workspace, as the executor's ranks do, and a selective
+      // forward makes its attention probabilities there.
       TpComm alone;
       alone.all_reduce = alone.all_gather = alone.reduce_scatter = [](float*, std::int64_t) {};
       alone.scratch = work_.data();
@@ -100,14 +103,33 @@ class ProfiledStage {
   std::vector<std::int32_t> tokens_, targets_;
 };
 
-// The lone block, embedding + block and block + head, timed round-robin on the host clock.
+// The lone block, embedding + block and block + head, timed round-robin on the host clock; with
+// `selective` (else -1 there) the extra time of a selective block's backward over the plain one's.
 std::array<profiling::StageTimes, 3> time_stages(const models::ModelSpec& model, int b, int repeats,
                                                  ProfileStatistic statistic,
-                                                 const models::Sharding& sharding) {
+                                                 const models::Sharding& sharding, bool selective,
+                                                 double& selective_s) {
   ProfiledStage block(model, false, false, b, sharding), embedding(model, true, false, b, sharding),
       head(model, false, true, b, sharding);
-  return profiling::time_round_robin(block, embedding, head, repeats, statistic,
-                                     [](const auto& op) { return seconds_of(op); });
+  const auto times = profiling::time_round_robin(block, embedding, head, repeats, statistic,
+                                                 [](const auto& op) { return seconds_of(op); });
+  selective_s = -1;
+  if (!selective) return times;
+  // The same input and output gradient as the plain block (the softmax's time depends on the
+  // values); pairs alternate, so a slow spell of the machine falls on both.
+  ProfiledStage sel(model, false, false, b, sharding, true);
+  sel.feed(embedding.output());
+  sel.feed_gradient(head.d_input());
+  std::vector<double> extra;
+  for (int i = 0; i <= repeats; ++i) {  // the first pair warms the selective stage up
+    block.forward();
+    const double plain = seconds_of([&] { block.backward(); });
+    sel.forward();
+    const double again = seconds_of([&] { sel.backward(); });
+    if (i > 0) extra.push_back(again - plain);
+  }
+  selective_s = std::max(0.0, profiling::summarize(extra, statistic));
+  return times;
 }
 
 double optimizer_time(std::int64_t parameters, int repeats, ProfileStatistic statistic) {
@@ -137,7 +159,8 @@ std::string cpu_name() {
 
 traces::Trace profile_cpu(const models::ModelSpec& model,
                           const std::vector<std::int64_t>& microbatch_sizes, int repeats,
-                          ProfileStatistic statistic, const models::Sharding& sharding) {
+                          ProfileStatistic statistic, const models::Sharding& sharding,
+                          bool selective) {
   detail::keep_freed_memory();  // as in training: its buffers are reused, not mapped anew
   if (model.dtype != models::DType::fp32)
     throw InputError(fmt::format("model {}: the CPU backend runs fp32 (the model says {})",
@@ -146,14 +169,17 @@ traces::Trace profile_cpu(const models::ModelSpec& model,
   traces::Trace t = profiling::measured_trace(
       model, "cpu", models::DType::fp32, cpu_name(), "OpenBLAS, one thread",
       fmt::format(
-          "pipewright {} profile --backend cpu{} ({} of {} round-robin runs)", PW_VERSION,
+          "pipewright {} profile --backend cpu{}{} ({} of {} round-robin runs)", PW_VERSION,
           sharding.t > 1 ? fmt::format(" --tp {}{}", sharding.t, sharding.sp ? " --sp" : "") : "",
-          profiling::statistic_name(statistic), repeats),
+          selective ? " --selective" : "", profiling::statistic_name(statistic), repeats),
       4, [&](std::int64_t parameters) { return optimizer_time(parameters, repeats, statistic); },
       sharding);
-  for (std::int64_t b : profiling::distinct_sorted(microbatch_sizes))
-    t.entries.push_back(
-        profiling::measured_entry(mc, b, time_stages(model, int(b), repeats, statistic, sharding)));
+  for (std::int64_t b : profiling::distinct_sorted(microbatch_sizes)) {
+    double selective_s = -1;
+    const auto times =
+        time_stages(model, int(b), repeats, statistic, sharding, selective, selective_s);
+    t.entries.push_back(profiling::measured_entry(mc, b, times, selective_s));
+  }
   return t;
 }
 

@@ -24,9 +24,14 @@ enum class ProfileStatistic { median, mean };
 // 0's shard of each stage, timed alone, its TP collectives doing nothing (the simulator and the
 // closed form add them from the cluster's link, as for any TP trace: docs/formulas.md §3a, §4);
 // sizes and parameters are the shard's.
+// With `selective`: a lone block that keeps no attention probabilities (selective recompute,
+// StageSpec::selective) is timed too, its backward against the plain block's in alternating pairs
+// (each after its own forward); the block's selective_recompute_s is the statistic of the pairs'
+// differences (never below 0) and activation_selective_bytes its stash. Without: as a trace
+// without selective recompute reads (nothing dropped, nothing re-run).
 traces::Trace profile_cpu(const models::ModelSpec& model,
                           const std::vector<std::int64_t>& microbatch_sizes, int repeats = 3,
                           ProfileStatistic statistic = ProfileStatistic::median,
-                          const models::Sharding& sharding = {});
+                          const models::Sharding& sharding = {}, bool selective = false);
 
 }  // namespace pw::exec

@@ -99,7 +99,7 @@ traces::LayerTimes difference(const StageTimes& with, const StageTimes& block) {
 }  // namespace
 
 traces::Entry measured_entry(const models::ModelCosts& costs, std::int64_t b,
-                             const std::array<StageTimes, 3>& timed) {
+                             const std::array<StageTimes, 3>& timed, double selective_s) {
   const auto& [block, emb, head] = timed;
   traces::Entry e;
   e.microbatch_size = b;
@@ -114,10 +114,13 @@ traces::Entry measured_entry(const models::ModelCosts& costs, std::int64_t b,
     auto& x = e.layers[k];
     x.activation_bytes = b * l.activation_bytes;
     x.activation_recompute_bytes = b * l.activation_recompute_bytes;
-    // The profilers do not time selective recompute (the CPU executor runs it; validate refuses
-    // it): nothing dropped, nothing re-run (as an old trace without these fields reads).
-    x.activation_selective_bytes = x.activation_bytes;
-    x.selective_recompute_s = 0;
+    // Selective recompute timed (the CPU profiler, when asked): the block's stash without the
+    // scores and its backward's extra time; else nothing dropped, nothing re-run (as an old trace
+    // without these fields reads).
+    const bool timed_selective = selective_s >= 0;
+    x.activation_selective_bytes =
+        timed_selective ? b * l.activation_selective_bytes : x.activation_bytes;
+    x.selective_recompute_s = timed_selective && k == models::LayerKind::block ? selective_s : 0.0;
     x.output_bytes = b * l.output_bytes;
     x.workspace_bytes = b * l.workspace_bytes;
   }

@@ -104,8 +104,10 @@ traces::Trace measured_trace(const models::ModelSpec& model, const std::string& 
 // times as measured, the embedding's and the head's as the differences with the lone block (never
 // below 0); memory fields b x the per-sample sizes of `costs` (derive_costs of the model in the
 // backend's compute dtype), which are the backend stages' exact sizes. backward_input_s and
-// backward_weight_s are not separated (0).
+// backward_weight_s are not separated (0). `selective_s` >= 0: a selective block's extra backward
+// time was measured (the block's selective_recompute_s; activation_selective_bytes the stages'
+// selective stash); < 0: nothing dropped, nothing re-run.
 traces::Entry measured_entry(const models::ModelCosts& costs, std::int64_t b,
-                             const std::array<StageTimes, 3>& timed);
+                             const std::array<StageTimes, 3>& timed, double selective_s = -1);
 
 }  // namespace pw::exec::profiling

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "clusters/cluster.hpp"
+#include "exec/gpt_layout.hpp"
 #include "exec/machine_load.hpp"
 #include "exec/probe.hpp"
 #include "exec/profile.hpp"
@@ -279,6 +280,28 @@ TEST(Profile, MeanOrMedianOfRoundRobinRuns) {
         std::string::npos)
         << t.source.tool;
   }
+}
+
+// With `selective` the profile times a selective block too: the trace's block stash is the one
+// without the scores (models/'s figure), its extra backward time not negative; without it the
+// trace says nothing is dropped or re-run. Timing is not asserted beyond that.
+TEST(Profile, SelectiveRecomputeIsTimedWhenAsked) {
+  const models::ModelSpec model = exec::as_executed(models::load_model("gpt-tiny"));
+  const models::ModelCosts mc = models::derive_costs(model);
+  const traces::Trace with =
+      exec::profile_cpu(model, {2}, 2, exec::ProfileStatistic::median, {}, true);
+  const auto& block = with.at(2).layers[models::LayerKind::block];
+  EXPECT_EQ(block.activation_selective_bytes, 2 * mc.block.activation_selective_bytes);
+  EXPECT_LT(block.activation_selective_bytes, block.activation_bytes);
+  EXPECT_GE(block.selective_recompute_s, 0);
+  EXPECT_NE(with.source.tool.find("--selective"), std::string::npos) << with.source.tool;
+  const auto& head = with.at(2).layers[models::LayerKind::head];
+  EXPECT_EQ(head.activation_selective_bytes, head.activation_bytes);
+  EXPECT_EQ(head.selective_recompute_s, 0);
+  const traces::Trace without = exec::profile_cpu(model, {2}, 2);
+  const auto& plain = without.at(2).layers[models::LayerKind::block];
+  EXPECT_EQ(plain.activation_selective_bytes, plain.activation_bytes);
+  EXPECT_EQ(plain.selective_recompute_s, 0);
 }
 
 TEST(CpuHostCluster, IsAValidClusterWithTheMeasuredLink) {

@@ -298,7 +298,11 @@ for x, y in zip(a['devices'], b['devices']):
     assert y['memory_breakdown_bytes']['activations'] < x['memory_breakdown_bytes']['activations'], (x, y)
 " && ok || bad "train --recompute selective: the same losses, fewer activation bytes"
 expect_error "train --offload chunks refuses selective recompute" "selective recompute without activation offload and chunks" "$O" $PW train --model gpt-tiny -d 1 -m 2 --recompute selective --offload chunks --device-memory 4000000 --steps 1 --out "$O"
-expect_error "validate refuses selective recompute" "validate does not profile selective recompute" "$O" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --steps 2 --out "$O"
+expect_ok "validate --recompute selective (cpu)" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --steps 2 --out "$TMP/valsel.json"
+python3 -c "
+import json; r = json.load(open('$TMP/valsel.json'))
+assert r['plan']['recompute'] == ['selective', 'selective'] and r['max_abs_memory_error'] == 0, r['max_abs_memory_error']
+" && ok || bad "validate --recompute selective: the predicted peaks are the measured ones"
 expect_error "train refuses --overlap-param-gather" "overlap_param_gather: the cpu executor" "$O" $PW train --model gpt-tiny -d 2 -w 2 -m 2 --distributed-optimizer --overlap-param-gather --steps 2 --out "$O"
 expect_error "--overlap-param-gather needs the distributed optimizer" "overlap_param_gather" "$O" $PW estimate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 --overlap-param-gather --out "$O"
 expect_ok "simulate --overlap-param-gather" $PW simulate --model gpt-tiny --cluster dgx-a100 -d 2 -w 2 -m 4 --distributed-optimizer --overlap-param-gather --out "$TMP/opg.json"
