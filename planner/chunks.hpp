@@ -283,7 +283,8 @@ struct ChunkSchedule {
   double optimizer_s = 0;  // max(device Adam, host pipeline of downloads and CPU Adam)
   bool device_resident(int chunk) const { return chunk < device_adam_chunks; }
   // What a moment's copies take (their engine time, one after the other): copy_s per whole copy,
-  // part_copy_s and half of collective_s (the all-gather) per part upload, nothing per drop.
+  // part_copy_s and half of collective_s (the all-gather) per part upload, nothing per drop or
+  // (2bw) zero fill.
   double copies_s(const ChunkMoment& moment) const;
 };
 
