@@ -65,7 +65,8 @@ void PlanOptions::add(CLI::App& app) {
       ->check(count_range());
   app.add_flag("--sp", sp, "sequence parallelism (needs --tp > 1)");
   app.add_option("--recompute", recompute,
-                 "recompute activations on every stage: none, selective (attention core), full "
+                 "recompute activations on every stage: none, selective (attention core; not "
+                 "with the cuda backend, offload chunks or activations in train), full "
                  "(each stage keeps its input and re-makes its whole stash before a backward) or "
                  "block (each layer keeps its input and is re-made alone before its own backward: "
                  "Megatron's full recompute; not with the cuda backend in train); a bare "

@@ -181,7 +181,6 @@ class Worker {
   void download_part(int u, int step, int op);
   void part_update(int chunk, int update);
   bool part_only(int chunk) const;  // sharded, with its parameters' part on the host
-  bool zero_part(int u) const { return parts_ > 1 && u % parts_ == 2; }  // 2bw: a gradient part
   DataChunk& sharded_chunk(int u, bool on_device, const char* what);
   void chunk_forward(const planner::Op& op);
   void chunk_forward_blocks(const planner::Op& op, Chunk& c);

@@ -544,7 +544,7 @@ void Worker::upload_part(int u, int op) {
   for (int part : unit_parts(unit))
     d.part[part] = Buffer(memory_, part == 2 ? Category::gradients : Category::weights, e, &pool_);
   d.on_device[unit] = true;
-  if (zero_part(u)) {
+  if (L.part_copy(u, true, false) == planner::ChunkLayout::PartCopy::zero_fill) {
     std::fill_n(d.part[2].data(), e, 0.0f);
     return;
   }
@@ -582,7 +582,8 @@ void Worker::gather_part(int u, int op) {
 // device-to-host engine; the device's buffers go when it has ended. With 2bw a version's slot is
 // dropped (its part is on the host).
 void Worker::download_part(int u, int step, int op) {
-  if (parts_ > 1 && !zero_part(u)) return drop_chunk(u);
+  if (schedule_->layout.part_copy(u, false, true) == planner::ChunkLayout::PartCopy::drop)
+    return drop_chunk(u);  // 2bw: a version's slot
   DataChunk& d = sharded_chunk(u, true, "a gradient part download");
   const planner::ChunkLayout& L = schedule_->layout;
   const int k = u / parts_, unit = u % parts_;
@@ -635,7 +636,8 @@ void Worker::chunk_moment(int layer) {
   // wait for each other's turn otherwise).
   bool released = false;
   for (const auto& [op, at] : in)
-    if (op.part && !zero_part(op.bucket)) {
+    if (op.part && schedule_->layout.part_copy(op.bucket, true, false) ==
+                       planner::ChunkLayout::PartCopy::upload) {
       if (!released) release_core();
       released = true;
       gather_part(op.bucket, at);

@@ -570,20 +570,20 @@ double optimizer_time(const ChunkSchedule& s) {
       device_adam += s.device_adam_s[std::size_t(c)] * s.gpu_sharers + s.collective_s;
       continue;
     }
+    if (s.layout.is_sharded(c)) {
+      // Its gradient (with 2bw its gradient part; the version slots' drops take no time): the
+      // reduce-scatter on the device and the gradient's part down, or (it went to the host whole
+      // during the step) the reduce-scatter on the host; no all-gather (the next step's upload
+      // gathers).
+      const bool gradient_down = s.adam_download[std::size_t(s.layout.gradient_unit(c))];
+      const double part = s.step_copy_s > 0 ? s.step_copy_s : s.part_copy_s;
+      down.push_back(gradient_down ? s.collective_s / 2 + part : 0.0);
+      adam.push_back(s.host_adam_s[std::size_t(c)] + (gradient_down ? 0.0 : s.collective_s / 2));
+      continue;
+    }
     int units = 0;  // of the chunk's parts on the device at the step's end: each goes down
     for (int u = c * parts; u < (c + 1) * parts; ++u)
       units += s.adam_download[std::size_t(u)] ? 1 : 0;
-    if (s.layout.is_sharded(c)) {
-      // Its gradient (with 2bw its gradient part; the version slots' drops take no time).
-      units = s.adam_download[std::size_t(s.layout.gradient_unit(c))] ? 1 : 0;
-      // The reduce-scatter on the device and the gradient's part down, or (the chunk went to the
-      // host whole during the step) the reduce-scatter on the host; no all-gather (the next
-      // step's upload gathers).
-      const double part = s.step_copy_s > 0 ? s.step_copy_s : s.part_copy_s;
-      down.push_back(units > 0 ? s.collective_s / 2 + part : 0.0);
-      adam.push_back(s.host_adam_s[std::size_t(c)] + (units > 0 ? 0.0 : s.collective_s / 2));
-      continue;
-    }
     down.push_back(units * (s.step_copy_s > 0 ? s.step_copy_s : s.copy_s));
     adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
@@ -780,7 +780,11 @@ void run_step(const ChunkSchedule& s, std::vector<ChunkMoment>& plan,
       drop(u);
       adam_download[std::size_t(u)] = true;
       const bool part = L.is_sharded(u / L.parts);
-      downloaded = add(downloaded, !part ? L.move_bytes : L.version_unit(u) ? 0 : L.part_bytes);
+      downloaded =
+          add(downloaded, !part ? L.move_bytes
+                          : L.part_copy(u, false, true) == ChunkLayout::PartCopy::gradient_down
+                              ? L.part_bytes
+                              : 0);
     }
   if (sharding) {
     // Until the step's end: every unit as the step's moments left it (a downloaded sharded one
@@ -997,15 +1001,13 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
     }
   }
   // One step's copies and times: the step's (2bw: the steady segment's).
-  // A whole copy moves move_bytes, a part P, a drop nothing (sharded chunks).
+  // A whole copy moves move_bytes, a part P, a drop or a zero fill nothing (sharded chunks).
+  using PartCopy = ChunkLayout::PartCopy;
   for (const ChunkMoment& m : s.moments) {
     for (const ChunkCopy& c : m.copies) {
-      if (c.part && !c.to_device) {
-        ++s.drops;
-        continue;
-      }
-      if (c.part && L.parts > 1 && !L.version_unit(c.unit)) {
-        ++s.zero_fills;
+      const PartCopy what = c.part ? L.part_copy(c.unit, c.to_device, false) : PartCopy::upload;
+      if (what == PartCopy::drop || what == PartCopy::zero_fill) {
+        ++(what == PartCopy::drop ? s.drops : s.zero_fills);
         continue;
       }
       (c.to_device ? s.uploads : s.downloads) += 1;
@@ -1021,7 +1023,7 @@ ChunkSchedule chunk_schedule(const models::ModelSpec& model, const traces::Trace
   for (int u = 0; u < units; ++u)
     if (s.adam_download[std::size_t(u)]) {
       const bool part = L.is_sharded(u / L.parts);
-      if (part && L.version_unit(u)) {  // 2bw: a version's slot, dropped
+      if (part && L.part_copy(u, false, true) == PartCopy::drop) {  // 2bw: a version's slot
         ++s.drops;
         continue;
       }
@@ -1224,7 +1226,7 @@ double ChunkSchedule::copies_s(const ChunkMoment& moment) const {
   double t = 0;
   for (const ChunkCopy& c : moment.copies)
     t += !c.part ? copy_s
-         : c.to_device && (layout.parts == 1 || layout.version_unit(c.unit))
+         : layout.part_copy(c.unit, c.to_device, false) == ChunkLayout::PartCopy::upload
              ? part_copy_s + collective_s / 2
              : 0.0;
   return t;

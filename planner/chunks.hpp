@@ -105,6 +105,16 @@ struct ChunkLayout {
   bool version_unit(int unit) const { return parts > 1 && unit % parts != 2; }
   // The unit that holds chunk c's gradient: the chunk itself, or with 2bw its gradient part.
   int gradient_unit(int chunk) const { return parts == 1 ? chunk : chunk * parts + 2; }
+  // What a part-marked copy (ChunkCopy::part, Op::part) of a sharded chunk's unit does (the one
+  // rule the planner's figures, the simulator and the executor follow; chunk_layout's comment
+  // below): up, the replica's part and an all-gather, or with 2bw a gradient part's zeros made on
+  // the device; down, nothing, or at the optimizer step the gradient's part after its
+  // reduce-scatter (a 2bw version's slot is a drop there too).
+  enum class PartCopy { upload, zero_fill, drop, gradient_down };
+  PartCopy part_copy(int unit, bool to_device, bool at_step) const {
+    if (to_device) return parts > 1 && !version_unit(unit) ? PartCopy::zero_fill : PartCopy::upload;
+    return at_step && !version_unit(unit) ? PartCopy::gradient_down : PartCopy::drop;
+  }
   int layers() const { return int(layer_chunks.size()); }
   // The bytes of unit u that are weights and gradients (the report's categories): a whole chunk's
   // S_p and move_bytes - S_p; with 2bw a version slot's S_p or the gradient's.

@@ -278,10 +278,12 @@ class Replayer {
     ChunkJob job{kind,    op.bucket,     index,
                  op.step, ck_.issued[0], chunk_step_ == first || chunk_step_ == last};
     job.part = op.part;
-    const planner::ChunkLayout& L = schedule().layout;
-    const bool version = kind != 2 && L.version_unit(op.bucket);
-    job.drop = op.part && kind == 0 && (op.layer >= 0 || version);
-    job.zero = op.part && kind == 1 && L.parts > 1 && !version;
+    using PartCopy = planner::ChunkLayout::PartCopy;
+    const PartCopy what = op.part && kind != 2
+                              ? schedule().layout.part_copy(op.bucket, kind == 1, op.layer < 0)
+                              : PartCopy::upload;
+    job.drop = what == PartCopy::drop;
+    job.zero = what == PartCopy::zero_fill;
     job.sharded = kind == 2 && schedule().layout.is_sharded(op.bucket);
     if (op.part && kind == 1) job.gather = ck_gathers_[{op.step, op.bucket}]++;
     ck_.queue[kind].push_back(job);
@@ -306,6 +308,8 @@ class Replayer {
         while (kind != 0 && ck_.done[0] < job.after_downs)
           ck_.cv->wait(lock);
       }
+      // Sharded chunks' part counts: with 2bw the steady segments' only (the report's per step).
+      const bool steady = !job.edge || cs.layout.parts == 1;
       if (kind == 2) {
         // w > 1: the gradient's sum first (a sharded chunk's, on the host only when it came down
         // whole: else on the device before its part's download).
@@ -325,8 +329,7 @@ class Replayer {
         allocate(&planner::MemoryBreakdown::weights, sign * cs.layout.unit_weight_bytes(job.chunk));
         allocate(&planner::MemoryBreakdown::gradients,
                  sign * cs.layout.unit_gradient_bytes(job.chunk));
-        if (!job.edge || cs.layout.parts == 1)
-          ++(job.drop ? me_.chunk_drops : me_.chunk_zero_fills);
+        if (steady) ++(job.drop ? me_.chunk_drops : me_.chunk_zero_fills);
       } else {
         const bool down = kind == 0;
         const std::int64_t params = cs.layout.unit_weight_bytes(job.chunk),
@@ -346,8 +349,7 @@ class Replayer {
         record(down ? kCopyOut : kCopyIn, c.start(), c.finish(), job.op);
         (down ? me_.copied_out_bytes : me_.copied_in_bytes) += moved;
         (down ? me_.chunk_downloads : me_.chunk_uploads) += 1;
-        if (job.part && (!job.edge || cs.layout.parts == 1))  // 2bw: the steady segments'
-          (down ? me_.chunk_part_downloads : me_.chunk_part_uploads) += 1;
+        if (job.part && steady) (down ? me_.chunk_part_downloads : me_.chunk_part_uploads) += 1;
         if (job.edge) {
           (down ? me_.edge_out_bytes : me_.edge_in_bytes) += moved;
           (down ? me_.edge_downloads : me_.edge_uploads) += 1;

@@ -745,10 +745,10 @@ void CpuGptStage::block_forward(const At& at, int64_t base, const BlockActs<floa
   cpu::matmul_forward(a.qkv, full(a.ln1), w(qkv_w), w(qkv_b), nullptr, BT, C, 3 * C_t);
   // Selective: the probabilities a block of rows at a time in the scratch (after the gathers').
   float* att = a.att;
-  if (layout_.selective)
-    att =
-        scratch((layout_.sp ? int64_t(BT) * C : 0) + cpu::attention_block_floats(int(layout_.T))) +
-        (layout_.sp ? int64_t(BT) * C : 0);
+  if (layout_.selective) {
+    const int64_t gathers = layout_.sp ? int64_t(BT) * C : 0;
+    att = scratch(gathers + cpu::attention_block_floats(int(layout_.T))) + gathers;
+  }
   cpu::attention_forward(a.atty, att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t),
                          layout_.selective);
   row_parallel_forward(a.resid1, a.atty, w(attproj_w), w(attproj_b), a.x, BT, C_t);
