@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "exec/gpt_layout.hpp"
 #include "exec/machine_load.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
@@ -258,6 +259,38 @@ TEST(ChunksExec, BadInputIsOneLine) {
 
 // Checkpoints hold the same tensors as without chunks (the stage's weights, m and v, gathered
 // from the chunks): a run stopped and resumed gives the bits of an unbroken one.
+// Selective recompute runs on the CPU executor without chunks and activation offload; elsewhere
+// one line naming it: the CUDA executor (and a CUDA stage layout), chunks, activation offload.
+TEST(ChunksExec, SelectiveRecomputeRefusalsAreOneLine) {
+  const models::ModelSpec model = testing::gpt_tiny(2);
+  auto expect_line = [](const std::string& msg, const std::string& want) {
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  Plan plain = make_plan(model, Schedule::one_f_one_b, 1, 2, -1);
+  plain.recompute.assign(1, planner::Recompute::selective);
+  EXPECT_NO_THROW(detail::prepare_run(model, plain, adamw_options(2), "cpu"));
+  expect_line(
+      testing::error_of([&] { detail::prepare_run(model, plain, adamw_options(2), "cuda"); }),
+      "the cuda executor recomputes whole stages (full), block by block (block) or "
+      "nothing, not selective");
+  StageSpec spec = detail::chunk_spec(model, plain, 0, 0);
+  ASSERT_TRUE(spec.selective);
+  expect_line(testing::error_of([&] { GptLayout(spec, models::DType::bf16, "cuda"); }),
+              "the cuda stage does not run selective recompute");
+  Plan chunks = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536);
+  chunks.recompute.assign(1, planner::Recompute::selective);
+  expect_line(testing::error_of(
+                  [&] { detail::prepare_run(model, chunks, adamw_options(2, 1 << 22), "cpu"); }),
+              "selective recompute without activation offload and chunks only");
+  Plan swaps = plain;
+  swaps.offload_activations = true;
+  swaps.activations.assign(1, planner::ActivationChoice::swap);
+  expect_line(
+      testing::error_of([&] { detail::prepare_run(model, swaps, adamw_options(2), "cpu"); }),
+      "selective recompute without activation offload and chunks only");
+}
+
 TEST(ChunksExec, ResumeIsBitIdentical) {
   const models::ModelSpec model = testing::gpt_tiny(3);
   for (Schedule s : {Schedule::one_f_one_b, Schedule::gpipe}) {
