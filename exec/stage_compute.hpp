@@ -102,6 +102,10 @@ class LayerMemory {
   // its gradients (added into, as a backward adds into `grads`).
   virtual const float* parameters(std::int64_t offset) = 0;
   virtual float* gradients(std::int64_t offset) = 0;
+  // Selective recompute: where block layer `layer`'s backward re-makes its attention probabilities
+  // whole (b x heads x T x T elements, valid from its begin_layer to its end_layer), or null: a
+  // block of 64 rows at a time in the workspace, as without a LayerMemory (the same bits).
+  virtual float* attention_core(int /*layer*/) { return nullptr; }
 };
 
 // A stage mixing swapped and recomputed blocks (activation offload per layer, KARMA;

@@ -390,6 +390,9 @@ class Worker {
   // Per layer of the stage (all its model chunks' layers, the chunk layout's: chunk_bounds says
   // where each model chunk's layers begin): its stash (counted as it fills).
   std::vector<std::int64_t> layer_stash_bytes_;
+  // Per layer, selective recompute: its attention core, which its backward re-makes whole (0 for
+  // the embedding and head, and without selective).
+  std::vector<std::int64_t> layer_core_bytes_;
   // Per model chunk, full recompute (0 without): a forward's kept input and its scratch, in bytes;
   // block recompute: the scratch.
   std::vector<std::int64_t> kept_bytes_, scratch_bytes_;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -69,13 +70,15 @@ class Worker::ChunkMemory : public LayerMemory {
                                                  (layer == 0 ? input(0) + scratch : 0));
     if (kind_ == Kind::backward_blocks && layer == last_)
       w_.memory_->add(Category::activations, scratch);
+    if (kind_ == Kind::backward)  // selective: the attention core re-made (0 elsewhere)
+      w_.memory_->add(Category::activations, core(layer));
   }
   void end_layer(int layer, bool) override {
     const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(first_ + layer));
     const std::int64_t kept = w_.kept_bytes_.at(std::size_t(chunk_));
     const std::int64_t scratch = w_.scratch_bytes_.at(std::size_t(chunk_));
     if (kind_ == Kind::backward)
-      w_.memory_->add(Category::activations, -stash - (layer == 0 ? kept : 0));
+      w_.memory_->add(Category::activations, -stash - core(layer) - (layer == 0 ? kept : 0));
     if (kind_ == Kind::forward_recompute && layer == last_)
       w_.memory_->add(Category::activations, -scratch);
     if (kind_ == Kind::forward_blocks && layer == last_)
@@ -93,6 +96,17 @@ class Worker::ChunkMemory : public LayerMemory {
     const auto [c, at] = find(offset, w_.gradient_unit());
     return w_.data_chunks_[std::size_t(c)].part[2].data() + at;
   }
+  // Selective recompute: a block's backward re-makes its attention core whole in `core_`, which
+  // its moment counts (begin_layer); the planner's backward moment takes the core's bytes back.
+  float* attention_core(int layer) override {
+    if (core(layer) == 0) return nullptr;
+    if (core(layer) != std::int64_t(core_.size()) * std::int64_t(sizeof(float)))
+      throw Error(fmt::format("rank {}: layer {}'s attention core is {} B, its buffer {} B",
+                              w_.rank_, first_ + layer, core(layer), core_.size() * sizeof(float)));
+    return core_.data();
+  }
+  // The buffer a selective backward's layers re-make their attention core in, one after another.
+  void set_core(Buffer& core) { core_ = std::span<float>(core.data(), std::size_t(core.size())); }
 
  private:
   std::pair<int, std::int64_t> find(std::int64_t offset, int unit) const {
@@ -108,10 +122,14 @@ class Worker::ChunkMemory : public LayerMemory {
   std::int64_t input(int layer) const {
     return w_.layer_input_bytes_.at(std::size_t(first_ + layer));
   }
+  std::int64_t core(int layer) const {
+    return w_.layer_core_bytes_.at(std::size_t(first_ + layer));
+  }
   Worker& w_;
   Kind kind_;
   int chunk_, first_, last_;  // the model chunk; its first layer in the stage's, its last (local)
   std::int64_t base_;
+  std::span<float> core_;
 };
 
 // The chunks as the schedule starts a step (its fixed point): each on the device or the host, its
@@ -164,13 +182,24 @@ void Worker::setup_chunks() {
   // token ids), which the layer before it writes.
   const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
   const std::int64_t b = s_.plan().b;
+  const bool selective = s_.plan().recompute_of(stage_) == planner::Recompute::selective;
   for (int l = 0; l < L.layers(); ++l) {
     const int g = L.model_layer(l);
     const models::LayerCosts& costs = g == 0                           ? mc.embedding
                                       : g == int(s_.model->layers + 1) ? mc.head
                                                                        : mc.block;
-    layer_stash_bytes_.push_back(b * costs.activation_bytes);
+    // Selective recompute: a block keeps its stash without the attention core, which its
+    // backward re-makes (the core: the difference).
+    const std::int64_t kept = selective ? costs.activation_selective_bytes : costs.activation_bytes;
+    layer_stash_bytes_.push_back(b * kept);
+    layer_core_bytes_.push_back(b * (costs.activation_bytes - kept));
     layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
+    // The core a block's backward re-makes: b x (heads / t) x T x T fp32 (the CPU stage's carving).
+    const std::int64_t T = s_.model->seq_len, heads = s_.model->heads / s_.plan().t;
+    const std::int64_t core = layer_core_bytes_.back(), want = b * heads * T * T * 4;
+    if (core != 0 && core != want)
+      throw Error(fmt::format("rank {}: layer {}'s attention core is {} B, the stage's {} B", rank_,
+                              l, core, want));
   }
   const auto floats = [](std::int64_t n) { return n * std::int64_t(sizeof(float)); };
   for (std::size_t k = 0; k < chunks_.size(); ++k) {
@@ -850,6 +879,11 @@ void Worker::chunk_backward(const Op& op) {
   } else {
     ChunkMemory memory(*this, ChunkMemory::Kind::backward,
                        op.chunk);  // with recompute: the kept input too
+    // Selective: the buffer each block re-makes its attention core in (its moment counts it).
+    const std::int64_t core_bytes =
+        *std::max_element(layer_core_bytes_.begin(), layer_core_bytes_.end());
+    Buffer core(nullptr, Category::activations, core_bytes / std::int64_t(sizeof(float)), &pool_);
+    memory.set_core(core);
     timed_compute([&] {
       c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
                         c.last ? nullptr : d_outputs_.at(key).data(), p.b, scale,

@@ -228,7 +228,7 @@ class CpuGptStage final : public StageCompute {
   void block_forward(const At& at, int64_t base, const BlockActs<float>& a, int b,
                      float* out) const;
   void block_backward(const At& at, int64_t base, const BlockActs<const float>& a, int b,
-                      float* dres, float* ws, int64_t ws_floats) const;
+                      float* dres, float* ws, int64_t ws_floats, float* core = nullptr) const;
   float head_forward(const At& at, const HeadActs<float>& h, const std::int32_t* targets,
                      int b) const;
   void head_backward(const At& at, const HeadActs<const float>& h, int b, float loss_scale,
@@ -830,8 +830,12 @@ void CpuGptStage::backward(const At& at, const std::vector<const float*>& acts,
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
     at.begin(block_layer(i), true);
     if (remake) remake(block_layer(i));
+    // Selective: the attention core re-made whole where the memory says (offload chunks).
+    float* core = layout_.selective && at.memory && at.hooks
+                      ? at.memory->attention_core(block_layer(i))
+                      : nullptr;
     block_backward(at, base, carve_block(acts[std::size_t(block_layer(i))], BT), b, dres, ws,
-                   ws_floats);
+                   ws_floats, core);
     if (at.grads) at.grads->layer_done(base, end);
     at.end(block_layer(i), true);
   }
@@ -1044,7 +1048,7 @@ void CpuGptStage::head_backward(const At& at, const HeadActs<const float>& h, in
 // [dgelu (BT F/t) | dln2 (BT C)], the attention phase [dqkv (BT 3C/t) | datty (BT C/t) | dS rows],
 // then [dqkv | dln1 (BT C)].
 void CpuGptStage::block_backward(const At& at, int64_t base, const BlockActs<const float>& a, int b,
-                                 float* dres, float* ws, int64_t ws_floats) const {
+                                 float* dres, float* ws, int64_t ws_floats, float* core) const {
   // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
   // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
   // whole on every rank (d(out) is). With SP dres holds this rank's rows: it is gathered
@@ -1083,7 +1087,14 @@ void CpuGptStage::block_backward(const At& at, int64_t base, const BlockActs<con
   float* datty = ws + 3 * BTC_t;
   dout = sp ? gather(dres, A, BT) : dres;
   cpu::matmul_backward(datty, g(attproj_w), g(attproj_b), dout, a.atty, w(attproj_w), BT, C_t, C);
-  cpu::attention_backward(dqkv, datty, a.qkv, a.att, ws + 4 * BTC_t, ws_floats - 4 * BTC_t, b,
+  // Selective: a.att is null; with `core` the probabilities are made again whole there first,
+  // else a block of rows at a time inside attention_backward (the same bits either way).
+  const float* att = a.att;
+  if (!att && core) {
+    cpu::attention_probabilities(core, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+    att = core;
+  }
+  cpu::attention_backward(dqkv, datty, a.qkv, att, ws + 4 * BTC_t, ws_floats - 4 * BTC_t, b,
                           int(layout_.T), C_t, int(layout_.NH_t));
   float* dln1 = datty;  // datty is dead once dqkv exists (C wide from there on)
   cpu::matmul_backward(dln1, g(qkv_w), g(qkv_b), dqkv, sp ? gather(a.ln1, A, BT) : a.ln1, w(qkv_w),

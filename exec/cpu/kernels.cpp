@@ -336,6 +336,20 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   }
 }
 
+PW_VECTOR_CLONES
+void attention_probabilities(float* att, const float* qkv, int B, int T, int C, int NH) {
+  const int hd = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const float* q = qkv + size_t(b) * T * C3 + size_t(h) * hd;
+      float* p = att + (size_t(b) * NH + h) * T * T;
+      for (int r0 = 0; r0 < T; r0 += kAttentionRows)
+        attention_block(p + size_t(r0) * T, q, q + C, r0, std::min(kAttentionRows, T - r0), T, hd,
+                        C3, scale);
+    }
+}
+
 // dv = P^T dy; dP = dy v^T; dS = P * (dP - rowsum(P * dP)); dq = dS k / sqrt(hd);
 // dk = dS^T q / sqrt(hd). By row blocks of P as the forward's (no larger than the scratch), the
 // last block first: it reaches every key, so it initializes dv and dk and the others add.

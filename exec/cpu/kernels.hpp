@@ -71,6 +71,10 @@ void attention_forward(float* out,        // (B, T, C)
                        const float* qkv,  // (B, T, 3C)
                        int B, int T, int C, int NH, bool selective = false);
 std::int64_t attention_block_floats(int T);  // one block of att's rows (64 rows of T)
+// att (B, NH, T, T) made again whole from qkv, exactly as a forward without `selective` writes it
+// (the same blocks and calls: the same bits): a selective backward that re-makes the whole
+// attention core of a layer before it (offload chunks, whose moments count the core then).
+void attention_probabilities(float* att, const float* qkv, int B, int T, int C, int NH);
 // dqkv = d(qkv) (overwritten). scratch holds rows of dS (T floats each); scratch_floats >= T.
 // Up to 64 rows are used; less scratch means smaller blocks (one row at T floats). att null: the
 // forward was selective, and scratch also holds the block of att made again (scratch_floats >=

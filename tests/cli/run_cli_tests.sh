@@ -297,7 +297,15 @@ assert a['losses'] == b['losses'], (a['losses'], b['losses'])
 for x, y in zip(a['devices'], b['devices']):
     assert y['memory_breakdown_bytes']['activations'] < x['memory_breakdown_bytes']['activations'], (x, y)
 " && ok || bad "train --recompute selective: the same losses, fewer activation bytes"
-expect_error "train --offload chunks refuses selective recompute" "selective recompute without activation offload and chunks" "$O" $PW train --model gpt-tiny -d 1 -m 2 --recompute selective --offload chunks --device-memory 4000000 --steps 1 --out "$O"
+expect_ok "train --offload chunks --recompute selective (cpu)" $PW train --model gpt-tiny -d 2 -w 1 -m 2 --recompute selective --offload chunks --device-memory 4000000 --steps 2 --out "$TMP/selch.json"
+python3 -c "
+import json
+a, b = json.load(open('$TMP/sel.json')), json.load(open('$TMP/selch.json'))
+assert b['plan']['recompute'] == ['selective', 'selective'] and b['plan']['offload'] == 'chunks', b['plan']
+assert a['losses'] == b['losses'], (a['losses'], b['losses'])
+assert all(0 < d['peak_memory_bytes'] <= 4000000 for d in b['devices']), b['devices']
+assert b['offload']['copy_in_bytes_per_step'] > 0, b['offload']
+" && ok || bad "train --offload chunks --recompute selective: the losses without chunks, inside the device"
 expect_ok "validate --recompute selective (cpu)" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --steps 2 --out "$TMP/valsel.json"
 python3 -c "
 import json; r = json.load(open('$TMP/valsel.json'))
