@@ -52,11 +52,8 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.dropout) unsupported(m, backend, "dropout", "true");
   if (models::key_value_heads(m) != m.heads)
     unsupported(m, backend, "kv_heads", std::to_string(models::key_value_heads(m)));
-  // The CPU stage runs Megatron's tensor parallelism and vocabulary padding (padded logits masked
-  // out of the softmax); the CUDA stage neither yet.
-  if (backend != "cpu" && models::padded_vocab(m, s.t) != m.vocab)
-    unsupported(m, backend, "vocab_multiple", std::to_string(m.vocab_multiple));
-  if (backend != "cpu" && s.t != 1) unsupported(m, backend, "t", std::to_string(s.t));
+  // Both stages run Megatron's tensor parallelism and vocabulary padding (padded logits masked
+  // out of the softmax); sequence parallelism the CPU stage only.
   if (backend != "cpu" && s.sp) unsupported(m, backend, "sp", "true");
   if (backend != "cpu" && s.selective)
     throw InputError("stage of model '" + m.name + "': the " + backend +

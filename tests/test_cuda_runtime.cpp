@@ -15,6 +15,7 @@
 #include "common/error.hpp"
 #include "cuda_test_util.hpp"
 #include "exec/cuda/runtime.hpp"
+#include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
@@ -96,6 +97,26 @@ TEST(CudaRuntime, WithoutAGpuSaysSo) {
   } catch (const pw::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
   }
+}
+
+// Tensor parallelism reaches the CUDA executor (one process, without offload or SP); what it does
+// not run yet is one line before anything starts.
+TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
+  Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 1, 2);
+  p.t = 2;
+  EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, p, sgd(1), "cuda"));
+  const auto one_line = [](const std::string& msg, const std::string& want) {
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  Plan sp = p;
+  sp.sp = true;
+  one_line(pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, sp, sgd(1), "cuda"); }),
+           "the cuda executor does not run sequence parallelism yet");
+  Plan off = p;
+  off.offload = pw::planner::Offload::optimizer;
+  one_line(pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, off, sgd(1), "cuda"); }),
+           "the cuda executor runs tensor parallelism without offload");
 }
 
 // ---- on a GPU --------------------------------------------------------------------------------
@@ -293,6 +314,58 @@ TEST(CudaRuntime, DistributedOptimizerResumeIsExact) {
         "cuda_dopt_" + pw::planner::to_string(s), [](const auto& m, const auto& p, const auto& o) {
           return pw::exec::cuda::train_cuda(m, p, o);
         });
+  }
+}
+
+// Tensor parallelism (Megatron's column-/row-parallel blocks, vocabulary-parallel embedding and
+// cross-entropy; t devices per pipeline rank, every one a thread on this GPU): the losses of the
+// same plan at t = 1 within bf16 tolerances (the TP sums add bf16 partial products, as Megatron's
+// all-reduces do), with a padded vocabulary, in a pipeline, with data parallelism and 2bw; every
+// device holds its shard, as the planner counts it at t.
+TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
+  PW_SKIP_WITHOUT_GPU();
+  struct Case {
+    Schedule s;
+    int t, w, d;
+    bool padded;
+  };
+  for (const Case& k :
+       {Case{Schedule::one_f_one_b, 2, 1, 1, false}, Case{Schedule::gpipe, 4, 1, 1, true},
+        Case{Schedule::one_f_one_b, 2, 1, 2, true}, Case{Schedule::two_bw, 2, 1, 2, false},
+        Case{Schedule::one_f_one_b, 2, 2, 1, false}}) {
+    SCOPED_TRACE(fmt::format("{} t={} w={} d={}{}", pw::planner::to_string(k.s), k.t, k.w, k.d,
+                             k.padded ? " padded" : ""));
+    pw::models::ModelSpec model = kGpu;
+    if (k.padded) {
+      model.vocab = 250;
+      model.vocab_multiple = 4;
+    }
+    const Plan one = make_plan(k.s, k.w, k.d, 1, 4);
+    Plan p = one;
+    p.t = k.t;
+    const auto want = losses(pw::exec::cuda::train_cuda(model, one, adamw(4, 1)));
+    const TrainResult r = pw::exec::cuda::train_cuda(model, p, adamw(4, 1));
+    const auto got = losses(r);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 2e-2 * want[i]) << "step " << i;
+    ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * k.t));
+    Plan placed = p;
+    pw::planner::place(placed, {1, 8});
+    const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
+    const auto tr =
+        pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{k.t, false});
+    const auto devices = pw::planner::estimate(model, tr, node, placed).report.devices;
+    for (int device = 0; device < p.ranks() * k.t; ++device) {
+      const auto& expect = devices[std::size_t(device / k.t)].memory;
+      const auto& have = r.ranks[std::size_t(device)].memory;
+      EXPECT_EQ(have.weights, expect.weights) << "device " << device;
+      EXPECT_EQ(have.weight_versions, expect.weight_versions) << "device " << device;
+      EXPECT_EQ(have.gradients, expect.gradients) << "device " << device;
+      EXPECT_EQ(have.optimizer, expect.optimizer) << "device " << device;
+      EXPECT_NEAR(double(have.activations), double(expect.activations), 0.05 * expect.activations)
+          << "device " << device;
+    }
   }
 }
 

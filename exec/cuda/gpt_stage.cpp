@@ -72,21 +72,23 @@ CudaGptStage::~CudaGptStage() = default;
 
 template <bool Const, class P>
 CudaGptStage::BlockActs<Const> CudaGptStage::carve_block(P base, int64_t BT) const {
-  const int64_t C = layout_.C, F = layout_.F, T = layout_.T, NH = layout_.NH;
+  // With t > 1 this rank's heads and FFN columns (C_t, F_t, NH_t; t = 1: C, F, NH).
+  const int64_t C = layout_.C, C_t = layout_.C_t, F_t = layout_.F_t, T = layout_.T,
+                NH_t = layout_.NH_t;
   Elements<P> c{base};
   BlockActs<Const> a;
   a.x = c.take(BT * C), a.ln1 = c.take(BT * C);
   a.ln1_mean = c.template take_as<float>(BT), a.ln1_rstd = c.template take_as<float>(BT);
-  a.qkv = c.take(BT * 3 * C), a.att = c.take(BT * NH * T), a.atty = c.take(BT * C);
+  a.qkv = c.take(BT * 3 * C_t), a.att = c.take(BT * NH_t * T), a.atty = c.take(BT * C_t);
   a.resid1 = c.take(BT * C), a.ln2 = c.take(BT * C);
   a.ln2_mean = c.template take_as<float>(BT), a.ln2_rstd = c.template take_as<float>(BT);
-  a.fc = c.take(BT * F), a.gelu = c.take(BT * F);
+  a.fc = c.take(BT * F_t), a.gelu = c.take(BT * F_t);
   return a;
 }
 
 template <bool Const, class P>
 CudaGptStage::HeadActs<Const> CudaGptStage::carve_head(P base, int64_t BT) const {
-  const int64_t C = layout_.C, V = layout_.V;
+  const int64_t C = layout_.C, V = layout_.V_t;  // this rank's vocabulary rows (padded)
   Elements<P> c{base};
   HeadActs<Const> h;
   h.x = c.take(BT * C), h.lnf = c.take(BT * C);
@@ -159,9 +161,16 @@ void CudaGptStage::run(const bf16* params, const std::int32_t* tokens, const bf1
       cur += layout_.embedding_elements(BT);
     }
     bf16* dst = has_layers ? cur : output;
-    if (dst)
+    if (dst && vocab_parallel()) {
+      // This rank's vocabulary rows, zeros elsewhere, summed over the group; then positions.
+      embedding_forward_vp(dst, ids, params + layout_.wte, int(layout_.v_begin), int(layout_.V_t),
+                           b, int(layout_.T), int(C), int(layout_.V), &status->bad_tokens, stream_);
+      tp_sum(dst, BT * C, false);
+      add_positions(dst, params + layout_.wpe, b, int(layout_.T), int(C), stream_);
+    } else if (dst) {
       embedding_forward(dst, ids, params + layout_.wte, params + layout_.wpe, b, int(layout_.T),
                         int(C), int(layout_.V), &status->bad_tokens, stream_);
+    }
   } else {
     copy(cur, input, BT * C * int64_t(sizeof(bf16)));
   }
@@ -175,32 +184,68 @@ void CudaGptStage::run(const bf16* params, const std::int32_t* tokens, const bf1
   if (s.has_head) head_forward(params, carve_head<false>(cur, BT), targets, b, loss);
 }
 
+void CudaGptStage::tp_sum(void* data, std::int64_t count, bool fp32) const {
+  if (layout_.t == 1) return;
+  if (!tp_.sum) throw Error("cuda stage: t > 1 without the TP group's sum (set_tp)");
+  tp_.sum(data, count, fp32);
+}
+
+void CudaGptStage::row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight,
+                                        const bf16* bias, const bf16* residual, int N, int C_in) {
+  const int C = int(layout_.C);
+  if (layout_.t == 1) return linear_forward(*gemm_, out, inp, weight, bias, residual, N, C_in, C);
+  linear_forward(*gemm_, out, inp, weight, nullptr, nullptr, N, C_in, C);
+  tp_sum(out, int64_t(N) * C, false);
+  // The bias whole on every rank, added once after the sum; then the residual.
+  add_bias(out, bias, N, C, C, stream_);
+  residual_add(out, out, residual, int64_t(N) * C, stream_);
+}
+
 void CudaGptStage::block_forward(const bf16* w, const BlockActs<false>& a, int b, bf16* out) {
-  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
+  // With t > 1: this rank's heads and FFN columns (C_t, F_t), the projections row-parallel.
+  const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
+            F_t = int(layout_.F_t);
   const int64_t* r = layout_.block_rel;
   Gemm& g = *gemm_;
   layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], BT, C, stream_);
-  linear_forward(g, a.qkv, a.ln1, w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C);
-  attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C, int(layout_.NH));
-  linear_forward(g, a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C, C);
+  linear_forward(g, a.qkv, a.ln1, w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
+  attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+  row_parallel_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C_t);
   layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], BT, C,
                     stream_);
-  linear_forward(g, a.fc, a.ln2, w + r[fc_w], w + r[fc_b], nullptr, BT, C, F);
-  gelu_forward(a.gelu, a.fc, int64_t(BT) * F, stream_);
+  linear_forward(g, a.fc, a.ln2, w + r[fc_w], w + r[fc_b], nullptr, BT, C, F_t);
+  gelu_forward(a.gelu, a.fc, int64_t(BT) * F_t, stream_);
   // out may alias a.x (rolling): x is dead once resid1 exists.
-  if (out) linear_forward(g, out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F, C);
+  if (out) row_parallel_forward(out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F_t);
 }
 
 void CudaGptStage::head_forward(const bf16* params, const HeadActs<false>& h,
                                 const std::int32_t* targets, int b, float* loss) {
-  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
+  // V: this rank's vocabulary rows (padded; t = 1 unpadded: the whole vocabulary).
+  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
   Status* status = status_.as<Status>();
   layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b, BT,
                     C, stream_);
   // logits (BT, V) = lnf (BT, C) · head_w^T (C, V), into the probabilities' slot
   linear_forward(*gemm_, h.probs, h.lnf, params + layout_.head_w, nullptr, nullptr, BT, C, V);
   copy(h.targets, targets, int64_t(BT) * int64_t(sizeof(std::int32_t)));
-  crossentropy_forward(h.probs, h.losses, h.targets, BT, V, &status->bad_targets, stream_);
+  if (vocab_parallel()) {
+    // Megatron's vocabulary-parallel cross-entropy: the row statistics in the workspace.
+    const int64_t t = layout_.t;
+    if (!tp_.workspace || tp_.workspace_elements * int64_t(sizeof(bf16)) <
+                              int64_t(BT) * (t + 2) * int64_t(sizeof(float)))
+      throw Error(
+          "cuda stage: a vocabulary-parallel cross-entropy without a large enough workspace "
+          "(set_tp)");
+    const int valid = int(std::clamp<int64_t>(layout_.V - layout_.v_begin, 0, layout_.V_t));
+    crossentropy_forward_vp(
+        h.probs, h.losses, h.targets, BT, V, valid, int(t), int(layout_.tp), int(layout_.v_begin),
+        int(layout_.V), reinterpret_cast<float*>(tp_.workspace),
+        [this](float* data, std::int64_t n) { tp_sum(data, n, true); }, &status->bad_targets,
+        stream_);
+  } else {
+    crossentropy_forward(h.probs, h.losses, h.targets, BT, V, &status->bad_targets, stream_);
+  }
   mean_loss(loss ? loss : &status->loss, h.losses, BT, stream_);
 }
 
@@ -254,13 +299,14 @@ void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf
     grads.layer_done(base, end);
   }
   if (s.has_embedding) {
-    const int64_t wte_size = layout_.V * layout_.C,
+    const int64_t wte_size = layout_.V_t * layout_.C,
                   wpe_size = layout_.spec.model.max_positions * layout_.C;
     bf16* dwte = grads.at(layout_.wte, wte_size);
     bf16* dwpe = grads.at(layout_.wpe, wpe_size);
-    embedding_backward(dwte, dwpe, has_layers ? dres : d_output,
-                       reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
-                       int(layout_.C), int(layout_.V), stream_);
+    // Vocabulary-parallel: this rank's rows only; the position table takes every token's.
+    embedding_backward_vp(dwte, dwpe, has_layers ? dres : d_output,
+                          reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
+                          int(layout_.C), int(layout_.v_begin), int(layout_.V_t), stream_);
     grads.layer_done(layout_.wte, layout_.wpe + wpe_size);
   }
 }
@@ -270,18 +316,23 @@ void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf
 void CudaGptStage::head_backward(const bf16* params, DeviceGradientSink& grads,
                                  const HeadActs<true>& h, int b, float loss_scale, bf16* dres,
                                  Carver ws) {
-  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V);
+  const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
   const int rows = int(std::min<int64_t>(BT, ws.left() / (int64_t(V) * int64_t(sizeof(bf16)))));
   if (rows < 1) throw Error("cuda stage backward: workspace smaller than one row of logits");
   bf16* dlogits = ws.take<bf16>(int64_t(rows) * V);  // (rows, V)
   bf16* dhead = grads.at(layout_.head_w, int64_t(V) * C);
   for (int r0 = 0; r0 < BT; r0 += rows) {
     const int n = std::min(rows, BT - r0);
-    crossentropy_backward(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
-                          stream_);
+    if (vocab_parallel())
+      crossentropy_backward_vp(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
+                               int(layout_.v_begin), stream_);
+    else
+      crossentropy_backward(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
+                            stream_);
     linear_backward(*gemm_, dres + int64_t(r0) * C, dhead, nullptr, dlogits,
                     h.lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
   }
+  tp_sum(dres, int64_t(BT) * C, false);  // the vocabulary shards' parts of d(lnf out)
   layernorm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
                      params + layout_.lnf_w, h.mean, h.rstd, BT, C, false, stream_);
 }
@@ -290,27 +341,34 @@ void CudaGptStage::head_backward(const bf16* params, DeviceGradientSink& grads,
 // [dgelu (BT F) | dln2 (BT C)], the attention phase [dqkv (BT 3C) | datty (BT C) | dP, dS].
 void CudaGptStage::block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b,
                                   bf16* dres, Carver ws) {
-  const int BT = int(b * layout_.T), C = int(layout_.C), F = int(layout_.F);
-  const int64_t BTC = int64_t(BT) * C;
+  // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
+  // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
+  // whole on every rank (d(out) is).
+  const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
+            F_t = int(layout_.F_t);
+  const int64_t BTC = int64_t(BT) * C, BTC_t = int64_t(BT) * C_t;
   const int64_t* r = layout_.block_rel;
   Gemm& gm = *gemm_;
   Carver mlp = ws;
-  bf16* dgelu = mlp.take<bf16>(int64_t(BT) * F);
+  bf16* dgelu = mlp.take<bf16>(int64_t(BT) * F_t);
   bf16* dln2 = mlp.take<bf16>(BTC);
-  linear_backward(gm, dgelu, g + r[fcproj_w], g + r[fcproj_b], dres, a.gelu, w + r[fcproj_w], BT, F,
-                  C);
-  gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F, stream_);
-  linear_backward(gm, dln2, g + r[fc_w], g + r[fc_b], dgelu, a.ln2, w + r[fc_w], BT, C, F);
+  linear_backward(gm, dgelu, g + r[fcproj_w], g + r[fcproj_b], dres, a.gelu, w + r[fcproj_w], BT,
+                  F_t, C);
+  gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F_t, stream_);
+  linear_backward(gm, dln2, g + r[fc_w], g + r[fc_b], dgelu, a.ln2, w + r[fc_w], BT, C, F_t);
+  tp_sum(dln2, BTC, false);
   layernorm_backward(dres, g + r[ln2_w], g + r[ln2_b], dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
                      a.ln2_rstd, BT, C, true, stream_);
   Carver attn = ws;
-  bf16* dqkv = attn.take<bf16>(3 * BTC);
-  bf16* datty = attn.take<bf16>(BTC);
+  bf16* dqkv = attn.take<bf16>(3 * BTC_t);
+  bf16* datty = attn.take<bf16>(BTC);  // C_t wide, then dln1 (C wide) in the same block
   linear_backward(gm, datty, g + r[attproj_w], g + r[attproj_b], dres, a.atty, w + r[attproj_w], BT,
-                  C, C);
-  attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C, int(layout_.NH));
+                  C_t, C);
+  attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C_t,
+                     int(layout_.NH_t));
   bf16* dln1 = datty;  // datty is dead once dqkv exists
-  linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, a.ln1, w + r[qkv_w], BT, C, 3 * C);
+  linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, a.ln1, w + r[qkv_w], BT, C, 3 * C_t);
+  tp_sum(dln1, BTC, false);
   layernorm_backward(dres, g + r[ln1_w], g + r[ln1_b], dln1, a.x, w + r[ln1_w], a.ln1_mean,
                      a.ln1_rstd, BT, C, true, stream_);
 }

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -41,6 +42,21 @@ class CudaGptStage {
   ~CudaGptStage();
   CudaGptStage(const CudaGptStage&) = delete;
   CudaGptStage& operator=(const CudaGptStage&) = delete;
+
+  // Tensor parallelism (spec().t > 1, Megatron's column-/row-parallel block, vocabulary-parallel
+  // embedding and cross-entropy; the CPU stage's rules, exec/cpu/gpt_stage.cpp) and vocabulary
+  // padding: `sum` adds `count` elements (fp32 or bf16) at a device address over the TP group,
+  // enqueued on the stage's stream (null with t = 1); `workspace` (device, `workspace_elements`
+  // bf16 elements, free while a forward or recompute runs: the rank's backward workspace) holds the
+  // cross-entropy's row statistics. Needed before a forward whenever t > 1 or the vocabulary is
+  // padded.
+  struct Tp {
+    std::function<void(void* data, std::int64_t count, bool fp32)> sum;
+    bf16* workspace = nullptr;
+    std::int64_t workspace_elements = 0;
+  };
+  void set_tp(Tp tp) { tp_ = std::move(tp); }
+  bool vocab_parallel() const { return layout_.t > 1 || layout_.V_pad != layout_.V; }
 
   const StageSpec& spec() const { return layout_.spec; }
   const std::vector<TensorSlot>& layout() const { return layout_.slots; }
@@ -104,6 +120,11 @@ class CudaGptStage {
                     int b, float* loss);
   void block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b, bf16* dres,
                       Carver ws);
+  // out = residual + (the TP group's sum of inp · weight^T) + bias: a row-parallel projection
+  // (t = 1: one fused GEMM).
+  void row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
+                            const bf16* residual, int N, int C_in);
+  void tp_sum(void* data, std::int64_t count, bool fp32) const;
   void head_backward(const bf16* params, DeviceGradientSink& grads, const HeadActs<true>& h, int b,
                      float loss_scale, bf16* dres, Carver ws);
 
@@ -114,6 +135,7 @@ class CudaGptStage {
   };
 
   GptLayout layout_;  // in bf16 elements
+  Tp tp_;
   cudaStream_t stream_;
   DeviceBuffer gemm_workspace_, status_;
   std::unique_ptr<Gemm> gemm_;

@@ -15,9 +15,11 @@ using std::int64_t;
 
 // ---- embedding -----------------------------------------------------------------------------
 
+// wte holds the vocabulary rows [v_begin, v_begin + rows) (all V rows: v_begin 0, rows V); ids
+// outside it give zeros (vocabulary-parallel: the TP group's sum has every row). wpe may be null.
 __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, const bf16* wte,
-                                         const bf16* wpe, int B, int T, int C, int V,
-                                         int* bad_ids) {
+                                         const bf16* wpe, int B, int T, int C, int V, int v_begin,
+                                         int rows, int* bad_ids) {
   const int64_t n = int64_t(B) * T * C;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -29,7 +31,19 @@ __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, 
       if (c == 0 && bad_ids) atomicAdd(bad_ids, 1);
       continue;
     }
-    out[i] = b16(f32(wte[int64_t(id) * C + c]) + f32(wpe[int64_t(t) * C + c]));
+    const int row = id - v_begin;
+    const float e = row >= 0 && row < rows ? f32(wte[int64_t(row) * C + c]) : 0.0f;
+    out[i] = b16(wpe ? e + f32(wpe[int64_t(t) * C + c]) : e);
+  }
+}
+
+// out[b, t] += wpe[t] (after a vocabulary-parallel lookup's sum).
+__global__ void add_positions_kernel(bf16* out, const bf16* wpe, int B, int T, int C) {
+  const int64_t n = int64_t(B) * T * C;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int t = int((i / C) % T), c = int(i % C);
+    out[i] = b16(f32(out[i]) + f32(wpe[int64_t(t) * C + c]));
   }
 }
 
@@ -39,12 +53,14 @@ constexpr int kEmbedPerThread = 4;  // channels per thread in the wte backward
 // position works: it walks all positions in chunks of 256, finds the matches with ballots and sums
 // their rows in position order. Blocks of later positions leave at the chunk that shows an earlier
 // match. So each dwte row has one writer and a fixed summation order.
+// dwte holds the vocabulary rows [v_begin, v_begin + rows): other ids add nothing here.
 __global__ void embedding_backward_wte_kernel(bf16* dwte, const bf16* dout,
-                                              const std::int32_t* tokens, int N, int C, int V) {
+                                              const std::int32_t* tokens, int N, int C, int v_begin,
+                                              int rows) {
   __shared__ unsigned masks[kThreads / kWarp];
   const int i = blockIdx.x;
   const std::int32_t id = tokens[i];
-  if (id < 0 || id >= V) return;  // the same for the whole block
+  if (id < v_begin || id - v_begin >= rows) return;  // the same for the whole block
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int c0 = blockIdx.y * kThreads * kEmbedPerThread + threadIdx.x;
   float acc[kEmbedPerThread] = {};
@@ -70,7 +86,7 @@ __global__ void embedding_backward_wte_kernel(bf16* dwte, const bf16* dout,
   for (int k = 0; k < kEmbedPerThread; ++k) {
     const int c = c0 + k * kThreads;
     if (c < C) {
-      bf16* d = dwte + int64_t(id) * C + c;
+      bf16* d = dwte + int64_t(id - v_begin) * C + c;
       *d = b16(f32(*d) + acc[k]);
     }
   }
@@ -278,17 +294,79 @@ __global__ void crossentropy_forward_kernel(bf16* probs, float* losses, const st
     row[j] = b16(expf(f32(row[j]) - mx) * inv);
 }
 
+// Columns j of the logits are vocabulary rows v_begin + j (vocabulary-parallel; 0 otherwise).
 __global__ void crossentropy_backward_kernel(bf16* dlogits, const bf16* probs,
-                                             const std::int32_t* targets, float scale, int N,
-                                             int V) {
+                                             const std::int32_t* targets, float scale, int N, int V,
+                                             int v_begin) {
   const int64_t n = int64_t(N) * V;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / V;
     const int j = int(i % V);
     const float d = f32(probs[i]) * scale;
-    dlogits[i] = b16(j == targets[r] ? d - scale : d);
+    dlogits[i] = b16(j + v_begin == targets[r] ? d - scale : d);
   }
+}
+
+// Vocabulary-parallel cross-entropy (Megatron), one block per row of this rank's logits (N, Vt),
+// of which the first `valid` columns are real vocabulary rows (the rest padding). maxima (N, t)
+// and sums (2N) start at zero and are summed over the TP group between the kernels.
+__global__ void vp_row_max_kernel(float* maxima, const bf16* logits, int Vt, int valid, int t,
+                                  int tp) {
+  __shared__ float shared[kWarp];
+  const bf16* row = logits + int64_t(blockIdx.x) * Vt;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < valid; j += blockDim.x)
+    mx = fmaxf(mx, f32(row[j]));
+  mx = block_reduce(mx, shared, -INFINITY, Max());
+  if (threadIdx.x == 0) maxima[int64_t(blockIdx.x) * t + tp] = mx;
+}
+
+__device__ float vp_row_max(const float* maxima, int r, int t) {
+  float m = -INFINITY;
+  for (int k = 0; k < t; ++k)
+    m = fmaxf(m, maxima[int64_t(r) * t + k]);
+  return m;
+}
+
+// sums[r]: this rank's sum of exp(logit - max); sums[N + r]: the target's logit - max on the rank
+// that holds the target's row (0 elsewhere).
+__global__ void vp_exp_sums_kernel(float* sums, const bf16* logits, const float* maxima,
+                                   const std::int32_t* targets, int N, int Vt, int valid, int t,
+                                   int v_begin, int V, int* bad_ids) {
+  __shared__ float shared[kWarp];
+  const int r = blockIdx.x;
+  const bf16* row = logits + int64_t(r) * Vt;
+  const float m = vp_row_max(maxima, r, t);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < valid; j += blockDim.x)
+    sum += expf(f32(row[j]) - m);
+  sum = block_reduce(sum, shared, 0.0f, Add());
+  if (threadIdx.x == 0) {
+    sums[r] = sum;
+    const std::int32_t y = targets[r];
+    if (y < 0 || y >= V) {
+      if (bad_ids) atomicAdd(bad_ids, 1);
+    } else if (y - v_begin >= 0 && y - v_begin < valid) {
+      sums[N + r] = f32(row[y - v_begin]) - m;
+    }
+  }
+}
+
+// Logits become probabilities (padding 0) and losses[r] = log(sum) - (target logit - max).
+__global__ void vp_normalize_kernel(bf16* probs, float* losses, const float* sums,
+                                    const float* maxima, const std::int32_t* targets, int N, int Vt,
+                                    int valid, int t, int V) {
+  const int r = blockIdx.x;
+  bf16* row = probs + int64_t(r) * Vt;
+  const float m = vp_row_max(maxima, r, t), s = sums[r];
+  if (threadIdx.x == 0) {
+    const std::int32_t y = targets[r];
+    losses[r] = y >= 0 && y < V ? logf(s) - sums[N + r] : 0.0f;
+  }
+  const float inv = 1.0f / s;
+  for (int j = threadIdx.x; j < Vt; j += blockDim.x)
+    row[j] = b16(j < valid ? expf(f32(row[j]) - m) * inv : 0.0f);
 }
 
 __global__ void mean_loss_kernel(float* out, const float* losses, int N) {
@@ -337,17 +415,39 @@ void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, c
   const int64_t n = int64_t(B) * T * C;
   if (n <= 0) return;
   embedding_forward_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, tokens, wte, wpe, B, T, C, V,
-                                                                 bad_ids);
+                                                                 0, V, bad_ids);
+  check_launch();
+}
+
+void embedding_forward_vp(bf16* out, const std::int32_t* tokens, const bf16* wte, int v_begin,
+                          int rows, int B, int T, int C, int V, int* bad_ids, cudaStream_t stream) {
+  const int64_t n = int64_t(B) * T * C;
+  if (n <= 0) return;
+  embedding_forward_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, tokens, wte, nullptr, B, T, C,
+                                                                 V, v_begin, rows, bad_ids);
+  check_launch();
+}
+
+void add_positions(bf16* out, const bf16* wpe, int B, int T, int C, cudaStream_t stream) {
+  const int64_t n = int64_t(B) * T * C;
+  if (n <= 0) return;
+  add_positions_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, wpe, B, T, C);
   check_launch();
 }
 
 void embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* tokens, int B,
                         int T, int C, int V, cudaStream_t stream) {
+  embedding_backward_vp(dwte, dwpe, dout, tokens, B, T, C, 0, V, stream);
+}
+
+void embedding_backward_vp(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* tokens,
+                           int B, int T, int C, int v_begin, int rows, cudaStream_t stream) {
   const int N = B * T;
   if (N <= 0 || C <= 0) return;
   const dim3 grid(unsigned(N),
                   unsigned((C + kThreads * kEmbedPerThread - 1) / (kThreads * kEmbedPerThread)));
-  embedding_backward_wte_kernel<<<grid, kThreads, 0, stream>>>(dwte, dout, tokens, N, C, V);
+  embedding_backward_wte_kernel<<<grid, kThreads, 0, stream>>>(dwte, dout, tokens, N, C, v_begin,
+                                                               rows);
   check_launch();
   embedding_backward_wpe_kernel<<<grid_for(int64_t(T) * C), kThreads, 0, stream>>>(dwpe, dout, B, T,
                                                                                    C);
@@ -414,7 +514,37 @@ void crossentropy_backward(bf16* dlogits, const bf16* probs, const std::int32_t*
   const int64_t n = int64_t(N) * V;
   if (n <= 0) return;
   crossentropy_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(dlogits, probs, targets, scale,
-                                                                     N, V);
+                                                                     N, V, 0);
+  check_launch();
+}
+
+void crossentropy_backward_vp(bf16* dlogits, const bf16* probs, const std::int32_t* targets,
+                              float scale, int N, int Vt, int v_begin, cudaStream_t stream) {
+  const int64_t n = int64_t(N) * Vt;
+  if (n <= 0) return;
+  crossentropy_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(dlogits, probs, targets, scale,
+                                                                     N, Vt, v_begin);
+  check_launch();
+}
+
+void crossentropy_forward_vp(bf16* probs, float* losses, const std::int32_t* targets, int N, int Vt,
+                             int valid, int t, int tp, int v_begin, int V, float* scratch,
+                             const std::function<void(float*, std::int64_t)>& tp_sum, int* bad_ids,
+                             cudaStream_t stream) {
+  if (N <= 0) return;
+  float* maxima = scratch;
+  float* sums = scratch + int64_t(N) * t;
+  CUDA_CHECK(
+      cudaMemsetAsync(scratch, 0, std::size_t(int64_t(N) * (t + 2)) * sizeof(float), stream));
+  vp_row_max_kernel<<<unsigned(N), kLossThreads, 0, stream>>>(maxima, probs, Vt, valid, t, tp);
+  check_launch();
+  tp_sum(maxima, int64_t(N) * t);
+  vp_exp_sums_kernel<<<unsigned(N), kLossThreads, 0, stream>>>(sums, probs, maxima, targets, N, Vt,
+                                                               valid, t, v_begin, V, bad_ids);
+  check_launch();
+  tp_sum(sums, 2 * int64_t(N));
+  vp_normalize_kernel<<<unsigned(N), kLossThreads, 0, stream>>>(probs, losses, sums, maxima,
+                                                                targets, N, Vt, valid, t, V);
   check_launch();
 }
 

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "exec/cuda/device.hpp"
 
@@ -22,11 +23,21 @@ void embedding_forward(bf16* out,                   // (B, T, C)
                        const bf16* wte,             // (V, C)
                        const bf16* wpe,             // (maxT, C)
                        int B, int T, int C, int V, int* bad_ids, cudaStream_t stream);
+// Vocabulary-parallel (Megatron): wte holds rows [v_begin, v_begin + rows) of the table; out = that
+// row of each id, zeros for ids outside it (the TP group's sum has every row; add_positions after).
+// Ids outside [0, V) are counted as above.
+void embedding_forward_vp(bf16* out, const std::int32_t* tokens, const bf16* wte, int v_begin,
+                          int rows, int B, int T, int C, int V, int* bad_ids, cudaStream_t stream);
+// out[b, t] += wpe[t].
+void add_positions(bf16* out, const bf16* wpe, int B, int T, int C, cudaStream_t stream);
 // dwte[tokens] += dout; dwpe[t] += dout. Each id's rows are summed in fp32 in position order by the
 // block of its first position: deterministic, no atomics.
 void embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* tokens, int B,
                         int T, int C, int V, cudaStream_t stream);
 
+// The same over wte's rows [v_begin, v_begin + rows): other ids add to dwpe only.
+void embedding_backward_vp(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* tokens,
+                           int B, int T, int C, int v_begin, int rows, cudaStream_t stream);
 // out = (inp - mean) * rstd * weight + bias per row; keeps mean and rstd (fp32) for the backward.
 void layernorm_forward(bf16* out, float* mean, float* rstd,  // (N, C), (N), (N)
                        const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
@@ -63,6 +74,18 @@ void crossentropy_backward(bf16* dlogits,      // (N, V)
                            const bf16* probs,  // (N, V)
                            const std::int32_t* targets, float scale, int N, int V,
                            cudaStream_t stream);
+// Vocabulary-parallel cross-entropy (Megatron) over this rank's logits (N, Vt), vocabulary rows
+// v_begin + j, of which the first `valid` columns are real (the rest padding, probability 0):
+// the row maxima, the sums of exponentials and the target logits summed over the TP group by
+// `tp_sum` (fp32, enqueued on `stream`), then logits become probabilities in place and losses =
+// -log p[target]. scratch: N (t + 2) floats of device memory.
+void crossentropy_forward_vp(bf16* probs, float* losses, const std::int32_t* targets, int N, int Vt,
+                             int valid, int t, int tp, int v_begin, int V, float* scratch,
+                             const std::function<void(float*, std::int64_t)>& tp_sum, int* bad_ids,
+                             cudaStream_t stream);
+// dlogits = (probs - onehot(target - v_begin)) * scale over this rank's columns.
+void crossentropy_backward_vp(bf16* dlogits, const bf16* probs, const std::int32_t* targets,
+                              float scale, int N, int Vt, int v_begin, cudaStream_t stream);
 // *out = mean of losses (N), summed in double in a fixed order.
 void mean_loss(float* out, const float* losses, int N, cudaStream_t stream);
 

@@ -69,6 +69,11 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   detail::GpuShared shared;
   std::vector<int> here;  // the ranks this process runs
   int device = 0;
+  if (run.mpi && plan.t > 1)
+    throw InputError(fmt::format(
+        "plan: t: the cuda executor runs tensor parallelism in one process (t = {}: every device "
+        "on this GPU), not under mpirun yet; the cpu backend does",
+        plan.t));
   if (run.mpi) {
     check_world_size(
         run.mpi->size(), plan.ranks(),
@@ -76,7 +81,7 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
     device = local_device(detect_mpi_env(), devices);
     here = {run.mpi->rank()};
   } else {
-    for (int r = 0; r < plan.ranks(); ++r)
+    for (int r = 0; r < plan.ranks() * plan.t; ++r)  // a worker per device (t per rank)
       here.push_back(r);
   }
   CUDA_CHECK(cudaSetDevice(device));
@@ -114,7 +119,7 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
 #endif
   } else {
     arena = std::make_unique<DeviceArena>(arena_capacity(run));
-    transport = std::make_unique<LocalTransport>(*arena, plan.ranks(), run.timeout_s);
+    transport = std::make_unique<LocalTransport>(*arena, plan.ranks() * plan.t, run.timeout_s);
   }
 
   shared.init(model, prepared, options, data, int(here.size()));

@@ -74,29 +74,33 @@ void PinnedBuffer::release() {
   data_ = nullptr;
 }
 
-CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
+CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     : s_(s),
       transport_(*s.transport),
-      rank_(rank),
-      stage_(s.plan().stage_of(rank)),
-      replica_(s.plan().replica_of(rank)),
+      device_(device),
+      rank_(device / s.plan().t),
+      tp_(device % s.plan().t),
+      t_(s.plan().t),
+      stage_(s.plan().stage_of(rank_)),
+      replica_(s.plan().replica_of(rank_)),
       memory_(counter) {
   CUDA_CHECK(cudaSetDevice(s.device));
   for (cudaStream_t* st : all_streams())
     CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
-  slots_.set_rank(rank);
+  slots_.set_rank(rank_);
   const planner::Plan& p = s.plan();
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
   sharded_ = p.distributed_optimizer && p.w > 1;
   swaps_ = p.swaps(stage_);
   if (offload_optimizer_ && p.w > 1)  // planner::check refuses it; the all-reduce needs grads
     throw Error(
-        fmt::format("rank {}: optimizer offload with w = {} (data parallelism)", rank, p.w));
+        fmt::format("rank {}: optimizer offload with w = {} (data parallelism)", rank_, p.w));
   std::int64_t workspace = 0;
   // Each chunk's fp32 initial weights (optimizer offload, the distributed optimizer's shards).
   std::vector<std::vector<float>> initial;
   for (int c = 0; c < p.v; ++c) {
-    const StageSpec spec = exec::detail::chunk_spec(*s.model, p, stage_, c);
+    StageSpec spec = exec::detail::chunk_spec(*s.model, p, stage_, c);
+    spec.tp_rank = tp_;  // t > 1: this device's shard (its heads, FFN columns, vocabulary rows)
     Chunk ch;
     ch.stage = std::make_unique<CudaGptStage>(spec, *s.arena, compute_);
     // The stage's cuBLASLt workspace and status word are this rank's memory too.
@@ -147,6 +151,22 @@ CudaWorker::CudaWorker(GpuShared& s, int rank, MemoryCounter& counter)
   }
   if (sharded_) setup_shards(initial);
   workspace_ = tensor(Category::workspace, 2 * workspace);
+  // Tensor parallelism: the TP group's sums on the compute stream, in program order on every member
+  // (the group: this pipeline rank's t devices); the cross-entropy's statistics in the workspace.
+  std::vector<int> tp_group;
+  for (int k = 0; k < t_; ++k)
+    tp_group.push_back(rank_ * t_ + k);
+  for (Chunk& ch : chunks_) {
+    CudaGptStage::Tp tp;
+    if (t_ > 1)
+      tp.sum = [this, tp_group](void* data, std::int64_t count, bool fp32) {
+        transport_.all_reduce_sum(tp_group, device_, data, count, fp32 ? DType::fp32 : DType::bf16,
+                                  compute_);
+      };
+    tp.workspace = workspace_.as<bf16>();
+    tp.workspace_elements = workspace;
+    ch.stage->set_tp(std::move(tp));
+  }
   if (chunks_.back().last) losses_ = tensor(Category::workspace, 4 * 2 * std::int64_t(p.m));
   setup_offload(initial);
   // The memsets above run on compute_; the checkpoint's copies go through the legacy stream, which
@@ -298,7 +318,7 @@ void CudaWorker::host_wait(cudaEvent_t e, const char* what) {
 }
 
 void CudaWorker::synchronize(cudaStream_t s, const std::string& what) {
-  transport_.synchronize(rank_, s, what);
+  transport_.synchronize(device_, s, what);
 }
 
 void CudaWorker::resolve_timeline(bool all) {
@@ -544,7 +564,8 @@ void CudaWorker::send(const Op& op, Channel channel, std::map<Key, Held>& from) 
   wait(stream, produced);
   pool_.push_back(produced);
   begin_timed(planner::kSendStream, stream);
-  transport_.send(rank_, op.peer, channel, h.tensor.as<void>(), h.tensor.bytes(), stream);
+  transport_.send(device_, device_of(op.peer), channel, h.tensor.as<void>(), h.tensor.bytes(),
+                  stream);
   end_timed(stream);
   retire(std::move(h), stream);
 }
@@ -566,7 +587,7 @@ void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
   }
   Tensor t = tensor(Category::activations, 2 * elements);
   begin_timed(planner::kRecvStream, stream);
-  transport_.recv(op.peer, rank_, channel, t.as<void>(), t.bytes(), stream);
+  transport_.recv(device_of(op.peer), device_, channel, t.as<void>(), t.bytes(), stream);
   end_timed(stream);
   into[key] = Held{std::move(t), record(stream)};
 }
@@ -582,8 +603,8 @@ void CudaWorker::all_reduce(const Op& op) {
   if (sharded_)
     reduce_scatter(c, begin, end);
   else
-    transport_.all_reduce_sum_bf16(replica_group(), rank_, c.grads.as<bf16>() + begin, end - begin,
-                                   reduce_);
+    transport_.all_reduce_sum_bf16(replica_group(), device_, c.grads.as<bf16>() + begin,
+                                   end - begin, reduce_);
   end_timed(reduce_);
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = record(reduce_);
@@ -592,7 +613,7 @@ void CudaWorker::all_reduce(const Op& op) {
 std::vector<int> CudaWorker::replica_group() const {
   std::vector<int> group;
   for (int r = 0; r < s_.plan().w; ++r)
-    group.push_back(s_.plan().rank_of(stage_, r));
+    group.push_back(device_of(s_.plan().rank_of(stage_, r)));
   return group;
 }
 
@@ -637,10 +658,10 @@ void CudaWorker::reduce_scatter(Chunk& c, std::int64_t begin, std::int64_t end) 
        exec::detail::bucket_pieces(c.first, c.tied_offset, c.tied_size, p.d, p.w, begin, end)) {
     bf16* at = grads + piece.begin;
     if (piece.kind == exec::detail::BucketPiece::tied_whole)
-      transport_.all_reduce_sum_bf16(group, rank_, at, piece.end - piece.begin, reduce_);
+      transport_.all_reduce_sum_bf16(group, device_, at, piece.end - piece.begin, reduce_);
     else
       transport_.reduce_scatter_sum(
-          group, rank_, at,
+          group, device_, at,
           piece.kind == exec::detail::BucketPiece::tied_shards
               ? piece.bounds
               : exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w),
@@ -661,7 +682,7 @@ void CudaWorker::all_gather(int target) {
   for (Chunk& c : chunks_) {
     const std::int64_t n = c.sizes.parameters;
     transport_.all_gather(
-        group, rank_, c.slots[target].as<bf16>(),
+        group, device_, c.slots[target].as<bf16>(),
         exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w), 0, n),
         DType::bf16, reduce_);
   }
@@ -697,7 +718,7 @@ void CudaWorker::tied_gradient_out(const Op& op, planner::TiedShard sh) {
   wait(stream, produced);
   pool_.push_back(produced);
   begin_timed(planner::kSendStream, stream);
-  transport_.send(rank_, op.peer, Channel::tied, copy.as<void>(), shard_bytes, stream);
+  transport_.send(device_, device_of(op.peer), Channel::tied, copy.as<void>(), shard_bytes, stream);
   end_timed(stream);
   retire(std::move(copy), stream);
 }
@@ -709,7 +730,7 @@ void CudaWorker::tied_gradient_in(const Op& op, planner::TiedShard sh, bool hold
   Tensor head = tensor(Category::workspace, bytes);
   if (hold) CUDA_CHECK(cudaMemsetAsync(head.as<void>(), 0, std::size_t(bytes), stream));
   begin_timed(planner::kRecvStream, stream);
-  transport_.recv(op.peer, rank_, Channel::tied, head.as<bf16>() + sh.begin,
+  transport_.recv(device_of(op.peer), device_, Channel::tied, head.as<bf16>() + sh.begin,
                   2 * (sh.end - sh.begin), stream);
   end_timed(stream);
   const cudaEvent_t arrived = record(stream);
@@ -732,7 +753,8 @@ void CudaWorker::tied_gradient_gather(const Op& op, planner::TiedShard) {
   wait(reduce_, tied_head_.ready);
   pool_.push_back(tied_head_.ready);
   begin_timed(planner::kCollectiveStream, reduce_);
-  transport_.all_reduce_sum_bf16(replica_group(), rank_, tied_head_.tensor.as<bf16>(), n, reduce_);
+  transport_.all_reduce_sum_bf16(replica_group(), device_, tied_head_.tensor.as<bf16>(), n,
+                                 reduce_);
   end_timed(reduce_);
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = record(reduce_);
@@ -750,7 +772,7 @@ void CudaWorker::tied_weights_out(const Op& op, planner::TiedShard sh) {
   wait(stream, produced);
   pool_.push_back(produced);
   begin_timed(planner::kSendStream, stream);
-  transport_.send(rank_, op.peer, Channel::tied_weights,
+  transport_.send(device_, device_of(op.peer), Channel::tied_weights,
                   params(c, op.version) + c.tied_offset + sh.begin, 2 * (sh.end - sh.begin),
                   stream);
   end_timed(stream);
@@ -771,8 +793,8 @@ void CudaWorker::tied_weights_in(const Op& op, planner::TiedShard sh, bool hold)
   bf16* copy = params(c, op.version) + c.tied_offset;
   if (hold) CUDA_CHECK(cudaMemsetAsync(copy, 0, std::size_t(2 * c.tied_size), stream));
   begin_timed(planner::kRecvStream, stream);
-  transport_.recv(op.peer, rank_, Channel::tied_weights, copy + sh.begin, 2 * (sh.end - sh.begin),
-                  stream);
+  transport_.recv(device_of(op.peer), device_, Channel::tied_weights, copy + sh.begin,
+                  2 * (sh.end - sh.begin), stream);
   end_timed(stream);
   const cudaEvent_t arrived = record(stream);
   if (hold) {
@@ -790,7 +812,7 @@ void CudaWorker::tied_weights_gather(const Op& op, planner::TiedShard) {
   pool_.push_back(tied_arrived_);
   tied_arrived_ = nullptr;
   begin_timed(planner::kCollectiveStream, reduce_);
-  transport_.all_reduce_sum_bf16(replica_group(), rank_, params(c, op.version) + c.tied_offset,
+  transport_.all_reduce_sum_bf16(replica_group(), device_, params(c, op.version) + c.tied_offset,
                                  c.tied_size, reduce_);
   end_timed(reduce_);
   const cudaEvent_t gathered = record(reduce_);
@@ -891,7 +913,7 @@ void CudaWorker::end_of_step(int step) {
   synchronize(compute_, fmt::format("optimizer step {}", step));
   for (Chunk& c : chunks_)
     if (c.first || c.last) c.stage->check_ids();
-  if (chunks_.back().last) {
+  if (chunks_.back().last && tp_ == 0) {  // the TP group's losses are one (the group's sum)
     const int m = s_.plan().m;
     std::vector<float> losses(static_cast<std::size_t>(m));
     CUDA_CHECK(cudaMemcpy(losses.data(), losses_.as<float>() + (step % 2) * m,
@@ -1217,12 +1239,13 @@ void CudaWorker::save_checkpoint(int step) {
   }
   const common::Json header = {{"format", "pipewright.checkpoint-shard/2"},
                                {"backend", "cuda"},
-                               {"rank", rank_},
+                               {"rank", device_},
+                               {"tp", tp_},
                                {"stage", stage_},
                                {"replica", replica_},
                                {"step", updates},
                                {"versions", versions}};
-  write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), rank_), header,
+  write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), device_), header,
               tensors);
 }
 
@@ -1237,13 +1260,14 @@ void CudaWorker::load_checkpoint(int step) {
   std::vector<std::vector<float>> host;
   const std::vector<ShardTensor> tensors = shard_tensors(versions, host);
   const std::string dir = checkpoint_path(s_.options->checkpoint_dir, step);
-  read_shard(shard_path(dir, rank_), tensors);
+  read_shard(shard_path(dir, device_), tensors);
   // The last stage's tied copy comes from stage 0's shard of this replica.
   Chunk& last = chunks_.back();
   if (p.d > 1 && last.last && last.tied_offset >= 0) {
-    const exec::GptLayout first(exec::detail::chunk_spec(*s_.model, p, 0, 0), models::DType::bf16,
-                                "cuda");
-    const std::string shard = shard_path(dir, p.rank_of(0, replica_));
+    StageSpec first_spec = exec::detail::chunk_spec(*s_.model, p, 0, 0);
+    first_spec.tp_rank = tp_;  // the vocabulary rows of this TP index
+    const exec::GptLayout first(first_spec, models::DType::bf16, "cuda");
+    const std::string shard = shard_path(dir, device_of(p.rank_of(0, replica_)));
     const std::size_t base =
         (chunks_.size() - 1) * (versions.size() + (s_.options->optimizer == "adamw" ? 3 : 2));
     for (std::size_t j = 0; j < versions.size(); ++j)
@@ -1281,7 +1305,7 @@ void CudaWorker::load_checkpoint(int step) {
 
 RankResult CudaWorker::result() {
   RankResult r;
-  r.rank = rank_;
+  r.rank = device_;
   r.peak_memory_bytes = memory_.peak();
   r.memory = memory_.at_peak();
   r.busy_s = busy_s_;
@@ -1299,9 +1323,11 @@ RankResult CudaWorker::result() {
   }
   for (const auto& slot : chunks_.front().stage->layout())
     r.slot_names.push_back(slot.name);
-  r.timeline.rank = rank_;
-  r.timeline.label =
-      fmt::format("rank {} (GPU {}, stage {}, replica {})", rank_, s_.device, stage_, replica_);
+  r.timeline.rank = device_;
+  r.timeline.label = t_ > 1 ? fmt::format("device {} (GPU {}, stage {}, replica {}, TP {})",
+                                          device_, s_.device, stage_, replica_, tp_)
+                            : fmt::format("rank {} (GPU {}, stage {}, replica {})", rank_,
+                                          s_.device, stage_, replica_);
   std::sort(ops_.begin(), ops_.end(),
             [](const planner::TimedOp& a, const planner::TimedOp& b) { return a.op < b.op; });
   r.timeline.ops = ops_;

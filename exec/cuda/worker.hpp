@@ -107,7 +107,10 @@ struct GpuShared : exec::detail::StepBook {
 
 class CudaWorker {
  public:
-  CudaWorker(GpuShared& shared, int rank, MemoryCounter& counter);
+  // One worker per device: with tensor parallelism (t > 1) the t devices of pipeline rank r (device
+  // = r * t + TP index, the plan's order) run r's program alike, each with its shard of the layers;
+  // their messages and data-parallel collectives go to the devices of the same TP index.
+  CudaWorker(GpuShared& shared, int device, MemoryCounter& counter);
   ~CudaWorker();
   CudaWorker(const CudaWorker&) = delete;
   CudaWorker& operator=(const CudaWorker&) = delete;
@@ -244,7 +247,10 @@ class CudaWorker {
 
   GpuShared& s_;
   DeviceTransport& transport_;
-  int rank_, stage_, replica_;
+  int device_;         // its transport rank, memory, checkpoint shard and result
+  int rank_, tp_, t_;  // its pipeline rank (program), TP index, the TP degree
+  int stage_, replica_;
+  int device_of(int rank) const { return rank * t_ + tp_; }  // pipeline rank -> device, my TP index
   MemoryCounter& memory_;
   // A send and a recv stream per channel: NCCL's sends wait for their receiver, so one stream for
   // every send would chain the activation and gradient directions into waits the checker's
