@@ -33,8 +33,9 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
   6. executor    CUDA paths beyond one rank, gpt2-124m: 2bw w=2 d=2 (tied-embedding gathers) run
                  6 steps straight and 3 + --resume to 6 (the losses must be equal, bit for bit),
                  the same global batch on one rank (losses within 1e-3 relative: bf16 sums in
-                 another order), interleaved d=2 v=2, 1f1b w=2 d=2 with 3 buckets; and the
-                 profiler's spread: the same shape (b=4) profiled 5 times
+                 another order), interleaved d=2 v=2, 1f1b w=2 d=2 with 3 buckets, 1f1b d=2 at
+                 t=2 against t=1 (losses within 2e-2 relative; tensor parallelism's first GPU
+                 run); and the profiler's spread: the same shape (b=4) profiled 5 times
   7. dopt        the distributed optimizer (ZeRO-1) in the CUDA executor, gpt2-124m w=2 d=2 b=2
                  m=4, 6 steps, 1f1b and 2bw (3 buckets), with and without
                  --distributed-optimizer: losses equal bit for bit, each rank's optimizer
@@ -431,6 +432,23 @@ sys.exit(0 if ok else 1)
 EOF
   fi
   rm -rf "$EXE_DIR/ckpt"  # gigabytes of checkpoints: compared above, not kept
+  # Tensor parallelism (never run on a GPU before): t = 2 against t = 1, every device on this GPU.
+  for tp in 1 2; do
+    pw_step "executor 1f1b d=2 t=$tp" "$PW" train --backend cuda --model gpt2-124m -s 1f1b \
+      -d 2 --tp "$tp" -b 2 -m 4 --steps 6 -o "$EXE_DIR/tp$tp.json"
+  done
+  if [ -s "$EXE_DIR/tp1.json" ] && [ -s "$EXE_DIR/tp2.json" ]; then
+    run_step "executor: t=2 follows t=1" 60 "$PY" - "$EXE_DIR" <<'EOF'
+import json, sys
+d = sys.argv[1]
+one, two = (json.load(open(f"{d}/tp{t}.json"))["losses"] for t in (1, 2))
+rel = max(abs(a - b) / abs(b) for a, b in zip(two, one))
+print("t=1:", one)
+print("t=2:", two)
+print(f"max relative loss difference {rel:.2e} (limit 2e-2)")
+sys.exit(0 if len(one) == len(two) and rel <= 2e-2 else 1)
+EOF
+  fi
   for i in 1 2 3 4 5; do
     pw_step "executor profile spread $i/5" "$PW" profile --backend cuda --model gpt2-124m \
       --microbatch 4 --repeats 10 -o "$EXE_DIR/spread-$i.json"
