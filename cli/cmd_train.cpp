@@ -51,7 +51,7 @@ void add_train_command(CLI::App& app) {
 #ifdef PW_HAVE_CUDA
                   "; --offload optimizer, activations or optimizer,activations on pinned host "
                   "memory and copy streams, not chunks; --tp t: t devices per rank, all on GPU 0, "
-                  "not under mpirun, without SP or offload (never run on a GPU yet)"
+                  "not under mpirun, without offload (never run on a GPU yet)"
 #endif
                   ")")
       ->capture_default_str();

@@ -52,9 +52,8 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.dropout) unsupported(m, backend, "dropout", "true");
   if (models::key_value_heads(m) != m.heads)
     unsupported(m, backend, "kv_heads", std::to_string(models::key_value_heads(m)));
-  // Both stages run Megatron's tensor parallelism and vocabulary padding (padded logits masked
-  // out of the softmax); sequence parallelism the CPU stage only.
-  if (backend != "cpu" && s.sp) unsupported(m, backend, "sp", "true");
+  // Both stages run Megatron's tensor and sequence parallelism and vocabulary padding (padded
+  // logits masked out of the softmax).
   if (backend != "cpu" && s.selective)
     throw InputError("stage of model '" + m.name + "': the " + backend +
                      " stage does not run selective recompute");

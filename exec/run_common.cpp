@@ -106,8 +106,8 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
                     "(t = {}; the cpu backend does); simulate or estimate it instead",
                     backend, plan.t));
-  // The CUDA executor's tensor parallelism (compile-checked, not yet run on a GPU): the t devices
-  // of each pipeline rank in one process, without offload.
+  // The CUDA executor's tensor and sequence parallelism (compile-checked, not yet run on a GPU):
+  // the t devices of each pipeline rank in one process, without offload.
   if (plan.t > 1 && backend == "cuda" && plan.any_offload())
     throw InputError(
         fmt::format("plan: t: the cuda executor runs tensor parallelism without offload (t = {}, "
@@ -118,7 +118,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: overlap_param_gather: the {} executor all-gathers the parameters "
                     "before the next step (no overlap yet); simulate or estimate it instead",
                     backend));
-  if (plan.sp && plan.t > 1 && backend != "cpu")
+  if (plan.sp && plan.t > 1 && backend != "cpu" && backend != "cuda")
     throw InputError(
         fmt::format("plan: sp: the {} executor does not run sequence parallelism yet; "
                     "simulate or estimate it instead",

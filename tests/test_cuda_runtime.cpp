@@ -99,8 +99,8 @@ TEST(CudaRuntime, WithoutAGpuSaysSo) {
   }
 }
 
-// Tensor parallelism reaches the CUDA executor (one process, without offload or SP); what it does
-// not run yet is one line before anything starts.
+// Tensor and sequence parallelism reach the CUDA executor (one process, without offload); what it
+// does not run yet is one line before anything starts.
 TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 1, 2);
   p.t = 2;
@@ -111,8 +111,7 @@ TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   };
   Plan sp = p;
   sp.sp = true;
-  one_line(pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, sp, sgd(1), "cuda"); }),
-           "the cuda executor does not run sequence parallelism yet");
+  EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, sp, sgd(1), "cuda"));
   Plan off = p;
   off.offload = pw::planner::Offload::optimizer;
   one_line(pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, off, sgd(1), "cuda"); }),
@@ -320,21 +319,23 @@ TEST(CudaRuntime, DistributedOptimizerResumeIsExact) {
 // Tensor parallelism (Megatron's column-/row-parallel blocks, vocabulary-parallel embedding and
 // cross-entropy; t devices per pipeline rank, every one a thread on this GPU): the losses of the
 // same plan at t = 1 within bf16 tolerances (the TP sums add bf16 partial products, as Megatron's
-// all-reduces do), with a padded vocabulary, in a pipeline, with data parallelism and 2bw; every
-// device holds its shard, as the planner counts it at t.
+// all-reduces do), with a padded vocabulary, in a pipeline, with data parallelism, 2bw and
+// sequence parallelism; every device holds its shard, as the planner counts it at t.
 TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
   PW_SKIP_WITHOUT_GPU();
   struct Case {
     Schedule s;
     int t, w, d;
-    bool padded;
+    bool padded, sp = false;
   };
   for (const Case& k :
        {Case{Schedule::one_f_one_b, 2, 1, 1, false}, Case{Schedule::gpipe, 4, 1, 1, true},
         Case{Schedule::one_f_one_b, 2, 1, 2, true}, Case{Schedule::two_bw, 2, 1, 2, false},
-        Case{Schedule::one_f_one_b, 2, 2, 1, false}}) {
-    SCOPED_TRACE(fmt::format("{} t={} w={} d={}{}", pw::planner::to_string(k.s), k.t, k.w, k.d,
-                             k.padded ? " padded" : ""));
+        Case{Schedule::one_f_one_b, 2, 2, 1, false},
+        Case{Schedule::one_f_one_b, 2, 1, 2, true, true},
+        Case{Schedule::gpipe, 4, 1, 1, false, true}}) {
+    SCOPED_TRACE(fmt::format("{} t={} w={} d={}{}{}", pw::planner::to_string(k.s), k.t, k.w, k.d,
+                             k.padded ? " padded" : "", k.sp ? " sp" : ""));
     pw::models::ModelSpec model = kGpu;
     if (k.padded) {
       model.vocab = 250;
@@ -343,6 +344,7 @@ TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
     const Plan one = make_plan(k.s, k.w, k.d, 1, 4);
     Plan p = one;
     p.t = k.t;
+    p.sp = k.sp;
     const auto want = losses(pw::exec::cuda::train_cuda(model, one, adamw(4, 1)));
     const TrainResult r = pw::exec::cuda::train_cuda(model, p, adamw(4, 1));
     const auto got = losses(r);
@@ -354,7 +356,7 @@ TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
     pw::planner::place(placed, {1, 8});
     const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
     const auto tr =
-        pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{k.t, false});
+        pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{k.t, k.sp});
     const auto devices = pw::planner::estimate(model, tr, node, placed).report.devices;
     for (int device = 0; device < p.ranks() * k.t; ++device) {
       const auto& expect = devices[std::size_t(device / k.t)].memory;

@@ -77,11 +77,12 @@ CudaGptStage::BlockActs<Const> CudaGptStage::carve_block(P base, int64_t BT) con
                 NH_t = layout_.NH_t;
   Elements<P> c{base};
   BlockActs<Const> a;
-  a.x = c.take(BT * C), a.ln1 = c.take(BT * C);
-  a.ln1_mean = c.template take_as<float>(BT), a.ln1_rstd = c.template take_as<float>(BT);
+  const int64_t R = layout_.rows(BT);  // tokens outside the TP region (SP: this rank's)
+  a.x = c.take(R * C), a.ln1 = c.take(R * C);
+  a.ln1_mean = c.template take_as<float>(R), a.ln1_rstd = c.template take_as<float>(R);
   a.qkv = c.take(BT * 3 * C_t), a.att = c.take(BT * NH_t * T), a.atty = c.take(BT * C_t);
-  a.resid1 = c.take(BT * C), a.ln2 = c.take(BT * C);
-  a.ln2_mean = c.template take_as<float>(BT), a.ln2_rstd = c.template take_as<float>(BT);
+  a.resid1 = c.take(R * C), a.ln2 = c.take(R * C);
+  a.ln2_mean = c.template take_as<float>(R), a.ln2_rstd = c.template take_as<float>(R);
   a.fc = c.take(BT * F_t), a.gelu = c.take(BT * F_t);
   return a;
 }
@@ -91,8 +92,9 @@ CudaGptStage::HeadActs<Const> CudaGptStage::carve_head(P base, int64_t BT) const
   const int64_t C = layout_.C, V = layout_.V_t;  // this rank's vocabulary rows (padded)
   Elements<P> c{base};
   HeadActs<Const> h;
-  h.x = c.take(BT * C), h.lnf = c.take(BT * C);
-  h.mean = c.template take_as<float>(BT), h.rstd = c.template take_as<float>(BT);
+  const int64_t R = layout_.rows(BT);
+  h.x = c.take(R * C), h.lnf = c.take(R * C);
+  h.mean = c.template take_as<float>(R), h.rstd = c.template take_as<float>(R);
   h.probs = c.take(BT * V);
   h.targets = c.template take_as<std::int32_t>(BT);
   h.losses = c.template take_as<float>(BT);
@@ -128,7 +130,7 @@ void CudaGptStage::forward(const bf16* params, const std::int32_t* tokens, const
   if (s.has_embedding)
     copy(stash, tokens, BT * int64_t(sizeof(std::int32_t)));
   else
-    copy(stash, input, BT * layout_.C * int64_t(sizeof(bf16)));
+    copy(stash, input, layout_.rows(BT) * layout_.C * int64_t(sizeof(bf16)));
   run(params, s.has_embedding ? reinterpret_cast<const std::int32_t*>(stash) : nullptr,
       s.has_embedding ? nullptr : stash, targets, b, scratch, true, output, loss);
 }
@@ -162,17 +164,25 @@ void CudaGptStage::run(const bf16* params, const std::int32_t* tokens, const bf1
     }
     bf16* dst = has_layers ? cur : output;
     if (dst && vocab_parallel()) {
-      // This rank's vocabulary rows, zeros elsewhere, summed over the group; then positions.
-      embedding_forward_vp(dst, ids, params + layout_.wte, int(layout_.v_begin), int(layout_.V_t),
-                           b, int(layout_.T), int(C), int(layout_.V), &status->bad_tokens, stream_);
-      tp_sum(dst, BT * C, false);
-      add_positions(dst, params + layout_.wpe, b, int(layout_.T), int(C), stream_);
+      // This rank's vocabulary rows, zeros elsewhere, summed over the group (SP: full-width in
+      // the scratch, this rank's rows of the sum into dst); then positions.
+      bf16* looked = layout_.sp ? tp_scratch(BT * C) : dst;
+      embedding_forward_vp(looked, ids, params + layout_.wte, int(layout_.v_begin),
+                           int(layout_.V_t), b, int(layout_.T), int(C), int(layout_.V),
+                           &status->bad_tokens, stream_);
+      if (layout_.sp)
+        scatter(looked, dst, BT);
+      else
+        tp_sum(dst, BT * C, false);
+      const int64_t rows = layout_.rows(BT);
+      add_positions(dst, params + layout_.wpe, rows, layout_.sp ? layout_.tp * rows : 0,
+                    int(layout_.T), int(C), stream_);
     } else if (dst) {
       embedding_forward(dst, ids, params + layout_.wte, params + layout_.wpe, b, int(layout_.T),
                         int(C), int(layout_.V), &status->bad_tokens, stream_);
     }
   } else {
-    copy(cur, input, BT * C * int64_t(sizeof(bf16)));
+    copy(cur, input, layout_.rows(BT) * C * int64_t(sizeof(bf16)));
   }
   for (int64_t i = 0; i < s.blocks; ++i) {
     bf16* next = rolling ? cur : cur + layout_.block_elements(BT);
@@ -190,15 +200,63 @@ void CudaGptStage::tp_sum(void* data, std::int64_t count, bool fp32) const {
   tp_.sum(data, count, fp32);
 }
 
+bf16* CudaGptStage::tp_scratch(std::int64_t elements) const {
+  if (!tp_.workspace || tp_.workspace_elements < elements)
+    throw Error("cuda stage: sequence parallelism without a large enough workspace (set_tp)");
+  return tp_.workspace;
+}
+
+const bf16* CudaGptStage::gather(const bf16* mine, bf16* full, std::int64_t BT) const {
+  if (!tp_.all_gather) throw Error("cuda stage: sequence parallelism without the TP all-gather");
+  const int64_t n = layout_.rows(BT) * layout_.C;
+  copy(full + layout_.tp * n, mine, n * int64_t(sizeof(bf16)));
+  tp_.all_gather(full, BT * layout_.C);
+  return full;
+}
+
+void CudaGptStage::scatter(bf16* full, bf16* mine, std::int64_t BT) const {
+  if (!tp_.reduce_scatter)
+    throw Error("cuda stage: sequence parallelism without the TP reduce-scatter");
+  const int64_t n = layout_.rows(BT) * layout_.C;
+  tp_.reduce_scatter(full, BT * layout_.C);
+  copy(mine, full + layout_.tp * n, n * int64_t(sizeof(bf16)));
+}
+
+void CudaGptStage::norm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
+                                 const bf16* inp, const bf16* weight, const float* mean,
+                                 const float* rstd, int N, bool accumulate, bf16* temp,
+                                 std::int64_t temp_elements) const {
+  const int C = int(layout_.C);
+  if (!layout_.sp)
+    return layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, accumulate,
+                              stream_);
+  if (temp_elements < 2 * C)
+    throw Error("cuda stage backward: no room for a norm's gradient sums (sequence parallelism)");
+  CUDA_CHECK(cudaMemsetAsync(temp, 0, std::size_t(2 * C) * sizeof(bf16), stream_));
+  layernorm_backward(dinp, temp, temp + C, dout, inp, weight, mean, rstd, N, C, accumulate,
+                     stream_);
+  tp_sum(temp, 2 * C, false);
+  residual_add(dweight, dweight, temp, C, stream_);
+  residual_add(dbias, dbias, temp + C, C, stream_);
+}
+
 void CudaGptStage::row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight,
                                         const bf16* bias, const bf16* residual, int N, int C_in) {
   const int C = int(layout_.C);
   if (layout_.t == 1) return linear_forward(*gemm_, out, inp, weight, bias, residual, N, C_in, C);
-  linear_forward(*gemm_, out, inp, weight, nullptr, nullptr, N, C_in, C);
-  tp_sum(out, int64_t(N) * C, false);
+  int64_t rows = N;
+  if (layout_.sp) {  // the partial sums full-width in the scratch, this rank's rows summed
+    bf16* full = tp_scratch(int64_t(N) * C);
+    linear_forward(*gemm_, full, inp, weight, nullptr, nullptr, N, C_in, C);
+    rows = layout_.rows(N);
+    scatter(full, out, N);
+  } else {
+    linear_forward(*gemm_, out, inp, weight, nullptr, nullptr, N, C_in, C);
+    tp_sum(out, int64_t(N) * C, false);
+  }
   // The bias whole on every rank, added once after the sum; then the residual.
-  add_bias(out, bias, N, C, C, stream_);
-  residual_add(out, out, residual, int64_t(N) * C, stream_);
+  add_bias(out, bias, rows, C, C, stream_);
+  residual_add(out, out, residual, rows * C, stream_);
 }
 
 void CudaGptStage::block_forward(const bf16* w, const BlockActs<false>& a, int b, bf16* out) {
@@ -207,13 +265,18 @@ void CudaGptStage::block_forward(const bf16* w, const BlockActs<false>& a, int b
             F_t = int(layout_.F_t);
   const int64_t* r = layout_.block_rel;
   Gemm& g = *gemm_;
-  layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], BT, C, stream_);
-  linear_forward(g, a.qkv, a.ln1, w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
+  // With SP the norms run on this rank's rows, gathered full-width (scratch) for the GEMMs.
+  const int R = int(layout_.rows(BT));
+  const auto full = [&](const bf16* mine) {
+    return layout_.sp ? gather(mine, tp_scratch(int64_t(BT) * C), BT) : mine;
+  };
+  layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], R, C, stream_);
+  linear_forward(g, a.qkv, full(a.ln1), w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
   attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
   row_parallel_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C_t);
-  layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], BT, C,
+  layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], R, C,
                     stream_);
-  linear_forward(g, a.fc, a.ln2, w + r[fc_w], w + r[fc_b], nullptr, BT, C, F_t);
+  linear_forward(g, a.fc, full(a.ln2), w + r[fc_w], w + r[fc_b], nullptr, BT, C, F_t);
   gelu_forward(a.gelu, a.fc, int64_t(BT) * F_t, stream_);
   // out may alias a.x (rolling): x is dead once resid1 exists.
   if (out) row_parallel_forward(out, a.gelu, w + r[fcproj_w], w + r[fcproj_b], a.resid1, BT, F_t);
@@ -224,10 +287,12 @@ void CudaGptStage::head_forward(const bf16* params, const HeadActs<false>& h,
   // V: this rank's vocabulary rows (padded; t = 1 unpadded: the whole vocabulary).
   const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
   Status* status = status_.as<Status>();
-  layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b, BT,
-                    C, stream_);
+  layernorm_forward(h.lnf, h.mean, h.rstd, h.x, params + layout_.lnf_w, params + layout_.lnf_b,
+                    int(layout_.rows(BT)), C, stream_);
+  // SP: the norm's rows gathered full-width in the scratch (free again once the logits exist).
+  const bf16* lnf = layout_.sp ? gather(h.lnf, tp_scratch(int64_t(BT) * C), BT) : h.lnf;
   // logits (BT, V) = lnf (BT, C) · head_w^T (C, V), into the probabilities' slot
-  linear_forward(*gemm_, h.probs, h.lnf, params + layout_.head_w, nullptr, nullptr, BT, C, V);
+  linear_forward(*gemm_, h.probs, lnf, params + layout_.head_w, nullptr, nullptr, BT, C, V);
   copy(h.targets, targets, int64_t(BT) * int64_t(sizeof(std::int32_t)));
   if (vocab_parallel()) {
     // Megatron's vocabulary-parallel cross-entropy: the row statistics in the workspace.
@@ -275,7 +340,8 @@ void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf
                             float loss_scale, DeviceGradientSink& grads, bf16* d_input,
                             bf16* workspace) {
   const StageSpec& s = layout_.spec;
-  const int64_t BT = int64_t(b) * layout_.T, BTC = BT * layout_.C;
+  // BTC: this rank's rows (SP) of the residual stream's gradient.
+  const int64_t BT = int64_t(b) * layout_.T, BTC = layout_.rows(BT) * layout_.C;
   const bool has_layers = s.blocks > 0 || s.has_head;
   if (b < 1 || !params || !full_stash || (!s.has_head && !d_output) ||
       (!s.has_embedding && !d_input))
@@ -303,10 +369,13 @@ void CudaGptStage::backward(const bf16* params, const bf16* full_stash, const bf
                   wpe_size = layout_.spec.model.max_positions * layout_.C;
     bf16* dwte = grads.at(layout_.wte, wte_size);
     bf16* dwpe = grads.at(layout_.wpe, wpe_size);
-    // Vocabulary-parallel: this rank's rows only; the position table takes every token's.
-    embedding_backward_vp(dwte, dwpe, has_layers ? dres : d_output,
-                          reinterpret_cast<const std::int32_t*>(full_stash), b, int(layout_.T),
-                          int(layout_.C), int(layout_.v_begin), int(layout_.V_t), stream_);
+    // Vocabulary-parallel: this rank's rows only; the position table takes every token's (SP:
+    // every token's gradient gathered past dres first).
+    const bf16* demb = has_layers ? dres : d_output;
+    if (layout_.sp) demb = gather(demb, ws.take<bf16>(BT * layout_.C), BT);
+    embedding_backward_vp(dwte, dwpe, demb, reinterpret_cast<const std::int32_t*>(full_stash), b,
+                          int(layout_.T), int(layout_.C), int(layout_.v_begin), int(layout_.V_t),
+                          stream_);
     grads.layer_done(layout_.wte, layout_.wpe + wpe_size);
   }
 }
@@ -317,6 +386,14 @@ void CudaGptStage::head_backward(const bf16* params, DeviceGradientSink& grads,
                                  const HeadActs<true>& h, int b, float loss_scale, bf16* dres,
                                  Carver ws) {
   const int BT = int(b * layout_.T), C = int(layout_.C), V = int(layout_.V_t);
+  const int64_t BTC = int64_t(BT) * C;
+  // With SP: d(lnf out) full-width and the gathered norm output first in the workspace.
+  bf16* dlnf = dres;
+  const bf16* lnf = h.lnf;
+  if (layout_.sp) {
+    dlnf = ws.take<bf16>(BTC);
+    lnf = gather(h.lnf, ws.take<bf16>(BTC), BT);
+  }
   const int rows = int(std::min<int64_t>(BT, ws.left() / (int64_t(V) * int64_t(sizeof(bf16)))));
   if (rows < 1) throw Error("cuda stage backward: workspace smaller than one row of logits");
   bf16* dlogits = ws.take<bf16>(int64_t(rows) * V);  // (rows, V)
@@ -329,12 +406,18 @@ void CudaGptStage::head_backward(const bf16* params, DeviceGradientSink& grads,
     else
       crossentropy_backward(dlogits, h.probs + int64_t(r0) * V, h.targets + r0, loss_scale, n, V,
                             stream_);
-    linear_backward(*gemm_, dres + int64_t(r0) * C, dhead, nullptr, dlogits,
-                    h.lnf + int64_t(r0) * C, params + layout_.head_w, n, C, V);
+    linear_backward(*gemm_, dlnf + int64_t(r0) * C, dhead, nullptr, dlogits, lnf + int64_t(r0) * C,
+                    params + layout_.head_w, n, C, V);
   }
-  tp_sum(dres, int64_t(BT) * C, false);  // the vocabulary shards' parts of d(lnf out)
-  layernorm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
-                     params + layout_.lnf_w, h.mean, h.rstd, BT, C, false, stream_);
+  // The vocabulary shards' parts of d(lnf out) summed (SP: this rank's rows of the sum).
+  if (layout_.sp)
+    scatter(dlnf, dres, BT);
+  else
+    tp_sum(dres, BTC, false);
+  // dlogits is dead: the SP norm's gradient sums go there.
+  norm_backward(dres, grads.at(layout_.lnf_w, C), grads.at(layout_.lnf_b, C), dres, h.x,
+                params + layout_.lnf_w, h.mean, h.rstd, int(layout_.rows(BT)), false, dlogits,
+                int64_t(rows) * V);
 }
 
 // dres holds d(block output) and leaves holding d(block input). Scratch: the MLP phase uses
@@ -344,33 +427,51 @@ void CudaGptStage::block_backward(const bf16* w, bf16* g, const BlockActs<true>&
   // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
   // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
   // whole on every rank (d(out) is).
+  // With SP dres holds this rank's rows: it is gathered full-width (A, the workspace's first
+  // BT C elements) for the row-parallel GEMMs, the norm outputs gathered again for the
+  // column-parallel weight gradients, and the partial input gradients reduce-scattered back to
+  // rows (into A) before the norms' backward, whose weight gradients are summed over the group.
   const int BT = int(b * layout_.T), C = int(layout_.C), C_t = int(layout_.C_t),
-            F_t = int(layout_.F_t);
+            F_t = int(layout_.F_t), R = int(layout_.rows(BT));
   const int64_t BTC = int64_t(BT) * C, BTC_t = int64_t(BT) * C_t;
+  const bool sp = layout_.sp;
   const int64_t* r = layout_.block_rel;
   Gemm& gm = *gemm_;
+  bf16* A = sp ? ws.take<bf16>(BTC) : nullptr;
   Carver mlp = ws;
   bf16* dgelu = mlp.take<bf16>(int64_t(BT) * F_t);
   bf16* dln2 = mlp.take<bf16>(BTC);
-  linear_backward(gm, dgelu, g + r[fcproj_w], g + r[fcproj_b], dres, a.gelu, w + r[fcproj_w], BT,
+  const bf16* dout = sp ? gather(dres, A, BT) : dres;
+  linear_backward(gm, dgelu, g + r[fcproj_w], g + r[fcproj_b], dout, a.gelu, w + r[fcproj_w], BT,
                   F_t, C);
   gelu_backward(dgelu, a.fc, dgelu, int64_t(BT) * F_t, stream_);
-  linear_backward(gm, dln2, g + r[fc_w], g + r[fc_b], dgelu, a.ln2, w + r[fc_w], BT, C, F_t);
-  tp_sum(dln2, BTC, false);
-  layernorm_backward(dres, g + r[ln2_w], g + r[ln2_b], dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
-                     a.ln2_rstd, BT, C, true, stream_);
+  linear_backward(gm, dln2, g + r[fc_w], g + r[fc_b], dgelu, sp ? gather(a.ln2, A, BT) : a.ln2,
+                  w + r[fc_w], BT, C, F_t);
+  if (sp)
+    scatter(dln2, A, BT);
+  else
+    tp_sum(dln2, BTC, false);
+  // dgelu is dead: the SP norm's gradient sums go there.
+  norm_backward(dres, g + r[ln2_w], g + r[ln2_b], sp ? A : dln2, a.resid1, w + r[ln2_w], a.ln2_mean,
+                a.ln2_rstd, R, true, dgelu, int64_t(BT) * F_t);
   Carver attn = ws;
   bf16* dqkv = attn.take<bf16>(3 * BTC_t);
   bf16* datty = attn.take<bf16>(BTC);  // C_t wide, then dln1 (C wide) in the same block
-  linear_backward(gm, datty, g + r[attproj_w], g + r[attproj_b], dres, a.atty, w + r[attproj_w], BT,
+  dout = sp ? gather(dres, A, BT) : dres;
+  linear_backward(gm, datty, g + r[attproj_w], g + r[attproj_b], dout, a.atty, w + r[attproj_w], BT,
                   C_t, C);
   attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C_t,
                      int(layout_.NH_t));
   bf16* dln1 = datty;  // datty is dead once dqkv exists
-  linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, a.ln1, w + r[qkv_w], BT, C, 3 * C_t);
-  tp_sum(dln1, BTC, false);
-  layernorm_backward(dres, g + r[ln1_w], g + r[ln1_b], dln1, a.x, w + r[ln1_w], a.ln1_mean,
-                     a.ln1_rstd, BT, C, true, stream_);
+  linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, sp ? gather(a.ln1, A, BT) : a.ln1,
+                  w + r[qkv_w], BT, C, 3 * C_t);
+  if (sp)
+    scatter(dln1, A, BT);
+  else
+    tp_sum(dln1, BTC, false);
+  // dqkv is dead: the SP norm's gradient sums go there.
+  norm_backward(dres, g + r[ln1_w], g + r[ln1_b], sp ? A : dln1, a.x, w + r[ln1_w], a.ln1_mean,
+                a.ln1_rstd, R, true, dqkv, 3 * BTC_t);
 }
 
 void CudaGptStage::check_ids() {

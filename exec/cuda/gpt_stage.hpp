@@ -44,14 +44,17 @@ class CudaGptStage {
   CudaGptStage& operator=(const CudaGptStage&) = delete;
 
   // Tensor parallelism (spec().t > 1, Megatron's column-/row-parallel block, vocabulary-parallel
-  // embedding and cross-entropy; the CPU stage's rules, exec/cpu/gpt_stage.cpp) and vocabulary
-  // padding: `sum` adds `count` elements (fp32 or bf16) at a device address over the TP group,
-  // enqueued on the stage's stream (null with t = 1); `workspace` (device, `workspace_elements`
-  // bf16 elements, free while a forward or recompute runs: the rank's backward workspace) holds the
-  // cross-entropy's row statistics. Needed before a forward whenever t > 1 or the vocabulary is
-  // padded.
+  // embedding and cross-entropy, sequence parallelism with spec().sp; the CPU stage's rules,
+  // exec/cpu/gpt_stage.cpp) and vocabulary padding: `sum` adds `count` elements (fp32 or bf16) at a
+  // device address over the TP group, enqueued on the stage's stream (null with t = 1);
+  // `all_gather` and `reduce_scatter` (SP) the group's equal parts of `count` bf16 elements in
+  // place (TP rank k's part at k count / t; reduce_scatter leaves the sum in the caller's part);
+  // `workspace` (device, `workspace_elements` bf16 elements, free while a forward or recompute
+  // runs: the rank's backward workspace) holds the cross-entropy's row statistics and SP's
+  // full-width rows. Needed before a forward whenever t > 1 or the vocabulary is padded.
   struct Tp {
     std::function<void(void* data, std::int64_t count, bool fp32)> sum;
+    std::function<void(bf16*data, std::int64_t count)> all_gather, reduce_scatter;
     bf16* workspace = nullptr;
     std::int64_t workspace_elements = 0;
   };
@@ -125,6 +128,18 @@ class CudaGptStage {
   void row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
                             const bf16* residual, int N, int C_in);
   void tp_sum(void* data, std::int64_t count, bool fp32) const;
+  // SP: this rank's rows of a (BT, C) activation into `full` at its place, the group's gathered
+  // around them; the group's sum of `full` with this rank's rows of it into `mine`.
+  const bf16* gather(const bf16* mine, bf16* full, std::int64_t BT) const;
+  void scatter(bf16* full, bf16* mine, std::int64_t BT) const;
+  // The forward's full-width scratch (SP): the TP workspace, at least `elements` of it.
+  bf16* tp_scratch(std::int64_t elements) const;
+  // LayerNorm's backward over this rank's N rows; with SP its weight and bias gradients of those
+  // rows are summed over the group (in `temp`, `temp_elements` >= 2C free elements) before they
+  // are added.
+  void norm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                     const bf16* weight, const float* mean, const float* rstd, int N,
+                     bool accumulate, bf16* temp, std::int64_t temp_elements) const;
   void head_backward(const bf16* params, DeviceGradientSink& grads, const HeadActs<true>& h, int b,
                      float loss_scale, bf16* dres, Carver ws);
 

@@ -37,12 +37,13 @@ __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, 
   }
 }
 
-// out[b, t] += wpe[t] (after a vocabulary-parallel lookup's sum).
-__global__ void add_positions_kernel(bf16* out, const bf16* wpe, int B, int T, int C) {
-  const int64_t n = int64_t(B) * T * C;
+// out[i] += wpe[(first + i) % T] (after a vocabulary-parallel lookup's sum; SP: a rank's rows).
+__global__ void add_positions_kernel(bf16* out, const bf16* wpe, int64_t N, int64_t first, int T,
+                                     int C) {
+  const int64_t n = N * C;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int t = int((i / C) % T), c = int(i % C);
+    const int t = int((first + i / C) % T), c = int(i % C);
     out[i] = b16(f32(out[i]) + f32(wpe[int64_t(t) * C + c]));
   }
 }
@@ -428,10 +429,11 @@ void embedding_forward_vp(bf16* out, const std::int32_t* tokens, const bf16* wte
   check_launch();
 }
 
-void add_positions(bf16* out, const bf16* wpe, int B, int T, int C, cudaStream_t stream) {
-  const int64_t n = int64_t(B) * T * C;
+void add_positions(bf16* out, const bf16* wpe, std::int64_t N, std::int64_t first, int T, int C,
+                   cudaStream_t stream) {
+  const int64_t n = N * C;
   if (n <= 0) return;
-  add_positions_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, wpe, B, T, C);
+  add_positions_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, wpe, N, first, T, C);
   check_launch();
 }
 

@@ -28,8 +28,10 @@ void embedding_forward(bf16* out,                   // (B, T, C)
 // Ids outside [0, V) are counted as above.
 void embedding_forward_vp(bf16* out, const std::int32_t* tokens, const bf16* wte, int v_begin,
                           int rows, int B, int T, int C, int V, int* bad_ids, cudaStream_t stream);
-// out[b, t] += wpe[t].
-void add_positions(bf16* out, const bf16* wpe, int B, int T, int C, cudaStream_t stream);
+// Rows i of out (N, C) are tokens first + i of the microbatch (SP: a TP rank's rows): out[i] +=
+// wpe[(first + i) % T].
+void add_positions(bf16* out, const bf16* wpe, std::int64_t N, std::int64_t first, int T, int C,
+                   cudaStream_t stream);
 // dwte[tokens] += dout; dwpe[t] += dout. Each id's rows are summed in fp32 in position order by the
 // block of its first position: deterministic, no atomics.
 void embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* tokens, int B,

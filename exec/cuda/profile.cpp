@@ -56,7 +56,10 @@ class ProfiledStage {
     scratch_ = take(z.scratch, Category::workspace);
     // A padded vocabulary's cross-entropy keeps its row statistics in the workspace (t = 1: no
     // TP sums).
-    stage_.set_tp({nullptr, work_.as<bf16>(), z.workspace});
+    CudaGptStage::Tp tp;
+    tp.workspace = work_.as<bf16>();
+    tp.workspace_elements = z.workspace;
+    stage_.set_tp(std::move(tp));
     const profiling::Batch batch = profiling::synthetic_batch(model, b);
     const auto id_bytes = std::int64_t(batch.tokens.size() * sizeof(std::int32_t));
     tokens_ = DeviceBuffer(arena, Category::activations, id_bytes);

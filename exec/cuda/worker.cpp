@@ -158,11 +158,25 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     tp_group.push_back(rank_ * t_ + k);
   for (Chunk& ch : chunks_) {
     CudaGptStage::Tp tp;
-    if (t_ > 1)
+    if (t_ > 1) {
       tp.sum = [this, tp_group](void* data, std::int64_t count, bool fp32) {
         transport_.all_reduce_sum(tp_group, device_, data, count, fp32 ? DType::fp32 : DType::bf16,
                                   compute_);
       };
+      // SP: the group's equal parts of `count` elements, TP rank k's at k count / t.
+      const auto parts = [t = t_](std::int64_t count) {
+        std::vector<std::int64_t> bounds;
+        for (int k = 0; k <= t; ++k)
+          bounds.push_back(count / t * k);
+        return bounds;
+      };
+      tp.all_gather = [this, tp_group, parts](bf16* data, std::int64_t count) {
+        transport_.all_gather(tp_group, device_, data, parts(count), DType::bf16, compute_);
+      };
+      tp.reduce_scatter = [this, tp_group, parts](bf16* data, std::int64_t count) {
+        transport_.reduce_scatter_sum(tp_group, device_, data, parts(count), DType::bf16, compute_);
+      };
+    }
     tp.workspace = workspace_.as<bf16>();
     tp.workspace_elements = workspace;
     ch.stage->set_tp(std::move(tp));
