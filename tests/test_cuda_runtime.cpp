@@ -70,6 +70,17 @@ std::vector<pw::planner::DeviceReport> planned(const Plan& p) {
   return pw::planner::estimate(kGpu, t, one, placed).report.devices;
 }
 
+// A device's measured memory against its rank's prediction: weights, versions, gradients and
+// optimizer state exactly, activations within 5%.
+void expect_planned_memory(const pw::planner::MemoryBreakdown& got,
+                           const pw::planner::MemoryBreakdown& want, const std::string& who) {
+  EXPECT_EQ(got.weights, want.weights) << who;
+  EXPECT_EQ(got.weight_versions, want.weight_versions) << who;
+  EXPECT_EQ(got.gradients, want.gradients) << who;
+  EXPECT_EQ(got.optimizer, want.optimizer) << who;
+  EXPECT_NEAR(double(got.activations), double(want.activations), 0.05 * want.activations) << who;
+}
+
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("pw-cuda-runtime-" + name);
   fs::remove_all(p);
@@ -217,16 +228,9 @@ TEST(CudaRuntime, MemoryMatchesThePlanner) {
     o.steps = 2;
     const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, o);
     const auto devices = planned(p);
-    for (int rank = 0; rank < p.ranks(); ++rank) {
-      const auto& want = devices[std::size_t(rank)].memory;
-      const auto& got = r.ranks[std::size_t(rank)].memory;
-      EXPECT_EQ(got.weights, want.weights) << "rank " << rank;
-      EXPECT_EQ(got.weight_versions, want.weight_versions) << "rank " << rank;
-      EXPECT_EQ(got.gradients, want.gradients) << "rank " << rank;
-      EXPECT_EQ(got.optimizer, want.optimizer) << "rank " << rank;
-      EXPECT_NEAR(double(got.activations), double(want.activations), 0.05 * want.activations)
-          << "rank " << rank;
-    }
+    for (int rank = 0; rank < p.ranks(); ++rank)
+      expect_planned_memory(r.ranks[std::size_t(rank)].memory, devices[std::size_t(rank)].memory,
+                            "rank " + std::to_string(rank));
   }
 }
 
@@ -358,16 +362,10 @@ TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
     const auto tr =
         pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{k.t, k.sp});
     const auto devices = pw::planner::estimate(model, tr, node, placed).report.devices;
-    for (int device = 0; device < p.ranks() * k.t; ++device) {
-      const auto& expect = devices[std::size_t(device / k.t)].memory;
-      const auto& have = r.ranks[std::size_t(device)].memory;
-      EXPECT_EQ(have.weights, expect.weights) << "device " << device;
-      EXPECT_EQ(have.weight_versions, expect.weight_versions) << "device " << device;
-      EXPECT_EQ(have.gradients, expect.gradients) << "device " << device;
-      EXPECT_EQ(have.optimizer, expect.optimizer) << "device " << device;
-      EXPECT_NEAR(double(have.activations), double(expect.activations), 0.05 * expect.activations)
-          << "device " << device;
-    }
+    for (int device = 0; device < p.ranks() * k.t; ++device)
+      expect_planned_memory(r.ranks[std::size_t(device)].memory,
+                            devices[std::size_t(device / k.t)].memory,
+                            "device " + std::to_string(device));
   }
 }
 
