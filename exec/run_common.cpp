@@ -395,6 +395,27 @@ TrainResult result_from_record(const common::Json& record, const std::string& so
   return out;
 }
 
+std::vector<int> tp_group(int rank, int t) {
+  std::vector<int> group;
+  for (int k = 0; k < t; ++k)
+    group.push_back(rank * t + k);
+  return group;
+}
+
+std::vector<int> replica_devices(const planner::Plan& plan, int stage, int tp) {
+  std::vector<int> group;
+  for (int r = 0; r < plan.w; ++r)
+    group.push_back(plan.rank_of(stage, r) * plan.t + tp);
+  return group;
+}
+
+std::vector<std::int64_t> equal_parts(std::int64_t n, int parts) {
+  std::vector<std::int64_t> bounds;
+  for (int k = 0; k <= parts; ++k)
+    bounds.push_back(n / parts * k);
+  return bounds;
+}
+
 StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int stage, int chunk) {
   const int vs = chunk * p.d + stage;
   StageSpec spec;

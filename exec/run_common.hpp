@@ -95,6 +95,14 @@ struct StepBook {
 StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
                      int chunk);
 
+// Both workers' devices: device = pipeline rank · t + TP index (planner/plan.hpp's order). The TP
+// group of pipeline rank `rank` (its t devices in TP order); the devices of TP index `tp` of
+// stage `stage`'s w replicas (the data-parallel collectives' group, in replica order); `n`
+// elements in `parts` equal parts (SP's all-gathers and reduce-scatters: part k at k n / parts).
+std::vector<int> tp_group(int rank, int t);
+std::vector<int> replica_devices(const planner::Plan& plan, int stage, int tp);
+std::vector<std::int64_t> equal_parts(std::int64_t n, int parts);
+
 // The ranges [begin, end) of a chunk's n parameters its optimizer updates: all, except on the last
 // stage of a tied model split over stages (d > 1): stage 0 updates the tied tensor and sends it,
 // so the last stage skips its copy [tied_offset, tied_offset + tied_size). Empty ranges left out.

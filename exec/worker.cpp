@@ -29,9 +29,7 @@ Worker::Worker(Shared& s, int device)
   slots_.set_rank(device);
   // The TP group: the t devices of this pipeline rank, summing in group order under keys that
   // count the group's collectives (its members run the same program, so the same sequence).
-  std::vector<int> tp_group;
-  for (int i = 0; i < t_; ++i)
-    tp_group.push_back(rank_ * t_ + i);
+  const std::vector<int> tp_group = detail::tp_group(rank_, t_);
   sharded_ = p.distributed_optimizer && p.w > 1;
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
   offload_sharded_ = p.offload_sharded();
@@ -58,12 +56,7 @@ Worker::Worker(Shared& s, int device)
         call(fmt::format("tp/{}/{}", rank_, tp_calls_++));
         tp_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
       };
-      const auto parts = [this](std::int64_t n) {
-        std::vector<std::int64_t> bounds;
-        for (int i = 0; i <= t_; ++i)
-          bounds.push_back(n / t_ * i);
-        return bounds;
-      };
+      const auto parts = [this](std::int64_t n) { return equal_parts(n, t_); };
       comm.all_reduce = [this, tp_group, timed](float* data, std::int64_t n) {
         timed([&](const std::string& key) {
           s_.transport->all_reduce_sum(key, tp_group, device_, data, n);
@@ -915,10 +908,7 @@ void Worker::all_reduce(const Op& op) {
 }
 
 std::vector<int> Worker::replica_group() const {
-  std::vector<int> group;
-  for (int r = 0; r < s_.plan().w; ++r)
-    group.push_back(device_of(s_.plan().rank_of(stage_, r)));
-  return group;
+  return replica_devices(s_.plan(), stage_, tp_);
 }
 
 // The distributed optimizer's gradient sum of one bucket [begin, end) of a chunk: a reduce-scatter

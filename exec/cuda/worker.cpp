@@ -153,9 +153,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
   workspace_ = tensor(Category::workspace, 2 * workspace);
   // Tensor parallelism: the TP group's sums on the compute stream, in program order on every member
   // (the group: this pipeline rank's t devices); the cross-entropy's statistics in the workspace.
-  std::vector<int> tp_group;
-  for (int k = 0; k < t_; ++k)
-    tp_group.push_back(rank_ * t_ + k);
+  const std::vector<int> tp_group = exec::detail::tp_group(rank_, t_);
   for (Chunk& ch : chunks_) {
     CudaGptStage::Tp tp;
     if (t_ > 1) {
@@ -165,10 +163,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
       };
       // SP: the group's equal parts of `count` elements, TP rank k's at k count / t.
       const auto parts = [t = t_](std::int64_t count) {
-        std::vector<std::int64_t> bounds;
-        for (int k = 0; k <= t; ++k)
-          bounds.push_back(count / t * k);
-        return bounds;
+        return exec::detail::equal_parts(count, t);
       };
       tp.all_gather = [this, tp_group, parts](bf16* data, std::int64_t count) {
         transport_.all_gather(tp_group, device_, data, parts(count), DType::bf16, compute_);
@@ -625,10 +620,7 @@ void CudaWorker::all_reduce(const Op& op) {
 }
 
 std::vector<int> CudaWorker::replica_group() const {
-  std::vector<int> group;
-  for (int r = 0; r < s_.plan().w; ++r)
-    group.push_back(device_of(s_.plan().rank_of(stage_, r)));
-  return group;
+  return exec::detail::replica_devices(s_.plan(), stage_, tp_);
 }
 
 // The distributed optimizer's state: ceil(P / w) fp32 values each of master, m and v on every
