@@ -306,6 +306,11 @@ assert a['losses'] == b['losses'], (a['losses'], b['losses'])
 assert all(0 < d['peak_memory_bytes'] <= 4000000 for d in b['devices']), b['devices']
 assert b['offload']['copy_in_bytes_per_step'] > 0, b['offload']
 " && ok || bad "train --offload chunks --recompute selective: the losses without chunks, inside the device"
+expect_ok "validate --offload chunks --recompute selective (cpu)" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --offload chunks --device-memory 4000000 --steps 2 --out "$TMP/valselch.json"
+python3 -c "
+import json; r = json.load(open('$TMP/valselch.json'))
+assert r['plan']['offload'] == 'chunks' and r['max_abs_memory_error'] == 0, r['max_abs_memory_error']
+" && ok || bad "validate --offload chunks --recompute selective: the predicted peaks are the measured ones"
 expect_ok "validate --recompute selective (cpu)" $PW validate --model gpt-tiny -d 2 -m 2 --recompute selective --steps 2 --out "$TMP/valsel.json"
 python3 -c "
 import json; r = json.load(open('$TMP/valsel.json'))
