@@ -50,8 +50,8 @@ void add_train_command(CLI::App& app) {
                   "(every rank on GPU 0; under mpirun -np N, one process per GPU"
 #ifdef PW_HAVE_CUDA
                   "; --offload optimizer, activations or optimizer,activations on pinned host "
-                  "memory and copy streams, not chunks; --tp t: t devices per rank, all on GPU 0, "
-                  "not under mpirun, without offload (never run on a GPU yet)"
+                  "memory and copy streams, not chunks; --tp t: t devices per rank (on GPU 0, or a "
+                  "process each under mpirun), without offload (never run on a GPU yet)"
 #endif
                   ")")
       ->capture_default_str();

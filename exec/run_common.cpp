@@ -107,7 +107,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
                     "(t = {}; the cpu backend does); simulate or estimate it instead",
                     backend, plan.t));
   // The CUDA executor's tensor and sequence parallelism (compile-checked, not yet run on a GPU):
-  // the t devices of each pipeline rank in one process, without offload.
+  // without offload.
   if (plan.t > 1 && backend == "cuda" && plan.any_offload())
     throw InputError(
         fmt::format("plan: t: the cuda executor runs tensor parallelism without offload (t = {}, "

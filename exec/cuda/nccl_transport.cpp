@@ -61,14 +61,23 @@ ncclUniqueId nccl_unique_id() {
 }
 
 NcclTransport::NcclTransport(const ncclUniqueId& id, int world, int rank, std::vector<int> stage_of,
-                             double timeout_s)
-    : DeviceTransport(timeout_s), world_(world), rank_(rank), stage_of_(std::move(stage_of)) {
+                             double timeout_s, std::vector<int> tp_of)
+    : DeviceTransport(timeout_s),
+      world_(world),
+      rank_(rank),
+      stage_of_(std::move(stage_of)),
+      tp_of_(std::move(tp_of)) {
   const std::string op = "create the NCCL communicators";
-  if (world < 1 || rank < 0 || rank >= world || int(stage_of_.size()) != world)
+  if (world < 1 || rank < 0 || rank >= world || int(stage_of_.size()) != world ||
+      (!tp_of_.empty() && int(tp_of_.size()) != world))
     throw Error("rank " + std::to_string(rank) + ": " + op + ": world " + std::to_string(world) +
-                " with " + std::to_string(stage_of_.size()) + " stage entries");
-  for (int r = 0; r < world; ++r)
+                " with " + std::to_string(stage_of_.size()) + " stage and " +
+                std::to_string(tp_of_.size()) + " TP entries");
+  for (int r = 0; r < world; ++r) {
     if (stage_of_[std::size_t(r)] == stage_of_[std::size_t(rank)]) stage_members_.push_back(r);
+    if (!tp_of_.empty() && tp_of_[std::size_t(r)] == tp_of_[std::size_t(rank)])
+      tp_members_.push_back(r);
+  }
   PW_TRANSPORT_CUDA(rank, op, cudaGetDevice(&device_));
   PW_TRANSPORT_CUDA(rank, op, cudaEventCreateWithFlags(&sync_event_, cudaEventDisableTiming));
 
@@ -90,6 +99,11 @@ NcclTransport::NcclTransport(const ncclUniqueId& id, int world, int rank, std::v
     ncclConfig_t c = nonblocking_config("pipewright-stage");
     r = ncclCommSplit(world_comm_, stage_of_[std::size_t(rank)], rank, &stage_comm_, &c);
     check(op, "ncclCommSplit", r, world_comm_);
+    if (!tp_of_.empty()) {
+      ncclConfig_t ct = nonblocking_config("pipewright-tp");
+      r = ncclCommSplit(world_comm_, tp_of_[std::size_t(rank)], rank, &tp_comm_, &ct);
+      check(op, "ncclCommSplit", r, world_comm_);
+    }
   } catch (...) {
     abort_comms_locked();
     (void)cudaEventDestroy(sync_event_);
@@ -121,7 +135,7 @@ NcclTransport::~NcclTransport() {
       }
       for (ncclComm_t c : comms())
         (void)ncclCommDestroy(c);
-      world_comm_ = stage_comm_ = nullptr;
+      world_comm_ = stage_comm_ = tp_comm_ = nullptr;
       channel_comms_ = {};
     } catch (...) {
       abort_comms_locked();
@@ -133,7 +147,7 @@ NcclTransport::~NcclTransport() {
 
 std::vector<ncclComm_t> NcclTransport::comms() const {
   std::vector<ncclComm_t> out;
-  std::vector<ncclComm_t> all = {stage_comm_};
+  std::vector<ncclComm_t> all = {stage_comm_, tp_comm_};
   all.insert(all.end(), channel_comms_.begin(), channel_comms_.end());
   all.push_back(world_comm_);
   for (ncclComm_t c : all)
@@ -148,7 +162,7 @@ void NcclTransport::abort_comms_locked() noexcept {
   comms_aborted_ = true;
   for (ncclComm_t c : comms())
     (void)ncclCommAbort(c);  // ends kernels still waiting for peers; frees the communicator
-  world_comm_ = stage_comm_ = nullptr;
+  world_comm_ = stage_comm_ = tp_comm_ = nullptr;
   channel_comms_ = {};
 }
 
@@ -225,22 +239,31 @@ void NcclTransport::recv(int src, int dst, Channel channel, void* data, std::int
         comm_for(channel, src, dst));
 }
 
+std::pair<ncclComm_t, const std::vector<int>*> NcclTransport::group_comm(
+    const std::vector<int>& group, const std::string& op) const {
+  std::vector<int> sorted = group;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted == stage_members_) return {stage_comm_, &stage_members_};
+  if (tp_comm_ && sorted == tp_members_) return {tp_comm_, &tp_members_};
+  throw Error("rank " + std::to_string(rank_) + ": " + op + ": the group must be this stage's " +
+              "replicas " + group_text(stage_members_) +
+              (tp_comm_ ? " or its TP group " + group_text(tp_members_) : std::string()) +
+              ", called by rank " + std::to_string(rank_));
+}
+
 void NcclTransport::all_reduce_sum(const std::vector<int>& group, int rank, void* data,
                                    std::int64_t count, DType type, cudaStream_t stream) {
   const std::string op =
       std::string("all_reduce ") + dtype_name(type) + " over " + group_text(group);
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   entry_check(op);
-  std::vector<int> sorted = group;
-  std::sort(sorted.begin(), sorted.end());
-  if (rank != rank_ || sorted != stage_members_ || count < 0)
-    throw Error("rank " + std::to_string(rank_) + ": " + op + ": the group must be this stage's " +
-                "replicas " + group_text(stage_members_) + ", called by rank " +
-                std::to_string(rank_));
-  check(
-      op, "ncclAllReduce",
-      ncclAllReduce(data, data, std::size_t(count), nccl_type(type), ncclSum, stage_comm_, stream),
-      stage_comm_);
+  if (rank != rank_ || count < 0)
+    throw Error("rank " + std::to_string(rank_) + ": " + op + ": called by rank " +
+                std::to_string(rank) + " with " + std::to_string(count) + " elements");
+  const ncclComm_t comm = group_comm(group, op).first;
+  check(op, "ncclAllReduce",
+        ncclAllReduce(data, data, std::size_t(count), nccl_type(type), ncclSum, comm, stream),
+        comm);
 }
 
 void NcclTransport::reduce_scatter_sum(const std::vector<int>& group, int rank, void* data,
@@ -262,17 +285,14 @@ void NcclTransport::rooted(bool reduce, const std::vector<int>& group, int rank,
                          dtype_name(type) + " over " + group_text(group);
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   entry_check(op);
-  std::vector<int> sorted = group;
-  std::sort(sorted.begin(), sorted.end());
-  if (rank != rank_ || sorted != stage_members_)
-    throw Error("rank " + std::to_string(rank_) + ": " + op + ": the group must be this stage's " +
-                "replicas " + group_text(stage_members_) + ", called by rank " +
-                std::to_string(rank_));
+  if (rank != rank_)
+    throw Error("rank " + std::to_string(rank_) + ": " + op + ": called by rank " +
+                std::to_string(rank));
+  const auto [comm, members] = group_comm(group, op);
   check_bounds(rank_, op, group, bounds);
-  // The stage communicator's ranks are the members in ascending world rank (ncclCommSplit's key).
-  const auto root = [&](std::size_t k) {
-    return int(std::lower_bound(stage_members_.begin(), stage_members_.end(), group[k]) -
-               stage_members_.begin());
+  // The communicator's ranks are the members in ascending world rank (ncclCommSplit's key).
+  const auto root = [&, members = members](std::size_t k) {
+    return int(std::lower_bound(members->begin(), members->end(), group[k]) - members->begin());
   };
   char* base = static_cast<char*>(data);
   const std::int64_t e = dtype_bytes(type);
@@ -283,15 +303,14 @@ void NcclTransport::rooted(bool reduce, const std::vector<int>& group, int rank,
       if (n == 0) continue;
       void* part = base + bounds[k] * e;
       if (reduce)
-        check(op, "ncclReduce",
-              ncclReduce(part, part, std::size_t(n), nccl_type(type), ncclSum, root(k), stage_comm_,
-                         stream),
-              stage_comm_);
+        check(
+            op, "ncclReduce",
+            ncclReduce(part, part, std::size_t(n), nccl_type(type), ncclSum, root(k), comm, stream),
+            comm);
       else
         check(op, "ncclBroadcast",
-              ncclBroadcast(part, part, std::size_t(n), nccl_type(type), root(k), stage_comm_,
-                            stream),
-              stage_comm_);
+              ncclBroadcast(part, part, std::size_t(n), nccl_type(type), root(k), comm, stream),
+              comm);
     }
   } catch (...) {
     try {

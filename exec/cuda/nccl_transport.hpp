@@ -56,8 +56,12 @@ ncclUniqueId nccl_unique_id();
 // owner's next poll sees; it then aborts the communicators (ncclCommAbort ends running kernels).
 class NcclTransport : public DeviceTransport {
  public:
+  // stage_of[r]: the replica group of world rank r (its collectives' communicator; with tensor
+  // parallelism the stage and TP index, stage · t + TP index, so that p2p between stages of one TP
+  // index still goes up and down by it); tp_of[r] (empty: none): its TP group, a second
+  // communicator for the TP sums, all-gathers and reduce-scatters.
   NcclTransport(const ncclUniqueId& id, int world, int rank, std::vector<int> stage_of,
-                double timeout_s = 300);
+                double timeout_s = 300, std::vector<int> tp_of = {});
   // Finalizes the communicators (polled with the deadline; aborted if it passes); never throws.
   ~NcclTransport() override;
 
@@ -92,6 +96,7 @@ class NcclTransport : public DeviceTransport {
   int world() const { return world_; }
   int device() const { return device_; }
   const std::vector<int>& stage_members() const { return stage_members_; }
+  const std::vector<int>& tp_members() const { return tp_members_; }
 
  private:
   ncclComm_t comm_for(Channel c, int src, int dst) const {
@@ -116,8 +121,12 @@ class NcclTransport : public DeviceTransport {
   std::recursive_mutex mutex_;
   int group_depth_ = 0;
   int world_, rank_, device_ = 0;
-  std::vector<int> stage_of_, stage_members_;
-  ncclComm_t world_comm_ = nullptr, stage_comm_ = nullptr;
+  // The communicator of a collective's group (the replicas' or the TP group's) and its members in
+  // ascending world rank; throws naming both when the group is neither.
+  std::pair<ncclComm_t, const std::vector<int>*> group_comm(const std::vector<int>& group,
+                                                            const std::string& op) const;
+  std::vector<int> stage_of_, stage_members_, tp_of_, tp_members_;
+  ncclComm_t world_comm_ = nullptr, stage_comm_ = nullptr, tp_comm_ = nullptr;
   std::array<ncclComm_t, 8> channel_comms_{};  // by 2 x Channel + (1: to a higher stage)
   cudaEvent_t sync_event_ = nullptr;
   bool comms_aborted_ = false;

@@ -32,11 +32,12 @@ std::int64_t arena_capacity(const CudaRunOptions& run) {
 }
 
 #ifdef PW_HAVE_NCCL
-// The peers this rank exchanges messages with on `channel`, from its program (symmetric: a send on
-// one side is a receive on the other).
-std::vector<int> program_peers(const planner::Programs& programs, int rank, Channel channel) {
+// The devices this device exchanges messages with on `channel`, from its pipeline rank's program
+// (symmetric: a send on one side is a receive on the other): the peers' devices of its TP index.
+std::vector<int> program_peers(const planner::Programs& programs, int device, int t,
+                               Channel channel) {
   std::set<int> peers;
-  for (const planner::Op& op : programs.devices[std::size_t(rank)].ops) {
+  for (const planner::Op& op : programs.devices[std::size_t(device / t)].ops) {
     using K = planner::OpKind;
     const bool on = (channel == Channel::activation &&
                      (op.kind == K::send_activation || op.kind == K::recv_activation)) ||
@@ -46,7 +47,7 @@ std::vector<int> program_peers(const planner::Programs& programs, int rank, Chan
                      (op.kind == K::send_tied_gradient || op.kind == K::recv_tied_gradient)) ||
                     (channel == Channel::tied_weights &&
                      (op.kind == K::send_tied_weights || op.kind == K::recv_tied_weights));
-    if (on) peers.insert(op.peer);
+    if (on) peers.insert(op.peer * t + device % t);
   }
   return {peers.begin(), peers.end()};
 }
@@ -69,15 +70,11 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
   detail::GpuShared shared;
   std::vector<int> here;  // the ranks this process runs
   int device = 0;
-  if (run.mpi && plan.t > 1)
-    throw InputError(fmt::format(
-        "plan: t: the cuda executor runs tensor parallelism in one process (t = {}: every device "
-        "on this GPU), not under mpirun yet; the cpu backend does",
-        plan.t));
   if (run.mpi) {
-    check_world_size(
-        run.mpi->size(), plan.ranks(),
-        fmt::format("{} w={} d={}", planner::to_string(plan.schedule), plan.w, plan.d));
+    // One process per device: t per pipeline rank (device = rank · t + TP index).
+    check_world_size(run.mpi->size(), plan.ranks() * plan.t,
+                     fmt::format("{} w={} d={}{}", planner::to_string(plan.schedule), plan.w,
+                                 plan.d, plan.t > 1 ? fmt::format(" t={}", plan.t) : ""));
     device = local_device(detect_mpi_env(), devices);
     here = {run.mpi->rank()};
   } else {
@@ -94,21 +91,30 @@ TrainResult train_cuda(const models::ModelSpec& model, const planner::Plan& plan
     ncclUniqueId id{};
     if (run.mpi->rank() == 0) id = nccl_unique_id();
     run.mpi->broadcast_value(id, 0);
-    std::vector<int> stage_of;
-    for (int r = 0; r < plan.ranks(); ++r)
-      stage_of.push_back(plan.stage_of(r));
-    auto nccl =
-        std::make_unique<NcclTransport>(id, plan.ranks(), run.mpi->rank(), stage_of, run.timeout_s);
+    // The replicas' communicator per (stage, TP index), the TP group's per pipeline rank.
+    const int t = plan.t, devices = plan.ranks() * t;
+    std::vector<int> stage_of, tp_of;
+    for (int d = 0; d < devices; ++d) {
+      stage_of.push_back(plan.stage_of(d / t) * t + d % t);
+      if (t > 1) tp_of.push_back(d / t);
+    }
+    auto nccl = std::make_unique<NcclTransport>(id, devices, run.mpi->rank(), stage_of,
+                                                run.timeout_s, tp_of);
     for (Channel c : {Channel::activation, Channel::gradient, Channel::tied, Channel::tied_weights})
-      nccl->connect(c, program_peers(prepared.programs, run.mpi->rank(), c));
-    if (plan.w > 1) {
-      // The all-reduce communicator connects at its first use: make that now, not mid-step.
+      nccl->connect(c, program_peers(prepared.programs, run.mpi->rank(), t, c));
+    // The collectives' communicators connect at their first use: make that now, not mid-step.
+    std::vector<const std::vector<int>*> groups;
+    if (plan.w > 1) groups.push_back(&nccl->stage_members());
+    if (t > 1) groups.push_back(&nccl->tp_members());
+    if (!groups.empty()) {
       float* one = nullptr;
       cudaStream_t stream = nullptr;
       CUDA_CHECK(cudaMalloc(&one, sizeof(float)));
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      nccl->all_reduce_sum_fp32(nccl->stage_members(), run.mpi->rank(), one, 1, stream);
-      nccl->synchronize(run.mpi->rank(), stream, "connect the all-reduce");
+      for (const std::vector<int>* g : groups) {
+        nccl->all_reduce_sum_fp32(*g, run.mpi->rank(), one, 1, stream);
+        nccl->synchronize(run.mpi->rank(), stream, "connect the collectives");
+      }
       CUDA_CHECK(cudaStreamDestroy(stream));
       CUDA_CHECK(cudaFree(one));
     }
