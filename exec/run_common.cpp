@@ -429,6 +429,15 @@ StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& p, int
   return spec;
 }
 
+StageSpec shard_spec(const models::ModelSpec& model, const planner::Plan& p, int stage, int chunk,
+                     int tp_rank) {
+  StageSpec spec = chunk_spec(model, p, stage, chunk);
+  spec.t = p.t;
+  spec.tp_rank = tp_rank;
+  spec.sp = p.sp;
+  return spec;
+}
+
 std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bool last,
                                                                   std::int64_t tied_offset,
                                                                   std::int64_t tied_size, int d,

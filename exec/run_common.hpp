@@ -94,6 +94,9 @@ struct StepBook {
 // The stage (chunk) of the model that `stage`'s chunk `chunk` holds.
 StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
                      int chunk);
+// The same as TP rank `tp_rank`'s shard of it (the plan's t and SP): what each worker builds.
+StageSpec shard_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
+                     int chunk, int tp_rank);
 
 // Both workers' devices: device = pipeline rank · t + TP index (planner/plan.hpp's order). The TP
 // group of pipeline rank `rank` (its t devices in TP order); the devices of TP index `tp` of

@@ -41,10 +41,7 @@ Worker::Worker(Shared& s, int device)
   MemoryCounter* counted = chunked_ ? nullptr : memory_;
   std::int64_t flat = 0;  // the rank's parameters so far
   for (int c = 0; c < p.v; ++c) {
-    StageSpec spec = chunk_spec(*s.model, p, stage_, c);
-    spec.t = t_;
-    spec.tp_rank = tp_;
-    spec.sp = p.sp;
+    const StageSpec spec = shard_spec(*s.model, p, stage_, c, tp_);
     Chunk ch;
     ch.stage = make_cpu_stage(spec);
     if (t_ > 1) {
@@ -567,11 +564,7 @@ void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
   const planner::Plan& p = s_.plan();
   Chunk& c = chunks_.back();
   if (p.d == 1 || stage_ != p.d - 1 || c.tied_offset < 0) return;
-  StageSpec first_spec = chunk_spec(*s_.model, p, 0, 0);
-  first_spec.t = t_;
-  first_spec.tp_rank = tp_;
-  first_spec.sp = p.sp;
-  const std::unique_ptr<StageCompute> first = make_cpu_stage(first_spec);
+  const std::unique_ptr<StageCompute> first = make_cpu_stage(shard_spec(*s_.model, p, 0, 0, tp_));
   std::int64_t offset = -1;
   for (const auto& slot : first->layout())
     if (slot.name == "wte") offset = slot.offset;

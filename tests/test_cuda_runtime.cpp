@@ -15,6 +15,7 @@
 #include "common/error.hpp"
 #include "cuda_test_util.hpp"
 #include "exec/cuda/runtime.hpp"
+#include "exec/gpt_layout.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
 #include "planner/cost_model.hpp"
@@ -116,6 +117,16 @@ TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 1, 2);
   p.t = 2;
   EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, p, sgd(1), "cuda"));
+  // Each device's stage (what its worker builds): the plan's t, its TP rank, its shard's sizes.
+  for (int device = 0; device < p.ranks() * p.t; ++device) {
+    const pw::exec::GptLayout l(
+        pw::exec::detail::shard_spec(kGpu, p, p.stage_of(device / p.t), 0, device % p.t),
+        pw::models::DType::bf16, "cuda");
+    EXPECT_EQ(l.t, 2);
+    EXPECT_EQ(l.tp, device % 2);
+    EXPECT_EQ(l.C_t, kGpu.hidden / 2);
+    EXPECT_EQ(l.V_t, kGpu.vocab / 2);
+  }
   const auto one_line = [](const std::string& msg, const std::string& want) {
     EXPECT_NE(msg.find(want), std::string::npos) << msg;
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;

@@ -99,8 +99,8 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
   // Each chunk's fp32 initial weights (optimizer offload, the distributed optimizer's shards).
   std::vector<std::vector<float>> initial;
   for (int c = 0; c < p.v; ++c) {
-    StageSpec spec = exec::detail::chunk_spec(*s.model, p, stage_, c);
-    spec.tp_rank = tp_;  // t > 1: this device's shard (its heads, FFN columns, vocabulary rows)
+    // t > 1: this device's shard (its heads, FFN columns, vocabulary rows; SP's rows).
+    const StageSpec spec = exec::detail::shard_spec(*s.model, p, stage_, c, tp_);
     Chunk ch;
     ch.stage = std::make_unique<CudaGptStage>(spec, *s.arena, compute_);
     // The stage's cuBLASLt workspace and status word are this rank's memory too.
@@ -1270,9 +1270,9 @@ void CudaWorker::load_checkpoint(int step) {
   // The last stage's tied copy comes from stage 0's shard of this replica.
   Chunk& last = chunks_.back();
   if (p.d > 1 && last.last && last.tied_offset >= 0) {
-    StageSpec first_spec = exec::detail::chunk_spec(*s_.model, p, 0, 0);
-    first_spec.tp_rank = tp_;  // the vocabulary rows of this TP index
-    const exec::GptLayout first(first_spec, models::DType::bf16, "cuda");
+    // The vocabulary rows of this TP index.
+    const exec::GptLayout first(exec::detail::shard_spec(*s_.model, p, 0, 0, tp_),
+                                models::DType::bf16, "cuda");
     const std::string shard = shard_path(dir, device_of(p.rank_of(0, replica_)));
     const std::size_t base =
         (chunks_.size() - 1) * (versions.size() + (s_.options->optimizer == "adamw" ? 3 : 2));
