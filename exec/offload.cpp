@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/error.hpp"
+#include "exec/run_common.hpp"
 
 namespace pw::exec::detail {
 
@@ -34,6 +35,41 @@ HostTiles host_tiles(const std::vector<TensorSlot>& layout, std::int64_t n, bool
     throw Error(fmt::format("rank {}: chunk {} has {} layers, the program {} CPU Adam tiles", rank,
                             chunk, h.tiles.size(), expected_tiles));
   return h;
+}
+
+HostLayout host_layout(const HostTiles& host, bool sharded, int w, int replica) {
+  HostLayout h;
+  h.tiles = host.tiles;
+  if (!sharded) {
+    h.n = host.host_n;
+    for (const Tile& t : h.tiles)
+      h.host_at.push_back(t.begin);
+    return h;
+  }
+  h.layers = h.tiles;
+  for (Tile& t : h.tiles) {
+    const planner::TiedShard sh = planner::tile_shard(t.size(), w, replica);
+    t = {t.begin + sh.begin, t.begin + sh.end};
+    h.host_at.push_back(h.n);
+    h.n += t.size();
+  }
+  return h;
+}
+
+std::vector<ShardPiece> shard_pieces(const std::vector<Tile>* layers, std::int64_t flat,
+                                     std::int64_t base, int w, std::int64_t a, std::int64_t b) {
+  if (!layers) return {{a, b, clip_bounds(shard_starts(flat, base, w), a, b)}};
+  std::vector<ShardPiece> parts;
+  for (const Tile& t : *layers) {
+    const std::int64_t lo = std::max(a, t.begin), hi = std::min(b, t.end);
+    if (lo >= hi) continue;
+    std::vector<std::int64_t> starts;
+    for (int r = 0; r < w; ++r)
+      starts.push_back(t.begin + planner::tile_shard(t.size(), w, r).begin);
+    starts.push_back(t.end);
+    parts.push_back({lo, hi, clip_bounds(starts, lo, hi)});
+  }
+  return parts;
 }
 
 int tile_of(const std::vector<Tile>& tiles, std::int64_t offset, std::int64_t size) {

@@ -45,6 +45,32 @@ HostTiles host_tiles(const std::vector<TensorSlot>& layout, std::int64_t n, bool
                      std::int64_t tied_offset, std::int64_t tied_size, int expected_tiles, int rank,
                      int chunk);
 
+// Where a chunk's CPU Adam tiles live in the host buffers. Unsharded: each tile whole, at its own
+// offset (host_at[k] = tiles[k].begin, n = host_n). Sharded (w > 1, ZeRO-Offload's shards, the
+// distributed optimizer on): replica `replica`'s part of each tile (planner::tile_shard, the
+// planner's count), packed in tile order from 0; `layers` keeps the whole tiles (the
+// collectives' ranges). Both workers' host layout.
+struct HostLayout {
+  std::int64_t n = 0;                 // host elements of master, m, v, the accumulator
+  std::vector<Tile> tiles;            // what the replica's CPU Adam updates, in the chunk's layout
+  std::vector<std::int64_t> host_at;  // where tile k begins in the host buffers
+  std::vector<Tile> layers;           // sharded: the whole tiles (empty unsharded)
+};
+HostLayout host_layout(const HostTiles& host, bool sharded, int w, int replica);
+
+// A range [begin, end) of a chunk's gradients that the distributed optimizer reduce-scatters (or
+// all-gathers) in one collective, with the replicas' bounds over it (relative to begin).
+struct ShardPiece {
+  std::int64_t begin = 0, end = 0;
+  std::vector<std::int64_t> bounds;
+};
+// The pieces of [a, b) of the chunk at `base` of a rank's `flat` parameters: one, by the rank's
+// shards (shard_starts); with sharded optimizer offload (`layers`: the chunk's whole CPU Adam
+// tiles, non-null) one per tile it meets, split by planner::tile_shard (the last stage's tied copy,
+// in no tile, takes no part: it receives stage 0's weights). Both workers'.
+std::vector<ShardPiece> shard_pieces(const std::vector<Tile>* layers, std::int64_t flat,
+                                     std::int64_t base, int w, std::int64_t a, std::int64_t b);
+
 // The tile holding gradients [offset, offset + size), or -1.
 int tile_of(const std::vector<Tile>& tiles, std::int64_t offset, std::int64_t size);
 

@@ -123,12 +123,12 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: sp: the {} executor does not run sequence parallelism yet; "
                     "simulate or estimate it instead",
                     backend));
-  if (plan.offload_sharded() && backend != "cpu")
+  if (plan.offload_sharded() && backend != "cpu" && backend != "cuda")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not shard optimizer offload over "
-                    "replicas yet (w = {}; the cpu backend does, and the {} executor runs the "
-                    "distributed optimizer without offload); simulate or estimate it instead",
-                    backend, plan.w, backend));
+                    "replicas yet (w = {}; the cpu and cuda backends do); simulate or estimate it "
+                    "instead",
+                    backend, plan.w));
   if (plan.offload == planner::Offload::chunks && backend != "cpu")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "

@@ -182,28 +182,17 @@ void Worker::setup_offload() {
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     HostChunk h;
-    HostTiles host =
+    HostLayout host = host_layout(
         host_tiles(c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
-                   planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
-    h.n = host.host_n;
+                   planner::offload_tiles(p, stage_, int(i)), rank_, int(i)),
+        offload_sharded_, p.w, replica_);  // sharded: ZeRO-Offload's shards, packed
+    h.n = host.n;
     h.tiles = std::move(host.tiles);
-    if (offload_sharded_) {
-      // ZeRO-Offload's shards (planner::tile_shard, as the planner counts them): the replica's
-      // part of each tile, packed in tile order on the host.
-      h.layers = h.tiles;
-      h.n = 0;
-      for (Tile& t : h.tiles) {
-        const planner::TiedShard sh = planner::tile_shard(t.size(), p.w, replica_);
-        t = {t.begin + sh.begin, t.begin + sh.end};
-        h.host_at.push_back(h.n);
-        h.n += t.size();
-      }
-    } else {
-      for (const Tile& t : h.tiles) {
-        h.host_at.push_back(t.begin);
+    h.host_at = std::move(host.host_at);
+    h.layers = std::move(host.layers);
+    if (!offload_sharded_)
+      for (const Tile& t : h.tiles)
         largest = std::max(largest, t.end - t.begin);
-      }
-    }
     h.master = Buffer(&host_, Category::weights, h.n);
     h.accumulator = Buffer(&host_, Category::gradients, h.n);
     h.m = Buffer(&host_, Category::optimizer, h.n);
@@ -926,7 +915,7 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
     } else if (piece.kind == BucketPiece::tied_shards) {
       s_.transport->reduce_scatter_sum(key, group, device_, c.grads.data() + a, piece.bounds);
     } else {
-      const std::vector<Piece> parts = shard_pieces(std::size_t(op.chunk), a, b);
+      const std::vector<ShardPiece> parts = shard_pieces(std::size_t(op.chunk), a, b);
       for (std::size_t k = 0; k < parts.size(); ++k)
         s_.transport->reduce_scatter_sum(parts.size() > 1 ? fmt::format("{}.{}", key, k) : key,
                                          group, device_, c.grads.data() + parts[k].begin,
@@ -936,27 +925,11 @@ void Worker::reduce_scatter(const Op& op, std::int64_t begin, std::int64_t end, 
   copy_record(planner::kCollectiveStream, t0, Clock::now(), at);
 }
 
-std::vector<Worker::Piece> Worker::shard_pieces(std::size_t chunk, std::int64_t a,
-                                                std::int64_t b) const {
-  const planner::Plan& p = s_.plan();
-  if (!offload_sharded_) {
-    const Chunk& c = chunks_[chunk];
-    const std::int64_t flat = chunks_.back().base + chunks_.back().sizes.parameters;
-    return {{a, b, clip_bounds(shard_starts(flat, c.base, p.w), a, b)}};
-  }
-  // Sharded offload: the tiles' shards (what each replica's host updates); the last stage's tied
-  // copy, in no tile, takes no part (it receives stage 0's weights).
-  std::vector<Piece> parts;
-  for (const Tile& t : host_chunks_[chunk].layers) {
-    const std::int64_t lo = std::max(a, t.begin), hi = std::min(b, t.end);
-    if (lo >= hi) continue;
-    std::vector<std::int64_t> starts;
-    for (int r = 0; r < p.w; ++r)
-      starts.push_back(t.begin + planner::tile_shard(t.size(), p.w, r).begin);
-    starts.push_back(t.end);
-    parts.push_back({lo, hi, clip_bounds(starts, lo, hi)});
-  }
-  return parts;
+std::vector<ShardPiece> Worker::shard_pieces(std::size_t chunk, std::int64_t a,
+                                             std::int64_t b) const {
+  const std::int64_t flat = chunks_.back().base + chunks_.back().sizes.parameters;
+  return detail::shard_pieces(offload_sharded_ ? &host_chunks_[chunk].layers : nullptr, flat,
+                              chunks_[chunk].base, s_.plan().w, a, b);  // exec/offload.hpp
 }
 
 // After the sharded update: every replica's shard of the new version `target` to the others.
@@ -966,7 +939,7 @@ void Worker::all_gather(int step, int target) {
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     const std::string key = fmt::format("ag/{}.{}/{}/{}", stage_, tp_, step, i);
-    const std::vector<Piece> parts = shard_pieces(i, 0, c.sizes.parameters);
+    const std::vector<ShardPiece> parts = shard_pieces(i, 0, c.sizes.parameters);
     for (std::size_t k = 0; k < parts.size(); ++k)
       s_.transport->all_gather(parts.size() > 1 ? fmt::format("{}.{}", key, k) : key, group,
                                device_, c.slots[target].data() + parts[k].begin, parts[k].bounds);

@@ -260,14 +260,8 @@ class Worker {
   void all_reduce(const planner::Op& op);
   void reduce_scatter(const planner::Op& op, std::int64_t begin, std::int64_t end, int at);
   // The reduce-scatter's and all-gather's pieces of [a, b) of chunk `chunk` (outside a tied
-  // tensor): each with its bounds (w + 1 offsets relative to its begin). The distributed
-  // optimizer: one piece, by shard_starts; sharded offload: one per CPU Adam tile it meets, split
-  // by planner::tile_shard.
-  struct Piece {
-    std::int64_t begin = 0, end = 0;
-    std::vector<std::int64_t> bounds;
-  };
-  std::vector<Piece> shard_pieces(std::size_t chunk, std::int64_t a, std::int64_t b) const;
+  // tensor): the shared rule's (exec/offload.hpp, shard_pieces).
+  std::vector<ShardPiece> shard_pieces(std::size_t chunk, std::int64_t a, std::int64_t b) const;
   void all_gather(int step, int target);
   std::vector<int> replica_group() const;
   void optimizer_step(const planner::Op& op);

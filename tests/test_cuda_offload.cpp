@@ -6,7 +6,8 @@
 // the device's) within the tolerance the CUDA runtime's own tests use for the same kernels in
 // another order; the bytes moved are the simulator's exactly; the per-rank device memory is the
 // planner's in every category but activations, and a run inside a --device-memory of its own
-// peak stays inside with the same losses; a resumed run equals an unbroken one. Without a GPU the
+// peak stays inside with the same losses; a resumed run equals an unbroken one; sharded over
+// replicas (w > 1) it trains as the distributed optimizer does. Without a GPU the
 // expectations themselves are computed (so a GPU run does not fail on the test's own setup) and
 // the GPU cases report themselves skipped.
 #include <gtest/gtest.h>
@@ -66,6 +67,33 @@ Plan make_plan(Schedule s, int d, int b, int m, int mode) {
   }
   pw::planner::check(p);
   return p;
+}
+
+// ZeRO-Offload's shards (w > 1, the distributed optimizer on) against the distributed optimizer
+// without offload: `offload` picks which.
+Plan sharded_plan(Schedule s, int w, int d, bool offload) {
+  Plan p = make_plan(s, d, 1, 2, kNone);
+  p.w = w;
+  p.distributed_optimizer = true;
+  if (offload) p.offload = Offload::optimizer;
+  pw::planner::check(p);
+  return p;
+}
+
+struct ShardedCase {
+  Schedule schedule;
+  int w, d;
+};
+
+// The CPU executor's sharded cases (tests/test_offload_exec.cpp) at w = 2.
+const ShardedCase kSharded[] = {{Schedule::one_f_one_b, 2, 1},
+                                {Schedule::one_f_one_b, 2, 2},
+                                {Schedule::two_bw, 2, 2},
+                                {Schedule::gpipe, 2, 2}};
+
+std::string describe(const ShardedCase& c) {
+  return pw::planner::to_string(c.schedule) + " w=" + std::to_string(c.w) +
+         " d=" + std::to_string(c.d);
 }
 
 TrainOptions options(int steps) {
@@ -148,12 +176,17 @@ fs::path temp_dir(const std::string& name) {
 
 // ---- everywhere ------------------------------------------------------------------------------
 
-// The CUDA backend's checks let every mode but chunks through; chunks stay one line.
+// The CUDA backend's checks let every mode but chunks through, optimizer offload sharded over
+// replicas (w > 1) too; chunks stay one line.
 TEST(CudaOffload, ChecksPassEveryModeButChunks) {
   for (int mode : {kOptimizer, kActivations, kBoth})
     EXPECT_NO_THROW(pw::exec::detail::prepare_run(
         kGpu, make_plan(Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
         << mode_name(mode);
+  for (const ShardedCase& c : kSharded)
+    EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, sharded_plan(c.schedule, c.w, c.d, true),
+                                                  options(2), "cuda"))
+        << describe(c);
   Plan chunks;
   chunks.schedule = Schedule::one_f_one_b;
   chunks.b = 1;
@@ -192,7 +225,68 @@ TEST(CudaOffload, ExpectationsAreComputable) {
     }
 }
 
+// The sharded GPU case's expectations: every rank moves bytes both ways, keeps no optimizer
+// state on the device and has a host pool.
+TEST(CudaOffload, ShardedExpectationsAreComputable) {
+  for (const ShardedCase& c : kSharded) {
+    SCOPED_TRACE(describe(c));
+    const Plan p = sharded_plan(c.schedule, c.w, c.d, true);
+    const std::vector<Moved> moved = expected_bytes(p, 3);
+    ASSERT_EQ(moved.size(), std::size_t(p.ranks()));
+    const pw::planner::Estimate e = predicted(p);
+    ASSERT_EQ(e.report.devices.size(), std::size_t(p.ranks()));
+    for (int rank = 0; rank < p.ranks(); ++rank) {
+      EXPECT_GT(moved[std::size_t(rank)].out, 0) << "rank " << rank;
+      EXPECT_GT(moved[std::size_t(rank)].in, 0) << "rank " << rank;
+      EXPECT_EQ(e.report.devices[std::size_t(rank)].memory.optimizer, 0) << "rank " << rank;
+      EXPECT_GT(
+          e.report.extra["offload"]["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>(),
+          0)
+          << "rank " << rank;
+    }
+  }
+}
+
 // ---- on a GPU --------------------------------------------------------------------------------
+
+// Sharded optimizer offload (w = 2: each replica's bf16 gradient sums reduce-scattered on the
+// device as the distributed optimizer's, its shard of each tile to its host, CPU Adam there, the
+// shards uploaded and all-gathered) against the distributed optimizer on the GPU: CPU Adam on the
+// same fp32 master and bf16 sums as GPU Adam, within LossesMatchNoOffload's 5e-3; the bytes moved
+// are the simulator's, the device memory the planner's in weights, versions, gradients (whole,
+// for the reduce-scatter) and optimizer state (none), the host pool the planner's.
+TEST(CudaOffload, ShardedTrainsAsTheDistributedOptimizer) {
+  PW_SKIP_WITHOUT_GPU();
+  const int steps = 3;
+  for (const ShardedCase& c : kSharded) {
+    SCOPED_TRACE(describe(c));
+    const Plan p = sharded_plan(c.schedule, c.w, c.d, true);
+    const auto dopt = losses(pw::exec::cuda::train_cuda(
+        kGpu, sharded_plan(c.schedule, c.w, c.d, false), options(steps)));
+    const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, options(steps));
+    const auto got = losses(r);
+    ASSERT_EQ(got.size(), dopt.size());
+    for (std::size_t i = 0; i < dopt.size(); ++i)
+      EXPECT_NEAR(got[i], dopt[i], 5e-3 * dopt[i]) << "step " << i;
+    const std::vector<Moved> moved = expected_bytes(p, steps);
+    const pw::planner::Estimate e = predicted(p);
+    const pw::common::Json& o = e.report.extra["offload"];
+    for (int rank = 0; rank < p.ranks(); ++rank) {
+      const RankResult& rr = r.ranks[std::size_t(rank)];
+      EXPECT_LT(std::abs(rr.copy_out_bytes - moved[std::size_t(rank)].out), steps)
+          << "rank " << rank;
+      EXPECT_LT(std::abs(rr.copy_in_bytes - moved[std::size_t(rank)].in), steps) << "rank " << rank;
+      const auto& wm = e.report.devices[std::size_t(rank)].memory;
+      EXPECT_EQ(rr.memory.weights, wm.weights) << "rank " << rank;
+      EXPECT_EQ(rr.memory.weight_versions, wm.weight_versions) << "rank " << rank;
+      EXPECT_EQ(rr.memory.gradients, wm.gradients) << "rank " << rank;
+      EXPECT_EQ(rr.memory.optimizer, 0) << "rank " << rank;
+      EXPECT_EQ(rr.host_peak_memory_bytes,
+                o["ranks"][std::size_t(rank)]["host_bytes"].get<std::int64_t>())
+          << "rank " << rank;
+    }
+  }
+}
 
 // Every mode against the same plan without offload on the GPU. Activation offload: the same bits
 // (copies only). Optimizer offload: the fp32 host sum of each microbatch's bf16 gradients and CPU

@@ -90,11 +90,12 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
   slots_.set_rank(rank_);
   const planner::Plan& p = s.plan();
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  offload_sharded_ = p.offload_sharded();  // the distributed optimizer is on (planner::check)
   sharded_ = p.distributed_optimizer && p.w > 1;
   swaps_ = p.swaps(stage_);
-  if (offload_optimizer_ && p.w > 1)  // planner::check refuses it; the all-reduce needs grads
-    throw Error(
-        fmt::format("rank {}: optimizer offload with w = {} (data parallelism)", rank_, p.w));
+  if (offload_sharded_ && !sharded_)
+    throw Error(fmt::format(
+        "rank {}: optimizer offload with w = {} without the distributed optimizer", rank_, p.w));
   std::int64_t workspace = 0;
   // Each chunk's fp32 initial weights (optimizer offload, the distributed optimizer's shards).
   std::vector<std::vector<float>> initial;
@@ -110,10 +111,12 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     ch.last = spec.has_head;
     const std::int64_t n = ch.sizes.parameters;
     ch.slots[0] = tensor(Category::weights, 2 * n);
-    // Optimizer offload: gradients leave the device layer by layer and the master weights and
-    // the optimizer state live on the host (setup_offload). The distributed optimizer: the state
-    // of the rank's shard only, allocated below.
-    if (!offload_optimizer_) ch.grads = tensor(Category::gradients, 2 * n);
+    // Optimizer offload: gradients leave the device layer by layer (sharded, w > 1: summed on the
+    // device for the reduce-scatter, as without offload) and the master weights and the optimizer
+    // state live on the host (setup_offload). The distributed optimizer: the state of the rank's
+    // shard only, allocated below.
+    const bool grads = !offload_optimizer_ || offload_sharded_;
+    if (grads) ch.grads = tensor(Category::gradients, 2 * n);
     const bool whole = !offload_optimizer_ && !sharded_;
     if (whole) {
       ch.master = tensor(Category::optimizer, 4 * n);
@@ -129,8 +132,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     make_cpu_stage(spec)->init_parameters(host.data(), s.options->seed);
     ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(),
                                 whole ? ch.master.as<float>() : nullptr);
-    if (!offload_optimizer_)
-      CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
+    if (grads) CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
     if (whole) {
       CUDA_CHECK(cudaMemsetAsync(ch.m.as<void>(), 0, std::size_t(4 * n), compute_));
       if (ch.v.bytes() > 0)
@@ -149,7 +151,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     flat_ += n;
     chunks_.push_back(std::move(ch));
   }
-  if (sharded_) setup_shards(initial);
+  if (sharded_ && !offload_optimizer_) setup_shards(initial);
   workspace_ = tensor(Category::workspace, 2 * workspace);
   // Tensor parallelism: the TP group's sums on the compute stream, in program order on every member
   // (the group: this pipeline rank's t devices); the cross-entropy's statistics in the workspace.
@@ -528,7 +530,7 @@ void CudaWorker::backward(const Op& op) {
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   begin_timed(planner::kComputeStream, compute_);
-  if (offload_optimizer_) {
+  if (offload_optimizer_ && !offload_sharded_) {
     // Each layer's gradients to the host as it is done, timed as the copy_gradient_to_host after
     // the backward.
     TileSink sink(
@@ -662,36 +664,39 @@ void CudaWorker::reduce_scatter(Chunk& c, std::int64_t begin, std::int64_t end) 
   bf16* grads = c.grads.as<bf16>();
   for (const exec::detail::BucketPiece& piece :
        exec::detail::bucket_pieces(c.first, c.tied_offset, c.tied_size, p.d, p.w, begin, end)) {
-    bf16* at = grads + piece.begin;
-    if (piece.kind == exec::detail::BucketPiece::tied_whole)
-      transport_.all_reduce_sum_bf16(group, device_, at, piece.end - piece.begin, reduce_);
-    else
-      transport_.reduce_scatter_sum(
-          group, device_, at,
-          piece.kind == exec::detail::BucketPiece::tied_shards
-              ? piece.bounds
-              : exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w),
-                                          piece.begin, piece.end),
-          DType::bf16, reduce_);
+    if (piece.kind == exec::detail::BucketPiece::tied_whole) {
+      transport_.all_reduce_sum_bf16(group, device_, grads + piece.begin, piece.end - piece.begin,
+                                     reduce_);
+    } else if (piece.kind == exec::detail::BucketPiece::tied_shards) {
+      transport_.reduce_scatter_sum(group, device_, grads + piece.begin, piece.bounds, DType::bf16,
+                                    reduce_);
+    } else {
+      for (const exec::detail::ShardPiece& part : shard_pieces(c, piece.begin, piece.end))
+        transport_.reduce_scatter_sum(group, device_, grads + part.begin, part.bounds, DType::bf16,
+                                      reduce_);
+    }
   }
+}
+
+std::vector<exec::detail::ShardPiece> CudaWorker::shard_pieces(const Chunk& c, std::int64_t a,
+                                                               std::int64_t b) const {
+  const std::size_t i = std::size_t(&c - chunks_.data());
+  return exec::detail::shard_pieces(offload_sharded_ ? &host_chunks_[i].layers : nullptr, flat_,
+                                    c.base, s_.plan().w, a, b);
 }
 
 // After the sharded update into slot `target` (enqueued on compute): every replica's shards of
 // every chunk to the others, on the reduce stream; the compute stream's next work waits for it.
 void CudaWorker::all_gather(int target) {
-  const planner::Plan& p = s_.plan();
   const cudaEvent_t updated = record(compute_);
   wait(reduce_, updated);
   pool_.push_back(updated);
   begin_timed(planner::kCollectiveStream, reduce_);
   const std::vector<int> group = replica_group();
-  for (Chunk& c : chunks_) {
-    const std::int64_t n = c.sizes.parameters;
-    transport_.all_gather(
-        group, device_, c.slots[target].as<bf16>(),
-        exec::detail::clip_bounds(exec::detail::shard_starts(flat_, c.base, p.w), 0, n),
-        DType::bf16, reduce_);
-  }
+  for (Chunk& c : chunks_)
+    for (const exec::detail::ShardPiece& part : shard_pieces(c, 0, c.sizes.parameters))
+      transport_.all_gather(group, device_, c.slots[target].as<bf16>() + part.begin, part.bounds,
+                            DType::bf16, reduce_);
   end_timed(reduce_);
   const cudaEvent_t gathered = record(reduce_);
   wait(compute_, gathered);
@@ -951,36 +956,45 @@ void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     HostChunk h;
-    exec::detail::HostTiles host = exec::detail::host_tiles(
-        c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset, c.tied_size,
-        planner::offload_tiles(p, stage_, int(i)), rank_, int(i));
-    h.n = host.host_n;
+    exec::detail::HostLayout host = exec::detail::host_layout(
+        exec::detail::host_tiles(c.stage->layout(), c.sizes.parameters, c.last, c.tied_offset,
+                                 c.tied_size, planner::offload_tiles(p, stage_, int(i)), rank_,
+                                 int(i)),
+        offload_sharded_, p.w, replica_);  // sharded: ZeRO-Offload's shards, packed
+    h.n = host.n;
     h.tiles = std::move(host.tiles);
-    for (const exec::detail::Tile& t : h.tiles)
-      largest = std::max(largest, t.size());
-    // The planner's (12 + 4 + e) bytes per host-updated parameter: fp32 master, m, v, the fp32
-    // accumulator and the bf16 transfer buffer (pinned).
+    h.host_at = std::move(host.host_at);
+    h.layers = std::move(host.layers);
+    if (!offload_sharded_)
+      for (const exec::detail::Tile& t : h.tiles)
+        largest = std::max(largest, t.size());
+    // The planner's (12 + 4 + e) bytes per host-updated parameter (sharded: of the replica's
+    // parts): fp32 master, m, v, the fp32 accumulator and the bf16 transfer buffer (pinned).
     h.master = Buffer(&host_, Category::optimizer, h.n);
-    std::copy_n(initial.at(i).data(), h.n, h.master.data());
+    for (std::size_t k = 0; k < h.tiles.size(); ++k)
+      std::copy(initial.at(i).data() + h.tiles[k].begin, initial.at(i).data() + h.tiles[k].end,
+                h.master.data() + h.host_at[k]);
     h.accumulator = Buffer(&host_, Category::gradients, h.n);
     h.m = Buffer(&host_, Category::optimizer, h.n);
     if (s_.options->optimizer == "adamw") h.v = Buffer(&host_, Category::optimizer, h.n);
     h.transfer = PinnedBuffer(host_, Category::weights, 2 * h.n);
-    if (c.tied_offset >= 0) {
+    if (c.tied_offset >= 0 && !offload_sharded_) {  // sharded: in the chunk's gradients
       h.resident = tensor(Category::gradients, 2 * c.tied_size);
       CUDA_CHECK(cudaMemsetAsync(h.resident.as<void>(), 0, std::size_t(2 * c.tied_size), compute_));
     }
     tiles.push_back(int(h.tiles.size()));
     host_chunks_.push_back(std::move(h));
   }
-  optimizer_.setup(rank_, p, false, tiles);
-  // Double-buffered: one layer's gradients fill while the previous one's are on the copy stream.
-  for (Tensor& t : grad_tiles_)
-    t = tensor(Category::gradients, 2 * largest);
+  optimizer_.setup(rank_, p, offload_sharded_, tiles);
+  // Double-buffered: one layer's gradients fill while the previous one's are on the copy stream
+  // (sharded: none, the backward keeps its gradients).
+  if (!offload_sharded_)
+    for (Tensor& t : grad_tiles_)
+      t = tensor(Category::gradients, 2 * largest);
 }
 
 bf16* CudaWorker::tied_grad(Chunk& c) {
-  if (!offload_optimizer_) return c.grads.as<bf16>() + c.tied_offset;
+  if (!offload_optimizer_ || offload_sharded_) return c.grads.as<bf16>() + c.tied_offset;
   return host_chunks_[std::size_t(&c - chunks_.data())].resident.as<bf16>();
 }
 
@@ -1134,9 +1148,28 @@ void CudaWorker::download_tied_gradient(std::size_t chunk, int op) {
   bytes_out_ += 2 * n;
 }
 
-// Not in this worker: prepare_run refuses sharded optimizer offload for the CUDA backend.
-void CudaWorker::download_gradient_shards(std::size_t, int) {
-  throw std::logic_error("CudaWorker: sharded optimizer offload");
+// Sharded (w > 1): the replica's shard of each tile, reduce-scattered (and on stage 0 the tied
+// head's gradient added) on the device, into the pinned transfer buffer, then as fp32 into the
+// host's accumulator (a host function, in stream order); the device's gradients zeroed for the
+// next step (the other shards hold this replica's unreduced sums; the next backward waits for the
+// step's last download, OptimizerOffload::finish).
+void CudaWorker::download_gradient_shards(std::size_t chunk, int op) {
+  HostChunk& h = host_chunks_[chunk];
+  Chunk& c = chunks_[chunk];
+  bf16* transfer = h.transfer.as<bf16>();
+  float* acc = h.accumulator.data();
+  const std::int64_t n = h.n;
+  timed(planner::kCopyOutStream, d2h_, op, [&] {
+    for (std::size_t k = 0; k < h.tiles.size(); ++k)
+      CUDA_CHECK(cudaMemcpyAsync(transfer + h.host_at[k], c.grads.as<bf16>() + h.tiles[k].begin,
+                                 std::size_t(2 * h.tiles[k].size()), cudaMemcpyDeviceToHost, d2h_));
+    CUDA_CHECK(cudaMemsetAsync(c.grads.as<void>(), 0, std::size_t(c.grads.bytes()), d2h_));
+    host_function(d2h_, [transfer, acc, n] {
+      for (std::int64_t i = 0; i < n; ++i)
+        acc[i] = __bfloat162float(transfer[i]);
+    });
+  });
+  bytes_out_ += 2 * n;
 }
 
 // CPU Adam of the tile as a host function on the host stream: the CPU worker's optimizer on the
@@ -1145,12 +1178,13 @@ void CudaWorker::download_gradient_shards(std::size_t, int) {
 void CudaWorker::host_adam(std::size_t chunk, int tile, int update, int op) {
   HostChunk& h = host_chunks_[chunk];
   const exec::detail::Tile t = h.tiles[std::size_t(tile)];
+  const std::int64_t at = h.host_at[std::size_t(tile)];  // its parameters on the host
   const TrainOptions* options = s_.options;
-  float* master = h.master.data() + t.begin;
-  float* acc = h.accumulator.data() + t.begin;
-  float* m = h.m.data() + t.begin;
-  float* v = h.v.empty() ? nullptr : h.v.data() + t.begin;
-  bf16* transfer = h.transfer.as<bf16>() + t.begin;
+  float* master = h.master.data() + at;
+  float* acc = h.accumulator.data() + at;
+  float* m = h.m.data() + at;
+  float* v = h.v.empty() ? nullptr : h.v.data() + at;
+  bf16* transfer = h.transfer.as<bf16>() + at;
   const std::int64_t n = t.size();
   timed(planner::kHostStream, host_stream_, op, [&] {
     host_function(host_stream_, [options, update, master, acc, m, v, transfer, n] {
@@ -1165,7 +1199,7 @@ void CudaWorker::upload_tile(std::size_t chunk, int tile, int slot, int op) {
   HostChunk& h = host_chunks_[chunk];
   const exec::detail::Tile t = h.tiles[std::size_t(tile)];
   bf16* dst = chunks_[chunk].slots[slot].as<bf16>() + t.begin;
-  const bf16* src = h.transfer.as<bf16>() + t.begin;
+  const bf16* src = h.transfer.as<bf16>() + h.host_at[std::size_t(tile)];
   timed(planner::kCopyInStream, h2d_, op, [&] {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, std::size_t(2 * t.size()), cudaMemcpyHostToDevice, h2d_));
   });
@@ -1175,10 +1209,12 @@ void CudaWorker::upload_tile(std::size_t chunk, int tile, int slot, int op) {
 // The device's optimizer step under optimizer offload: the uploads have written the new version
 // (CPU Adam ran on the host); the compute stream waits for them, then the step ends as usual.
 void CudaWorker::offload_step(const Op& op) {
-  optimizer_.finish(op.version);  // the uploads' slot holds the version (throws: none came)
+  const int slot = optimizer_.finish(op.version);  // the uploads' slot (throws: none came)
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = nullptr;
   ++updates_;
+  // Sharded: the replicas' uploaded shards to one another, into the new version's slot.
+  if (offload_sharded_) all_gather(slot);
   end_of_step(op.step);
 }
 

@@ -161,6 +161,9 @@ class CudaWorker {
   void setup_shards(const std::vector<std::vector<float>>& initial);
   void reduce_scatter(Chunk& c, std::int64_t begin, std::int64_t end);
   void all_gather(int target);
+  // The distributed optimizer's collectives' pieces of [a, b) of chunk `c` (exec/offload.hpp).
+  std::vector<exec::detail::ShardPiece> shard_pieces(const Chunk& c, std::int64_t a,
+                                                     std::int64_t b) const;
   std::vector<int> replica_group() const;
   void tied(const planner::Op& op);
   // The tied exchange, the shared rule's (exec/tied_exchange.hpp); the device's part below.
@@ -185,10 +188,14 @@ class CudaWorker {
   // weights into the transfer buffer; each tile goes back on the host-to-device stream after its
   // Adam; swapped stashes go out and back on the same two streams. Every dependency is an event.
   struct HostChunk {
-    std::int64_t n = 0;  // host-updated parameters [0, n)
+    // The host layout (exec/offload.hpp, host_layout): unsharded the host-updated parameters
+    // [0, n) at their own offsets; sharded (w > 1) the replica's part of each tile, packed.
+    std::int64_t n = 0;
     std::vector<exec::detail::Tile> tiles;
-    Buffer master, accumulator, m, v;  // host fp32 (exec/memory.hpp's counted buffers)
-    PinnedBuffer transfer;             // pinned bf16: gradients arrive, new parameters leave
+    std::vector<std::int64_t> host_at;       // where tile k begins in master, m, v, transfer
+    std::vector<exec::detail::Tile> layers;  // sharded: the whole tiles (the collectives' ranges)
+    Buffer master, accumulator, m, v;        // host fp32 (exec/memory.hpp's counted buffers)
+    PinnedBuffer transfer;                   // pinned bf16: gradients arrive, new parameters leave
     Tensor resident;  // device: the tied tensor's bf16 gradient at a tied end, summed there
   };
   // A swapped stash: on the host between its download and its upload.
@@ -299,6 +306,7 @@ class CudaWorker {
 
   // Offload's state (above). Host work waiting to run, freed once its event has passed.
   bool offload_optimizer_ = false, swaps_ = false;
+  bool offload_sharded_ = false;  // optimizer offload with w > 1: ZeRO-Offload's shards
   MemoryCounter host_;  // the host pool: optimizer state, accumulator, transfer, swapped stashes
   std::vector<HostChunk> host_chunks_;
   Tensor grad_tiles_[2];  // device: a layer's gradients filling, the other's on the copy stream
