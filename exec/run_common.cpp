@@ -106,13 +106,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
         fmt::format("plan: t: the {} executor does not run tensor parallelism yet "
                     "(t = {}; the cpu backend does); simulate or estimate it instead",
                     backend, plan.t));
-  // The CUDA executor's tensor and sequence parallelism (compile-checked, not yet run on a GPU):
-  // without offload.
-  if (plan.t > 1 && backend == "cuda" && plan.any_offload())
-    throw InputError(
-        fmt::format("plan: t: the cuda executor runs tensor parallelism without offload (t = {}, "
-                    "offload {}; the cpu backend runs both); simulate or estimate it instead",
-                    plan.t, planner::offload_name(plan)));
   if (plan.overlap_param_gather)
     throw InputError(
         fmt::format("plan: overlap_param_gather: the {} executor all-gathers the parameters "

@@ -7,7 +7,8 @@
 // another order; the bytes moved are the simulator's exactly; the per-rank device memory is the
 // planner's in every category but activations, and a run inside a --device-memory of its own
 // peak stays inside with the same losses; a resumed run equals an unbroken one; sharded over
-// replicas (w > 1) it trains as the distributed optimizer does. Without a GPU the
+// replicas (w > 1) it trains as the distributed optimizer does, and with tensor parallelism
+// (t = 2) as the same TP plan without offload. Without a GPU the
 // expectations themselves are computed (so a GPU run does not fail on the test's own setup) and
 // the GPU cases report themselves skipped.
 #include <gtest/gtest.h>
@@ -247,6 +248,28 @@ TEST(CudaOffload, ShardedExpectationsAreComputable) {
   }
 }
 
+// The TP GPU case's expectations (the simulator's and the planner's figures at t = 2 from the
+// trace sharded at t), computed here; and the plans reach the CUDA executor.
+TEST(CudaOffload, TensorParallelExpectationsAreComputable) {
+  for (int mode : {kOptimizer, kActivations, kBoth}) {
+    SCOPED_TRACE(mode_name(mode));
+    Plan p = make_plan(Schedule::one_f_one_b, 4, 1, 4, mode);
+    p.t = 2;
+    pw::planner::check(p);
+    EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, p, options(2), "cuda"));
+    Plan placed = p;
+    pw::planner::place(placed, {1, 8});
+    const pw::traces::Trace tr =
+        pw::traces::analytic_trace(kGpu, node().device, {p.b}, pw::models::Sharding{2, false});
+    const pw::planner::RunReport sim =
+        pw::sim::simulate(kGpu, tr, node(), placed, {.steps = 3}).report;
+    ASSERT_EQ(sim.extra["offload"]["ranks"].size(), std::size_t(p.ranks()));
+    EXPECT_GT(sim.extra["offload"]["ranks"][0]["copy_out_bytes_per_step"].get<std::int64_t>(), 0);
+    EXPECT_EQ(pw::planner::estimate(kGpu, tr, node(), placed).report.devices.size(),
+              std::size_t(p.ranks()));
+  }
+}
+
 // ---- on a GPU --------------------------------------------------------------------------------
 
 // Sharded optimizer offload (w = 2: each replica's bf16 gradient sums reduce-scattered on the
@@ -381,6 +404,68 @@ TEST(CudaOffload, BytesAndMemoryMatchThePlanner) {
         EXPECT_LE(rank.peak_memory_bytes, limit) << "rank " << rank.rank;
       EXPECT_EQ(losses(fitted), losses(r));
     }
+}
+
+// Offload with tensor parallelism (t = 2, each GPU of a TP group its own shard, its own host tiles
+// and swaps; compile-checked only, never run on a GPU): against the same TP plan without offload,
+// activation offload bit for bit and optimizer offload within LossesMatchNoOffload's 5e-3; every
+// device's bytes moved the simulator's per step for its rank (a TP group's devices move alike),
+// its gradients and optimizer state the planner's.
+TEST(CudaOffload, TensorParallelMatchesNoOffload) {
+  PW_SKIP_WITHOUT_GPU();
+  struct TpCase {
+    Schedule schedule;
+    int t, d;
+    bool sp;
+  };
+  const int steps = 3;
+  for (const TpCase& k :
+       {TpCase{Schedule::one_f_one_b, 2, 4, false}, TpCase{Schedule::gpipe, 2, 2, false},
+        TpCase{Schedule::gpipe, 2, 2, true}}) {
+    const auto tp_plan = [&](int mode) {
+      Plan p = make_plan(k.schedule, k.d, 1, 4, mode);
+      p.t = k.t;
+      p.sp = k.sp;
+      pw::planner::check(p);
+      return p;
+    };
+    const auto plain = losses(pw::exec::cuda::train_cuda(kGpu, tp_plan(kNone), options(steps)));
+    for (int mode : {kOptimizer, kActivations, kBoth}) {
+      SCOPED_TRACE(pw::planner::to_string(k.schedule) + " t=" + std::to_string(k.t) +
+                   (k.sp ? " sp" : "") + " d=" + std::to_string(k.d) + " " + mode_name(mode));
+      const Plan p = tp_plan(mode);
+      const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, options(steps));
+      const auto got = losses(r);
+      ASSERT_EQ(got.size(), plain.size());
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        if (mode == kActivations) {
+          EXPECT_EQ(got[i], plain[i]) << "step " << i;
+        } else {
+          EXPECT_NEAR(got[i], plain[i], 5e-3 * plain[i]) << "step " << i;
+        }
+      }
+      Plan placed = p;
+      pw::planner::place(placed, {1, 8});
+      const pw::traces::Trace tr =
+          pw::traces::analytic_trace(kGpu, node().device, {p.b}, pw::models::Sharding{k.t, k.sp});
+      const pw::planner::Estimate e = pw::planner::estimate(kGpu, tr, node(), placed);
+      const pw::planner::RunReport sim =
+          pw::sim::simulate(kGpu, tr, node(), placed, {.steps = steps}).report;
+      ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * k.t));
+      for (int device = 0; device < p.ranks() * k.t; ++device) {
+        const int rank = device / k.t;
+        const RankResult& rr = r.ranks[std::size_t(device)];
+        const pw::common::Json& sr = sim.extra["offload"]["ranks"][std::size_t(rank)];
+        EXPECT_EQ(rr.copy_out_bytes / steps, sr["copy_out_bytes_per_step"].get<std::int64_t>())
+            << "device " << device;
+        EXPECT_EQ(rr.copy_in_bytes / steps, sr["copy_in_bytes_per_step"].get<std::int64_t>())
+            << "device " << device;
+        const auto& wm = e.report.devices[std::size_t(rank)].memory;
+        EXPECT_EQ(rr.memory.gradients, wm.gradients) << "device " << device;
+        EXPECT_EQ(rr.memory.optimizer, wm.optimizer) << "device " << device;
+      }
+    }
+  }
 }
 
 // The host's optimizer state is in the checkpoint: stopped after 2 of 4 steps and resumed, the

@@ -111,7 +111,8 @@ TEST(CudaRuntime, WithoutAGpuSaysSo) {
   }
 }
 
-// Tensor and sequence parallelism reach the CUDA executor (one process, without offload); what it
+// Tensor and sequence parallelism reach the CUDA executor (one process; with optimizer and
+// activation offload too, not chunks); what it
 // does not run yet is one line before anything starts.
 TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 1, 2);
@@ -136,8 +137,12 @@ TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, sp, sgd(1), "cuda"));
   Plan off = p;
   off.offload = pw::planner::Offload::optimizer;
-  one_line(pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, off, sgd(1), "cuda"); }),
-           "the cuda executor runs tensor parallelism without offload");
+  EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, off, sgd(1), "cuda"));
+  Plan chunks = p;
+  chunks.offload = pw::planner::Offload::chunks;
+  one_line(
+      pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, chunks, sgd(1), "cuda"); }),
+      "the cuda executor does not run offload chunks");
 }
 
 // ---- on a GPU --------------------------------------------------------------------------------
