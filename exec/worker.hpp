@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "exec/checkpoint.hpp"
+#include "exec/chunk_book.hpp"
 #include "exec/copy_engine.hpp"
 #include "exec/data.hpp"
 #include "exec/interpret.hpp"
@@ -184,17 +185,15 @@ class Worker {
   DataChunk& sharded_chunk(int u, bool on_device, const char* what);
   void chunk_forward(const planner::Op& op);
   void chunk_forward_blocks(const planner::Op& op, Chunk& c);
-  void no_pending_copies(const char* what) const;
   void chunk_recompute(const planner::Op& op);
   void chunk_backward(const planner::Op& op);
   void chunk_optimizer_step(const planner::Op& op);
   void chunk_tied(const planner::Op& op);  // the tied exchange's four ops (w = 1) on the chunks
   // Room among the pipeline messages (d > 1) for `producing` more (a compute op's output, a
-  // receive): at most message_buffers_, the planner's count, whose bytes setup_chunks counts for
-  // the whole run; the oldest sends in flight are waited for and give up their buffers first.
+  // receive): at most the book's message_buffers(), the planner's count, whose bytes setup_chunks
+  // counts for the whole run; the oldest sends in flight are waited for and give up their buffers
+  // first.
   void make_message_room(int producing);
-  int message_buffers_ = 0;
-  std::int64_t message_floats_ = 0;
   // Each model chunk's flat parameters (or Adam m, v: which 1, 2) gathered from the chunks, and
   // one model chunk's back.
   using Flats = std::vector<std::vector<float>>;  // per model chunk (chunks_)
@@ -376,23 +375,10 @@ class Worker {
   // Offload chunks (after pool_, host_ and host_buffers_: destroyed before them).
   std::shared_ptr<const planner::ChunkSchedule> schedule_;
   std::vector<DataChunk> data_chunks_;
-  // A tensor's offset in the rank's flat parameters (its model chunk's base + its offset in the
-  // model chunk's layout) -> its data chunk, and where in it.
-  std::map<std::int64_t, std::pair<int, std::int64_t>> tensor_at_;
-  // The next compute op's copies (with their op index), in its layers' order.
-  std::deque<std::pair<planner::Op, int>> pending_copies_;
-  // Per layer of the stage (all its model chunks' layers, the chunk layout's: chunk_bounds says
-  // where each model chunk's layers begin): its stash (counted as it fills).
-  std::vector<std::int64_t> layer_stash_bytes_;
-  // Per layer, selective recompute: its attention core, which its backward re-makes whole (0 for
-  // the embedding and head, and without selective).
-  std::vector<std::int64_t> layer_core_bytes_;
-  // Per model chunk, full recompute (0 without): a forward's kept input and its scratch, in bytes;
-  // block recompute: the scratch.
-  std::vector<std::int64_t> kept_bytes_, scratch_bytes_;
-  // Per layer, its input slot in bytes (the layer before it writes it). Block recompute keeps these
-  // from forward to backward (scratch_bytes_: the layer re-made in the scratch).
-  std::vector<std::int64_t> layer_input_bytes_;
+  // Where the stage's tensors live in the chunks, each layer's activation bytes, the pipeline
+  // messages the plan counts, the next compute op's copies: the shared rule's
+  // (exec/chunk_book.hpp).
+  ChunkBook book_;
   double copy_wait_s_ = 0;  // inside compute ops: waiting for the moments' copies (not busy)
   std::deque<InFlight> in_flight_;  // sends' buffers (after pool_: destroyed before it)
   // Last: destroyed first, while what their work touches still lives.

@@ -25,66 +25,26 @@ using planner::OpKind;
 
 // The stage's view of the chunks during a compute op: before each layer that moment's copies run
 // (chunk_moment), then its activations are counted as the planner's moments count the non-model
-// memory (N_k; ChunkMoment's alloc_bytes and free_bytes). Without recompute a forward fills the
-// stash layer by layer, each layer taking its stash less its input slot and the next layer's input
-// slot, which it writes; the backward empties it. With full recompute a forward takes the stage
-// input it keeps and its scratch at its first layer and gives the scratch back after its last,
-// the recompute op fills the stash layer by layer, and the backward empties it and gives the kept
-// input back after its last layer. With block recompute a forward's layer takes the input of the
-// layer after it, which it writes (its first its own and the scratch too; its last gives the
-// scratch back), and a backward's layer gives its input back after it (its first takes the
-// scratch its layers are re-made in, its last gives it back): the planner's moments
-// (planner/chunks.cpp, order_moments). Tensors are where their chunk is now; a layer's chunks are
-// on the device (its uploads waited for).
+// memory (N_k; ChunkMoment's alloc_bytes and free_bytes), the shared rule's (ChunkBook::Pass,
+// exec/chunk_book.hpp). Tensors are where their chunk is now; a layer's chunks are on the device
+// (its uploads waited for).
 class Worker::ChunkMemory : public LayerMemory {
  public:
-  enum class Kind {
-    forward,
-    forward_recompute,
-    recompute,
-    backward,
-    forward_blocks,
-    backward_blocks
-  };
+  using Kind = ChunkBook::Pass;
   // The compute op's model chunk `c` (chunks_[c]): its layers are the stage's layers
-  // chunk_bounds[c] .. chunk_bounds[c + 1] - 1, its tensors at its base in tensor_at_.
+  // first_layer(c) .. + layers(c) - 1, its tensors at its base in the book.
   ChunkMemory(Worker& w, Kind kind, int c)
       : w_(w),
         kind_(kind),
         chunk_(c),
-        first_(w.schedule_->layout.chunk_bounds.at(std::size_t(c))),
-        last_(w.schedule_->layout.chunk_bounds.at(std::size_t(c) + 1) - first_ - 1),
+        first_(w.book_.first_layer(c)),
         base_(w.chunks_.at(std::size_t(c)).base) {}
   void begin_layer(int layer, bool) override {
     w_.chunk_moment(first_ + layer);
-    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(first_ + layer));
-    const std::int64_t kept = w_.kept_bytes_.at(std::size_t(chunk_));
-    const std::int64_t scratch = w_.scratch_bytes_.at(std::size_t(chunk_));
-    if (kind_ == Kind::forward || kind_ == Kind::recompute)  // it writes the next one's input
-      w_.memory_->add(Category::activations, stash - (layer > 0 ? input(layer) : 0) +
-                                                 (layer < last_ ? input(layer + 1) : 0));
-    if (kind_ == Kind::forward_recompute && layer == 0)
-      w_.memory_->add(Category::activations, kept + scratch);
-    if (kind_ == Kind::forward_blocks)
-      w_.memory_->add(Category::activations, (layer < last_ ? input(layer + 1) : 0) +
-                                                 (layer == 0 ? input(0) + scratch : 0));
-    if (kind_ == Kind::backward_blocks && layer == last_)
-      w_.memory_->add(Category::activations, scratch);
-    if (kind_ == Kind::backward)  // selective: the attention core re-made (0 elsewhere)
-      w_.memory_->add(Category::activations, core(layer));
+    w_.memory_->add(Category::activations, w_.book_.begin_layer(kind_, chunk_, layer));
   }
   void end_layer(int layer, bool) override {
-    const std::int64_t stash = w_.layer_stash_bytes_.at(std::size_t(first_ + layer));
-    const std::int64_t kept = w_.kept_bytes_.at(std::size_t(chunk_));
-    const std::int64_t scratch = w_.scratch_bytes_.at(std::size_t(chunk_));
-    if (kind_ == Kind::backward)
-      w_.memory_->add(Category::activations, -stash - core(layer) - (layer == 0 ? kept : 0));
-    if (kind_ == Kind::forward_recompute && layer == last_)
-      w_.memory_->add(Category::activations, -scratch);
-    if (kind_ == Kind::forward_blocks && layer == last_)
-      w_.memory_->add(Category::activations, -scratch);
-    if (kind_ == Kind::backward_blocks)
-      w_.memory_->add(Category::activations, -input(layer) - (layer == 0 ? scratch : 0));
+    w_.memory_->add(Category::activations, w_.book_.end_layer(kind_, chunk_, layer));
   }
   // The weights of the op's version (2bw: its part of the chunk) and the gradient.
   const float* parameters(std::int64_t offset) override {
@@ -99,10 +59,11 @@ class Worker::ChunkMemory : public LayerMemory {
   // Selective recompute: a block's backward re-makes its attention core whole in `core_`, which
   // its moment counts (begin_layer); the planner's backward moment takes the core's bytes back.
   float* attention_core(int layer) override {
-    if (core(layer) == 0) return nullptr;
-    if (core(layer) != std::int64_t(core_.size()) * std::int64_t(sizeof(float)))
+    const std::int64_t bytes = w_.book_.core_bytes(first_ + layer);
+    if (bytes == 0) return nullptr;
+    if (bytes != std::int64_t(core_.size()) * std::int64_t(sizeof(float)))
       throw Error(fmt::format("rank {}: layer {}'s attention core is {} B, its buffer {} B",
-                              w_.rank_, first_ + layer, core(layer), core_.size() * sizeof(float)));
+                              w_.rank_, first_ + layer, bytes, core_.size() * sizeof(float)));
     return core_.data();
   }
   // The buffer a selective backward's layers re-make their attention core in, one after another.
@@ -110,24 +71,16 @@ class Worker::ChunkMemory : public LayerMemory {
 
  private:
   std::pair<int, std::int64_t> find(std::int64_t offset, int unit) const {
-    const auto it = w_.tensor_at_.find(base_ + offset);
-    if (it == w_.tensor_at_.end())
-      throw Error(fmt::format("rank {}: no chunk holds the tensor at {}", w_.rank_, offset));
-    if (!w_.data_chunks_[std::size_t(it->second.first)].on_device[unit])
+    const auto found = w_.book_.at(base_ + offset);
+    if (!w_.data_chunks_[std::size_t(found.first)].on_device[unit])
       throw Error(fmt::format("rank {}: a layer uses chunk {}{}, which is on the host", w_.rank_,
-                              it->second.first,
+                              found.first,
                               w_.parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
-    return it->second;
-  }
-  std::int64_t input(int layer) const {
-    return w_.layer_input_bytes_.at(std::size_t(first_ + layer));
-  }
-  std::int64_t core(int layer) const {
-    return w_.layer_core_bytes_.at(std::size_t(first_ + layer));
+    return found;
   }
   Worker& w_;
   Kind kind_;
-  int chunk_, first_, last_;  // the model chunk; its first layer in the stage's, its last (local)
+  int chunk_, first_;  // the model chunk; its first layer in the stage's
   std::int64_t base_;
   std::span<float> core_;
 };
@@ -142,109 +95,20 @@ void Worker::setup_chunks() {
   if (!schedule_)
     throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
   const planner::ChunkLayout& L = schedule_->layout;
-  if (int(L.chunk_bounds.size()) != int(chunks_.size()) + 1)
-    throw Error(fmt::format("rank {}: {} model chunks, the chunk layout {}", rank_, chunks_.size(),
-                            int(L.chunk_bounds.size()) - 1));
-  // The schedule's tensors are the stage's model chunks', one to one, in the same order (the
-  // model chunks one after the other, the last stage's tied copy last; planner/chunks.hpp). Both
-  // tied ends on this device (d = 1, v > 1): the layout holds one wte, which the head's copy is
-  // (its forward reads it, its backward adds into its gradient: the executor without chunks adds
-  // the head's gradient into the embedding's too, TiedEndsSink).
-  const auto [embedding, head] = tied_ends_on_one_device(chunks_);
-  std::size_t i = 0;
+  // Where each tensor lives, each layer's activation bytes, the messages (exec/chunk_book.hpp).
+  std::vector<BookChunk> book;
   for (const Chunk& c : chunks_)
-    for (const TensorSlot& slot : c.stage->layout()) {
-      if (&c == head && slot.offset == c.tied_offset) {
-        tensor_at_[c.base + slot.offset] = tensor_at_.at(embedding->base + embedding->tied_offset);
-        continue;
-      }
-      if (i >= L.tensors.size())
-        throw Error(fmt::format("rank {}: the stage has more tensors than the chunk layout's {}",
-                                rank_, L.tensors.size()));
-      const planner::ChunkTensor& t = L.tensors[i++];
-      if (slot.size != t.elements || t.offset + t.elements > L.chunk_elements)
-        throw Error(fmt::format("rank {}: tensor {} has {} elements, the chunk layout's {} {}",
-                                rank_, slot.name, slot.size, t.name, t.elements));
-      tensor_at_[c.base + slot.offset] = {t.chunk, t.offset};
-    }
-  if (i != L.tensors.size())
-    throw Error(fmt::format("rank {}: the stage has {} tensors, the chunk layout {}", rank_, i,
-                            L.tensors.size()));
-  // The last stage's copy of the tied wte (d > 1) gets no Adam step here: it is its chunk's last
-  // tensor, so a chunk's Adam runs over its first chunk_owned elements.
-  for (const planner::ChunkTensor& t : L.tensors)
-    if (t.tied_copy && t.offset < L.chunk_owned[std::size_t(t.chunk)])
-      throw Error(fmt::format("rank {}: the tied copy {} is not at the end of chunk {}", rank_,
-                              t.name, t.chunk));
-  // Each of the stage's layers' stash in bytes (fp32: the stage's carving is exactly
-  // models::derive_costs at the plan's t and SP): the embedding on stage 0, its blocks, the head on
-  // the last stage; each layer's input slot, the first thing in its stash (the embedding's: its
-  // token ids), which the layer before it writes.
-  const models::ModelCosts mc = models::derive_costs(*s_.model, {s_.plan().t, s_.plan().sp});
-  const std::int64_t b = s_.plan().b;
-  const bool selective = s_.plan().recompute_of(stage_) == planner::Recompute::selective;
-  for (int l = 0; l < L.layers(); ++l) {
-    const int g = L.model_layer(l);
-    const models::LayerCosts& costs = g == 0                           ? mc.embedding
-                                      : g == int(s_.model->layers + 1) ? mc.head
-                                                                       : mc.block;
-    // Selective recompute: a block keeps its stash without the attention core, which its
-    // backward re-makes (the core: the difference).
-    const std::int64_t kept = selective ? costs.activation_selective_bytes : costs.activation_bytes;
-    layer_stash_bytes_.push_back(b * kept);
-    layer_core_bytes_.push_back(b * (costs.activation_bytes - kept));
-    layer_input_bytes_.push_back(b * costs.activation_recompute_bytes);
-    // The core a block's backward re-makes: b x (heads / t) x T x T fp32 (the CPU stage's carving).
-    const std::int64_t T = s_.model->seq_len, heads = s_.model->heads / s_.plan().t;
-    const std::int64_t core = layer_core_bytes_.back(), want = b * heads * T * T * 4;
-    if (core != 0 && core != want)
-      throw Error(fmt::format("rank {}: layer {}'s attention core is {} B, the stage's {} B", rank_,
-                              l, core, want));
-  }
-  const auto floats = [](std::int64_t n) { return n * std::int64_t(sizeof(float)); };
-  for (std::size_t k = 0; k < chunks_.size(); ++k) {
-    const Chunk& c = chunks_[k];
-    const auto lo = std::size_t(L.chunk_bounds[k]), hi = std::size_t(L.chunk_bounds[k + 1]);
-    std::int64_t stash = 0, inputs = 0;
-    for (std::size_t l = lo; l < hi; ++l) {
-      stash += layer_stash_bytes_[l];
-      inputs += layer_input_bytes_[l];
-    }
-    if (stash != floats(c.sizes.stash))
-      throw Error(
-          fmt::format("rank {}: model chunk {}'s layers' stashes ({} B) are not its "
-                      "stage's ({} B)",
-                      rank_, k, stash, floats(c.sizes.stash)));
-    // Full recompute: the input a forward keeps and the scratch it runs its layers through.
-    // Block recompute: the layers' inputs and the scratch the layers are made and re-made in.
-    kept_bytes_.push_back(s_.plan().recomputes(stage_) ? floats(c.sizes.stash_recompute) : 0);
-    scratch_bytes_.push_back(blocks_ ? floats(c.stage->blocks_scratch(int(b)))
-                             : s_.plan().recomputes(stage_) ? floats(c.sizes.scratch)
-                                                            : 0);
-    if (blocks_ && inputs != floats(c.stage->layer_inputs(int(b))))
-      throw Error(
-          fmt::format("rank {}: model chunk {}'s layers' inputs ({} B) are not its "
-                      "stage's ({} B)",
-                      rank_, k, inputs, floats(c.stage->layer_inputs(int(b)))));
-  }
+    book.push_back({&c.stage->layout(), c.base, c.tied_offset, c.first, c.last, c.sizes,
+                    c.stage->layer_inputs(s_.plan().b), c.stage->blocks_scratch(s_.plan().b)});
+  const auto [embedding, head] = tied_ends_on_one_device(chunks_);
+  book_ = ChunkBook(*schedule_, book, embedding ? int(embedding - chunks_.data()) : -1,
+                    head ? int(head - chunks_.data()) : -1, *s_.model, s_.plan(), stage_, rank_,
+                    int(sizeof(float)));
   // Pipeline messages (d > 1, or one device's v > 1 model chunks handing them to each other): the
-  // planner's count of them (planner::message_buffers: received, produced, the last one sent), each
-  // a block's output, on the device for the whole run as the schedule's non-model memory counts
-  // them at every moment; the messages themselves live in uncounted buffers, never more at once
-  // than that (make_message_room).
-  message_buffers_ = planner::message_buffers(s_.plan(), stage_);
-  if (message_buffers_ > 0) {
-    // Every model chunk's messages are a block's output (v > 1: received and sent by each).
-    for (const Chunk& c : chunks_)
-      for (std::int64_t n : {c.first ? 0 : c.sizes.input, c.last ? 0 : c.sizes.output}) {
-        if (n > 0 && message_floats_ > 0 && n != message_floats_)
-          throw Error(fmt::format("rank {}: pipeline messages of {} and {} floats", rank_,
-                                  message_floats_, n));
-        if (n > 0) message_floats_ = n;
-      }
-    memory_->add(Category::activations,
-                 std::int64_t(message_buffers_) * message_floats_ * std::int64_t(sizeof(float)));
-  }
+  // planner's count of them, on the device for the whole run as the schedule's non-model memory
+  // counts them at every moment; the messages themselves live in uncounted buffers, never more at
+  // once than that (make_message_room).
+  memory_->add(Category::activations, book_.message_bytes());
   d2h_ = std::make_unique<CopyEngine>();
   h2d_ = std::make_unique<CopyEngine>();
   host_cpu_ = std::make_unique<CopyEngine>();
@@ -328,7 +192,7 @@ Worker::Flats Worker::gather_chunks(int which, int version, const PartParams& pa
   for (const Chunk& c : chunks_) {
     std::vector<float> flat(std::size_t(c.sizes.parameters), 0.0f);
     for (const TensorSlot& slot : c.stage->layout()) {
-      const auto [k, at] = tensor_at_.at(c.base + slot.offset);
+      const auto [k, at] = book_.at(c.base + slot.offset);
       const DataChunk& d = data_chunks_[std::size_t(k)];
       const float* from = which == 0 && part_only(k) ? params.at(std::size_t(k)).data()
                           : which == 0               ? d.part[weight_part(version)].data()
@@ -347,7 +211,7 @@ Worker::Flats Worker::gather_chunks(int which, int version, const PartParams& pa
 void Worker::scatter_chunks(int which, const Chunk& c, const float* flat, int version) {
   const planner::ChunkLayout& L = schedule_->layout;
   for (const TensorSlot& slot : c.stage->layout()) {
-    const auto [k, at] = tensor_at_.at(c.base + slot.offset);
+    const auto [k, at] = book_.at(c.base + slot.offset);
     DataChunk& d = data_chunks_[std::size_t(k)];
     if (which == 0 && part_only(k)) {  // its part of the tensor
       const auto [pb, pe] = L.part(replica_);
@@ -398,7 +262,7 @@ void Worker::chunk_update(int k, int update) {
   const auto [lo, hi] = L.shard(k, replica_);
   // Stage 0, w > 1: the head's gathered gradient joins wte's summed one (chunk_tied).
   if (!tied_head_.empty()) {
-    const auto [tk, at] = tensor_at_.at(chunks_.front().base + chunks_.front().tied_offset);
+    const auto [tk, at] = book_.at(chunks_.front().base + chunks_.front().tied_offset);
     if (tk == k) {
       float* grad = d.part[2].data();
       const std::int64_t end = std::min(hi, at + std::int64_t(tied_head_.size()));
@@ -641,12 +505,7 @@ void Worker::download_part(int u, int step, int op) {
 // them), then the part uploads' all-gathers. Exposed, as the planner and the simulator run them.
 void Worker::chunk_moment(int layer) {
   const auto t0 = Clock::now();
-  std::vector<std::pair<Op, int>> out, in;
-  while (!pending_copies_.empty() && pending_copies_.front().first.layer == layer) {
-    auto& next = pending_copies_.front();
-    (next.first.kind == OpKind::copy_chunk_to_host ? out : in).push_back(next);
-    pending_copies_.pop_front();
-  }
+  const auto [out, in] = book_.take(layer);
   for (const auto& [op, at] : out) {
     if (op.part)
       drop_chunk(op.bucket);
@@ -696,7 +555,7 @@ void Worker::chunk(const Op& op) {
     case OpKind::copy_chunk_to_host:
     case OpKind::copy_chunk_to_device:
       if (op.layer >= 0) {  // runs right before that layer of the next compute op
-        pending_copies_.emplace_back(op, op_);
+        book_.hold(op, op_);
         return;
       }
       if (op.kind == OpKind::copy_chunk_to_device)
@@ -792,7 +651,7 @@ void Worker::chunk_forward(const Op& op) {
                             c.last ? targets.data() : nullptr, s_.plan().b, rc, stash.data(),
                             c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
   });
-  no_pending_copies("forward");
+  book_.check_none_pending("forward");
   if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
@@ -816,18 +675,11 @@ void Worker::chunk_forward_blocks(const Op& op, Chunk& c) {
                                    c.last ? targets.data() : nullptr, s_.plan().b, kept.data(),
                                    c.last ? nullptr : out.data(), scratch.data());
   });
-  no_pending_copies("forward");
+  book_.check_none_pending("forward");
   if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(kept);
   if (!c.last) outputs_[key] = std::move(out);
-}
-
-// A compute op has run every moment of its layers: no copy waits for a layer it did not run.
-void Worker::no_pending_copies(const char* what) const {
-  if (!pending_copies_.empty())
-    throw Error(fmt::format("rank {}: a chunk copy before layer {}, which the {} did not run",
-                            rank_, pending_copies_.front().first.layer, what));
 }
 
 // The recompute op of full recompute: the stash re-made layer by layer from the kept stage
@@ -839,7 +691,7 @@ void Worker::chunk_recompute(const Op& op) {
   Chunk& c = chunks_.at(std::size_t(op.chunk));
   if (!s_.plan().recomputes(stage_))
     throw Error(fmt::format("rank {}: a recompute op on a stage without recompute", rank_));
-  if (blocks_) return no_pending_copies("recompute");
+  if (blocks_) return book_.check_none_pending("recompute");
   std::vector<std::int32_t> tokens, targets;
   if (c.last) samples(op, tokens, targets);
   Buffer full(nullptr, Category::activations, c.sizes.stash, &pool_);
@@ -849,7 +701,7 @@ void Worker::chunk_recompute(const Op& op) {
                        stash_.at(key).data(), full.data());
     return 0.0f;
   });
-  no_pending_copies("recompute");
+  book_.check_none_pending("recompute");
   full_[key] = std::move(full);
 }
 
@@ -880,9 +732,8 @@ void Worker::chunk_backward(const Op& op) {
     ChunkMemory memory(*this, ChunkMemory::Kind::backward,
                        op.chunk);  // with recompute: the kept input too
     // Selective: the buffer each block re-makes its attention core in (its moment counts it).
-    const std::int64_t core_bytes =
-        *std::max_element(layer_core_bytes_.begin(), layer_core_bytes_.end());
-    Buffer core(nullptr, Category::activations, core_bytes / std::int64_t(sizeof(float)), &pool_);
+    Buffer core(nullptr, Category::activations,
+                book_.largest_core_bytes() / std::int64_t(sizeof(float)), &pool_);
     memory.set_core(core);
     timed_compute([&] {
       c.stage->backward(memory, (rc ? full_ : stash_).at(key).data(),
@@ -891,16 +742,16 @@ void Worker::chunk_backward(const Op& op) {
       return 0.0f;
     });
   }
-  no_pending_copies("backward");
+  book_.check_none_pending("backward");
   stash_.erase(key);
   full_.erase(key);
   d_outputs_.erase(key);
   if (!c.first) d_inputs_[key] = std::move(d_input);
 }
 
-// The message buffers are a pool of message_buffers_: a compute op (or a receive) that needs one
-// more than are free waits for the oldest sends still in flight and takes their buffers (the
-// planner counts the messages a stage holds at its peak; elsewhere in the step, a gpipe last
+// The message buffers are a pool of the book's message_buffers(): a compute op (or a receive) that
+// needs one more than are free waits for the oldest sends still in flight and takes their buffers
+// (the planner counts the messages a stage holds at its peak; elsewhere in the step, a gpipe last
 // stage's backwards for one, a send is held no longer than a buffer is free). Received and
 // produced messages are never given up: more of them than the pool holds is an error.
 void Worker::make_message_room(int producing) {
@@ -910,22 +761,23 @@ void Worker::make_message_room(int producing) {
       n += m->size();
     return n;
   };
-  while (held() > std::size_t(message_buffers_) && !in_flight_.empty()) {
+  const std::size_t buffers = std::size_t(book_.message_buffers());
+  while (held() > buffers && !in_flight_.empty()) {
     in_flight_.front().sent.wait();
     in_flight_.pop_front();
   }
-  if (held() > std::size_t(message_buffers_))
+  if (held() > buffers)
     throw Error(fmt::format(
         "rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan counts on "
         "stage {} (planner::message_buffers)",
         rank_, op_,
         planner::to_string(s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind),
-        held(), message_buffers_, stage_));
+        held(), buffers, stage_));
   for (const std::map<Key, Buffer>* m : {&inputs_, &outputs_, &d_outputs_, &d_inputs_})
     for (const auto& [key, buffer] : *m)
-      if (buffer.size() != message_floats_)
+      if (buffer.size() != book_.message_elements())
         throw Error(fmt::format("rank {}: a pipeline message of {} floats, not {}", rank_,
-                                buffer.size(), message_floats_));
+                                buffer.size(), book_.message_elements()));
 }
 
 // The tied embedding with chunks (d > 1): stage 0's wte and the last stage's copy are tensors of
@@ -943,7 +795,7 @@ void Worker::make_message_room(int producing) {
 // chunks. The weights go back shard by shard and the last stage's replicas all-gather them.
 void Worker::chunk_tied(const Op& op) {
   Chunk& c = chunks_.at(std::size_t(op.chunk));  // tied(): it holds the tied tensor
-  const auto [k, at] = tensor_at_.at(c.base + c.tied_offset);
+  const auto [k, at] = book_.at(c.base + c.tied_offset);
   DataChunk& d = data_chunks_[std::size_t(k)];
   const std::int64_t n = c.tied_size;
   const int w = s_.plan().w;
@@ -1025,7 +877,7 @@ void Worker::chunk_tied(const Op& op) {
 // The step's Adam has run on the device (chunk_step_device) and is running on the host: the
 // optimizer step waits for the host's, and the chunks are where the next step starts.
 void Worker::chunk_optimizer_step(const Op& op) {
-  if (!pending_copies_.empty())
+  if (book_.pending())
     throw Error(fmt::format("rank {}: chunk copies left before the optimizer step", rank_));
   d2h_->drain();
   host_cpu_->drain();

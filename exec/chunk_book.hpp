@@ -1,0 +1,118 @@
+// What a worker needs to run one stage's offload chunks (PatrickStar; docs/formulas.md section 9,
+// chunks) besides moving bytes, written once for every backend (exec/README.md, "The device
+// interface"): where each of the stage's tensors lives in the chunk schedule's chunks, each
+// layer's activation bytes as the planner's moments count them (so a worker's measured device
+// peak is the schedule's), the pipeline messages the plan counts, and the program's chunk copies
+// held until the layer they run before. The bytes are the layout's elements times the backend's
+// element bytes (4 on the CPU); the buffers, copies and Adam steps are the worker's.
+// Host-only, backend-independent: the CPU worker runs it (tests/test_chunks_exec.cpp).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "exec/stage_compute.hpp"
+#include "models/model.hpp"
+#include "planner/chunks.hpp"
+#include "planner/plan.hpp"
+#include "planner/program.hpp"
+
+namespace pw::exec::detail {
+
+// One model chunk of the stage (v of them with interleaving) as the book needs it: its layout, its
+// base in the rank's flat parameters, its tied tensor (-1: none), whether it holds the embedding
+// or the head, and its sizes for the plan's b in elements (`layer_inputs` and `blocks_scratch`:
+// block recompute's, StageCompute::layer_inputs and blocks_scratch).
+struct BookChunk {
+  const std::vector<TensorSlot>* layout = nullptr;
+  std::int64_t base = 0, tied_offset = -1;
+  bool first = false, last = false;
+  StageSizes sizes;
+  std::int64_t layer_inputs = 0, blocks_scratch = 0;
+};
+
+class ChunkBook {
+ public:
+  ChunkBook() = default;
+  // Checks the stage's tensors against the schedule's (one to one, in order; both tied ends on one
+  // device share the one "wte", `embedding` and `head` their model chunks or -1), every layer's
+  // stash against the stage's, and throws Error naming `rank` at the first mismatch.
+  ChunkBook(const planner::ChunkSchedule& schedule, const std::vector<BookChunk>& chunks,
+            int embedding, int head, const models::ModelSpec& model, const planner::Plan& plan,
+            int stage, int rank, int element_bytes);
+
+  // Where the tensor at `flat` (a model chunk's base + a slot's offset) lives: its data chunk and
+  // its element offset there. Throws naming the rank when no chunk holds it.
+  std::pair<int, std::int64_t> at(std::int64_t flat) const;
+
+  // A compute op's passes over its layers (the planner's moments, planner/chunks.cpp,
+  // order_moments): without recompute a forward fills the stash layer by layer, each layer taking
+  // its stash less its input slot and the next layer's input slot, which it writes; the backward
+  // empties it (selective recompute: each block's attention core taken for its backward too).
+  // Full recompute: the forward takes the kept stage input and the scratch at its first layer and
+  // gives the scratch back after its last; the recompute op fills the stash as a forward without
+  // recompute; the backward empties it and gives the kept input back after its last layer. Block
+  // recompute: a forward's layer takes the input of the layer after it (its first its own and the
+  // scratch, its last gives the scratch back), a backward's gives its input back (its first takes
+  // the scratch, its last gives it back).
+  enum class Pass {
+    forward,
+    forward_recompute,
+    recompute,
+    backward,
+    forward_blocks,
+    backward_blocks
+  };
+  // The activation bytes to add before layer `layer` (local to model chunk `chunk`) of a pass
+  // runs, and after it (negative: given back).
+  std::int64_t begin_layer(Pass pass, int chunk, int layer) const;
+  std::int64_t end_layer(Pass pass, int chunk, int layer) const;
+  // Selective recompute: the attention core a block's backward re-makes (0 for other layers and
+  // without selective), the stage's layer `layer`; the largest of them (one buffer serves all).
+  std::int64_t core_bytes(int layer) const { return core_.at(std::size_t(layer)); }
+  std::int64_t largest_core_bytes() const { return largest_core_; }
+  // Model chunk `chunk`'s layers: the stage's [first_layer, first_layer + layers).
+  int first_layer(int chunk) const;
+  int layers(int chunk) const;
+
+  // The pipeline messages the plan counts on this stage (planner::message_buffers: received,
+  // produced, the last one sent), each a block's output of `message_elements` elements; their
+  // bytes are on the device for the whole run.
+  int message_buffers() const { return message_buffers_; }
+  std::int64_t message_elements() const { return message_elements_; }
+  std::int64_t message_bytes() const { return message_buffers_ * message_elements_ * element_; }
+
+  // The program's copies that run before a layer of the next compute op (`op.layer` >= 0), held in
+  // program order with their op index; take(layer) gives that layer's, evictions (to the host)
+  // first, then uploads, each in program order.
+  void hold(const planner::Op& op, int at) { pending_.emplace_back(op, at); }
+  struct Moment {
+    std::vector<std::pair<planner::Op, int>> out, in;
+  };
+  Moment take(int layer);
+  bool pending() const { return !pending_.empty(); }
+  // A compute op has run every moment of its layers: throws naming the rank, the layer and `what`
+  // when a copy still waits for a layer it did not run.
+  void check_none_pending(const char* what) const;
+
+ private:
+  std::int64_t input(int layer) const { return input_.at(std::size_t(layer)); }
+  const planner::ChunkLayout* layout_ = nullptr;
+  int rank_ = 0;
+  std::int64_t element_ = 4;
+  std::map<std::int64_t, std::pair<int, std::int64_t>> tensor_at_;
+  // Per layer of the stage: its stash (without the core with selective), its attention core, its
+  // input slot (the first thing in its stash, written by the layer before it).
+  std::vector<std::int64_t> stash_, core_, input_;
+  std::int64_t largest_core_ = 0;
+  // Per model chunk: full recompute's kept input and scratch; block recompute's scratch.
+  std::vector<std::int64_t> kept_, scratch_;
+  int message_buffers_ = 0;
+  std::int64_t message_elements_ = 0;
+  std::deque<std::pair<planner::Op, int>> pending_;
+};
+
+}  // namespace pw::exec::detail
