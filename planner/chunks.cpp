@@ -576,7 +576,7 @@ double optimizer_time(const ChunkSchedule& s) {
       // during the step) the reduce-scatter on the host; no all-gather (the next step's upload
       // gathers).
       const bool gradient_down = s.adam_download[std::size_t(s.layout.gradient_unit(c))];
-      const double part = s.step_copy_s > 0 ? s.step_copy_s : s.part_copy_s;
+      const double part = s.step_copy(s.layout.part_bytes, s.part_copy_s);
       down.push_back(gradient_down ? s.collective_s / 2 + part : 0.0);
       adam.push_back(s.host_adam_s[std::size_t(c)] + (gradient_down ? 0.0 : s.collective_s / 2));
       continue;
@@ -584,7 +584,7 @@ double optimizer_time(const ChunkSchedule& s) {
     int units = 0;  // of the chunk's parts on the device at the step's end: each goes down
     for (int u = c * parts; u < (c + 1) * parts; ++u)
       units += s.adam_download[std::size_t(u)] ? 1 : 0;
-    down.push_back(units * (s.step_copy_s > 0 ? s.step_copy_s : s.copy_s));
+    down.push_back(units * s.step_copy(s.layout.move_bytes, s.copy_s));
     adam.push_back(s.host_adam_s[std::size_t(c)] + s.collective_s);
   }
   return std::max(device_adam, two_stage_pipeline_s(down, adam));
@@ -1094,9 +1094,10 @@ namespace {
 // Flush schedules: the stages behind one uplink each download their host-Adam chunks (or their
 // gradients' parts) at their optimizer step, from the moment their last compute op ends
 // (chunk_pipeline). Those downloads share the uplink: each of the n stages downloading at a time
-// gets min(its own link, uplink / (its replicas behind it x n)) until its bytes are down. A stage's
-// step_copy_s is then its mean download's time (latency included), where that is longer than
-// alone (docs/formulas.md section 9, chunks, "Time").
+// gets min(its own link, uplink / (its replicas behind it x n)) until its bytes are down. Where
+// that is slower than alone, a stage's downloads then move at its bytes over the time they took
+// (step_bytes_per_s): each one its latency plus its own bytes at that rate, a sharded chunk's part
+// as a whole chunk's (docs/formulas.md section 9, chunks, "Time").
 void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
                           const std::vector<std::pair<int, int>>& uplink) {
   const std::size_t d = all.size();
@@ -1133,13 +1134,13 @@ void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
   for (std::size_t s = 0; s < d; ++s) {
     ChunkSchedule& cs = all[s];
     if (copies[s] == 0) continue;
-    const double shared = cs.copy_latency_s + (finish[s] - run.end[s]) / copies[s];
-    const double alone = cs.copy_latency_s + (cs.layout.is_sharded(cs.device_adam_chunks)
-                                                  ? double(cs.layout.part_bytes)
-                                                  : double(cs.layout.move_bytes)) /
-                                                 rate_alone[s];
-    if (shared > alone * (1 + 1e-9)) {
-      cs.step_copy_s = shared;
+    // The copies' latencies are outside the sharing (each copy pays its own).
+    const double moving = finish[s] - run.end[s];
+    if (moving <= 0) continue;
+    const double rate = left[s] / moving;
+    if (rate < rate_alone[s] * (1 - 1e-9)) {
+      cs.step_bytes_per_s = rate;
+      cs.step_copy_s = cs.step_copy(cs.layout.move_bytes, cs.copy_s);
       cs.optimizer_s = optimizer_time(cs);
     }
   }
@@ -1296,9 +1297,10 @@ std::vector<ChunkSchedule> chunk_schedules(const models::ModelSpec& model,
     release[s] = run.end[s];
     const int c = cs.device_adam_chunks;  // the first host chunk's units on the device go down
     for (int u = c * L.parts; c < L.chunks() && u < (c + 1) * L.parts; ++u)
-      release[s] += cs.adam_download[std::size_t(u)] && !(L.is_sharded(c) && L.version_unit(u))
-                        ? (cs.step_copy_s > 0 ? cs.step_copy_s : cs.copy_s)
-                        : 0.0;
+      release[s] += !cs.adam_download[std::size_t(u)] || (L.is_sharded(c) && L.version_unit(u))
+                        ? 0.0
+                    : L.is_sharded(c) ? cs.step_copy(L.part_bytes, cs.part_copy_s)
+                                      : cs.step_copy(L.move_bytes, cs.copy_s);
   }
   // Processor sharing among the entries, chunk by chunk: each entry's jobs run its host chunks'
   // CPU Adam in order, each chunk's between its collectives (w > 1: the gradient's reduce-scatter

@@ -262,9 +262,15 @@ struct ChunkSchedule {
   // uplink's bandwidth, and the stage's replicas behind that uplink (copying in lockstep).
   double copy_latency_s = 0, link_bytes_per_s = 0, uplink_bytes_per_s = 0;
   int uplink_sharers = 1;
-  // Flush schedules with stages behind one uplink: one of the optimizer step's downloads while
-  // they share it from each stage's release (chunk_schedules; 0: copy_s, part_copy_s).
-  double step_copy_s = 0;
+  // Flush schedules with stages behind one uplink: the optimizer step's downloads while they share
+  // it from each stage's release (chunk_schedules): the stage's bytes per second then
+  // (0: not shared, copy_s and part_copy_s), and a whole unit's (move_bytes) download at it.
+  double step_bytes_per_s = 0, step_copy_s = 0;
+  // One of the optimizer step's downloads of `bytes`: at the shared rate, or `alone` (copy_s,
+  // part_copy_s) where it is not shared.
+  double step_copy(std::int64_t bytes, double alone) const {
+    return step_bytes_per_s > 0 ? copy_latency_s + double(bytes) / step_bytes_per_s : alone;
+  }
   // w > 1: a chunk's gradient reduce-scattered and its parameters all-gathered over the stage's
   // replicas, each a ring over S_p (half an all-reduce of S_p: docs/formulas.md section 9).
   double collective_s = 0;
