@@ -27,7 +27,7 @@ traces::Trace profile_on([[maybe_unused]] const std::string& backend,
           "--tp: the cuda profiler times whole layers (t = 1); use --backend cpu for a TP shard");
     if (selective)
       throw InputError(
-          "--selective: the cuda stage does not run selective recompute; use --backend cpu");
+          "--selective: the cuda profiler does not time selective recompute; use --backend cpu");
     return exec::cuda::profile_cuda(model, sizes, repeats);
   }
 #endif

@@ -440,7 +440,7 @@ void run_and_compare(const ValidateArgs& a) {
                                    planner::Recompute::selective) != plan.recompute.end();
   if (selective && gpu)
     throw InputError(
-        "plan: recompute: the cuda executor does not run selective recompute (validate it with "
+        "plan: recompute: the cuda profiler does not time selective recompute (validate it with "
         "--backend cpu)");
   if (plan.t > 1 && gpu)
     throw InputError(fmt::format(

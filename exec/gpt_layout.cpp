@@ -52,11 +52,8 @@ GptLayout::GptLayout(const StageSpec& s, models::DType dtype, const std::string&
   if (m.dropout) unsupported(m, backend, "dropout", "true");
   if (models::key_value_heads(m) != m.heads)
     unsupported(m, backend, "kv_heads", std::to_string(models::key_value_heads(m)));
-  // Both stages run Megatron's tensor and sequence parallelism and vocabulary padding (padded
-  // logits masked out of the softmax).
-  if (backend != "cpu" && s.selective)
-    throw InputError("stage of model '" + m.name + "': the " + backend +
-                     " stage does not run selective recompute");
+  // Both stages run Megatron's tensor and sequence parallelism, vocabulary padding (padded
+  // logits masked out of the softmax) and selective recompute.
   // fp32 statistics sit between 2-byte tensors in the stash: an even token count keeps them
   // 4-byte aligned for every b.
   if (m.seq_len % word_elements != 0)

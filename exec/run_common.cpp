@@ -191,19 +191,21 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   if (options.device_memory < 0)
     throw InputError(fmt::format("--device-memory: {} is negative (bytes; 0: unlimited)",
                                  options.device_memory));
-  // Selective recompute: the CPU executor, without activation offload (whose choices are whole
-  // stashes swapped or recomputed: planner::check refuses it with a recompute list).
+  // Selective recompute: both executors (the CUDA one compile-checked only), without activation
+  // offload (whose choices are whole stashes swapped or recomputed: planner::check refuses it
+  // with a recompute list).
   if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
                   [](planner::Recompute r) { return r == planner::Recompute::selective; })) {
-    if (backend != "cpu")
+    if (backend != "cpu" && backend != "cuda")
       throw InputError(fmt::format(
           "plan: recompute: the {} executor recomputes whole stages (full), block by block "
-          "(block) or nothing, not selective (the cpu executor runs it)",
+          "(block) or nothing, not selective (the cpu and cuda executors run it)",
           backend));
     if (plan.offload_activations)
-      throw InputError(
-          "plan: recompute: the cpu executor runs selective recompute without activation "
-          "offload only; use full or block recompute with it");
+      throw InputError(fmt::format(
+          "plan: recompute: the {} executor runs selective recompute without activation "
+          "offload only; use full or block recompute with it",
+          backend));
   }
   // Offload chunks: the eviction plan the programs carry, made before anything is written (a chunk
   // smaller than a tensor, a device smaller than a layer's working set: the planner's one line).

@@ -259,8 +259,9 @@ TEST(ChunksExec, BadInputIsOneLine) {
 
 // Checkpoints hold the same tensors as without chunks (the stage's weights, m and v, gathered
 // from the chunks): a run stopped and resumed gives the bits of an unbroken one.
-// Selective recompute runs on the CPU executor, with chunks too, not with activation offload;
-// elsewhere one line naming it: the CUDA executor (and a CUDA stage layout), activation offload.
+// Selective recompute runs on the CPU executor, with chunks too, and on the CUDA one (its layout
+// without the probabilities; compile-checked only), not with activation offload nor on another
+// backend: one line naming it.
 TEST(ChunksExec, SelectiveRecomputeRefusalsAreOneLine) {
   const models::ModelSpec model = testing::gpt_tiny(2);
   auto expect_line = [](const std::string& msg, const std::string& want) {
@@ -270,14 +271,19 @@ TEST(ChunksExec, SelectiveRecomputeRefusalsAreOneLine) {
   Plan plain = make_plan(model, Schedule::one_f_one_b, 1, 2, -1);
   plain.recompute.assign(1, planner::Recompute::selective);
   EXPECT_NO_THROW(detail::prepare_run(model, plain, adamw_options(2), "cpu"));
+  EXPECT_NO_THROW(detail::prepare_run(model, plain, adamw_options(2), "cuda"));
   expect_line(
-      testing::error_of([&] { detail::prepare_run(model, plain, adamw_options(2), "cuda"); }),
-      "the cuda executor recomputes whole stages (full), block by block (block) or "
+      testing::error_of([&] { detail::prepare_run(model, plain, adamw_options(2), "tpu"); }),
+      "the tpu executor recomputes whole stages (full), block by block (block) or "
       "nothing, not selective");
   StageSpec spec = detail::chunk_spec(model, plain, 0, 0);
   ASSERT_TRUE(spec.selective);
-  expect_line(testing::error_of([&] { GptLayout(spec, models::DType::bf16, "cuda"); }),
-              "the cuda stage does not run selective recompute");
+  // The CUDA layout keeps no probabilities: its stash is models' selective one, in bf16.
+  const GptLayout cuda(spec, models::DType::bf16, "cuda");
+  const GptLayout full_cuda(
+      detail::chunk_spec(model, make_plan(model, Schedule::one_f_one_b, 1, 2, -1), 0, 0),
+      models::DType::bf16, "cuda");
+  EXPECT_LT(cuda.sizes(2).stash, full_cuda.sizes(2).stash);
   Plan chunks = make_plan(model, Schedule::one_f_one_b, 1, 2, 65536);
   chunks.recompute.assign(1, planner::Recompute::selective);
   EXPECT_NO_THROW(detail::prepare_run(model, chunks, adamw_options(2, 1 << 22), "cpu"));

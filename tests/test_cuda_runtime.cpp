@@ -385,4 +385,47 @@ TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
   }
 }
 
+// Selective recompute (compile-checked only, never run on a GPU): the blocks keep no attention
+// probabilities, the forward makes them 64 query rows at a time in the workspace and each block's
+// backward makes them again with the same calls. Against the same plan without recompute: losses
+// within the TP test's 2e-2 (the probabilities' GEMMs run in other shapes, dv and dk summed over
+// the row blocks in bf16), at t = 1 and t = 2 with SP; every device's memory the planner's (its
+// stash models' activation_selective_bytes).
+TEST(CudaRuntime, SelectiveRecomputeFollowsNoRecompute) {
+  PW_SKIP_WITHOUT_GPU();
+  struct Case {
+    Schedule s;
+    int t, d;
+    bool sp;
+  };
+  for (const Case& k :
+       {Case{Schedule::one_f_one_b, 1, 2, false}, Case{Schedule::two_bw, 1, 2, false},
+        Case{Schedule::one_f_one_b, 2, 2, true}}) {
+    SCOPED_TRACE(
+        fmt::format("{} t={} d={}{}", pw::planner::to_string(k.s), k.t, k.d, k.sp ? " sp" : ""));
+    Plan plain = make_plan(k.s, 1, k.d, 2, 4);
+    plain.t = k.t;
+    plain.sp = k.sp;
+    Plan p = plain;
+    p.recompute.assign(std::size_t(k.d), pw::planner::Recompute::selective);
+    pw::planner::check(p);
+    const auto want = losses(pw::exec::cuda::train_cuda(kGpu, plain, adamw(4, 1)));
+    const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, adamw(4, 1));
+    const auto got = losses(r);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 2e-2 * want[i]) << "step " << i;
+    Plan placed = p;
+    pw::planner::place(placed, {1, 8});
+    const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
+    const auto tr =
+        pw::traces::analytic_trace(kGpu, node.device, {p.b}, pw::models::Sharding{k.t, k.sp});
+    const auto devices = pw::planner::estimate(kGpu, tr, node, placed).report.devices;
+    for (int device = 0; device < p.ranks() * k.t; ++device)
+      expect_planned_memory(r.ranks[std::size_t(device)].memory,
+                            devices[std::size_t(device / k.t)].memory,
+                            "device " + std::to_string(device));
+  }
+}
+
 }  // namespace

@@ -80,7 +80,9 @@ CudaGptStage::BlockActs<Const> CudaGptStage::carve_block(P base, int64_t BT) con
   const int64_t R = layout_.rows(BT);  // tokens outside the TP region (SP: this rank's)
   a.x = c.take(R * C), a.ln1 = c.take(R * C);
   a.ln1_mean = c.template take_as<float>(R), a.ln1_rstd = c.template take_as<float>(R);
-  a.qkv = c.take(BT * 3 * C_t), a.att = c.take(BT * NH_t * T), a.atty = c.take(BT * C_t);
+  // Selective recompute: no probabilities kept (the attention makes them in the workspace).
+  a.qkv = c.take(BT * 3 * C_t), a.att = c.take(layout_.selective ? 0 : BT * NH_t * T),
+  a.atty = c.take(BT * C_t);
   a.resid1 = c.take(R * C), a.ln2 = c.take(R * C);
   a.ln2_mean = c.template take_as<float>(R), a.ln2_rstd = c.template take_as<float>(R);
   a.fc = c.take(BT * F_t), a.gelu = c.take(BT * F_t);
@@ -206,6 +208,13 @@ bf16* CudaGptStage::tp_scratch(std::int64_t elements) const {
   return tp_.workspace;
 }
 
+Carver CudaGptStage::selective_scratch() const {
+  if (!tp_.workspace)
+    throw Error("cuda stage: selective recompute without the rank's workspace (set_tp)");
+  return Carver(tp_.workspace, tp_.workspace_elements * int64_t(sizeof(bf16)),
+                "cuda stage forward workspace (selective recompute)");
+}
+
 const bf16* CudaGptStage::gather(const bf16* mine, bf16* full, std::int64_t BT) const {
   if (!tp_.all_gather) throw Error("cuda stage: sequence parallelism without the TP all-gather");
   const int64_t n = layout_.rows(BT) * layout_.C;
@@ -272,7 +281,11 @@ void CudaGptStage::block_forward(const bf16* w, const BlockActs<false>& a, int b
   };
   layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w + r[ln1_w], w + r[ln1_b], R, C, stream_);
   linear_forward(g, a.qkv, full(a.ln1), w + r[qkv_w], w + r[qkv_b], nullptr, BT, C, 3 * C_t);
-  attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+  if (layout_.selective)  // the probabilities a block of query rows at a time, in the workspace
+    attention_forward_selective(g, a.atty, a.qkv, selective_scratch(), b, int(layout_.T), C_t,
+                                int(layout_.NH_t));
+  else
+    attention_forward(g, a.atty, a.att, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
   row_parallel_forward(a.resid1, a.atty, w + r[attproj_w], w + r[attproj_b], a.x, BT, C_t);
   layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.resid1, w + r[ln2_w], w + r[ln2_b], R, C,
                     stream_);
@@ -460,8 +473,12 @@ void CudaGptStage::block_backward(const bf16* w, bf16* g, const BlockActs<true>&
   dout = sp ? gather(dres, A, BT) : dres;
   linear_backward(gm, datty, g + r[attproj_w], g + r[attproj_b], dout, a.atty, w + r[attproj_w], BT,
                   C_t, C);
-  attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C_t,
-                     int(layout_.NH_t));
+  if (layout_.selective)  // each block of probabilities made again beside dP and dS
+    attention_backward_selective(gm, dqkv, datty, a.qkv, attn, b, int(layout_.T), C_t,
+                                 int(layout_.NH_t));
+  else
+    attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C_t,
+                       int(layout_.NH_t));
   bf16* dln1 = datty;  // datty is dead once dqkv exists
   linear_backward(gm, dln1, g + r[qkv_w], g + r[qkv_b], dqkv, sp ? gather(a.ln1, A, BT) : a.ln1,
                   w + r[qkv_w], BT, C, 3 * C_t);

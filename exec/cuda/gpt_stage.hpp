@@ -43,6 +43,10 @@ class CudaGptStage {
   CudaGptStage(const CudaGptStage&) = delete;
   CudaGptStage& operator=(const CudaGptStage&) = delete;
 
+  // Selective recompute (spec().selective): the blocks keep no attention probabilities; the
+  // forward makes them a block of query rows at a time in the workspace below and each block's
+  // backward makes them again (layers.hpp, attention_forward_selective), so `workspace` is needed
+  // before a forward at every t.
   // Tensor parallelism (spec().t > 1, Megatron's column-/row-parallel block, vocabulary-parallel
   // embedding and cross-entropy, sequence parallelism with spec().sp; the CPU stage's rules,
   // exec/cpu/gpt_stage.cpp) and vocabulary padding: `sum` adds `count` elements (fp32 or bf16) at a
@@ -134,6 +138,9 @@ class CudaGptStage {
   void scatter(bf16* full, bf16* mine, std::int64_t BT) const;
   // The forward's full-width scratch (SP): the TP workspace, at least `elements` of it.
   bf16* tp_scratch(std::int64_t elements) const;
+  // Selective recompute's forward: the probabilities' blocks in the rank's workspace (free while
+  // a forward runs; the SP gathers before and after the attention are dead or not yet made).
+  Carver selective_scratch() const;
   // LayerNorm's backward over this rank's N rows; with SP its weight and bias gradients of those
   // rows are summed over the group (in `temp`, `temp_elements` >= 2C free elements) before they
   // are added.

@@ -229,11 +229,12 @@ __global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* do
 // ---- attention softmax -------------------------------------------------------------------------
 
 // One warp per row; row r is query t = r % T. Each element is touched by one lane only.
-__global__ void causal_softmax_kernel(bf16* att, int64_t rows, int T) {
+// Row r holds the scaled scores of query t = r0 + r % n (n = T, r0 = 0: whole (T, T) matrices).
+__global__ void causal_softmax_kernel(bf16* att, int64_t rows, int n, int r0, int T) {
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;
-  const int t = int(row % T);
+  const int t = r0 + int(row % n);
   bf16* p = att + row * T;
   float mx = -INFINITY;  // j = 0 is always in range, so the row maximum is finite
   for (int j = lane; j <= t; j += kWarp)
@@ -247,14 +248,15 @@ __global__ void causal_softmax_kernel(bf16* att, int64_t rows, int T) {
     p[j] = j <= t ? b16(expf(f32(p[j]) - mx) * inv) : b16(0.0f);
 }
 
-// One warp per (matrix g, row i); query t = r0 + i.
+// One warp per (matrix g, row i); query t = r0 + i, its probabilities row t - p_row0 of p's.
 __global__ void attention_softmax_backward_kernel(bf16* ds, const float* dp, const bf16* p,
-                                                  int64_t p_stride, int G, int n, int r0, int T) {
+                                                  int64_t p_stride, int G, int n, int r0, int T,
+                                                  int p_row0) {
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= int64_t(G) * n) return;
   const int g = int(row / n), t = r0 + int(row % n);
-  const bf16* prow = p + g * p_stride + int64_t(t) * T;
+  const bf16* prow = p + g * p_stride + int64_t(t - p_row0) * T;
   const float* dprow = dp + row * T;
   bf16* dsrow = ds + row * T;
   float dot = 0.0f;
@@ -490,16 +492,23 @@ void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, std::int64_t n
 
 void causal_softmax_forward(bf16* att, std::int64_t rows, int T, cudaStream_t stream) {
   if (rows <= 0) return;
-  causal_softmax_kernel<<<rows_grid(rows), kThreads, 0, stream>>>(att, rows, T);
+  causal_softmax_kernel<<<rows_grid(rows), kThreads, 0, stream>>>(att, rows, T, 0, T);
+  check_launch();
+}
+
+void causal_softmax_rows(bf16* att, int G, int n, int r0, int T, cudaStream_t stream) {
+  const int64_t rows = int64_t(G) * n;
+  if (rows <= 0) return;
+  causal_softmax_kernel<<<rows_grid(rows), kThreads, 0, stream>>>(att, rows, n, r0, T);
   check_launch();
 }
 
 void attention_softmax_backward(bf16* ds, const float* dp, const bf16* p, std::int64_t p_stride,
-                                int G, int n, int r0, int T, cudaStream_t stream) {
+                                int G, int n, int r0, int T, cudaStream_t stream, int p_row0) {
   const int64_t rows = int64_t(G) * n;
   if (rows <= 0) return;
   attention_softmax_backward_kernel<<<rows_grid(rows), kThreads, 0, stream>>>(ds, dp, p, p_stride,
-                                                                              G, n, r0, T);
+                                                                              G, n, r0, T, p_row0);
   check_launch();
 }
 

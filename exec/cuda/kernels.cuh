@@ -59,12 +59,16 @@ void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, std::int64_t n
 // Row r of att (rows, T) holds the scaled scores of query t = r % T: softmax over j <= t in place,
 // zeros for j > t.
 void causal_softmax_forward(bf16* att, std::int64_t rows, int T, cudaStream_t stream);
-// For query rows r0 .. r0+n of G (T, T) probability matrices p + g * p_stride:
+// The same for query rows r0 .. r0 + n of G matrices stored as (G, n, T): row i of matrix g holds
+// query r0 + i's scaled scores (selective recompute's blocks).
+void causal_softmax_rows(bf16* att, int G, int n, int r0, int T, cudaStream_t stream);
+// For query rows r0 .. r0+n of G probability matrices p + g * p_stride whose first stored row is
+// query p_row0 ((T, T) matrices: 0; selective recompute's (n, T) blocks: r0):
 // ds = p * (dp - rowsum(p * dp)), the softmax backward, with zeros above the diagonal.
 void attention_softmax_backward(bf16* ds,         // (G, n, T)
                                 const float* dp,  // (G, n, T)
                                 const bf16* p, std::int64_t p_stride, int G, int n, int r0, int T,
-                                cudaStream_t stream);
+                                cudaStream_t stream, int p_row0 = 0);
 
 // Softmax over V in place (logits become probabilities) and losses = -log p[target].
 void crossentropy_forward(bf16* probs,                  // (N, V): logits in, probabilities out

@@ -194,4 +194,146 @@ void attention_backward(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qk
   }
 }
 
+namespace {
+
+// Selective recompute's probabilities of head h for query rows [r0, r0 + n) of every sample:
+// P (B, n, T) = causal softmax of q[r0 : r0 + n] k^T / sqrt(hd). The forward and the backward both
+// make a block with this call (the same shapes, so the same GEMM algorithm).
+void probabilities_block(Gemm& gemm, bf16* P, const bf16* qkv, int B, int T, int C, int NH,
+                         int64_t h, int r0, int n) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C);
+  const bf16* q = qkv + h * hd;
+  gemm.matmul({.m = n,
+               .n = T,
+               .k = hd,
+               .batch = B,
+               .a = q + int64_t(r0) * C3,
+               .lda = C3,
+               .stride_a = T * C3,
+               .b = q + C,
+               .ldb = C3,
+               .trans_b = true,
+               .stride_b = T * C3,
+               .d = P,
+               .ldd = T,
+               .stride_d = int64_t(n) * T,
+               .alpha = 1.0f / std::sqrt(float(hd))});
+  causal_softmax_rows(P, B, n, r0, T, gemm.stream());
+}
+
+}  // namespace
+
+void attention_forward_selective(Gemm& gemm, bf16* out, const bf16* qkv, Carver scratch, int B,
+                                 int T, int C, int NH) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C);
+  const int rows = std::min(T, kSelectiveRows);
+  bf16* P = scratch.take<bf16>(int64_t(B) * rows * T);
+  for (int64_t h = 0; h < NH; ++h)
+    for (int r0 = 0; r0 < T; r0 += rows) {
+      const int n = std::min(rows, T - r0);
+      probabilities_block(gemm, P, qkv, B, T, C, NH, h, r0, n);
+      // y[r0 : r0 + n] (n, hd) = P (n, T) · v (T, hd)
+      gemm.matmul({.m = n,
+                   .n = hd,
+                   .k = T,
+                   .batch = B,
+                   .a = P,
+                   .lda = T,
+                   .stride_a = int64_t(n) * T,
+                   .b = qkv + 2 * C + h * hd,
+                   .ldb = C3,
+                   .stride_b = T * C3,
+                   .d = out + int64_t(r0) * C + h * hd,
+                   .ldd = C,
+                   .stride_d = int64_t(T) * C});
+    }
+}
+
+// As attention_backward, block by block of query rows: dv and dk accumulate over the blocks.
+void attention_backward_selective(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                  Carver scratch, int B, int T, int C, int NH) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C);
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const int rows = std::min(T, kSelectiveRows);
+  const int64_t block = int64_t(B) * rows * T;
+  bf16* P = scratch.take<bf16>(block);
+  float* dp = scratch.take<float>(block);
+  bf16* ds = scratch.take<bf16>(block);
+  const cudaStream_t stream = gemm.stream();
+  for (int64_t h = 0; h < NH; ++h)
+    for (int r0 = 0; r0 < T; r0 += rows) {
+      const int n = std::min(rows, T - r0);
+      const int64_t chunk = int64_t(n) * T;
+      const float first = r0 == 0 ? 0.0f : 1.0f;  // dv, dk: written by the first block
+      probabilities_block(gemm, P, qkv, B, T, C, NH, h, r0, n);
+      const bf16* dy = dout + int64_t(r0) * C + h * hd;
+      bf16* dq = dqkv + int64_t(r0) * C3 + h * hd;
+      // dv (T, hd) += P^T (T, n) · dy[r0 : r0 + n] (n, hd)
+      gemm.matmul({.m = T,
+                   .n = hd,
+                   .k = n,
+                   .batch = B,
+                   .a = P,
+                   .lda = T,
+                   .trans_a = true,
+                   .stride_a = chunk,
+                   .b = dy,
+                   .ldb = C,
+                   .stride_b = int64_t(T) * C,
+                   .d = dqkv + 2 * C + h * hd,
+                   .ldd = C3,
+                   .stride_d = T * C3,
+                   .beta = first});
+      // dP (n, T) = dy[r0 : r0 + n] (n, hd) · v^T (hd, T), in fp32
+      gemm.matmul({.m = n,
+                   .n = T,
+                   .k = hd,
+                   .batch = B,
+                   .a = dy,
+                   .lda = C,
+                   .stride_a = int64_t(T) * C,
+                   .b = qkv + 2 * C + h * hd,
+                   .ldb = C3,
+                   .trans_b = true,
+                   .stride_b = T * C3,
+                   .d = dp,
+                   .ldd = T,
+                   .stride_d = chunk,
+                   .d_fp32 = true});
+      attention_softmax_backward(ds, dp, P, chunk, B, n, r0, T, stream, r0);
+      // dq[r0 : r0 + n] (n, hd) = dS (n, T) · k (T, hd) * scale
+      gemm.matmul({.m = n,
+                   .n = hd,
+                   .k = T,
+                   .batch = B,
+                   .a = ds,
+                   .lda = T,
+                   .stride_a = chunk,
+                   .b = qkv + C + h * hd,
+                   .ldb = C3,
+                   .stride_b = T * C3,
+                   .d = dq,
+                   .ldd = C3,
+                   .stride_d = T * C3,
+                   .alpha = scale});
+      // dk (T, hd) += dS^T (T, n) · q[r0 : r0 + n] (n, hd) * scale
+      gemm.matmul({.m = T,
+                   .n = hd,
+                   .k = n,
+                   .batch = B,
+                   .a = ds,
+                   .lda = T,
+                   .trans_a = true,
+                   .stride_a = chunk,
+                   .b = qkv + int64_t(r0) * C3 + h * hd,
+                   .ldb = C3,
+                   .stride_b = T * C3,
+                   .d = dqkv + C + h * hd,
+                   .ldd = C3,
+                   .stride_d = T * C3,
+                   .alpha = scale,
+                   .beta = first});
+    }
+}
+
 }  // namespace pw::exec::cuda

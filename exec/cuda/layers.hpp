@@ -43,4 +43,18 @@ void attention_backward(Gemm& gemm, bf16* dqkv,  // (B, T, 3C)
                         const bf16* att,         // (B, NH, T, T)
                         Carver scratch, int B, int T, int C, int NH);
 
+// Selective recompute (Korthikanti et al. 2022): attention that keeps no probabilities. The
+// forward makes them kSelectiveRows query rows at a time, every sample of one head at once, in
+// `scratch` (B x rows x T bf16) and multiplies each block by v; the backward makes each block again
+// with the same calls (the same shapes) before its dv, dP, dS, dq and dk (B x rows x T each of P
+// and dS in bf16 and dP in fp32 in `scratch`). Carver errors name the scratch when it is short.
+inline constexpr int kSelectiveRows = 64;
+void attention_forward_selective(Gemm& gemm, bf16* out,  // (B, T, C)
+                                 const bf16* qkv,        // (B, T, 3C)
+                                 Carver scratch, int B, int T, int C, int NH);
+void attention_backward_selective(Gemm& gemm, bf16* dqkv,  // (B, T, 3C)
+                                  const bf16* dout,        // (B, T, C)
+                                  const bf16* qkv,         // (B, T, 3C)
+                                  Carver scratch, int B, int T, int C, int NH);
+
 }  // namespace pw::exec::cuda
