@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "exec/checkpoint.hpp"
+#include "exec/gpt_layout.hpp"
 #include "planner/chunks.hpp"
 #include "traces/analytic.hpp"
 
@@ -431,6 +432,17 @@ StageSpec shard_spec(const models::ModelSpec& model, const planner::Plan& p, int
   spec.tp_rank = tp_rank;
   spec.sp = p.sp;
   return spec;
+}
+
+bool zeroed_tied_copy(const planner::Plan& plan, bool last, std::int64_t tied_offset) {
+  return plan.d > 1 && last && tied_offset >= 0;
+}
+
+TiedCopySource tied_copy_source(const models::ModelSpec& model, const planner::Plan& plan,
+                                int replica, int tp, const std::string& checkpoint) {
+  // Slot offsets are in elements, the same for every dtype: the CPU's fp32 layout of the shard.
+  const GptLayout first(shard_spec(model, plan, 0, 0, tp), models::DType::fp32, "cpu");
+  return {shard_path(checkpoint, plan.rank_of(0, replica) * plan.t + tp), first.wte};
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> updated_ranges(bool first, bool last,

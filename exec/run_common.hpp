@@ -98,6 +98,21 @@ StageSpec chunk_spec(const models::ModelSpec& model, const planner::Plan& plan, 
 StageSpec shard_spec(const models::ModelSpec& model, const planner::Plan& plan, int stage,
                      int chunk, int tp_rank);
 
+// The last stage's copy of a tied tensor in checkpoints (both workers): with d > 1 the model chunk
+// holding the head (`last`) and a tied tensor (`tied_offset` >= 0) stores the copy as zeros (it may
+// not have arrived for the versions written, and what its slot holds until then depends on the
+// run's history: zeros are the same bytes however the run got there), and a resume reads it from
+// `shard`, stage 0's shard of the same replica at the device of the same TP index, tensor
+// "c0.w<version>" from element `offset` (where "wte" begins in that stage's layout, the same in
+// elements for either backend).
+bool zeroed_tied_copy(const planner::Plan& plan, bool last, std::int64_t tied_offset);
+struct TiedCopySource {
+  std::string shard;
+  std::int64_t offset = 0;
+};
+TiedCopySource tied_copy_source(const models::ModelSpec& model, const planner::Plan& plan,
+                                int replica, int tp, const std::string& checkpoint);
+
 // Both workers' devices: device = pipeline rank · t + TP index (planner/plan.hpp's order). The TP
 // group of pipeline rank `rank` (its t devices in TP order); the devices of TP index `tp` of
 // stage `stage`'s w replicas (the data-parallel collectives' group, in replica order); `n`

@@ -521,7 +521,7 @@ void Worker::save_checkpoint(int step) {
   // shard, so this shard stores it as zeros: the same bytes however the run got here.
   std::vector<std::vector<float>> copies;
   const Chunk& last = chunks_.back();
-  if (s_.plan().d > 1 && last.last && last.tied_offset >= 0) {
+  if (zeroed_tied_copy(s_.plan(), last.last, last.tied_offset)) {  // run_common.hpp
     const std::size_t chunk = chunks_.size() - 1;
     for (ShardTensor& t : tensors) {
       if (t.name.rfind(fmt::format("c{}.w", chunk), 0) != 0) continue;
@@ -550,17 +550,12 @@ void Worker::load_checkpoint(int step) {
 // The last stage's shard may hold stale copies of the tied tensor (versions whose weights had not
 // arrived when it was written); stage 0's shard of the same replica holds every version fully.
 void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
-  const planner::Plan& p = s_.plan();
   Chunk& c = chunks_.back();
-  if (p.d == 1 || stage_ != p.d - 1 || c.tied_offset < 0) return;
-  const std::unique_ptr<StageCompute> first = make_cpu_stage(shard_spec(*s_.model, p, 0, 0, tp_));
-  std::int64_t offset = -1;
-  for (const auto& slot : first->layout())
-    if (slot.name == "wte") offset = slot.offset;
-  const std::string shard = shard_path(checkpoint_path(s_.options->checkpoint_dir, step),
-                                       device_of(p.rank_of(0, replica_)));
+  if (!zeroed_tied_copy(s_.plan(), c.last, c.tied_offset)) return;
+  const TiedCopySource from = tied_copy_source(*s_.model, s_.plan(), replica_, tp_,
+                                               checkpoint_path(s_.options->checkpoint_dir, step));
   for (int version : versions)
-    read_shard_slice(shard, fmt::format("c0.w{}", version), offset,
+    read_shard_slice(from.shard, fmt::format("c0.w{}", version), from.offset,
                      c.slots[slots_.slot_of(version)].data() + c.tied_offset, c.tied_size);
 }
 

@@ -93,6 +93,69 @@ void attention_forward(Gemm& gemm, bf16* out, bf16* att, const bf16* qkv, int B,
   }
 }
 
+namespace {
+
+// Query rows [r0, r0 + n) of g samples of one head (q, dy, dq: the head's columns in the samples'
+// first rows; k, v and dk beside q and dq): dP = dy v^T in fp32, dS = the softmax backward of P's
+// rows (matrix i at p + i p_stride, its first stored row query p_row0), dq = dS k * scale and
+// dk += dS^T q * scale (written by the block at r0 = 0). dp and ds hold (g, n, T) each.
+void scores_backward(Gemm& gemm, float* dp, bf16* ds, const bf16* p, int64_t p_stride, int p_row0,
+                     const bf16* q, const bf16* dy, bf16* dq, int g, int n, int r0, int T,
+                     int64_t hd, int C, float scale) {
+  const int64_t C3 = 3 * int64_t(C), chunk = int64_t(n) * T;
+  // dP (n, T) = dy[r0 : r0 + n] (n, hd) · v^T (hd, T), in fp32
+  gemm.matmul({.m = n,
+               .n = T,
+               .k = hd,
+               .batch = g,
+               .a = dy + int64_t(r0) * C,
+               .lda = C,
+               .stride_a = int64_t(T) * C,
+               .b = q + 2 * C,
+               .ldb = C3,
+               .trans_b = true,
+               .stride_b = T * C3,
+               .d = dp,
+               .ldd = T,
+               .stride_d = chunk,
+               .d_fp32 = true});
+  attention_softmax_backward(ds, dp, p, p_stride, g, n, r0, T, gemm.stream(), p_row0);
+  // dq[r0 : r0 + n] (n, hd) = dS (n, T) · k (T, hd) * scale
+  gemm.matmul({.m = n,
+               .n = hd,
+               .k = T,
+               .batch = g,
+               .a = ds,
+               .lda = T,
+               .stride_a = chunk,
+               .b = q + C,
+               .ldb = C3,
+               .stride_b = T * C3,
+               .d = dq + r0 * C3,
+               .ldd = C3,
+               .stride_d = T * C3,
+               .alpha = scale});
+  // dk (T, hd) += dS^T (T, n) · q[r0 : r0 + n] (n, hd) * scale
+  gemm.matmul({.m = T,
+               .n = hd,
+               .k = n,
+               .batch = g,
+               .a = ds,
+               .lda = T,
+               .trans_a = true,
+               .stride_a = chunk,
+               .b = q + r0 * C3,
+               .ldb = C3,
+               .stride_b = T * C3,
+               .d = dq + C,
+               .ldd = C3,
+               .stride_d = T * C3,
+               .alpha = scale,
+               .beta = r0 == 0 ? 0.0f : 1.0f});
+}
+
+}  // namespace
+
 // dv = P^T dy; dP = dy v^T; dS = P * (dP - rowsum(P * dP)); dq = dS k / sqrt(hd);
 // dk = dS^T q / sqrt(hd), as exec/cpu.
 void attention_backward(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* att,
@@ -111,7 +174,6 @@ void attention_backward(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qk
                 std::to_string(row_bytes) + " bytes)");
   float* dp = scratch.take<float>(int64_t(group) * rows * T);  // (group, rows, T)
   bf16* ds = scratch.take<bf16>(int64_t(group) * rows * T);    // (group, rows, T)
-  const cudaStream_t stream = gemm.stream();
   for (int64_t h = 0; h < NH; ++h) {
     // dv (T, hd) = P^T (T, T) · dy (T, hd), every sample at once
     gemm.matmul({.m = T,
@@ -130,66 +192,11 @@ void attention_backward(Gemm& gemm, bf16* dqkv, const bf16* dout, const bf16* qk
                  .stride_d = T * C3});
     for (int b0 = 0; b0 < B; b0 += group) {
       const int g = std::min(group, B - b0);
-      const bf16* q = qkv + b0 * T * C3 + h * hd;
-      const bf16* k = q + C;
-      const bf16* v = q + 2 * C;
       const bf16* p = att + (int64_t(b0) * NH + h) * TT;
-      const bf16* dy = dout + int64_t(b0) * T * C + h * hd;
-      bf16* dq = dqkv + b0 * T * C3 + h * hd;
-      bf16* dk = dq + C;
-      for (int r0 = 0; r0 < T; r0 += rows) {
-        const int n = std::min(rows, T - r0);
-        const int64_t chunk = int64_t(n) * T;
-        // dP (n, T) = dy[r0 : r0 + n] (n, hd) · v^T (hd, T), in fp32
-        gemm.matmul({.m = n,
-                     .n = T,
-                     .k = hd,
-                     .batch = g,
-                     .a = dy + int64_t(r0) * C,
-                     .lda = C,
-                     .stride_a = int64_t(T) * C,
-                     .b = v,
-                     .ldb = C3,
-                     .trans_b = true,
-                     .stride_b = T * C3,
-                     .d = dp,
-                     .ldd = T,
-                     .stride_d = chunk,
-                     .d_fp32 = true});
-        attention_softmax_backward(ds, dp, p, NH * TT, g, n, r0, T, stream);
-        // dq[r0 : r0 + n] (n, hd) = dS (n, T) · k (T, hd) * scale
-        gemm.matmul({.m = n,
-                     .n = hd,
-                     .k = T,
-                     .batch = g,
-                     .a = ds,
-                     .lda = T,
-                     .stride_a = chunk,
-                     .b = k,
-                     .ldb = C3,
-                     .stride_b = T * C3,
-                     .d = dq + r0 * C3,
-                     .ldd = C3,
-                     .stride_d = T * C3,
-                     .alpha = scale});
-        // dk (T, hd) += dS^T (T, n) · q[r0 : r0 + n] (n, hd) * scale
-        gemm.matmul({.m = T,
-                     .n = hd,
-                     .k = n,
-                     .batch = g,
-                     .a = ds,
-                     .lda = T,
-                     .trans_a = true,
-                     .stride_a = chunk,
-                     .b = q + r0 * C3,
-                     .ldb = C3,
-                     .stride_b = T * C3,
-                     .d = dk,
-                     .ldd = C3,
-                     .stride_d = T * C3,
-                     .alpha = scale,
-                     .beta = r0 == 0 ? 0.0f : 1.0f});
-      }
+      for (int r0 = 0; r0 < T; r0 += rows)
+        scores_backward(gemm, dp, ds, p, NH * TT, 0, qkv + b0 * T * C3 + h * hd,
+                        dout + int64_t(b0) * T * C + h * hd, dqkv + b0 * T * C3 + h * hd, g,
+                        std::min(rows, T - r0), r0, T, hd, C, scale);
     }
   }
 }
@@ -259,16 +266,12 @@ void attention_backward_selective(Gemm& gemm, bf16* dqkv, const bf16* dout, cons
   bf16* P = scratch.take<bf16>(block);
   float* dp = scratch.take<float>(block);
   bf16* ds = scratch.take<bf16>(block);
-  const cudaStream_t stream = gemm.stream();
   for (int64_t h = 0; h < NH; ++h)
     for (int r0 = 0; r0 < T; r0 += rows) {
       const int n = std::min(rows, T - r0);
       const int64_t chunk = int64_t(n) * T;
-      const float first = r0 == 0 ? 0.0f : 1.0f;  // dv, dk: written by the first block
       probabilities_block(gemm, P, qkv, B, T, C, NH, h, r0, n);
-      const bf16* dy = dout + int64_t(r0) * C + h * hd;
-      bf16* dq = dqkv + int64_t(r0) * C3 + h * hd;
-      // dv (T, hd) += P^T (T, n) · dy[r0 : r0 + n] (n, hd)
+      // dv (T, hd) += P^T (T, n) · dy[r0 : r0 + n] (n, hd), written by the block at r0 = 0
       gemm.matmul({.m = T,
                    .n = hd,
                    .k = n,
@@ -277,62 +280,15 @@ void attention_backward_selective(Gemm& gemm, bf16* dqkv, const bf16* dout, cons
                    .lda = T,
                    .trans_a = true,
                    .stride_a = chunk,
-                   .b = dy,
+                   .b = dout + int64_t(r0) * C + h * hd,
                    .ldb = C,
                    .stride_b = int64_t(T) * C,
                    .d = dqkv + 2 * C + h * hd,
                    .ldd = C3,
                    .stride_d = T * C3,
-                   .beta = first});
-      // dP (n, T) = dy[r0 : r0 + n] (n, hd) · v^T (hd, T), in fp32
-      gemm.matmul({.m = n,
-                   .n = T,
-                   .k = hd,
-                   .batch = B,
-                   .a = dy,
-                   .lda = C,
-                   .stride_a = int64_t(T) * C,
-                   .b = qkv + 2 * C + h * hd,
-                   .ldb = C3,
-                   .trans_b = true,
-                   .stride_b = T * C3,
-                   .d = dp,
-                   .ldd = T,
-                   .stride_d = chunk,
-                   .d_fp32 = true});
-      attention_softmax_backward(ds, dp, P, chunk, B, n, r0, T, stream, r0);
-      // dq[r0 : r0 + n] (n, hd) = dS (n, T) · k (T, hd) * scale
-      gemm.matmul({.m = n,
-                   .n = hd,
-                   .k = T,
-                   .batch = B,
-                   .a = ds,
-                   .lda = T,
-                   .stride_a = chunk,
-                   .b = qkv + C + h * hd,
-                   .ldb = C3,
-                   .stride_b = T * C3,
-                   .d = dq,
-                   .ldd = C3,
-                   .stride_d = T * C3,
-                   .alpha = scale});
-      // dk (T, hd) += dS^T (T, n) · q[r0 : r0 + n] (n, hd) * scale
-      gemm.matmul({.m = T,
-                   .n = hd,
-                   .k = n,
-                   .batch = B,
-                   .a = ds,
-                   .lda = T,
-                   .trans_a = true,
-                   .stride_a = chunk,
-                   .b = qkv + int64_t(r0) * C3 + h * hd,
-                   .ldb = C3,
-                   .stride_b = T * C3,
-                   .d = dqkv + C + h * hd,
-                   .ldd = C3,
-                   .stride_d = T * C3,
-                   .alpha = scale,
-                   .beta = first});
+                   .beta = r0 == 0 ? 0.0f : 1.0f});
+      scores_backward(gemm, dp, ds, P, chunk, r0, qkv + h * hd, dout + h * hd, dqkv + h * hd, B, n,
+                      r0, T, hd, C, scale);
     }
 }
 

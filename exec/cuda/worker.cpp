@@ -1259,7 +1259,7 @@ void CudaWorker::save_checkpoint(int step) {
       const std::vector<float> f = to_float(w.data(), n);
       std::copy(f.begin(), f.end(), tensors[k].data);
       // The last stage's copy of the tied tensor: zeros, as on the CPU (resume takes stage 0's).
-      if (s_.plan().d > 1 && c.last && c.tied_offset >= 0)
+      if (exec::detail::zeroed_tied_copy(s_.plan(), c.last, c.tied_offset))
         std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
       ++k;
     }
@@ -1303,17 +1303,15 @@ void CudaWorker::load_checkpoint(int step) {
   const std::vector<ShardTensor> tensors = shard_tensors(versions, host);
   const std::string dir = checkpoint_path(s_.options->checkpoint_dir, step);
   read_shard(shard_path(dir, device_), tensors);
-  // The last stage's tied copy comes from stage 0's shard of this replica.
+  // The last stage's tied copy comes from stage 0's shard of this replica and TP index.
   Chunk& last = chunks_.back();
-  if (p.d > 1 && last.last && last.tied_offset >= 0) {
-    // The vocabulary rows of this TP index.
-    const exec::GptLayout first(exec::detail::shard_spec(*s_.model, p, 0, 0, tp_),
-                                models::DType::bf16, "cuda");
-    const std::string shard = shard_path(dir, device_of(p.rank_of(0, replica_)));
+  if (exec::detail::zeroed_tied_copy(p, last.last, last.tied_offset)) {
+    const exec::detail::TiedCopySource from =
+        exec::detail::tied_copy_source(*s_.model, p, replica_, tp_, dir);
     const std::size_t base =
         (chunks_.size() - 1) * (versions.size() + (s_.options->optimizer == "adamw" ? 3 : 2));
     for (std::size_t j = 0; j < versions.size(); ++j)
-      read_shard_slice(shard, fmt::format("c0.w{}", versions[j]), first.wte,
+      read_shard_slice(from.shard, fmt::format("c0.w{}", versions[j]), from.offset,
                        tensors[base + j].data + last.tied_offset, last.tied_size);
   }
   std::size_t k = 0;
