@@ -66,7 +66,7 @@ void PlanOptions::add(CLI::App& app) {
   app.add_flag("--sp", sp, "sequence parallelism (needs --tp > 1)");
   app.add_option("--recompute", recompute,
                  "recompute activations on every stage: none, selective (attention core; not "
-                 "with the cuda backend or offload activations in train), full "
+                 "with offload activations in train), full "
                  "(each stage keeps its input and re-makes its whole stash before a backward) or "
                  "block (each layer keeps its input and is re-made alone before its own backward: "
                  "Megatron's full recompute; not with the cuda backend in train); a bare "
