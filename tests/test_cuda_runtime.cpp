@@ -82,6 +82,27 @@ void expect_planned_memory(const pw::planner::MemoryBreakdown& got,
   EXPECT_NEAR(double(got.activations), double(want.activations), 0.05 * want.activations) << who;
 }
 
+// A TP run's losses within 2e-2 per step of `want`, and every device's memory its rank's
+// prediction (the plan on one dgx-h100 node, the trace sharded at the plan's t and SP).
+void expect_follows_with_planned_memory(const pw::models::ModelSpec& model, const Plan& p,
+                                        const TrainResult& r, const std::vector<double>& want) {
+  const auto got = losses(r);
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], 2e-2 * want[i]) << "step " << i;
+  ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * p.t));
+  Plan placed = p;
+  pw::planner::place(placed, {1, 8});
+  const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
+  const auto tr =
+      pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{p.t, p.sp});
+  const auto devices = pw::planner::estimate(model, tr, node, placed).report.devices;
+  for (int device = 0; device < p.ranks() * p.t; ++device)
+    expect_planned_memory(r.ranks[std::size_t(device)].memory,
+                          devices[std::size_t(device / p.t)].memory,
+                          "device " + std::to_string(device));
+}
+
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("pw-cuda-runtime-" + name);
   fs::remove_all(p);
@@ -366,22 +387,8 @@ TEST(CudaRuntime, TensorParallelFollowsOneDevice) {
     p.t = k.t;
     p.sp = k.sp;
     const auto want = losses(pw::exec::cuda::train_cuda(model, one, adamw(4, 1)));
-    const TrainResult r = pw::exec::cuda::train_cuda(model, p, adamw(4, 1));
-    const auto got = losses(r);
-    ASSERT_EQ(got.size(), want.size());
-    for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_NEAR(got[i], want[i], 2e-2 * want[i]) << "step " << i;
-    ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * k.t));
-    Plan placed = p;
-    pw::planner::place(placed, {1, 8});
-    const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
-    const auto tr =
-        pw::traces::analytic_trace(model, node.device, {p.b}, pw::models::Sharding{k.t, k.sp});
-    const auto devices = pw::planner::estimate(model, tr, node, placed).report.devices;
-    for (int device = 0; device < p.ranks() * k.t; ++device)
-      expect_planned_memory(r.ranks[std::size_t(device)].memory,
-                            devices[std::size_t(device / k.t)].memory,
-                            "device " + std::to_string(device));
+    expect_follows_with_planned_memory(model, p, pw::exec::cuda::train_cuda(model, p, adamw(4, 1)),
+                                       want);
   }
 }
 
@@ -410,21 +417,8 @@ TEST(CudaRuntime, SelectiveRecomputeFollowsNoRecompute) {
     p.recompute.assign(std::size_t(k.d), pw::planner::Recompute::selective);
     pw::planner::check(p);
     const auto want = losses(pw::exec::cuda::train_cuda(kGpu, plain, adamw(4, 1)));
-    const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, adamw(4, 1));
-    const auto got = losses(r);
-    ASSERT_EQ(got.size(), want.size());
-    for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_NEAR(got[i], want[i], 2e-2 * want[i]) << "step " << i;
-    Plan placed = p;
-    pw::planner::place(placed, {1, 8});
-    const pw::clusters::Cluster node = pw::clusters::load_cluster("dgx-h100");
-    const auto tr =
-        pw::traces::analytic_trace(kGpu, node.device, {p.b}, pw::models::Sharding{k.t, k.sp});
-    const auto devices = pw::planner::estimate(kGpu, tr, node, placed).report.devices;
-    for (int device = 0; device < p.ranks() * k.t; ++device)
-      expect_planned_memory(r.ranks[std::size_t(device)].memory,
-                            devices[std::size_t(device / k.t)].memory,
-                            "device " + std::to_string(device));
+    expect_follows_with_planned_memory(kGpu, p, pw::exec::cuda::train_cuda(kGpu, p, adamw(4, 1)),
+                                       want);
   }
 }
 
