@@ -1140,7 +1140,6 @@ void share_step_downloads(std::vector<ChunkSchedule>& all, const Plan& p,
     const double rate = left[s] / moving;
     if (rate < rate_alone[s] * (1 - 1e-9)) {
       cs.step_bytes_per_s = rate;
-      cs.step_copy_s = cs.step_copy(cs.layout.move_bytes, cs.copy_s);
       cs.optimizer_s = optimizer_time(cs);
     }
   }

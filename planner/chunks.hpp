@@ -264,8 +264,8 @@ struct ChunkSchedule {
   int uplink_sharers = 1;
   // Flush schedules with stages behind one uplink: the optimizer step's downloads while they share
   // it from each stage's release (chunk_schedules): the stage's bytes per second then
-  // (0: not shared, copy_s and part_copy_s), and a whole unit's (move_bytes) download at it.
-  double step_bytes_per_s = 0, step_copy_s = 0;
+  // (0: not shared, copy_s and part_copy_s).
+  double step_bytes_per_s = 0;
   // One of the optimizer step's downloads of `bytes`: at the shared rate, or `alone` (copy_s,
   // part_copy_s) where it is not shared.
   double step_copy(std::int64_t bytes, double alone) const {
