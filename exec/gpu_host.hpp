@@ -13,6 +13,12 @@
 
 namespace pw::exec {
 
+// What each CUDA stage (a model chunk of a rank) keeps on its device besides the planner's
+// figures: its cuBLASLt workspace (32 MiB, what cuBLAS recommends on Hopper) and its status word
+// (two id counts and the loss, 4 bytes each). The rank's memory counter holds them as workspace.
+inline constexpr std::int64_t kCudaGemmWorkspaceBytes = std::int64_t(32) << 20;
+inline constexpr std::int64_t kCudaStatusBytes = 12;
+
 // The device preset (clusters/devices) a GPU's name is, or "" when none is. The name is split into
 // upper-case words at spaces and '-' ("NVIDIA A100-SXM4-80GB": NVIDIA, A100, SXM4, 80GB); it
 // matches a preset when it has the preset's model word (H100, H200, A100, V100: "GH200" is not

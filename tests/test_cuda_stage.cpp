@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -210,6 +211,98 @@ TEST(CudaStage, RecomputeRebuildsTheSameStash) {
     // The rolling forward runs the same GEMMs at other addresses: equal up to algorithm choice.
     EXPECT_NEAR(rc.loss, plain.loss, 1e-5 * std::fabs(plain.loss));
     EXPECT_LE(rel_err(rc.output, plain.output), 1e-3);
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Every tensor in a device block of its own (offload chunks place a layer's tensors in several
+// chunks), the layers' hooks recorded: (layer, backward, begin) per call.
+class ScatteredMemory : public cu::DeviceLayerMemory {
+ public:
+  ScatteredMemory(DeviceArena& arena, const cu::CudaGptStage& s, const Vec& params) {
+    for (const pw::exec::TensorSlot& t : s.layout()) {
+      weights_.emplace(t.offset, to_device_bf16(arena, slice(params, t), Category::weights));
+      grads_.emplace(t.offset,
+                     zeros(arena, t.size * std::int64_t(sizeof(bf16)), Category::gradients));
+    }
+  }
+  void begin_layer(int layer, bool backward) override { hooks.push_back({layer, backward, true}); }
+  void end_layer(int layer, bool backward) override { hooks.push_back({layer, backward, false}); }
+  const bf16* parameters(std::int64_t offset) override { return weights_.at(offset).as<bf16>(); }
+  bf16* gradients(std::int64_t offset) override { return grads_.at(offset).as<bf16>(); }
+  // The gradients in the layout's order.
+  Vec gathered(const cu::CudaGptStage& s) const {
+    Vec out(std::size_t(s.sizes(1).parameters), 0.0f);
+    for (const pw::exec::TensorSlot& t : s.layout()) {
+      const Vec g = from_device_bf16(grads_.at(t.offset).data(), t.size);
+      std::copy(g.begin(), g.end(), out.begin() + t.offset);
+    }
+    return out;
+  }
+  struct Hook {
+    int layer;
+    bool backward, begin;
+    bool operator==(const Hook&) const = default;
+  };
+  std::vector<Hook> hooks;
+
+ private:
+  std::map<std::int64_t, DeviceBuffer> weights_, grads_;
+};
+
+// The stage layer by layer (offload chunks' DeviceLayerMemory) with every tensor in its own block:
+// the flat call's loss, output, gradients and d_input bit for bit (the same kernels on the same
+// values in the same order), with and without recompute; each layer's hooks wrap its work, forward
+// ascending (recompute: again), backward descending.
+TEST(CudaStage, LayerByLayerIsTheFlatCallsBits) {
+  PW_SKIP_WITHOUT_GPU();
+  DeviceArena arena(kArenaBytes);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const Split& sp : splits(pw::testing::gpt_tiny(3))) {
+    for (bool recompute : {false, true}) {
+      SCOPED_TRACE(std::string(sp.name) + (recompute ? " recompute" : ""));
+      auto cpu = pw::exec::make_cpu_stage(sp.spec);
+      cu::CudaGptStage gpu(sp.spec, arena, stream);
+      const Batch x = make_batch(*cpu, 2, 70);
+      const Result want = run_gpu(gpu, arena, x, recompute);
+      const auto z = gpu.sizes(x.b);
+      const auto e = [](std::int64_t elements) { return elements * std::int64_t(sizeof(bf16)); };
+      ScatteredMemory memory(arena, gpu, x.params);
+      auto kept = zeros(arena, e(recompute ? z.stash_recompute : z.stash));
+      auto full = zeros(arena, e(z.stash)), scratch = zeros(arena, e(z.scratch));
+      auto out = zeros(arena, e(z.output)), d_in = zeros(arena, e(z.input));
+      auto ws = zeros(arena, e(z.workspace), Category::workspace);
+      auto input = to_device_bf16(arena, sp.spec.has_embedding ? Vec{} : x.input);
+      auto d_out = to_device_bf16(arena, sp.spec.has_head ? Vec{} : x.d_output);
+      gpu.forward(memory, x.tokens.data(), input.as<bf16>(), x.targets.data(), x.b, recompute,
+                  kept.as<bf16>(), out.as<bf16>(), scratch.as<bf16>());
+      const float loss = sp.spec.has_head ? gpu.last_loss() : 0.0f;
+      bf16* used = kept.as<bf16>();
+      if (recompute) {
+        gpu.recompute(memory, x.targets.data(), x.b, kept.as<bf16>(), full.as<bf16>());
+        used = full.as<bf16>();
+      }
+      gpu.backward(memory, used, d_out.as<bf16>(), x.b, scale_of(x, sp.spec), d_in.as<bf16>(),
+                   ws.as<bf16>());
+      gpu.check_ids();
+      EXPECT_EQ(loss, want.loss);
+      EXPECT_TRUE(from_device_bf16(out.data(), z.output) == want.output);
+      EXPECT_TRUE(memory.gathered(gpu) == want.grads);
+      EXPECT_TRUE(from_device_bf16(d_in.data(), z.input) == want.d_input);
+      std::vector<ScatteredMemory::Hook> hooks;
+      const int layers = gpu.layer_count();
+      for (int pass = 0; pass < (recompute ? 2 : 1); ++pass)
+        for (int l = 0; l < layers; ++l) {
+          hooks.push_back({l, false, true});
+          hooks.push_back({l, false, false});
+        }
+      for (int l = layers - 1; l >= 0; --l) {
+        hooks.push_back({l, true, true});
+        hooks.push_back({l, true, false});
+      }
+      EXPECT_TRUE(memory.hooks == hooks);
+    }
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 }

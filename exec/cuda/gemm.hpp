@@ -10,6 +10,7 @@
 #include <map>
 
 #include "exec/cuda/device.hpp"
+#include "exec/gpu_host.hpp"
 
 namespace pw::exec::cuda {
 
@@ -44,8 +45,7 @@ struct MatmulArgs {
 // stream.
 class Gemm {
  public:
-  // 32 MiB is what cuBLAS recommends on Hopper.
-  static constexpr std::int64_t kDefaultWorkspaceBytes = 32ll << 20;
+  static constexpr std::int64_t kDefaultWorkspaceBytes = kCudaGemmWorkspaceBytes;
   Gemm(cudaStream_t stream, void* workspace, std::int64_t workspace_bytes);
   ~Gemm();
   Gemm(const Gemm&) = delete;

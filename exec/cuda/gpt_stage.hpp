@@ -33,6 +33,22 @@ class DeviceGradientSink {
   virtual void layer_done(std::int64_t begin, std::int64_t end) = 0;
 };
 
+// Where a call's tensors are layer by layer (offload chunks: exec/stage_compute.hpp's LayerMemory
+// on the device). Layers in forward order: the embedding (first stage), the blocks, the head (last
+// stage). Before a layer's forward or backward work is enqueued the stage calls begin_layer, after
+// it end_layer; between the two the addresses below hold for the layer's tensors (device bf16, a
+// tensor's parameters and its gradients, added into; a layer's tensors may sit in different
+// places, a tensor never straddles two).
+class DeviceLayerMemory {
+ public:
+  virtual ~DeviceLayerMemory() = default;
+  virtual void begin_layer(int layer, bool backward) = 0;
+  virtual void end_layer(int layer, bool backward) = 0;
+  // The layout's tensor that begins at `offset` (a TensorSlot's offset).
+  virtual const bf16* parameters(std::int64_t offset) = 0;
+  virtual bf16* gradients(std::int64_t offset) = 0;
+};
+
 class CudaGptStage {
  public:
   // Takes its own blocks from `arena` (category workspace): the cuBLASLt workspace and a status
@@ -101,6 +117,21 @@ class CudaGptStage {
   void backward(const bf16* params, const bf16* full_stash, const bf16* d_output, int b,
                 float loss_scale, DeviceGradientSink& grads, bf16* d_input, bf16* workspace);
 
+  // The same three calls layer by layer with the tensors wherever `memory` says (offload chunks):
+  // the same kernels on the same values in the same order, so the results are the flat calls'.
+  void forward(DeviceLayerMemory& memory, const std::int32_t* tokens, const bf16* input,
+               const std::int32_t* targets, int b, bool recompute, bf16* stash, bf16* output,
+               bf16* scratch = nullptr, float* loss = nullptr);
+  void recompute(DeviceLayerMemory& memory, const std::int32_t* targets, int b, const bf16* kept,
+                 bf16* full_stash);
+  void backward(DeviceLayerMemory& memory, const bf16* full_stash, const bf16* d_output, int b,
+                float loss_scale, bf16* d_input, bf16* workspace);
+  // The stage's layers (DeviceLayerMemory's numbering).
+  int layer_count() const {
+    return (layout_.spec.has_embedding ? 1 : 0) + int(layout_.spec.blocks) +
+           (layout_.spec.has_head ? 1 : 0);
+  }
+
   // Synchronises; throws pw::InputError when a token or target id outside [0, V) was seen since
   // the last check (the device gave it a zero row and zero loss), then clears the count.
   void check_ids();
@@ -110,6 +141,31 @@ class CudaGptStage {
   const float* loss_device() const;
 
  private:
+  // Where the tensors are during one call: one flat blob (`params`, gradients through `grads`),
+  // or layer by layer wherever `memory` says.
+  struct At {
+    const bf16* params = nullptr;
+    DeviceGradientSink* grads = nullptr;
+    DeviceLayerMemory* memory = nullptr;
+    const bf16* p(std::int64_t offset) const {
+      return memory ? memory->parameters(offset) : params + offset;
+    }
+    bf16* g(std::int64_t offset, std::int64_t size) const {
+      return memory ? memory->gradients(offset) : grads->at(offset, size);
+    }
+    void begin(int layer, bool backward) const {
+      if (memory) memory->begin_layer(layer, backward);
+    }
+    void end(int layer, bool backward) const {
+      if (memory) memory->end_layer(layer, backward);
+    }
+  };
+  int block_layer(std::int64_t i) const { return int(i) + (layout_.spec.has_embedding ? 1 : 0); }
+  void forward(const At& at, const std::int32_t* tokens, const bf16* input,
+               const std::int32_t* targets, int b, bool recompute, bf16* stash, bf16* output,
+               bf16* scratch, float* loss);
+  void backward(const At& at, const bf16* full_stash, const bf16* d_output, int b, float loss_scale,
+                bf16* d_input, bf16* workspace);
   template <bool Const>
   struct BlockActs;
   template <bool Const>
@@ -120,13 +176,14 @@ class CudaGptStage {
   HeadActs<Const> carve_head(P base, std::int64_t BT) const;
 
   void copy(void* dst, const void* src, std::int64_t bytes) const;
-  void run(const bf16* params, const std::int32_t* tokens, const bf16* input,
-           const std::int32_t* targets, int b, bf16* acts, bool rolling, bf16* output, float* loss);
-  void block_forward(const bf16* w, const BlockActs<false>& a, int b, bf16* out);
-  void head_forward(const bf16* params, const HeadActs<false>& h, const std::int32_t* targets,
-                    int b, float* loss);
-  void block_backward(const bf16* w, bf16* g, const BlockActs<true>& a, int b, bf16* dres,
-                      Carver ws);
+  void run(const At& at, const std::int32_t* tokens, const bf16* input, const std::int32_t* targets,
+           int b, bf16* acts, bool rolling, bf16* output, float* loss);
+  // Block i: its tensors from `base` (its first's offset) to `end`.
+  void block_forward(const At& at, std::int64_t base, const BlockActs<false>& a, int b, bf16* out);
+  void head_forward(const At& at, const HeadActs<false>& h, const std::int32_t* targets, int b,
+                    float* loss);
+  void block_backward(const At& at, std::int64_t base, std::int64_t end, const BlockActs<true>& a,
+                      int b, bf16* dres, Carver ws);
   // out = residual + (the TP group's sum of inp · weight^T) + bias: a row-parallel projection
   // (t = 1: one fused GEMM).
   void row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
@@ -147,8 +204,8 @@ class CudaGptStage {
   void norm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                      const bf16* weight, const float* mean, const float* rstd, int N,
                      bool accumulate, bf16* temp, std::int64_t temp_elements) const;
-  void head_backward(const bf16* params, DeviceGradientSink& grads, const HeadActs<true>& h, int b,
-                     float loss_scale, bf16* dres, Carver ws);
+  void head_backward(const At& at, const HeadActs<true>& h, int b, float loss_scale, bf16* dres,
+                     Carver ws);
 
   struct Status {
     int bad_tokens;
