@@ -14,6 +14,9 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "common/error.hpp"
 #include "exec/stage_compute.hpp"
 #include "models/model.hpp"
 #include "planner/chunks.hpp"
@@ -114,5 +117,54 @@ class ChunkBook {
   std::int64_t message_elements_ = 0;
   std::deque<std::pair<planner::Op, int>> pending_;
 };
+
+// The four chunk ops' checks and routing (interpret.hpp's `chunk`), the one rule both workers give
+// them: a copy names a unit (chunk * parts + unit), an Adam step a chunk; a copy tagged with a
+// layer is held in `book` (op index `at`) until that layer; an untagged one is the optimizer
+// step's download for CPU Adam (an upload there is an error); CPU Adam needs every unit of its
+// chunk on the host, device Adam every unit on the device. The worker `W` provides:
+//   int chunk_parts() const, int chunk_count() const, bool unit_on_device(int chunk, int unit)
+//   void download_for_adam(const Op&)      the unit (or a sharded chunk's gradient part) down
+//   void step_host(const Op&, int chunk)   CPU Adam of the chunk
+//   void step_device(const Op&, int chunk) Adam on the device
+// Throws naming `rank` at the first mismatch.
+template <class W>
+void route_chunk_op(W& w, ChunkBook& book, const planner::Op& op, int at, int rank) {
+  using planner::OpKind;
+  const bool copy =
+      op.kind == OpKind::copy_chunk_to_host || op.kind == OpKind::copy_chunk_to_device;
+  const int k = copy ? op.bucket / w.chunk_parts() : op.bucket;
+  if (op.bucket < 0 || k >= w.chunk_count())
+    throw Error(fmt::format("rank {}: {} of chunk {}, which does not exist", rank,
+                            planner::to_string(op.kind), k));
+  bool any_on_device = false, all_on_device = true;
+  for (int u = 0; u < w.chunk_parts(); ++u) {
+    const bool on = w.unit_on_device(k, u);
+    any_on_device = any_on_device || on;
+    all_on_device = all_on_device && on;
+  }
+  switch (op.kind) {
+    case OpKind::copy_chunk_to_host:
+    case OpKind::copy_chunk_to_device:
+      if (op.layer >= 0) {  // runs right before that layer of the next compute op
+        book.hold(op, at);
+        return;
+      }
+      if (op.kind == OpKind::copy_chunk_to_device)
+        throw Error(fmt::format("rank {}: an upload of chunk {} at the optimizer step", rank, k));
+      return w.download_for_adam(op);
+    case OpKind::chunk_step_host:
+      if (any_on_device)
+        throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank, k));
+      return w.step_host(op, k);
+    case OpKind::chunk_step_device:
+      if (!all_on_device)
+        throw Error(
+            fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank, k));
+      return w.step_device(op, k);
+    default:
+      throw Error(fmt::format("rank {}: {} is not a chunk op", rank, planner::to_string(op.kind)));
+  }
+}
 
 }  // namespace pw::exec::detail

@@ -166,7 +166,18 @@ class Worker {
   class ChunkMemory;
   void setup_chunks();
   void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
-  void chunk_moment(int layer);       // the pending copies of the next compute op's `layer`
+  // route_chunk_op's device calls (exec/chunk_book.hpp).
+  template <class W>
+  friend void route_chunk_op(W& w, ChunkBook& book, const planner::Op& op, int at, int rank);
+  int chunk_parts() const { return parts_; }
+  int chunk_count() const { return int(data_chunks_.size()); }
+  bool unit_on_device(int chunk, int unit) const {
+    return data_chunks_[std::size_t(chunk)].on_device[unit];
+  }
+  void download_for_adam(const planner::Op& op);
+  void step_host(const planner::Op& op, int chunk);
+  void step_device(const planner::Op& op, int chunk);
+  void chunk_moment(int layer);  // the pending copies of the next compute op's `layer`
   void chunk_collective(int chunk, int step, bool gather, int op);
   void chunk_update(int chunk, int update);
   CopyEngine::Ticket download_chunk(int c, int op);

@@ -538,91 +538,65 @@ void Worker::chunk(const Op& op) {
   if (!chunked_)
     throw Error(fmt::format("rank {}: {} in a program without offload chunks", rank_,
                             planner::to_string(op.kind)));
-  // A copy names a unit (chunk * parts + unit), an Adam step a chunk.
-  const bool copy =
-      op.kind == OpKind::copy_chunk_to_host || op.kind == OpKind::copy_chunk_to_device;
-  const int k = copy ? op.bucket / parts_ : op.bucket;
-  if (op.bucket < 0 || k >= int(data_chunks_.size()))
-    throw Error(fmt::format("rank {}: {} of chunk {}, which does not exist", rank_,
-                            planner::to_string(op.kind), k));
+  route_chunk_op(*this, book_, op, op_, rank_);  // exec/chunk_book.hpp
+}
+
+void Worker::download_for_adam(const Op& op) {
+  if (op.part)
+    download_part(op.bucket, op.step, op_);  // its gradient's part, for CPU Adam
+  else
+    download_chunk(op.bucket, op_);  // for CPU Adam
+}
+
+void Worker::step_host(const Op& op, int k) {
   DataChunk& d = data_chunks_[std::size_t(k)];
-  bool any_on_device = false, all_on_device = true;
-  for (int u = 0; u < parts_; ++u) {
-    any_on_device = any_on_device || d.on_device[u];
-    all_on_device = all_on_device && d.on_device[u];
-  }
-  switch (op.kind) {
-    case OpKind::copy_chunk_to_host:
-    case OpKind::copy_chunk_to_device:
-      if (op.layer >= 0) {  // runs right before that layer of the next compute op
-        book_.hold(op, op_);
-        return;
-      }
-      if (op.kind == OpKind::copy_chunk_to_device)
-        throw Error(fmt::format("rank {}: an upload of chunk {} at the optimizer step", rank_, k));
-      if (op.part)
-        download_part(op.bucket, op.step, op_);  // its gradient's part, for CPU Adam
-      else
-        download_chunk(op.bucket, op_);  // for CPU Adam
-      return;
-    case OpKind::chunk_step_host: {
-      if (any_on_device)
-        throw Error(fmt::format("rank {}: CPU Adam of chunk {}, which is on the device", rank_, k));
-      Worker* w = this;
-      // The chunk's downloads (the engine runs them in order: the last one's ticket).
-      const CopyEngine::Ticket down = std::max({d.down[0], d.down[1], d.down[2]});
-      const int step = op.step, at = op_;
-      if (op.part && d.grad_part.empty())
-        throw Error(
-            fmt::format("rank {}: CPU Adam of chunk {}'s part before its gradient's part "
-                        "came down",
-                        rank_, k));
-      // A sharded chunk: the gradient's sum here only when it came down whole; Adam on the
-      // replica's part; no all-gather (its next upload gathers).
-      const bool sharded = part_only(k), reduced = op.part;
-      const auto adam = [w, k, down, step, at, sharded, reduced] {
-        w->d2h_->wait(down);
-        const auto t0 = Clock::now();
-        if (!reduced) w->chunk_collective(k, step, false, at);
-        if (sharded) {
-          w->part_update(k, step + 1);
-        } else {
-          w->chunk_update(k, step + 1);
-          w->chunk_collective(k, step, true, at);
-        }
-        w->copy_record(planner::kHostStream, t0, Clock::now(), at);
-      };
-      // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
-      // where the transport takes calls from it only (MPI).
-      if (schedule_->layout.replicas > 1 && !s_.transport->concurrent()) {
-        host_cpu_->drain();
-        adam();
-      } else {
-        d.adam = host_cpu_->submit(adam);
-      }
-      return;
+  Worker* w = this;
+  // The chunk's downloads (the engine runs them in order: the last one's ticket).
+  const CopyEngine::Ticket down = std::max({d.down[0], d.down[1], d.down[2]});
+  const int step = op.step, at = op_;
+  if (op.part && d.grad_part.empty())
+    throw Error(
+        fmt::format("rank {}: CPU Adam of chunk {}'s part before its gradient's part "
+                    "came down",
+                    rank_, k));
+  // A sharded chunk: the gradient's sum here only when it came down whole; Adam on the
+  // replica's part; no all-gather (its next upload gathers).
+  const bool sharded = part_only(k), reduced = op.part;
+  const auto adam = [w, k, down, step, at, sharded, reduced] {
+    w->d2h_->wait(down);
+    const auto t0 = Clock::now();
+    if (!reduced) w->chunk_collective(k, step, false, at);
+    if (sharded) {
+      w->part_update(k, step + 1);
+    } else {
+      w->chunk_update(k, step + 1);
+      w->chunk_collective(k, step, true, at);
     }
-    case OpKind::chunk_step_device: {
-      if (!all_on_device)
-        throw Error(
-            fmt::format("rank {}: Adam on the device of chunk {}, which is on the host", rank_, k));
-      // The collectives wait for the other replicas without the core (ranks taking turns on a
-      // core would wait for each other's turn otherwise); Adam holds it.
-      release_core();
-      chunk_collective(k, op.step, false, op_);
-      take_core();
-      const auto t0 = Clock::now();
-      chunk_update(k, op.step + 1);
-      const auto t1 = Clock::now();
-      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
-      record(planner::kComputeStream, t0, t1);
-      release_core();
-      chunk_collective(k, op.step, true, op_);
-      return;
-    }
-    default:
-      throw Error(fmt::format("rank {}: {} is not a chunk op", rank_, planner::to_string(op.kind)));
+    w->copy_record(planner::kHostStream, t0, Clock::now(), at);
+  };
+  // With w > 1 the replicas' collectives run on the host engine, or on the rank's thread
+  // where the transport takes calls from it only (MPI).
+  if (schedule_->layout.replicas > 1 && !s_.transport->concurrent()) {
+    host_cpu_->drain();
+    adam();
+  } else {
+    d.adam = host_cpu_->submit(adam);
   }
+}
+
+void Worker::step_device(const Op& op, int k) {
+  // The collectives wait for the other replicas without the core (ranks taking turns on a
+  // core would wait for each other's turn otherwise); Adam holds it.
+  release_core();
+  chunk_collective(k, op.step, false, op_);
+  take_core();
+  const auto t0 = Clock::now();
+  chunk_update(k, op.step + 1);
+  const auto t1 = Clock::now();
+  busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+  record(planner::kComputeStream, t0, t1);
+  release_core();
+  chunk_collective(k, op.step, true, op_);
 }
 
 void Worker::chunk_forward(const Op& op) {
