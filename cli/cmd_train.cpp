@@ -119,13 +119,14 @@ void add_train_command(CLI::App& app) {
   cmd->callback([a] {
     check_backend(a->backend);
     const models::ModelSpec model = exec::as_executed(models::load_model(a->model));
-    // Without -w the width is 1 (build() checks the plan). Chunks on the CPU backend: the chunk
-    // size the run takes written in (its report and checkpoints name it).
+    // Without -w the width is 1 (build() checks the plan). Chunks: the chunk size the run takes
+    // written in (its report and checkpoints name it), in the budget the backend schedules them in.
+    const planner::Plan built = executed_plan(a->plan.build(model.layers, 1));
     const planner::Plan plan =
-        a->backend == "cpu"
-            ? exec::with_chunk_size(model, executed_plan(a->plan.build(model.layers, 1)),
-                                    a->options.device_memory)
-            : executed_plan(a->plan.build(model.layers, 1));
+        built.offload == planner::Offload::chunks
+            ? exec::with_chunk_size(model, built,
+                                    exec::chunk_budget(a->backend, built, a->options.device_memory))
+            : built;
     const bool lead = process_rank() == 0;  // under mpirun only rank 0 prints and writes
     const MeasuredOn on = measured_on(a->backend, model, plan);
     // The run's line, once its checks have passed (a refused plan prints only its error): before

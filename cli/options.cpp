@@ -90,7 +90,7 @@ void PlanOptions::add(CLI::App& app) {
          "that move between host and device; each pipeline stage, and with t > 1 each GPU of "
          "its TP group, its own chunks, their optimizer state sharded over w > 1 replicas; "
          "interleaved: each device over its model chunks' layers; the cpu backend trains "
-         "chunks, the cuda backend does not)")
+         "chunks, the cuda backend with w = 1 and m > 1, compile-checked only)")
       ->capture_default_str();
   app.add_option("--chunk-size", chunk_size,
                  "with --offload chunks: bytes of one parameter chunk in the model's dtype "

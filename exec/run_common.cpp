@@ -13,6 +13,7 @@
 
 #include "exec/checkpoint.hpp"
 #include "exec/gpt_layout.hpp"
+#include "exec/gpu_host.hpp"
 #include "planner/chunks.hpp"
 #include "traces/analytic.hpp"
 
@@ -72,6 +73,19 @@ std::vector<planner::ChunkSchedule> executor_chunk_schedules(const models::Model
   return planner::chunk_schedules(model, trace, node, chunk_placement(plan));
 }
 
+std::int64_t chunk_budget(const std::string& backend, const planner::Plan& plan,
+                          std::int64_t device_memory) {
+  if (backend != "cuda" || device_memory <= 0) return device_memory;
+  const std::int64_t kept =
+      plan.v * (kCudaGemmWorkspaceBytes + kCudaStatusBytes) + 8 * std::int64_t(plan.m);
+  if (device_memory <= kept)
+    throw InputError(fmt::format(
+        "--device-memory: {} B leaves nothing for offload chunks on the cuda backend, whose "
+        "stages keep {} B (cuBLASLt workspace, status words, losses)",
+        device_memory, kept));
+  return device_memory - kept;
+}
+
 planner::Plan with_chunk_size(const models::ModelSpec& model, planner::Plan plan,
                               std::int64_t device_memory) {
   if (plan.offload != planner::Offload::chunks || plan.chunk_bytes > 0 || device_memory <= 0)
@@ -123,11 +137,30 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
                     "replicas yet (w = {}; the cpu and cuda backends do); simulate or estimate it "
                     "instead",
                     backend, plan.w));
-  if (plan.offload == planner::Offload::chunks && backend != "cpu")
+  if (plan.offload == planner::Offload::chunks && backend != "cpu" && backend != "cuda")
     throw InputError(
         fmt::format("plan: offload: the {} executor does not run offload chunks (PatrickStar) "
-                    "yet (the cpu backend does); estimate or simulate it instead",
+                    "yet (the cpu and cuda backends do); estimate or simulate it instead",
                     backend));
+  // The CUDA worker's chunks (exec/cuda/worker_chunks.cpp) run a part of what the CPU's do.
+  if (plan.offload == planner::Offload::chunks && backend == "cuda") {
+    const auto refuse = [](const std::string& what) {
+      throw InputError(fmt::format(
+          "plan: offload: the cuda executor's offload chunks {} (the cpu backend runs it); "
+          "estimate or simulate it instead",
+          what));
+    };
+    if (plan.w > 1)
+      refuse(fmt::format("run one replica per stage (w = {}: no chunk collectives yet)", plan.w));
+    if (plan.m == 1)
+      refuse(
+          "need m > 1 (with m = 1 a bf16 gradient reuses its parameter's slot, which the cuda "
+          "backward does not do)");
+    if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
+                    [](planner::Recompute r) { return r == planner::Recompute::selective; }))
+      refuse("do not run selective recompute (use full recompute or none)");
+    if (!options.checkpoint_dir.empty()) refuse("do not write checkpoints yet (--checkpoint-dir)");
+  }
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(
         "--offload chunks needs --device-memory BYTES: the emulated device whose memory the "
@@ -213,7 +246,7 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
   std::shared_ptr<const std::vector<planner::ChunkSchedule>> chunks;
   if (plan.offload == planner::Offload::chunks)
     chunks = std::make_shared<const std::vector<planner::ChunkSchedule>>(
-        executor_chunk_schedules(model, plan, options.device_memory));
+        executor_chunk_schedules(model, plan, chunk_budget(backend, plan, options.device_memory)));
   PreparedRun run;
   run.identity = run_identity(model, plan, options, backend);
   if (!options.checkpoint_dir.empty()) remove_incomplete_checkpoints(options.checkpoint_dir);

@@ -133,6 +133,13 @@ planner::Plan chunk_placement(const planner::Plan& plan);
 std::vector<planner::ChunkSchedule> executor_chunk_schedules(const models::ModelSpec& model,
                                                              const planner::Plan& plan,
                                                              std::int64_t device_memory);
+// The device budget an offload-chunks plan is scheduled in on `backend` ("cpu", "cuda"):
+// `device_memory` (--device-memory), on the cuda backend less what its stages keep beside the
+// planner's figures, which the rank's counter holds too (kCudaGemmWorkspaceBytes and
+// kCudaStatusBytes per model chunk, the last stage's losses: 8 m bytes). Throws a one-line
+// InputError when that leaves nothing.
+std::int64_t chunk_budget(const std::string& backend, const planner::Plan& plan,
+                          std::int64_t device_memory);
 // `plan` with the chunk size it runs at written in: a chunks plan without one whose layers do not
 // fit `device_memory` at the default size gets the smaller size the schedules take (so that its
 // report, checkpoints and validate's predictions name it); any other plan as it is. Throws the

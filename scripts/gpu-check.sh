@@ -42,7 +42,8 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  state about 1/w; 2bw stopped after 3 steps and --resumed to 6: the same losses
   8. offload     the CUDA executor's offload (first run on an H100 on 2026-11-27):
                  tests/test_cuda_offload (when built; its sharded w = 2 case, ZeRO-Offload's
-                 shards, has never run), then gpt2-124m gpipe d=2 b=4 m=4 (stage 0
+                 shards, and its offload chunks case, ChunksTrainAsWithoutChunks, have never
+                 run), then gpt2-124m gpipe d=2 b=4 m=4 (stage 0
                  swaps) trained 6 steps with --offload none, optimizer, activations and
                  optimizer,activations, and simulate of the same plans on dgx-h100 for 6 steps:
                  activations' losses equal to none's bit for bit, optimizer's within 1e-2

@@ -20,12 +20,16 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "clusters/cluster.hpp"
 #include "common/error.hpp"
 #include "cuda_test_util.hpp"
 #include "exec/cuda/runtime.hpp"
+#include "exec/gpu_host.hpp"
 #include "exec/run_common.hpp"
 #include "exec/runtime.hpp"
+#include "planner/chunks.hpp"
 #include "planner/cost_model.hpp"
 #include "planner/plan.hpp"
 #include "sim/simulator.hpp"
@@ -190,11 +194,117 @@ fs::path temp_dir(const std::string& name) {
   return p;
 }
 
+// Offload chunks (PatrickStar) on the CUDA worker: the plans it runs (w = 1, m > 1, no selective
+// recompute), d = 1 and d = 2 with the tied embedding exchanged on the chunks, full recompute,
+// 2bw's parts, TP shards (t = 2, each device its own chunks), interleaving (v = 2).
+struct ChunkCase {
+  Schedule schedule;
+  int d;
+  bool recompute;  // full
+  int t = 1, v = 1;
+};
+const ChunkCase kChunkCases[] = {
+    {Schedule::one_f_one_b, 1, false},    {Schedule::one_f_one_b, 2, false},
+    {Schedule::gpipe, 2, true},           {Schedule::two_bw, 2, false},
+    {Schedule::one_f_one_b, 2, false, 2}, {Schedule::interleaved, 2, false, 1, 2}};
+
+std::string describe(const ChunkCase& c) {
+  return pw::planner::to_string(c.schedule) + " d=" + std::to_string(c.d) +
+         (c.recompute ? " recompute" : "") + (c.t > 1 ? " t=" + std::to_string(c.t) : "") +
+         (c.v > 1 ? " v=" + std::to_string(c.v) : "");
+}
+
+// gpt-tiny's tensors in chunks of the largest one (the tied embedding's shard), b = 1, m = 4.
+Plan chunk_plan(const ChunkCase& c) {
+  Plan p;
+  p.schedule = c.schedule;
+  p.d = c.d;
+  p.b = 1;
+  p.m = 4;
+  p.t = c.t;
+  p.v = c.v;
+  pw::planner::resolve_stages(p, kGpu.layers);
+  p.offload = Offload::chunks;
+  std::int64_t largest = 0;
+  for (const pw::planner::ChunkTensor& t : pw::planner::model_tensors(kGpu, c.t))
+    largest = std::max(largest, 2 * t.elements);
+  p.chunk_bytes = largest;
+  if (c.recompute) p.recompute.assign(std::size_t(c.d), pw::planner::Recompute::full);
+  pw::planner::check(p);
+  return p;
+}
+
+TrainOptions chunk_options(int steps, std::int64_t device_memory) {
+  TrainOptions o = options(steps);
+  o.device_memory = device_memory;
+  return o;
+}
+
+// The schedules a run of `p` in --device-memory `budget` takes on the cuda backend (less what its
+// stages keep besides the planner's figures: pw::exec::chunk_budget).
+std::vector<pw::planner::ChunkSchedule> chunk_schedules(const Plan& p, std::int64_t budget) {
+  return pw::exec::executor_chunk_schedules(kGpu, p, pw::exec::chunk_budget("cuda", p, budget));
+}
+
+// Two --device-memory sizes per plan: the smallest every stage's chunks fit (most evictions, CPU
+// Adam for every chunk that does not fit beside them), and one with every chunk and some chunks'
+// optimizer state on the device.
+std::vector<std::int64_t> chunk_budgets(const Plan& p) {
+  const std::int64_t kept = pw::exec::chunk_budget("cuda", p, std::int64_t(1) << 40);
+  const std::int64_t reserve = (std::int64_t(1) << 40) - kept;
+  std::int64_t lo = reserve, hi = std::int64_t(1) << 40;  // lo refused, hi fits
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    try {
+      chunk_schedules(p, mid);
+      hi = mid;
+    } catch (const pw::InputError&) {
+      lo = mid;
+    }
+  }
+  std::int64_t roomy = hi;
+  for (const pw::planner::ChunkSchedule& s : chunk_schedules(p, hi)) {
+    std::int64_t non_model = 0;
+    for (const pw::planner::ChunkMoment& k : s.moments)
+      non_model = std::max(non_model, k.non_model_bytes);
+    for (const pw::planner::ChunkSegmentPlan& g : s.segments)
+      for (const pw::planner::ChunkMoment& k : g.moments)
+        non_model = std::max(non_model, k.non_model_bytes);
+    roomy = std::max(roomy, reserve + s.layout.units() * s.layout.move_bytes + non_model +
+                                2 * s.layout.os_chunk_bytes);
+  }
+  return {hi, roomy};
+}
+
 // ---- everywhere ------------------------------------------------------------------------------
 
-// The CUDA backend's checks let every mode but chunks through, optimizer offload sharded over
-// replicas (w > 1) too; chunks stay one line.
-TEST(CudaOffload, ChecksPassEveryModeButChunks) {
+// The GPU chunk cases' expectations, computed here: every plan passes the CUDA backend's checks
+// at both budgets, the smallest one moves chunks both ways on every stage and runs CPU Adam, the
+// roomy one keeps some chunks' optimizer state on the device.
+TEST(CudaOffload, ChunkExpectationsAreComputable) {
+  for (const ChunkCase& c : kChunkCases) {
+    SCOPED_TRACE(describe(c));
+    const Plan p = chunk_plan(c);
+    const std::vector<std::int64_t> budgets = chunk_budgets(p);
+    for (std::int64_t budget : budgets)
+      EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, p, chunk_options(3, budget), "cuda"))
+          << budget;
+    const auto tight = chunk_schedules(p, budgets[0]);
+    ASSERT_EQ(tight.size(), std::size_t(p.d));  // one per stage (t > 1: each device's shard's)
+    for (const pw::planner::ChunkSchedule& s : tight) {
+      EXPECT_GT(s.copy_in_bytes, 0);
+      EXPECT_GT(s.copy_out_bytes, 0);
+      EXPECT_LT(s.device_adam_chunks, s.layout.chunks());
+    }
+    for (const pw::planner::ChunkSchedule& s : chunk_schedules(p, budgets[1]))
+      EXPECT_GT(s.device_adam_chunks, 0);
+  }
+}
+
+// The CUDA backend's checks let every mode through, optimizer offload sharded over replicas
+// (w > 1) too, and offload chunks as the CUDA worker runs them (ChunkCase); the chunk plans it does
+// not run yet are one line each.
+TEST(CudaOffload, ChecksPassEveryModeAndRefuseWhatChunksDoNotRun) {
   for (int mode : {kOptimizer, kActivations, kBoth})
     EXPECT_NO_THROW(pw::exec::detail::prepare_run(
         kGpu, make_plan(Schedule::one_f_one_b, 4, 1, 4, mode), options(2), "cuda"))
@@ -203,16 +313,29 @@ TEST(CudaOffload, ChecksPassEveryModeButChunks) {
     EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, sharded_plan(c.schedule, c.w, c.d, true),
                                                   options(2), "cuda"))
         << describe(c);
-  Plan chunks;
-  chunks.schedule = Schedule::one_f_one_b;
-  chunks.b = 1;
-  chunks.m = 4;
-  pw::planner::resolve_stages(chunks, kGpu.layers);
-  chunks.offload = Offload::chunks;
-  const std::string msg = pw::testing::error_of(
-      [&] { pw::exec::detail::prepare_run(kGpu, chunks, options(2), "cuda"); });
-  EXPECT_NE(msg.find("the cuda executor does not run offload chunks"), std::string::npos) << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  const Plan runs = chunk_plan({Schedule::one_f_one_b, 1, false});
+  const std::int64_t budget = chunk_budgets(runs)[0];
+  EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, runs, chunk_options(2, budget), "cuda"));
+  const auto refused = [&](Plan p, TrainOptions o, const std::string& what) {
+    SCOPED_TRACE(what);
+    const std::string msg =
+        pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, p, o, "cuda"); });
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  Plan wide = runs;
+  wide.w = 2;
+  refused(wide, chunk_options(2, budget), "chunks run one replica per stage (w = 2");
+  Plan single = runs;
+  single.m = 1;
+  refused(single, chunk_options(2, budget), "need m > 1");
+  Plan selective = runs;
+  selective.recompute.assign(1, pw::planner::Recompute::selective);
+  refused(selective, chunk_options(2, budget), "do not run selective recompute");
+  TrainOptions saving = chunk_options(2, budget);
+  saving.checkpoint_dir = temp_dir("chunks-refused").string();
+  refused(runs, saving, "do not write checkpoints yet");
+  refused(runs, chunk_options(2, std::int64_t(32) << 20), "leaves nothing for offload chunks");
 }
 
 // The GPU cases' expectations, computed here so that a GPU session does not fail on them: the
@@ -491,6 +614,50 @@ TEST(CudaOffload, ResumeIsExact) {
     for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
       EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
     fs::remove_all(o.checkpoint_dir);
+  }
+}
+
+// Offload chunks on the GPU: the same losses as the plan without chunks (CPU Adam for the chunks
+// whose state is on the host: within LossesMatchNoOffload's 5e-3), at the smallest budget and a
+// roomy one; each rank's measured peak is its stage's schedule's plus what the CUDA stages keep
+// besides it (chunk_budget's reserve: the last stage's losses only there) and inside the budget;
+// flush schedules move the schedule's bytes exactly (2bw's first and last segments differ from
+// the steady one: moved both ways at least).
+TEST(CudaOffload, ChunksTrainAsWithoutChunks) {
+  PW_SKIP_WITHOUT_GPU();
+  const int steps = 3;
+  for (const ChunkCase& c : kChunkCases) {
+    SCOPED_TRACE(describe(c));
+    const Plan p = chunk_plan(c);
+    Plan plain = p;
+    plain.offload = Offload::none;
+    const std::vector<double> want =
+        losses(pw::exec::cuda::train_cuda(kGpu, plain, options(steps)));
+    for (std::int64_t budget : chunk_budgets(p)) {
+      SCOPED_TRACE(fmt::format("--device-memory {}", budget));
+      const TrainResult r = pw::exec::cuda::train_cuda(kGpu, p, chunk_options(steps, budget));
+      expect_losses_follow(losses(r), want, kOptimizer);
+      const auto schedules = chunk_schedules(p, budget);
+      ASSERT_EQ(r.ranks.size(), std::size_t(p.ranks() * p.t));
+      for (int rank = 0; rank < p.ranks() * p.t; ++rank) {  // a device: rank · t + TP index
+        const RankResult& got = r.ranks[std::size_t(rank)];
+        const int stage = p.stage_of(rank / p.t);
+        const pw::planner::ChunkSchedule& s = schedules[std::size_t(stage)];
+        // The head's device keeps the losses (with interleaving: the last pipeline rank).
+        const std::int64_t kept =
+            p.v * (pw::exec::kCudaGemmWorkspaceBytes + pw::exec::kCudaStatusBytes) +
+            (stage == p.d - 1 ? 8 * std::int64_t(p.m) : 0);
+        EXPECT_EQ(got.peak_memory_bytes, s.device_peak_bytes + kept) << "rank " << rank;
+        EXPECT_LE(got.peak_memory_bytes, budget) << "rank " << rank;
+        if (c.schedule != Schedule::two_bw) {
+          EXPECT_EQ(got.copy_in_bytes, steps * s.copy_in_bytes) << "rank " << rank;
+          EXPECT_EQ(got.copy_out_bytes, steps * s.copy_out_bytes) << "rank " << rank;
+        } else {
+          EXPECT_GT(got.copy_in_bytes, 0) << "rank " << rank;
+          EXPECT_GT(got.copy_out_bytes, 0) << "rank " << rank;
+        }
+      }
+    }
   }
 }
 

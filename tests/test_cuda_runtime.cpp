@@ -133,8 +133,8 @@ TEST(CudaRuntime, WithoutAGpuSaysSo) {
 }
 
 // Tensor and sequence parallelism reach the CUDA executor (one process; with optimizer and
-// activation offload too, not chunks); what it
-// does not run yet is one line before anything starts.
+// activation offload and offload chunks too); what it does not run yet is one line before
+// anything starts.
 TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   Plan p = make_plan(Schedule::one_f_one_b, 1, 2, 1, 2);
   p.t = 2;
@@ -161,9 +161,15 @@ TEST(CudaRuntime, TensorParallelPlansReachTheExecutorOrOneLine) {
   EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, off, sgd(1), "cuda"));
   Plan chunks = p;
   chunks.offload = pw::planner::Offload::chunks;
+  pw::exec::TrainOptions roomy = sgd(1);
+  roomy.optimizer = "adamw";
+  roomy.device_memory = std::int64_t(1) << 30;
+  EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, chunks, roomy, "cuda"));
+  Plan replicas = chunks;
+  replicas.w = 2;
   one_line(
-      pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, chunks, sgd(1), "cuda"); }),
-      "the cuda executor does not run offload chunks");
+      pw::testing::error_of([&] { pw::exec::detail::prepare_run(kGpu, replicas, roomy, "cuda"); }),
+      "the cuda executor's offload chunks run one replica per stage (w = 2");
 }
 
 // ---- on a GPU --------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
   slots_.set_rank(rank_);
   const planner::Plan& p = s.plan();
   offload_optimizer_ = p.offload == planner::Offload::optimizer;
+  chunked_ = p.offload == planner::Offload::chunks;
   offload_sharded_ = p.offload_sharded();  // the distributed optimizer is on (planner::check)
   sharded_ = p.distributed_optimizer && p.w > 1;
   swaps_ = p.swaps(stage_);
@@ -110,14 +111,15 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     ch.first = spec.has_embedding;
     ch.last = spec.has_head;
     const std::int64_t n = ch.sizes.parameters;
-    ch.slots[0] = tensor(Category::weights, 2 * n);
+    // Offload chunks: the weights, gradients and optimizer state live in the chunks (setup_chunks).
+    if (!chunked_) ch.slots[0] = tensor(Category::weights, 2 * n);
     // Optimizer offload: gradients leave the device layer by layer (sharded, w > 1: summed on the
     // device for the reduce-scatter, as without offload) and the master weights and the optimizer
     // state live on the host (setup_offload). The distributed optimizer: the state of the rank's
     // shard only, allocated below.
-    const bool grads = !offload_optimizer_ || offload_sharded_;
+    const bool grads = !chunked_ && (!offload_optimizer_ || offload_sharded_);
     if (grads) ch.grads = tensor(Category::gradients, 2 * n);
-    const bool whole = !offload_optimizer_ && !sharded_;
+    const bool whole = !chunked_ && !offload_optimizer_ && !sharded_;
     if (whole) {
       ch.master = tensor(Category::optimizer, 4 * n);
       ch.m = tensor(Category::optimizer, 4 * n);
@@ -130,8 +132,9 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     // The CPU backend's initialisation (fp32, deterministic in seed and tensor name), rounded.
     std::vector<float> host(std::size_t(n), 0.0f);
     make_cpu_stage(spec)->init_parameters(host.data(), s.options->seed);
-    ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(),
-                                whole ? ch.master.as<float>() : nullptr);
+    if (!chunked_)
+      ch.stage->upload_parameters(host.data(), ch.slots[0].as<bf16>(),
+                                  whole ? ch.master.as<float>() : nullptr);
     if (grads) CUDA_CHECK(cudaMemsetAsync(ch.grads.as<void>(), 0, std::size_t(2 * n), compute_));
     if (whole) {
       CUDA_CHECK(cudaMemsetAsync(ch.m.as<void>(), 0, std::size_t(4 * n), compute_));
@@ -151,7 +154,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
     flat_ += n;
     chunks_.push_back(std::move(ch));
   }
-  if (sharded_ && !offload_optimizer_) setup_shards(initial);
+  if (sharded_ && !offload_optimizer_ && !chunked_) setup_shards(initial);
   workspace_ = tensor(Category::workspace, 2 * workspace);
   // Tensor parallelism: the TP group's sums on the compute stream, in program order on every member
   // (the group: this pipeline rank's t devices); the cross-entropy's statistics in the workspace.
@@ -180,6 +183,7 @@ CudaWorker::CudaWorker(GpuShared& s, int device, MemoryCounter& counter)
   }
   if (chunks_.back().last) losses_ = tensor(Category::workspace, 4 * 2 * std::int64_t(p.m));
   setup_offload(initial);
+  if (chunked_) setup_chunks(initial);
   // The memsets above run on compute_; the checkpoint's copies go through the legacy stream, which
   // does not order with it, and a pageable copy may return before its DMA ends: wait for both.
   synchronize(compute_, "set up the weights");
@@ -376,15 +380,15 @@ void CudaWorker::send(const Op& op, Channel channel) {
 void CudaWorker::recv(const Op& op, Channel channel) {
   if (swaps_) swapped_.release_due(compute_ops_);  // a compute slot begins
   const Chunk& c = chunks_[std::size_t(op.chunk)];
+  if (chunked_) check_messages(1);
   if (channel == Channel::activation)
     recv(op, channel, inputs_, c.sizes.input);
   else
     recv(op, channel, d_outputs_, c.sizes.output);
 }
 
-// Takes the tensor of `key` out of `from` and makes `s` wait until it is valid.
-static Held take(std::map<std::tuple<int, int, int>, Held>& from,
-                 const std::tuple<int, int, int>& key, const char* what, int rank) {
+Held take(std::map<std::tuple<int, int, int>, Held>& from, const std::tuple<int, int, int>& key,
+          const char* what, int rank) {
   const auto it = from.find(key);
   if (it == from.end())
     throw Error(fmt::format("rank {}: no {} for step {} microbatch {} chunk {}", rank, what,
@@ -392,6 +396,10 @@ static Held take(std::map<std::tuple<int, int, int>, Held>& from,
   Held h = std::move(it->second);
   from.erase(it);
   return h;
+}
+
+Tensor CudaWorker::transient(Category c, std::int64_t bytes) {
+  return chunked_ ? Tensor(*s_.arena, uncounted_, c, bytes) : tensor(c, bytes);
 }
 
 // Optimizer offload's gradient sink for one backward (the CPU worker's TileSink on the GPU): where
@@ -473,16 +481,28 @@ void CudaWorker::forward(const Op& op) {
     if (input.ready) pool_.push_back(input.ready);
   }
   drain_compute("forward");
-  Tensor stash = tensor(Category::activations, 2 * (rc ? c.sizes.stash_recompute : c.sizes.stash));
-  Tensor out = tensor(Category::activations, c.last ? 0 : 2 * c.sizes.output);
-  Tensor scratch = tensor(Category::activations, rc ? 2 * c.sizes.scratch : 0);
+  // With chunks the layers run layer by layer over them (chunk_memory), and the stash (with
+  // recompute the stage input it keeps), scratch and output are uncounted: the moments count them.
+  const auto memory =
+      chunk_memory(rc ? ChunkPass::forward_recompute : ChunkPass::forward, op, c.last ? 0 : 1);
+  Tensor stash =
+      transient(Category::activations, 2 * (rc ? c.sizes.stash_recompute : c.sizes.stash));
+  Tensor out = transient(Category::activations, c.last ? 0 : 2 * c.sizes.output);
+  Tensor scratch = transient(Category::activations, rc ? 2 * c.sizes.scratch : 0);
   float* loss = c.last ? losses_.as<float>() + (op.step % 2) * p.m + op.microbatch : nullptr;
+  const auto run = [&](auto&& weights) {
+    c.stage->forward(weights, c.first ? tokens.data() : nullptr,
+                     c.first ? nullptr : input.tensor.as<bf16>(), c.last ? targets.data() : nullptr,
+                     p.b, rc, stash.as<bf16>(), c.last ? nullptr : out.as<bf16>(),
+                     rc ? scratch.as<bf16>() : nullptr, loss);
+  };
   begin_timed(planner::kComputeStream, compute_);
-  c.stage->forward(params(c, op.version), c.first ? tokens.data() : nullptr,
-                   c.first ? nullptr : input.tensor.as<bf16>(), c.last ? targets.data() : nullptr,
-                   p.b, rc, stash.as<bf16>(), c.last ? nullptr : out.as<bf16>(),
-                   rc ? scratch.as<bf16>() : nullptr, loss);
+  if (memory)
+    run(*memory);
+  else
+    run(params(c, op.version));
   end_timed(compute_);
+  if (memory) book_.check_none_pending("forward");
   retire(std::move(scratch), compute_);
   retire(std::move(input), compute_);
   stash_[key] = Held{std::move(stash), nullptr};
@@ -496,15 +516,23 @@ void CudaWorker::recompute(const Op& op) {
   if (c.last)
     exec::detail::microbatch_samples(s_, replica_, op.step, op.microbatch, tokens, targets);
   drain_compute("recompute");
-  Tensor full = tensor(Category::activations, 2 * c.sizes.stash);
   const auto kept = stash_.find(key);
   if (kept == stash_.end())
     throw Error(fmt::format("rank {}: recompute of step {} microbatch {} without its stash", rank_,
                             op.step, op.microbatch));
+  const auto memory = chunk_memory(ChunkPass::recompute, op, 0);  // layer by layer (chunks)
+  Tensor full = transient(Category::activations, 2 * c.sizes.stash);
+  const auto run = [&](auto&& weights) {
+    c.stage->recompute(weights, c.last ? targets.data() : nullptr, s_.plan().b,
+                       kept->second.tensor.as<bf16>(), full.as<bf16>());
+  };
   begin_timed(planner::kComputeStream, compute_);
-  c.stage->recompute(params(c, op.version), c.last ? targets.data() : nullptr, s_.plan().b,
-                     kept->second.tensor.as<bf16>(), full.as<bf16>());
+  if (memory)
+    run(*memory);
+  else
+    run(params(c, op.version));
   end_timed(compute_);
+  if (memory) book_.check_none_pending("recompute");
   full_[key] = Held{std::move(full), nullptr};
 }
 
@@ -526,11 +554,17 @@ void CudaWorker::backward(const Op& op) {
     if (d_output.ready) pool_.push_back(d_output.ready);
   }
   drain_compute("backward");
-  Tensor d_input = tensor(Category::activations, c.first ? 0 : 2 * c.sizes.input);
+  // With chunks: layer by layer over them, the gradients into their gradient halves.
+  const auto memory = chunk_memory(ChunkPass::backward, op, c.first ? 0 : 1);
+  Tensor d_input = transient(Category::activations, c.first ? 0 : 2 * c.sizes.input);
   // Gradients of the mean loss over the global batch: 1 / (B T) per token.
   const float scale = 1.0f / float(double(p.global_batch()) * double(s_.model->seq_len));
   begin_timed(planner::kComputeStream, compute_);
-  if (offload_optimizer_ && !offload_sharded_) {
+  if (memory) {
+    c.stage->backward(*memory, (rc ? full : stash).tensor.as<bf16>(),
+                      c.last ? nullptr : d_output.tensor.as<bf16>(), p.b, scale,
+                      c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
+  } else if (offload_optimizer_ && !offload_sharded_) {
     // Each layer's gradients to the host as it is done, timed as the copy_gradient_to_host after
     // the backward.
     TileSink sink(
@@ -555,6 +589,7 @@ void CudaWorker::backward(const Op& op) {
                       c.first ? nullptr : d_input.as<bf16>(), workspace_.as<bf16>());
   }
   end_timed(compute_);
+  if (memory) book_.check_none_pending("backward");
   retire(std::move(stash), compute_);
   retire(std::move(full), compute_);
   retire(std::move(d_output), compute_);
@@ -596,7 +631,7 @@ void CudaWorker::recv(const Op& op, Channel channel, std::map<Key, Held>& into,
     queue.pop_front();
     return;
   }
-  Tensor t = tensor(Category::activations, 2 * elements);
+  Tensor t = transient(Category::activations, 2 * elements);
   begin_timed(planner::kRecvStream, stream);
   transport_.recv(device_of(op.peer), device_, channel, t.as<void>(), t.bytes(), stream);
   end_timed(stream);
@@ -721,10 +756,11 @@ void CudaWorker::tied_gradient_out(const Op& op, planner::TiedShard sh) {
   // A copy goes out, so the gradient is zeroed at once for the next step's sums: the compute
   // stream never waits for the receiver (NCCL's send waits for it).
   wait(compute_, reduced_);
-  Tensor copy = tensor(Category::workspace, shard_bytes);
+  // With chunks the gradient may be in its chunk's pinned host block (cudaMemcpyDefault: UVA).
+  Tensor copy = transient(Category::workspace, shard_bytes);
   CUDA_CHECK(cudaMemcpyAsync(copy.as<void>(), grad + sh.begin, std::size_t(shard_bytes),
-                             cudaMemcpyDeviceToDevice, compute_));
-  CUDA_CHECK(cudaMemsetAsync(grad, 0, std::size_t(2 * c.tied_size), compute_));
+                             cudaMemcpyDefault, compute_));
+  zero_on_compute(grad, c.tied_size);
   const cudaEvent_t produced = record(compute_);
   wait(stream, produced);
   pool_.push_back(produced);
@@ -738,7 +774,7 @@ void CudaWorker::tied_gradient_in(const Op& op, planner::TiedShard sh, bool hold
   Chunk& c = chunks_[std::size_t(op.chunk)];
   const std::int64_t n = c.tied_size, bytes = 2 * n;
   const cudaStream_t stream = recv_[int(Channel::tied)];
-  Tensor head = tensor(Category::workspace, bytes);
+  Tensor head = transient(Category::workspace, bytes);
   if (hold) CUDA_CHECK(cudaMemsetAsync(head.as<void>(), 0, std::size_t(bytes), stream));
   begin_timed(planner::kRecvStream, stream);
   transport_.recv(device_of(op.peer), device_, Channel::tied, head.as<bf16>() + sh.begin,
@@ -779,6 +815,23 @@ void CudaWorker::tied_gradient_gather(const Op& op, planner::TiedShard) {
 void CudaWorker::tied_weights_out(const Op& op, planner::TiedShard sh) {
   const Chunk& c = chunks_[std::size_t(op.chunk)];
   const cudaStream_t stream = send_[int(Channel::tied_weights)];
+  if (chunked_) {  // out of its chunk, wherever that is, through a device copy (w = 1)
+    const std::int64_t bytes = 2 * (sh.end - sh.begin);
+    after_chunk_moves(c.base + c.tied_offset);
+    Tensor copy = transient(Category::workspace, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(
+        copy.as<void>(), chunk_tensor(c.base + c.tied_offset, weight_part(op.version)) + sh.begin,
+        std::size_t(bytes), cudaMemcpyDefault, compute_));
+    const cudaEvent_t produced = record(compute_);
+    wait(stream, produced);
+    pool_.push_back(produced);
+    begin_timed(planner::kSendStream, stream);
+    transport_.send(device_, device_of(op.peer), Channel::tied_weights, copy.as<void>(), bytes,
+                    stream);
+    end_timed(stream);
+    retire(std::move(copy), stream);
+    return;
+  }
   const cudaEvent_t produced = record(compute_);
   wait(stream, produced);
   pool_.push_back(produced);
@@ -796,6 +849,26 @@ void CudaWorker::tied_weights_out(const Op& op, planner::TiedShard sh) {
 void CudaWorker::tied_weights_in(const Op& op, planner::TiedShard sh, bool hold) {
   const Chunk& c = chunks_[std::size_t(op.chunk)];
   const cudaStream_t stream = recv_[int(Channel::tied_weights)];
+  if (chunked_) {  // into a device copy, then into its chunk wherever that is (w = 1)
+    const std::int64_t bytes = 2 * (sh.end - sh.begin);
+    Tensor copy = transient(Category::workspace, bytes);
+    const cudaEvent_t before = record(compute_);
+    wait(stream, before);
+    pool_.push_back(before);
+    begin_timed(planner::kRecvStream, stream);
+    transport_.recv(device_of(op.peer), device_, Channel::tied_weights, copy.as<void>(), bytes,
+                    stream);
+    end_timed(stream);
+    const cudaEvent_t arrived = record(stream);
+    wait(compute_, arrived);
+    pool_.push_back(arrived);
+    after_chunk_moves(c.base + c.tied_offset);
+    CUDA_CHECK(
+        cudaMemcpyAsync(chunk_tensor(c.base + c.tied_offset, weight_part(op.version)) + sh.begin,
+                        copy.as<void>(), std::size_t(bytes), cudaMemcpyDefault, compute_));
+    retire(std::move(copy), compute_);
+    return;
+  }
   // Written straight into the version's slot, after the optimizer filled the rest of it (and
   // after every earlier reader of the slot's previous version).
   const cudaEvent_t before = record(compute_);
@@ -844,6 +917,7 @@ void CudaWorker::sum_local_tied() {
 
 void CudaWorker::optimizer_step(const Op& op) {
   if (offload_optimizer_) return offload_step(op);
+  if (chunked_) return chunk_optimizer_step(op);
   wait(compute_, reduced_);
   if (reduced_) pool_.push_back(reduced_);
   reduced_ = nullptr;
@@ -892,14 +966,19 @@ void CudaWorker::retire_reader(cudaEvent_t sent) {
 // fp32 master weights (always the newest version) -> the target slot's bf16 copy, over the
 // parameters the rank keeps the state of (the distributed optimizer: its shard). The last stage's
 // copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
-void CudaWorker::update(Chunk& c, bf16* target) {
-  const TrainOptions& o = *s_.options;
+AdamWParams adamw_params(const TrainOptions& o) {
   AdamWParams a;
   a.lr = o.lr;
   a.beta1 = o.beta1;
   a.beta2 = o.beta2;
   a.eps = o.eps;
   a.weight_decay = o.weight_decay;
+  return a;
+}
+
+void CudaWorker::update(Chunk& c, bf16* target) {
+  const TrainOptions& o = *s_.options;
+  const AdamWParams a = adamw_params(o);
   for (auto [begin, end] : exec::detail::updated_ranges(c.first, c.last, c.tied_offset, c.tied_size,
                                                         s_.plan().d, c.sizes.parameters)) {
     begin = std::max(begin, c.own_begin);
@@ -993,7 +1072,21 @@ void CudaWorker::setup_offload(const std::vector<std::vector<float>>& initial) {
       t = tensor(Category::gradients, 2 * largest);
 }
 
+void CudaWorker::zero_on_compute(bf16* at, std::int64_t n) {
+  cudaPointerAttributes where{};
+  CUDA_CHECK(cudaPointerGetAttributes(&where, at));
+  if (where.type == cudaMemoryTypeHost)
+    host_function(compute_,
+                  [at, n] { std::memset(static_cast<void*>(at), 0, std::size_t(2 * n)); });
+  else
+    CUDA_CHECK(cudaMemsetAsync(at, 0, std::size_t(2 * n), compute_));
+}
+
 bf16* CudaWorker::tied_grad(Chunk& c) {
+  if (chunked_) {  // in its chunk, on the device or in the pinned host block; moves done first
+    after_chunk_moves(c.base + c.tied_offset);
+    return chunk_tensor(c.base + c.tied_offset, 2);
+  }
   if (!offload_optimizer_ || offload_sharded_) return c.grads.as<bf16>() + c.tied_offset;
   return host_chunks_[std::size_t(&c - chunks_.data())].resident.as<bf16>();
 }
@@ -1354,7 +1447,9 @@ RankResult CudaWorker::result() {
   r.copy_in_bytes = bytes_in_;
   r.activation_out_bytes = activation_bytes_out_;
   r.activation_in_bytes = activation_bytes_in_;
+  if (chunked_) r.weights = chunk_weights();
   for (const Chunk& c : chunks_) {
+    if (chunked_) break;
     const std::int64_t n = c.sizes.parameters;
     std::vector<bf16> w(static_cast<std::size_t>(n));
     CUDA_CHECK(cudaMemcpy(w.data(), c.slots[slots_.newest()].as<bf16>(), std::size_t(2 * n),

@@ -17,9 +17,11 @@
 #include <vector>
 
 #include "exec/checkpoint.hpp"
+#include "exec/chunk_book.hpp"
 #include "exec/cuda/arena.hpp"
 #include "exec/cuda/device_transport.hpp"
 #include "exec/cuda/gpt_stage.hpp"
+#include "exec/cuda/optimizer.cuh"
 #include "exec/interpret.hpp"
 #include "exec/memory.hpp"
 #include "exec/offload.hpp"
@@ -96,6 +98,13 @@ struct Held {
   Tensor tensor;
   cudaEvent_t ready = nullptr;
 };
+
+// Takes the tensor of `key` out of `from`, or throws naming the rank and `what`.
+Held take(std::map<std::tuple<int, int, int>, Held>& from, const std::tuple<int, int, int>& key,
+          const char* what, int rank);
+
+// The run's AdamW settings as the optimizer kernel takes them.
+AdamWParams adamw_params(const TrainOptions& o);
 
 // What the workers of one process share: the step book, the arena, the transport.
 struct GpuShared : exec::detail::StepBook {
@@ -209,6 +218,9 @@ class CudaWorker {
   void setup_offload(const std::vector<std::vector<float>>& initial);
   void offload_step(const planner::Op& op);
   bf16* tied_grad(Chunk& c);  // the tied tensor's gradient (c.tied_offset >= 0)
+  // Zeroes n bf16 values on the compute stream: device memory, or with chunks the pinned host
+  // block (a host function in the stream's order).
+  void zero_on_compute(bf16* at, std::int64_t n);
   // Runs `work` on the host, in `stream`'s order (cudaLaunchHostFunc); it must not call CUDA.
   void host_function(cudaStream_t stream, std::function<void()> work);
   // Enqueues on `stream` between two events, timed as program op `op` on the timeline's
@@ -235,6 +247,9 @@ class CudaWorker {
   void load_checkpoint(int step);
 
   Tensor tensor(Category c, std::int64_t bytes);
+  // Activations, messages and staging copies: counted, or with chunks (whose book counts the
+  // activations and messages as the planner does) from uncounted_.
+  Tensor transient(Category c, std::int64_t bytes);
   bf16* params(const Chunk& c, int version) const;
   cudaEvent_t event();  // from the pool (timing enabled)
   cudaEvent_t record(cudaStream_t s);
@@ -348,6 +363,76 @@ class CudaWorker {
   };
   std::deque<HostWork> host_work_;
   std::int64_t bytes_out_ = 0, bytes_in_ = 0, activation_bytes_out_ = 0, activation_bytes_in_ = 0;
+
+  // Offload chunks (PatrickStar; docs/formulas.md section 9, chunks): the CPU worker's rules
+  // (exec/worker_chunks.cpp, the shared chunk book exec/chunk_book.hpp) on the device. The stage's
+  // bf16 parameters and gradients live in the schedule's fixed-size chunks, each unit (a whole
+  // chunk: its weights and gradient halves; with 2bw each of its three parts) in device tensors
+  // while on the device, else in the chunk's pinned host block (allocated once, counted in the
+  // host pool while the unit is there); each chunk's fp32 master, Adam m and v (its first
+  // shard_elements) on the device for chunks 0 .. K-1 (device Adam, the existing kernel), else in
+  // host memory (CPU Adam, exec/optimizer.cpp, on the host stream). Copies run on the two copy
+  // streams, each after the compute stream's work so far (a moment's evictions end before its
+  // uploads take their memory: the host waits for them, as the CPU worker drains its engine);
+  // the compute stream waits for a layer's uploads. A stage's activations, messages and scratch
+  // come from the arena uncounted; the book's moments count them, as the planner does.
+  // What it does not run yet (prepare_run refuses it in one line): w > 1, m = 1, selective
+  // recompute, checkpoints.
+  struct DataChunk {
+    Tensor part[3];          // device bf16, chunk_elements each, while its unit is on the device
+    PinnedBuffer host;       // bf16 parts 0 .. 2 at part * chunk_elements (pinned, UVA-mapped)
+    bool on_device[3] = {};  // per unit (flush schedules: unit 0 only)
+    cudaEvent_t down[3] = {}, up[3] = {};  // the unit's last download, upload (null: none)
+    cudaEvent_t adam = nullptr;            // after its last CPU Adam
+    Tensor master_d, m_d, v_d;             // fp32 state, device-resident chunks (K)
+    Buffer master_h, m_h, v_h;             // fp32 state, host-Adam chunks
+  };
+  class ChunkMemory;
+  bool chunked_ = false;
+  int parts_ = 1;          // ChunkLayout::parts: 3 with 2bw
+  int chunk_version_ = 0;  // the weight version of the compute op under way
+  std::shared_ptr<const planner::ChunkSchedule> schedule_;
+  std::vector<DataChunk> data_chunks_;
+  exec::detail::ChunkBook book_;
+  MemoryCounter uncounted_;  // the arena blocks the book counts instead (activations, messages)
+  std::int64_t edge_bytes_out_ = 0, edge_bytes_in_ = 0;  // 2bw: the run's first and last segments
+  std::vector<int> unit_parts(int unit) const;
+  int weight_part(int version) const { return parts_ == 1 ? 0 : version % 2; }
+  int gradient_unit() const { return parts_ == 1 ? 0 : 2; }
+  bool edge_segment() const;
+  void setup_chunks(const std::vector<std::vector<float>>& initial);
+  void chunk(const planner::Op& op);  // the four chunk ops (interpret.hpp)
+  // route_chunk_op's device calls (exec/chunk_book.hpp).
+  template <class W>
+  friend void exec::detail::route_chunk_op(W& w, exec::detail::ChunkBook& book,
+                                           const planner::Op& op, int at, int rank);
+  int chunk_parts() const { return parts_; }
+  int chunk_count() const { return int(data_chunks_.size()); }
+  bool unit_on_device(int chunk, int unit) const {
+    return data_chunks_[std::size_t(chunk)].on_device[unit];
+  }
+  void download_for_adam(const planner::Op& op) { download_chunk(op.bucket, op_); }
+  void step_host(const planner::Op& op, int chunk);    // CPU Adam on the host stream
+  void step_device(const planner::Op& op, int chunk);  // the optimizer kernel
+  void chunk_moment(int layer);
+  void download_chunk(int u, int op);
+  void upload_chunk(int u, int op);
+  // A compute op's view of the chunks (null without chunks): its weight version set, its
+  // messages checked (`producing`: the one it makes), each layer's copies and activations on the
+  // way (ChunkBook's `pass`).
+  using ChunkPass = exec::detail::ChunkBook::Pass;
+  std::unique_ptr<DeviceLayerMemory> chunk_memory(ChunkPass pass, const planner::Op& op,
+                                                  int producing);
+  void chunk_optimizer_step(const planner::Op& op);
+  void check_messages(int producing);  // at most the book's message buffers held
+  // Where the tensor at the rank's flat offset `flat` is now: its unit's device part or its place
+  // in the pinned host block (UVA: kernels and copies take either), in part `part`.
+  bf16* chunk_tensor(std::int64_t flat, int part);
+  // The compute stream waits for every copy and CPU Adam of the chunk holding `flat` so far.
+  void after_chunk_moves(std::int64_t flat);
+  std::vector<std::vector<float>> chunk_weights();  // per model chunk, the newest version
+  // Part `part` of a chunk in its pinned host block (flush schedules: parts 0 and 2 only).
+  bf16* host_part(DataChunk& d, int part) const;
 };
 
 }  // namespace pw::exec::cuda::detail
