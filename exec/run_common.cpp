@@ -159,7 +159,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
     if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
                     [](planner::Recompute r) { return r == planner::Recompute::selective; }))
       refuse("do not run selective recompute (use full recompute or none)");
-    if (!options.checkpoint_dir.empty()) refuse("do not write checkpoints yet (--checkpoint-dir)");
   }
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(

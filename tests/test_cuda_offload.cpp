@@ -332,9 +332,6 @@ TEST(CudaOffload, ChecksPassEveryModeAndRefuseWhatChunksDoNotRun) {
   Plan selective = runs;
   selective.recompute.assign(1, pw::planner::Recompute::selective);
   refused(selective, chunk_options(2, budget), "do not run selective recompute");
-  TrainOptions saving = chunk_options(2, budget);
-  saving.checkpoint_dir = temp_dir("chunks-refused").string();
-  refused(runs, saving, "do not write checkpoints yet");
   refused(runs, chunk_options(2, std::int64_t(32) << 20), "leaves nothing for offload chunks");
 }
 
@@ -658,6 +655,32 @@ TEST(CudaOffload, ChunksTrainAsWithoutChunks) {
         }
       }
     }
+  }
+}
+
+// Offload chunks' checkpoints (the shard's tensors as without chunks, out of and into the chunks):
+// stopped after 2 of 4 steps and resumed at the tightest budget (CPU Adam for most chunks), the
+// later losses and the final weights are the unbroken run's, bit for bit.
+TEST(CudaOffload, ChunksResumeIsExact) {
+  PW_SKIP_WITHOUT_GPU();
+  for (const ChunkCase& c : {kChunkCases[1], kChunkCases[3]}) {  // 1f1b and 2bw, d = 2
+    SCOPED_TRACE(describe(c));
+    const Plan p = chunk_plan(c);
+    TrainOptions o = chunk_options(4, chunk_budgets(p)[0]);
+    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.checkpoint_dir = temp_dir("chunks-" + pw::planner::to_string(c.schedule)).string();
+    o.steps = 2;
+    pw::exec::cuda::train_cuda(kGpu, p, o);
+    o.steps = 4;
+    o.resume = true;
+    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
+    ASSERT_EQ(resumed.first_step, 2);
+    ASSERT_EQ(resumed.steps.size(), 2u);
+    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
+    fs::remove_all(o.checkpoint_dir);
   }
 }
 

@@ -1325,8 +1325,11 @@ std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versi
       host.emplace_back(std::size_t(n));
       tensors.push_back({fmt::format("c{}.w{}", i, version), host.back().data(), n});
     }
-    // Under optimizer offload the host's: its host-updated parameters [0, n_h).
-    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n : c.own_end - c.own_begin;
+    // Under optimizer offload the host's: its host-updated parameters [0, n_h); with offload chunks
+    // every parameter's (in the chunks' state, chunk_checkpoint).
+    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n
+                             : chunked_         ? n
+                                                : c.own_end - c.own_begin;
     for (const char* name : {"master", "m", "v"}) {
       if (std::string(name) == "v" && s_.options->optimizer != "adamw") continue;
       host.emplace_back(std::size_t(n_h));
@@ -1341,11 +1344,18 @@ void CudaWorker::save_checkpoint(int step) {
   const std::vector<int> versions = planner::initial_versions(s_.plan(), updates);
   std::vector<std::vector<float>> host;
   const std::vector<ShardTensor> tensors = shard_tensors(versions, host);
+  if (chunked_) chunk_checkpoint(tensors, versions, true);
   std::size_t k = 0;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = chunks_[i];
     const std::int64_t n = c.sizes.parameters;
     for (int version : versions) {
+      if (chunked_) {  // read out of the chunks above; the tied copy zeroed as below
+        if (exec::detail::zeroed_tied_copy(s_.plan(), c.last, c.tied_offset))
+          std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
+        ++k;
+        continue;
+      }
       std::vector<bf16> w(static_cast<std::size_t>(n));
       CUDA_CHECK(
           cudaMemcpy(w.data(), params(c, version), std::size_t(2 * n), cudaMemcpyDeviceToHost));
@@ -1355,6 +1365,10 @@ void CudaWorker::save_checkpoint(int step) {
       if (exec::detail::zeroed_tied_copy(s_.plan(), c.last, c.tied_offset))
         std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
       ++k;
+    }
+    if (chunked_) {
+      k += tensors_per_state();
+      continue;
     }
     if (offload_optimizer_) {  // the host's (every host function of the step has run)
       const HostChunk& h = host_chunks_[i];
@@ -1388,7 +1402,7 @@ void CudaWorker::load_checkpoint(int step) {
   const planner::Plan& p = s_.plan();
   const std::vector<int> versions = planner::initial_versions(p, step);
   slots_.resume(versions);
-  if (versions.size() == 2)
+  if (versions.size() == 2 && !chunked_)
     for (Chunk& c : chunks_)
       c.slots[1] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
   updates_ = step;
@@ -1401,12 +1415,12 @@ void CudaWorker::load_checkpoint(int step) {
   if (exec::detail::zeroed_tied_copy(p, last.last, last.tied_offset)) {
     const exec::detail::TiedCopySource from =
         exec::detail::tied_copy_source(*s_.model, p, replica_, tp_, dir);
-    const std::size_t base =
-        (chunks_.size() - 1) * (versions.size() + (s_.options->optimizer == "adamw" ? 3 : 2));
+    const std::size_t base = (chunks_.size() - 1) * (versions.size() + tensors_per_state());
     for (std::size_t j = 0; j < versions.size(); ++j)
       read_shard_slice(from.shard, fmt::format("c0.w{}", versions[j]), from.offset,
                        tensors[base + j].data + last.tied_offset, last.tied_size);
   }
+  if (chunked_) return chunk_checkpoint(tensors, versions, false);
   std::size_t k = 0;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];

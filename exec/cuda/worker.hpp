@@ -245,6 +245,13 @@ class CudaWorker {
                                          std::vector<std::vector<float>>& host);
   void save_checkpoint(int step);
   void load_checkpoint(int step);
+  // The optimizer state's tensors per model chunk in a shard: master, m (and v with AdamW).
+  std::size_t tensors_per_state() const { return s_.options->optimizer == "adamw" ? 3 : 2; }
+  // Offload chunks: the shard's tensors (shard_tensors' list: each model chunk's versions, then
+  // master, m, v, each whole) read out of the chunks (`save`) or written into them, wherever
+  // each tensor and its chunk's state are (every stream idle).
+  void chunk_checkpoint(const std::vector<ShardTensor>& tensors, const std::vector<int>& versions,
+                        bool save);
 
   Tensor tensor(Category c, std::int64_t bytes);
   // Activations, messages and staging copies: counted, or with chunks (whose book counts the
@@ -377,7 +384,7 @@ class CudaWorker {
   // the compute stream waits for a layer's uploads. A stage's activations, messages and scratch
   // come from the arena uncounted; the book's moments count them, as the planner does.
   // What it does not run yet (prepare_run refuses it in one line): w > 1, m = 1, selective
-  // recompute, checkpoints.
+  // recompute.
   struct DataChunk {
     Tensor part[3];          // device bf16, chunk_elements each, while its unit is on the device
     PinnedBuffer host;       // bf16 parts 0 .. 2 at part * chunk_elements (pinned, UVA-mapped)

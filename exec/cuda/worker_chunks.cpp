@@ -394,6 +394,55 @@ void CudaWorker::chunk_optimizer_step(const Op& op) {
   reclaim(false);  // the step's downloads' device tensors (the compute stream passed them)
 }
 
+void CudaWorker::chunk_checkpoint(const std::vector<ShardTensor>& tensors,
+                                  const std::vector<int>& versions, bool save) {
+  const std::int64_t se = schedule_->layout.shard_elements;
+  std::size_t k = 0;
+  for (const Chunk& c : chunks_) {
+    for (int version : versions) {
+      float* flat = tensors.at(k++).data;
+      for (const TensorSlot& slot : c.stage->layout()) {
+        bf16* at = chunk_tensor(c.base + slot.offset, weight_part(version));
+        std::vector<bf16> w(std::size_t(slot.size));
+        if (save) {
+          // cudaMemcpyDefault: the unit's device tensor or its pinned host block (UVA).
+          CUDA_CHECK(cudaMemcpy(w.data(), at, std::size_t(2 * slot.size), cudaMemcpyDefault));
+          const std::vector<float> f = to_float(w.data(), slot.size);
+          std::copy(f.begin(), f.end(), flat + slot.offset);
+        } else {  // bf16 values stored as fp32: rounding them back is exact
+          w = to_bf16(flat + slot.offset, slot.size);
+          CUDA_CHECK(cudaMemcpy(at, w.data(), std::size_t(2 * slot.size), cudaMemcpyDefault));
+        }
+      }
+    }
+    // master, m, v: each tensor's elements of its chunk's state (a chunk's state covers its first
+    // shard_elements, every parameter with w = 1).
+    for (std::size_t which = 0; which < tensors_per_state(); ++which) {
+      float* flat = tensors.at(k++).data;
+      for (const TensorSlot& slot : c.stage->layout()) {
+        const auto [chunk, at] = book_.at(c.base + slot.offset);
+        const std::int64_t n = std::min(at + slot.size, se) - at;
+        if (n <= 0) continue;
+        DataChunk& d = data_chunks_[std::size_t(chunk)];
+        const bool device = schedule_->device_resident(chunk);
+        float* state = device ? (which == 0   ? d.master_d.as<float>()
+                                 : which == 1 ? d.m_d.as<float>()
+                                              : d.v_d.as<float>())
+                              : (which == 0   ? d.master_h.data()
+                                 : which == 1 ? d.m_h.data()
+                                              : d.v_h.data());
+        float* from = save ? state + at : flat + slot.offset;
+        float* to = save ? flat + slot.offset : state + at;
+        if (device)
+          CUDA_CHECK(cudaMemcpy(to, from, std::size_t(4 * n),
+                                save ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice));
+        else
+          std::copy_n(from, n, to);
+      }
+    }
+  }
+}
+
 // Each model chunk's newest weights out of the chunks (after the run: every stream is idle), as
 // fp32 (bf16 values, exact).
 std::vector<std::vector<float>> CudaWorker::chunk_weights() {
