@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "clusters/cluster.hpp"
+#include "exec/chunk_book.hpp"
 #include "exec/offload.hpp"
 #include "exec/optimizer_offload.hpp"
 #include "exec/run_common.hpp"
@@ -1464,4 +1465,79 @@ TEST(OffloadRules, OptimizerOffloadOrdersCopiesAdamAndUploads) {
 }
 
 }  // namespace
+// A device that records what the chunk ops' rule (route_chunk_op) asks of it: two chunks of
+// `parts` units each, which units are on the device.
+struct ChunkLog {
+  int parts = 1;
+  std::vector<std::vector<bool>> on;  // per chunk, per unit
+  std::vector<std::string> calls;
+  int chunk_parts() const { return parts; }
+  int chunk_count() const { return int(on.size()); }
+  bool unit_on_device(int chunk, int unit) const {
+    return on[std::size_t(chunk)][std::size_t(unit)];
+  }
+  void download_for_adam(const planner::Op& op) {
+    calls.push_back(fmt::format("down {}{}", op.bucket, op.part ? " part" : ""));
+  }
+  void step_host(const planner::Op& op, int chunk) {
+    calls.push_back(fmt::format("host adam {} step {}", chunk, op.step));
+  }
+  void step_device(const planner::Op& op, int chunk) {
+    calls.push_back(fmt::format("device adam {} step {}", chunk, op.step));
+  }
+};
+
+planner::Op chunk_op(planner::OpKind kind, int bucket, int layer = -1) {
+  planner::Op op;
+  op.kind = kind;
+  op.bucket = bucket;
+  op.layer = layer;
+  op.step = 4;
+  return op;
+}
+
+// The chunk ops' rule both workers run: a copy tagged with a layer is held for it, an untagged one
+// is the step's download for CPU Adam; Adam on the host needs every unit of the chunk there, on
+// the device every unit on the device; a unit index is chunk * parts + unit (2bw: three parts).
+TEST(OffloadRules, ChunkOpsAreHeldRoutedOrRefusedInOneLine) {
+  using planner::OpKind;
+  detail::ChunkBook book;
+  ChunkLog log;
+  log.parts = 3;
+  log.on = {{true, true, true}, {false, false, false}};
+  detail::route_chunk_op(log, book, chunk_op(OpKind::copy_chunk_to_host, 4, 2), 7, 0);
+  EXPECT_TRUE(log.calls.empty());
+  EXPECT_TRUE(book.pending());
+  detail::route_chunk_op(log, book, chunk_op(OpKind::copy_chunk_to_host, 5), 8, 0);
+  detail::route_chunk_op(log, book, chunk_op(OpKind::chunk_step_device, 0), 9, 0);
+  detail::route_chunk_op(log, book, chunk_op(OpKind::chunk_step_host, 1), 10, 0);
+  EXPECT_EQ(log.calls,
+            (std::vector<std::string>{"down 5", "device adam 0 step 4", "host adam 1 step 4"}));
+  const detail::ChunkBook::Moment held = book.take(2);
+  ASSERT_EQ(held.out.size(), 1u);
+  EXPECT_EQ(held.out[0].first.bucket, 4);
+  EXPECT_EQ(held.out[0].second, 7);
+  EXPECT_FALSE(book.pending());
+  const auto error = [&](const planner::Op& op) {
+    try {
+      detail::route_chunk_op(log, book, op, 11, 3);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  log.on[1][2] = true;  // one unit of chunk 1 on the device
+  EXPECT_EQ(error(chunk_op(OpKind::chunk_step_host, 1)),
+            "rank 3: CPU Adam of chunk 1, which is on the device");
+  EXPECT_EQ(error(chunk_op(OpKind::chunk_step_device, 1)),
+            "rank 3: Adam on the device of chunk 1, which is on the host");
+  EXPECT_EQ(error(chunk_op(OpKind::copy_chunk_to_device, 2)),
+            "rank 3: an upload of chunk 0 at the optimizer step");
+  EXPECT_EQ(error(chunk_op(OpKind::copy_chunk_to_host, 6)),
+            "rank 3: copy_chunk_to_host of chunk 2, which does not exist");
+  EXPECT_EQ(error(chunk_op(OpKind::chunk_step_host, -1)),
+            "rank 3: chunk_step_host of chunk -1, which does not exist");
+  EXPECT_EQ(error(chunk_op(OpKind::forward, 0)), "rank 3: forward is not a chunk op");
+}
+
 }  // namespace pw::exec
