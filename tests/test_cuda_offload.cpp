@@ -8,7 +8,9 @@
 // planner's in every category but activations, and a run inside a --device-memory of its own
 // peak stays inside with the same losses; a resumed run equals an unbroken one; sharded over
 // replicas (w > 1) it trains as the distributed optimizer does, and with tensor parallelism
-// (t = 2) as the same TP plan without offload. Without a GPU the
+// (t = 2) as the same TP plan without offload; offload chunks (PatrickStar) train as the plan
+// without them, each rank's peak the chunk schedule's plus its stages' fixed bytes, and resume
+// exactly. Without a GPU the
 // expectations themselves are computed (so a GPU run does not fail on the test's own setup) and
 // the GPU cases report themselves skipped.
 #include <gtest/gtest.h>

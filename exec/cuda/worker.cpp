@@ -963,9 +963,6 @@ void CudaWorker::retire_reader(cudaEvent_t sent) {
   if (sent) pool_.push_back(sent);
 }
 
-// fp32 master weights (always the newest version) -> the target slot's bf16 copy, over the
-// parameters the rank keeps the state of (the distributed optimizer: its shard). The last stage's
-// copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
 AdamWParams adamw_params(const TrainOptions& o) {
   AdamWParams a;
   a.lr = o.lr;
@@ -976,6 +973,9 @@ AdamWParams adamw_params(const TrainOptions& o) {
   return a;
 }
 
+// fp32 master weights (always the newest version) -> the target slot's bf16 copy, over the
+// parameters the rank keeps the state of (the distributed optimizer: its shard). The last stage's
+// copy of the tied tensor (d > 1) is not updated here: stage 0 sends it.
 void CudaWorker::update(Chunk& c, bf16* target) {
   const TrainOptions& o = *s_.options;
   const AdamWParams a = adamw_params(o);
