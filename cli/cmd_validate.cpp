@@ -426,12 +426,13 @@ void run_and_compare(const ValidateArgs& a) {
                                  model.name, models::to_string(model.dtype)));
   if (gpu) exec::check_gpu_model(model);
   // Every rank is a thread here: without -w the width is 1 (build() checks the plan).
-  // Chunks on the CPU backend: the chunk size the run takes written in (the probes and the
-  // prediction use it).
-  const planner::Plan plan =
-      gpu ? executed_plan(a.plan.build(model.layers, 1))
-          : exec::with_chunk_size(model, executed_plan(a.plan.build(model.layers, 1)),
-                                  a.train.device_memory);
+  // Chunks: the chunk size the run takes written in (the probes and the prediction use it), in
+  // the budget the backend schedules them in (exec::chunk_budget).
+  const planner::Plan built = executed_plan(a.plan.build(model.layers, 1));
+  const bool chunks = built.offload == planner::Offload::chunks;
+  const std::int64_t chunk_memory =
+      chunks ? exec::chunk_budget(a.backend, built, a.train.device_memory) : 0;
+  const planner::Plan plan = chunks ? exec::with_chunk_size(model, built, chunk_memory) : built;
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
@@ -548,7 +549,7 @@ void run_and_compare(const ValidateArgs& a) {
     const exec::HostFit host = exec::measure_host({4096, chunk, 2 * chunk}, a.train);
     exec::add_host(machine_probe.cluster, host, job ? 1 : plan.ranks());
     if (a.train.device_memory > 0)
-      machine_probe.cluster.device.memory_bytes = a.train.device_memory;
+      machine_probe.cluster.device.memory_bytes = chunks ? chunk_memory : a.train.device_memory;
     fmt::print("  copy {} + bytes / {}; {} {} parameters/s per core\n",
                human_seconds(host.copy.latency_s), human_rate(host.copy.bandwidth_bytes_per_s, "B"),
                a.train.optimizer, fmt::format("{:.3g}", host.optimizer_params_per_s));
@@ -556,6 +557,9 @@ void run_and_compare(const ValidateArgs& a) {
                                   {"copy_bandwidth_bytes_per_s", host.copy.bandwidth_bytes_per_s},
                                   {"optimizer_params_per_s", host.optimizer_params_per_s}};
   }
+  // The GPU's chunks: planned on a device of the executor's chunk budget (the GPU preset's host
+  // link; the moves depend only on the budget, the layout and the layers' bytes).
+  if (gpu && chunks && chunk_memory > 0) machine_probe.cluster.device.memory_bytes = chunk_memory;
   const clusters::Cluster& cluster = machine_probe.cluster;
   const exec::TransportFit& link = machine_probe.link;
 
