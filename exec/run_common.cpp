@@ -156,9 +156,6 @@ PreparedRun prepare_run(const models::ModelSpec& model, const planner::Plan& pla
       refuse(
           "need m > 1 (with m = 1 a bf16 gradient reuses its parameter's slot, which the cuda "
           "backward does not do)");
-    if (std::any_of(plan.recompute.begin(), plan.recompute.end(),
-                    [](planner::Recompute r) { return r == planner::Recompute::selective; }))
-      refuse("do not run selective recompute (use full recompute or none)");
   }
   if (plan.offload == planner::Offload::chunks && options.device_memory <= 0)
     throw InputError(

@@ -196,23 +196,28 @@ fs::path temp_dir(const std::string& name) {
   return p;
 }
 
-// Offload chunks (PatrickStar) on the CUDA worker: the plans it runs (w = 1, m > 1, no selective
-// recompute), d = 1 and d = 2 with the tied embedding exchanged on the chunks, full recompute,
-// 2bw's parts, TP shards (t = 2, each device its own chunks), interleaving (v = 2).
+// Offload chunks (PatrickStar) on the CUDA worker: the plans it runs (w = 1, m > 1), d = 1 and
+// d = 2 with the tied embedding exchanged on the chunks, full and selective recompute, 2bw's
+// parts, TP shards (t = 2, each device its own chunks), interleaving (v = 2).
+using pw::planner::Recompute;
 struct ChunkCase {
   Schedule schedule;
   int d;
-  bool recompute;  // full
+  Recompute recompute = Recompute::none;
   int t = 1, v = 1;
 };
-const ChunkCase kChunkCases[] = {
-    {Schedule::one_f_one_b, 1, false},    {Schedule::one_f_one_b, 2, false},
-    {Schedule::gpipe, 2, true},           {Schedule::two_bw, 2, false},
-    {Schedule::one_f_one_b, 2, false, 2}, {Schedule::interleaved, 2, false, 1, 2}};
+const ChunkCase kChunkCases[] = {{Schedule::one_f_one_b, 1},
+                                 {Schedule::one_f_one_b, 2},
+                                 {Schedule::gpipe, 2, Recompute::full},
+                                 {Schedule::two_bw, 2},
+                                 {Schedule::one_f_one_b, 2, Recompute::none, 2},
+                                 {Schedule::interleaved, 2, Recompute::none, 1, 2},
+                                 {Schedule::one_f_one_b, 2, Recompute::selective}};
 
 std::string describe(const ChunkCase& c) {
   return pw::planner::to_string(c.schedule) + " d=" + std::to_string(c.d) +
-         (c.recompute ? " recompute" : "") + (c.t > 1 ? " t=" + std::to_string(c.t) : "") +
+         (c.recompute != Recompute::none ? " " + pw::planner::to_string(c.recompute) : "") +
+         (c.t > 1 ? " t=" + std::to_string(c.t) : "") +
          (c.v > 1 ? " v=" + std::to_string(c.v) : "");
 }
 
@@ -231,7 +236,7 @@ Plan chunk_plan(const ChunkCase& c) {
   for (const pw::planner::ChunkTensor& t : pw::planner::model_tensors(kGpu, c.t))
     largest = std::max(largest, 2 * t.elements);
   p.chunk_bytes = largest;
-  if (c.recompute) p.recompute.assign(std::size_t(c.d), pw::planner::Recompute::full);
+  if (c.recompute != Recompute::none) p.recompute.assign(std::size_t(c.d), c.recompute);
   pw::planner::check(p);
   return p;
 }
@@ -315,7 +320,7 @@ TEST(CudaOffload, ChecksPassEveryModeAndRefuseWhatChunksDoNotRun) {
     EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, sharded_plan(c.schedule, c.w, c.d, true),
                                                   options(2), "cuda"))
         << describe(c);
-  const Plan runs = chunk_plan({Schedule::one_f_one_b, 1, false});
+  const Plan runs = chunk_plan({Schedule::one_f_one_b, 1});
   const std::int64_t budget = chunk_budgets(runs)[0];
   EXPECT_NO_THROW(pw::exec::detail::prepare_run(kGpu, runs, chunk_options(2, budget), "cuda"));
   const auto refused = [&](Plan p, TrainOptions o, const std::string& what) {
@@ -331,9 +336,6 @@ TEST(CudaOffload, ChecksPassEveryModeAndRefuseWhatChunksDoNotRun) {
   Plan single = runs;
   single.m = 1;
   refused(single, chunk_options(2, budget), "need m > 1");
-  Plan selective = runs;
-  selective.recompute.assign(1, pw::planner::Recompute::selective);
-  refused(selective, chunk_options(2, budget), "do not run selective recompute");
   refused(runs, chunk_options(2, std::int64_t(32) << 20), "leaves nothing for offload chunks");
 }
 

@@ -419,8 +419,8 @@ void CudaGptStage::backward(const At& at, const bf16* full_stash, const bf16* d_
     const int64_t end = i + 1 < s.blocks ? layout_.block_base[std::size_t(i + 1)]
                                          : (s.has_head ? layout_.lnf_w : layout_.parameters);
     at.begin(block_layer(i), true);
-    block_backward(at, base, end, carve_block<true>(cur + i * layout_.block_elements(BT), BT), b,
-                   dres, ws);
+    block_backward(at, block_layer(i), base, end,
+                   carve_block<true>(cur + i * layout_.block_elements(BT), BT), b, dres, ws);
     if (at.grads) at.grads->layer_done(base, end);
     at.end(block_layer(i), true);
   }
@@ -483,8 +483,8 @@ void CudaGptStage::head_backward(const At& at, const HeadActs<true>& h, int b, f
 
 // dres holds d(block output) and leaves holding d(block input). Scratch: the MLP phase uses
 // [dgelu (BT F) | dln2 (BT C)], the attention phase [dqkv (BT 3C) | datty (BT C) | dP, dS].
-void CudaGptStage::block_backward(const At& at, int64_t base, int64_t end, const BlockActs<true>& a,
-                                  int b, bf16* dres, Carver ws) {
+void CudaGptStage::block_backward(const At& at, int layer, int64_t base, int64_t end,
+                                  const BlockActs<true>& a, int b, bf16* dres, Carver ws) {
   // With t > 1 the column-parallel GEMMs' input gradients (dln2, dln1) are this rank's part,
   // summed over the TP group before the norms' backward; the row-parallel biases' gradients are
   // whole on every rank (d(out) is).
@@ -525,12 +525,20 @@ void CudaGptStage::block_backward(const At& at, int64_t base, int64_t end, const
   bf16* datty = attn.take<bf16>(BTC);  // C_t wide, then dln1 (C wide) in the same block
   dout = sp ? gather(dres, A, BT) : dres;
   linear_backward(gm, datty, g(attproj_w), g(attproj_b), dout, a.atty, w(attproj_w), BT, C_t, C);
-  if (layout_.selective)  // each block of probabilities made again beside dP and dS
+  // Selective: the probabilities made again whole where the memory says (offload chunks, whose
+  // moments count them), else each block of them beside dP and dS.
+  bf16* core = layout_.selective && at.memory ? at.memory->attention_core(layer) : nullptr;
+  if (core) {
+    attention_probabilities(gm, core, a.qkv, b, int(layout_.T), C_t, int(layout_.NH_t));
+    attention_backward(gm, dqkv, datty, a.qkv, core, attn, b, int(layout_.T), C_t,
+                       int(layout_.NH_t));
+  } else if (layout_.selective) {
     attention_backward_selective(gm, dqkv, datty, a.qkv, attn, b, int(layout_.T), C_t,
                                  int(layout_.NH_t));
-  else
+  } else {
     attention_backward(gm, dqkv, datty, a.qkv, a.att, attn, b, int(layout_.T), C_t,
                        int(layout_.NH_t));
+  }
   bf16* dln1 = datty;  // datty is dead once dqkv exists
   linear_backward(gm, dln1, g(qkv_w), g(qkv_b), dqkv, sp ? gather(a.ln1, A, BT) : a.ln1, w(qkv_w),
                   BT, C, 3 * C_t);

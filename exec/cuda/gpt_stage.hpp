@@ -47,6 +47,11 @@ class DeviceLayerMemory {
   // The layout's tensor that begins at `offset` (a TensorSlot's offset).
   virtual const bf16* parameters(std::int64_t offset) = 0;
   virtual bf16* gradients(std::int64_t offset) = 0;
+  // Selective recompute: where block layer `layer`'s backward re-makes its attention
+  // probabilities whole (b x heads x T x T bf16, valid from its begin_layer to its end_layer;
+  // attention_probabilities, then the plain attention backward over them), or null: 64 query rows
+  // at a time in the workspace, as without a DeviceLayerMemory.
+  virtual bf16* attention_core(int /*layer*/) { return nullptr; }
 };
 
 class CudaGptStage {
@@ -182,8 +187,8 @@ class CudaGptStage {
   void block_forward(const At& at, std::int64_t base, const BlockActs<false>& a, int b, bf16* out);
   void head_forward(const At& at, const HeadActs<false>& h, const std::int32_t* targets, int b,
                     float* loss);
-  void block_backward(const At& at, std::int64_t base, std::int64_t end, const BlockActs<true>& a,
-                      int b, bf16* dres, Carver ws);
+  void block_backward(const At& at, int layer, std::int64_t base, std::int64_t end,
+                      const BlockActs<true>& a, int b, bf16* dres, Carver ws);
   // out = residual + (the TP group's sum of inp · weight^T) + bias: a row-parallel projection
   // (t = 1: one fused GEMM).
   void row_parallel_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,

@@ -51,8 +51,7 @@ void linear_backward(Gemm& gemm, bf16* dinp, bf16* dweight, bf16* dbias, const b
 
 // Batches run over samples for one head: a sample's (T, hd) slices of q, k, v, y lie T rows apart
 // and never interleave, while one sample's heads would share rows.
-void attention_forward(Gemm& gemm, bf16* out, bf16* att, const bf16* qkv, int B, int T, int C,
-                       int NH) {
+void attention_probabilities(Gemm& gemm, bf16* att, const bf16* qkv, int B, int T, int C, int NH) {
   const int64_t hd = C / NH, C3 = 3 * int64_t(C), TT = int64_t(T) * T;
   const float scale = 1.0f / std::sqrt(float(hd));
   for (int64_t h = 0; h < NH; ++h) {
@@ -75,6 +74,12 @@ void attention_forward(Gemm& gemm, bf16* out, bf16* att, const bf16* qkv, int B,
                  .alpha = scale});
   }
   causal_softmax_forward(att, int64_t(B) * NH * T, T, gemm.stream());
+}
+
+void attention_forward(Gemm& gemm, bf16* out, bf16* att, const bf16* qkv, int B, int T, int C,
+                       int NH) {
+  const int64_t hd = C / NH, C3 = 3 * int64_t(C), TT = int64_t(T) * T;
+  attention_probabilities(gemm, att, qkv, B, T, C, NH);
   for (int64_t h = 0; h < NH; ++h) {
     // y (T, hd) = P (T, T) · v (T, hd)
     gemm.matmul({.m = T,

@@ -35,6 +35,11 @@ void attention_forward(Gemm& gemm, bf16* out,  // (B, T, C)
                        bf16* att,              // (B, NH, T, T)
                        const bf16* qkv,        // (B, T, 3C)
                        int B, int T, int C, int NH);
+// The probabilities alone: att = causal softmax(q k^T / sqrt(hd)), attention_forward's first half
+// (the same calls). Selective recompute with offload chunks re-makes a block's whole with it.
+void attention_probabilities(Gemm& gemm, bf16* att,  // (B, NH, T, T)
+                             const bf16* qkv,        // (B, T, 3C)
+                             int B, int T, int C, int NH);
 // dqkv = d(qkv) (overwritten). dP is built in fp32 and dS in bf16 in `scratch`, for as many samples
 // of one head at a time as fit (6 T^2 bytes each), else in blocks of query rows (6 T bytes each).
 void attention_backward(Gemm& gemm, bf16* dqkv,  // (B, T, 3C)

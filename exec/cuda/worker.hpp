@@ -383,8 +383,7 @@ class CudaWorker {
   // uploads take their memory: the host waits for them, as the CPU worker drains its engine);
   // the compute stream waits for a layer's uploads. A stage's activations, messages and scratch
   // come from the arena uncounted; the book's moments count them, as the planner does.
-  // What it does not run yet (prepare_run refuses it in one line): w > 1, m = 1, selective
-  // recompute.
+  // What it does not run yet (prepare_run refuses it in one line): w > 1, m = 1.
   struct DataChunk {
     Tensor part[3];          // device bf16, chunk_elements each, while its unit is on the device
     PinnedBuffer host;       // bf16 parts 0 .. 2 at part * chunk_elements (pinned, UVA-mapped)

@@ -41,7 +41,15 @@ class CudaWorker::ChunkMemory : public DeviceLayerMemory {
         kind_(kind),
         chunk_(c),
         first_(w.book_.first_layer(c)),
-        base_(w.chunks_.at(std::size_t(c)).base) {}
+        base_(w.chunks_.at(std::size_t(c)).base) {
+    // Selective recompute: the buffer a backward's blocks re-make their attention probabilities
+    // in, one after another (an uncounted block: each block's moment counts its core).
+    if (kind == Kind::backward && w.book_.largest_core_bytes() > 0)
+      core_ = w.transient(Category::activations, w.book_.largest_core_bytes());
+  }
+  ~ChunkMemory() override { w_.retire(std::move(core_), w_.compute_); }
+  ChunkMemory(const ChunkMemory&) = delete;
+  ChunkMemory& operator=(const ChunkMemory&) = delete;
   void begin_layer(int layer, bool) override {
     w_.chunk_moment(first_ + layer);
     w_.memory_.add(Category::activations, w_.book_.begin_layer(kind_, chunk_, layer));
@@ -54,6 +62,14 @@ class CudaWorker::ChunkMemory : public DeviceLayerMemory {
     return find(offset, w_.weight_part(w_.chunk_version_));
   }
   bf16* gradients(std::int64_t offset) override { return find(offset, 2); }
+  bf16* attention_core(int layer) override {
+    const std::int64_t bytes = w_.book_.core_bytes(first_ + layer);
+    if (bytes == 0) return nullptr;
+    if (bytes != core_.bytes())
+      throw Error(fmt::format("rank {}: layer {}'s attention core is {} B, its buffer {} B",
+                              w_.rank_, first_ + layer, bytes, core_.bytes()));
+    return core_.as<bf16>();
+  }
 
  private:
   bf16* find(std::int64_t offset, int part) {
@@ -69,6 +85,7 @@ class CudaWorker::ChunkMemory : public DeviceLayerMemory {
   Kind kind_;
   int chunk_, first_;  // the model chunk; its first layer in the stage's
   std::int64_t base_;
+  Tensor core_;
 };
 
 std::vector<int> CudaWorker::unit_parts(int unit) const {
