@@ -117,6 +117,15 @@ ChunkBook::ChunkBook(const planner::ChunkSchedule& schedule, const std::vector<B
       }
 }
 
+void ChunkBook::check_messages(std::size_t held, int op, planner::OpKind kind, int stage) const {
+  if (held <= std::size_t(message_buffers_)) return;
+  throw Error(
+      fmt::format("rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan "
+                  "counts on stage {} "
+                  "(planner::message_buffers)",
+                  rank_, op, planner::to_string(kind), held, message_buffers_, stage));
+}
+
 std::pair<int, std::int64_t> ChunkBook::at(std::int64_t flat) const {
   const auto it = tensor_at_.find(flat);
   if (it == tensor_at_.end())

@@ -87,6 +87,9 @@ class ChunkBook {
   int message_buffers() const { return message_buffers_; }
   std::int64_t message_elements() const { return message_elements_; }
   std::int64_t message_bytes() const { return message_buffers_ * message_elements_ * element_; }
+  // A stage holding `held` pipeline messages at program op `op` (of kind `kind`) on `stage`:
+  // throws naming the rank, the op and both counts when they are more than the plan counts.
+  void check_messages(std::size_t held, int op, planner::OpKind kind, int stage) const;
 
   // The program's copies that run before a layer of the next compute op (`op.layer` >= 0), held in
   // program order with their op index; take(layer) gives that layer's, evictions (to the host)

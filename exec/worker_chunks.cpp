@@ -740,13 +740,8 @@ void Worker::make_message_room(int producing) {
     in_flight_.front().sent.wait();
     in_flight_.pop_front();
   }
-  if (held() > buffers)
-    throw Error(fmt::format(
-        "rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan counts on "
-        "stage {} (planner::message_buffers)",
-        rank_, op_,
-        planner::to_string(s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind),
-        held(), buffers, stage_));
+  book_.check_messages(held(), op_,
+                       s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind, stage_);
   for (const std::map<Key, Buffer>* m : {&inputs_, &outputs_, &d_outputs_, &d_inputs_})
     for (const auto& [key, buffer] : *m)
       if (buffer.size() != book_.message_elements())

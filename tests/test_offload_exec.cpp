@@ -1538,6 +1538,16 @@ TEST(OffloadRules, ChunkOpsAreHeldRoutedOrRefusedInOneLine) {
   EXPECT_EQ(error(chunk_op(OpKind::chunk_step_host, -1)),
             "rank 3: chunk_step_host of chunk -1, which does not exist");
   EXPECT_EQ(error(chunk_op(OpKind::forward, 0)), "rank 3: forward is not a chunk op");
+  // More pipeline messages held than the plan counts (the book's, here none): one line.
+  try {
+    book.check_messages(1, 5, OpKind::forward, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rank 0: op 5 (forward) holds 1 pipeline messages, more than the 0 the plan counts "
+              "on stage 2 (planner::message_buffers)");
+  }
+  EXPECT_NO_THROW(book.check_messages(0, 5, OpKind::forward, 2));
 }
 
 }  // namespace pw::exec

@@ -377,13 +377,8 @@ void CudaWorker::step_host(const Op& step, int k) {
 void CudaWorker::check_messages(int producing) {
   const std::size_t held = inputs_.size() + outputs_.size() + d_outputs_.size() + d_inputs_.size() +
                            std::size_t(producing);
-  if (held > std::size_t(book_.message_buffers()))
-    throw Error(fmt::format(
-        "rank {}: op {} ({}) holds {} pipeline messages, more than the {} the plan counts on "
-        "stage {} (planner::message_buffers)",
-        rank_, op_,
-        planner::to_string(s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind),
-        held, book_.message_buffers(), stage_));
+  book_.check_messages(held, op_,
+                       s_.programs->devices[std::size_t(rank_)].ops[std::size_t(op_)].kind, stage_);
 }
 
 std::unique_ptr<DeviceLayerMemory> CudaWorker::chunk_memory(ChunkPass pass, const Op& op,
