@@ -593,28 +593,33 @@ TEST(CudaOffload, TensorParallelMatchesNoOffload) {
   }
 }
 
+// A 4-step run of `p` against the same run stopped after 2 steps (a checkpoint in `name`'s
+// directory) and resumed: the later losses and the final weights the unbroken run's, bit for bit.
+void expect_resume_is_exact(const Plan& p, TrainOptions o, const std::string& name) {
+  o.steps = 4;
+  const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
+  o.checkpoint_dir = temp_dir(name).string();
+  o.steps = 2;
+  pw::exec::cuda::train_cuda(kGpu, p, o);
+  o.steps = 4;
+  o.resume = true;
+  const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
+  ASSERT_EQ(resumed.first_step, 2);
+  ASSERT_EQ(resumed.steps.size(), 2u);
+  EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+  EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+  for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+    EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
+  fs::remove_all(o.checkpoint_dir);
+}
+
 // The host's optimizer state is in the checkpoint: stopped after 2 of 4 steps and resumed, the
 // later losses and the final weights are the unbroken run's, bit for bit.
 TEST(CudaOffload, ResumeIsExact) {
   PW_SKIP_WITHOUT_GPU();
   for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(pw::planner::to_string(s));
-    const Plan p = make_plan(s, 4, 1, 4, kBoth);
-    TrainOptions o = options(4);
-    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.checkpoint_dir = temp_dir(pw::planner::to_string(s)).string();
-    o.steps = 2;
-    pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
-    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
-    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
-      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
-    fs::remove_all(o.checkpoint_dir);
+    expect_resume_is_exact(make_plan(s, 4, 1, 4, kBoth), options(4), pw::planner::to_string(s));
   }
 }
 
@@ -670,21 +675,8 @@ TEST(CudaOffload, ChunksResumeIsExact) {
   for (const ChunkCase& c : {kChunkCases[1], kChunkCases[3]}) {  // 1f1b and 2bw, d = 2
     SCOPED_TRACE(describe(c));
     const Plan p = chunk_plan(c);
-    TrainOptions o = chunk_options(4, chunk_budgets(p)[0]);
-    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.checkpoint_dir = temp_dir("chunks-" + pw::planner::to_string(c.schedule)).string();
-    o.steps = 2;
-    pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
-    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
-    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
-      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
-    fs::remove_all(o.checkpoint_dir);
+    expect_resume_is_exact(p, chunk_options(4, chunk_budgets(p)[0]),
+                           "chunks-" + pw::planner::to_string(c.schedule));
   }
 }
 
