@@ -435,7 +435,7 @@ void run_and_compare(const ValidateArgs& a) {
   const planner::Plan plan = chunks ? exec::with_chunk_size(model, built, chunk_memory) : built;
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
-  if (!gpu) (void)exec::detail::prepare_run(model, plan, a.train, a.backend);
+  (void)exec::detail::prepare_run(model, plan, a.train, a.backend);  // host-only, both backends
   // Selective recompute: the profile times a selective block's backward too (the CPU profiler).
   const bool selective = std::find(plan.recompute.begin(), plan.recompute.end(),
                                    planner::Recompute::selective) != plan.recompute.end();
@@ -536,9 +536,10 @@ void run_and_compare(const ValidateArgs& a) {
   Machine machine_probe = job ? probe_mpi(plan, probe_sizes, a.round_trips, *job)
                               : probe_cpu(plan, probe_sizes, a.round_trips);
 #endif
-  // Offload: the copies between the emulated device and the host pool, and CPU Adam, measured;
-  // each device as large as the executor's (--device-memory), so that both plan the same chunks.
-  if (!gpu && plan.any_offload()) {
+  // Offload: the copies between the device (the CPU's emulated one; the GPU) and the host (pool;
+  // pinned memory), and CPU Adam, measured; each device as large as the executor's
+  // (--device-memory; the CUDA chunks' budget), so that both plan the same chunks.
+  if (plan.any_offload()) {
     const std::int64_t chunk =
         plan.offload == planner::Offload::chunks
             ? (plan.chunk_bytes > 0 ? plan.chunk_bytes : planner::default_chunk_bytes(model))
@@ -546,8 +547,15 @@ void run_and_compare(const ValidateArgs& a) {
     fmt::print("probing the host side of offload (copies up to {}, the optimizer update)...\n",
                human_bytes(double(2 * chunk)));
     std::fflush(stdout);
-    const exec::HostFit host = exec::measure_host({4096, chunk, 2 * chunk}, a.train);
-    exec::add_host(machine_probe.cluster, host, job ? 1 : plan.ranks());
+    const std::vector<std::int64_t> copies = {4096, chunk, 2 * chunk};
+#ifdef PW_HAVE_CUDA
+    const exec::HostFit host =
+        gpu ? exec::cuda::measure_host(copies, a.train) : exec::measure_host(copies, a.train);
+#else
+    const exec::HostFit host = exec::measure_host(copies, a.train);
+#endif
+    // CPU: one engine thread per rank (one per process under mpirun); CUDA: host functions.
+    exec::add_host(machine_probe.cluster, host, gpu || job ? 1 : plan.ranks());
     if (a.train.device_memory > 0)
       machine_probe.cluster.device.memory_bytes = chunks ? chunk_memory : a.train.device_memory;
     fmt::print("  copy {} + bytes / {}; {} {} parameters/s per core\n",
@@ -557,9 +565,6 @@ void run_and_compare(const ValidateArgs& a) {
                                   {"copy_bandwidth_bytes_per_s", host.copy.bandwidth_bytes_per_s},
                                   {"optimizer_params_per_s", host.optimizer_params_per_s}};
   }
-  // The GPU's chunks: planned on a device of the executor's chunk budget (the GPU preset's host
-  // link; the moves depend only on the budget, the layout and the layers' bytes).
-  if (gpu && chunks && chunk_memory > 0) machine_probe.cluster.device.memory_bytes = chunk_memory;
   const clusters::Cluster& cluster = machine_probe.cluster;
   const exec::TransportFit& link = machine_probe.link;
 

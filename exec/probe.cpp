@@ -231,6 +231,14 @@ HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOp
     samples.push_back({std::int64_t(n * sizeof(float)), median(times)});
   }
   fit.copy = fit_transport(samples);
+  fit.optimizer_params_per_s = measure_optimizer_rate(options, params, repeats);
+  fit.copy_what = "a copy engine's memcpy";
+  return fit;
+}
+
+double measure_optimizer_rate(const TrainOptions& options, std::int64_t params, int repeats) {
+  if (params < 1 || repeats < 1)
+    throw Error("measure_optimizer_rate: one parameter and one repeat at least");
   const std::size_t n = std::size_t(params);
   std::vector<float> w(n, 0.5f), g(n), m(n, 0.0f), v(n, 0.0f);
   std::vector<double> times;
@@ -240,13 +248,14 @@ HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOp
     optimizer_update(options, k + 2, w.data(), w.data(), g.data(), m.data(), v.data(), params);
     if (k >= 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  fit.optimizer_params_per_s = double(params) / std::max(median(times), 1e-12);
-  return fit;
+  return double(params) /
+         std::max(profiling::summarize(std::move(times), ProfileStatistic::median), 1e-12);
 }
 
-void add_host(clusters::Cluster& cluster, const HostFit& host, int ranks) {
+void add_host(clusters::Cluster& cluster, const HostFit& host, int cores) {
   if (host.copy.bandwidth_bytes_per_s <= 0 || host.optimizer_params_per_s <= 0)
-    throw Error("cpu-host cluster: the host copy bandwidth and optimizer rate must be positive");
+    throw Error("cluster " + cluster.name +
+                ": the host copy bandwidth and optimizer rate must be positive");
   clusters::Host& h = cluster.host;
   h.pcie_bandwidth_bytes_per_s = host.copy.bandwidth_bytes_per_s;
   h.pcie_latency_s = host.copy.latency_s;
@@ -254,13 +263,14 @@ void add_host(clusters::Cluster& cluster, const HostFit& host, int ranks) {
   h.pinned_memory_bytes = h.memory_bytes;
   h.gpus_per_uplink = 1;
   h.uplink_bandwidth_bytes_per_s = h.pcie_bandwidth_bytes_per_s;
-  h.cpu_cores = std::max(1, std::min(ranks, hardware_threads()));
+  h.cpu_cores = std::max(1, std::min(cores, hardware_threads()));
   h.cpu_adam_params_per_s_per_core = host.optimizer_params_per_s;
   cluster.notes += fmt::format(
-      "; host link: a copy engine's memcpy ({:.3g} us + bytes / {:.3g} GB/s), CPU Adam {:.3g} "
-      "parameters/s per core over {} cores (one engine thread per rank)",
-      host.copy.latency_s * 1e6, host.copy.bandwidth_bytes_per_s / 1e9, host.optimizer_params_per_s,
-      h.cpu_cores);
+      "; host link: {} ({:.3g} us + bytes / {:.3g} GB/s), CPU Adam {:.3g} parameters/s per core "
+      "over {} core{}",
+      host.copy_what.empty() ? "the measured copy" : host.copy_what, host.copy.latency_s * 1e6,
+      host.copy.bandwidth_bytes_per_s / 1e9, host.optimizer_params_per_s, h.cpu_cores,
+      h.cpu_cores == 1 ? "" : "s");
 }
 
 }  // namespace pw::exec

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "clusters/cluster.hpp"
@@ -65,19 +66,29 @@ clusters::Cluster cpu_host_cluster(int cores, const TransportFit& transport,
 // What offload runs on in the CPU executor, measured: a copy between the emulated device and the
 // host pool (a memcpy of a buffer on a copy engine's thread, handed over and waited for as the
 // workers do: `copy` fitted as latency + bytes / bandwidth over `sizes_bytes`, median of
-// `repeats` each), and the optimizer update of one core (exec::optimizer_update with `options`
-// over `params` floats: parameters per second, median of `repeats`).
+// `repeats` each), and the optimizer update of one core (measure_optimizer_rate). `copy_what`
+// says what the copy was (add_host writes it into the cluster's notes); the CUDA backend's
+// measurement is exec::cuda::measure_host (pinned copies, the same optimizer rate).
 struct HostFit {
   TransportFit copy;
   double optimizer_params_per_s = 0;
+  std::string copy_what;
 };
 HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOptions& options,
                      std::int64_t params = 1 << 20, int repeats = 20);
 
+// The host's optimizer update on one core: exec::optimizer_update with `options` over `params`
+// floats, parameters per second, median of `repeats` after a warm-up (CPU Adam of both backends:
+// the CUDA worker's host functions run the same function).
+double measure_optimizer_rate(const TrainOptions& options, std::int64_t params = 1 << 20,
+                              int repeats = 20);
+
 // `cluster` with the host side that offload plans need, from `host`: each device's host link the
 // measured copy (kind pcie: no ceiling, one device per uplink), pinned memory the host's RAM, the
-// CPU Adam rate the measured one per core over min(`ranks`, cores) cores (each rank's host work
-// runs on one engine thread of its own).
-void add_host(clusters::Cluster& cluster, const HostFit& host, int ranks);
+// CPU Adam rate the measured one per core over `cores` cores (at least 1 and at most the
+// hardware threads; the CPU worker runs each rank's host work on an engine thread of its own, so
+// it passes its ranks; the CUDA backend 1: host functions of different streams may be
+// serialized).
+void add_host(clusters::Cluster& cluster, const HostFit& host, int cores);
 
 }  // namespace pw::exec

@@ -47,7 +47,9 @@ Runs on a machine with an NVIDIA GPU, from the repository root, each step logged
                  swaps) trained 6 steps with --offload none, optimizer, activations and
                  optimizer,activations, and simulate of the same plans on dgx-h100 for 6 steps:
                  activations' losses equal to none's bit for bit, optimizer's within 1e-2
-                 relative, bytes moved per step equal to the simulator's, step times printed
+                 relative, bytes moved per step equal to the simulator's, step times printed;
+                 then validate --backend cuda of the optimizer plan (its host side measured:
+                 never run)
   9. summary     tables read from the JSON files with python3; also in OUT/gpu-check/summary.txt.
 
 Options:
@@ -590,6 +592,10 @@ for mode in ["optimizer", "activations", "optimizer+activations"]:
     ok = ok and good
 sys.exit(0 if ok else 1)
 EOF
+  # validate with optimizer offload: the host side (pinned copies, CPU Adam) measured into the
+  # gpu-host cluster (exec::cuda::measure_host; never run on a GPU before).
+  pw_step "offload validate optimizer" "$PW" validate --backend cuda --model gpt2-124m \
+    --plan "$OFF_DIR/plan-optimizer.json" --steps 6 --out "$OFF_DIR/validate-optimizer.json"
 else
   skip offload "--only $ONLY"
 fi

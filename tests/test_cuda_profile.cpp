@@ -95,6 +95,14 @@ TEST(CudaProfile, WithoutAGpuTheProbesSayWhy) {
   }
   EXPECT_THROW(cu::profile_cuda(tiny_bf16(), {1}, 1), InputError);
   EXPECT_THROW(cu::measure_local_transport({2, 4096}, 3), InputError);
+  EXPECT_THROW(cu::measure_host({4096, 1 << 20}, exec::TrainOptions{}), InputError);
+}
+
+// The host probe's own input checks come before the device's.
+TEST(CudaProbe, HostProbeNeedsTwoSizesAndARepeat) {
+  EXPECT_THROW(cu::measure_host({4096}, exec::TrainOptions{}), InputError);
+  EXPECT_THROW(cu::measure_host({1, 2}, exec::TrainOptions{}), InputError);  // both round to 2
+  EXPECT_THROW(cu::measure_host({4096, 8192}, exec::TrainOptions{}, 1 << 10, 0), InputError);
 }
 
 // ---- on a GPU ----------------------------------------------------------------------------------
@@ -187,6 +195,34 @@ TEST(CudaProbe, LocalTransportFitIsSane) {
   EXPECT_LT(f.latency_s, 1e-2);
   EXPECT_GT(f.bandwidth_bytes_per_s, 1e9);  // device copies: hundreds of GB/s on an H100
   EXPECT_TRUE(std::isfinite(f.bandwidth_bytes_per_s));
+}
+
+// Pinned copies each way and the host's optimizer rate: positive, finite, PCIe-like (over
+// 1 GB/s on any GPU host of this decade); the gpu-host cluster takes them as its host side and
+// still reads back from its file. GPU-owed: never ran.
+TEST(CudaProbe, HostSideOfOffloadIsMeasured) {
+  PW_SKIP_WITHOUT_GPU();
+  const exec::HostFit h =
+      cu::measure_host({4096, 1 << 20, 4 << 20}, exec::TrainOptions{}, 1 << 16, 5);
+  ASSERT_EQ(h.copy.samples.size(), 6u);  // each size down and up
+  for (const auto& s : h.copy.samples) {
+    EXPECT_GT(s.one_way_s, 0);
+    EXPECT_LT(s.one_way_s, 1.0);
+  }
+  EXPECT_GT(h.copy.bandwidth_bytes_per_s, 1e9);
+  EXPECT_TRUE(std::isfinite(h.copy.bandwidth_bytes_per_s));
+  EXPECT_GE(h.copy.latency_s, 0);
+  EXPECT_GT(h.optimizer_params_per_s, 0);
+  exec::TransportFit link;
+  link.latency_s = 1e-5;
+  link.bandwidth_bytes_per_s = 1e11;
+  const cu::GpuInfo gpu = cu::current_gpu();
+  if (exec::gpu_device_preset(gpu.name).empty()) GTEST_SKIP() << "no preset for " << gpu.name;
+  clusters::Cluster c = cu::gpu_host_cluster(1, link);
+  exec::add_host(c, h, 1);
+  EXPECT_EQ(c.host.pcie_bandwidth_bytes_per_s, h.copy.bandwidth_bytes_per_s);
+  EXPECT_EQ(c.host.cpu_cores, 1);
+  EXPECT_EQ(clusters::parse_cluster(clusters::to_json(c), "gpu-host.json"), c);
 }
 
 TEST(CudaProbe, GpuHostClusterNamesThisGpu) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <thread>
 
@@ -15,6 +16,7 @@
 #include "exec/cuda/device.hpp"
 #include "exec/cuda/handles.hpp"
 #include "exec/cuda/local_transport.hpp"
+#include "exec/cuda/worker.hpp"
 
 namespace pw::exec::cuda {
 
@@ -114,6 +116,50 @@ TransportFit measure_local_transport(const std::vector<std::int64_t>& sizes_byte
   for (std::int64_t bytes : sizes)
     samples.push_back({bytes, ping_pong(arena, bytes, round_trips)});
   return fit_transport(samples);
+}
+
+HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOptions& options,
+                     std::int64_t params, int repeats) {
+  if (repeats < 1) throw InputError("host probe: repeats must be at least 1");
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t b : sizes_bytes)
+    sizes.push_back(std::max<std::int64_t>(2, (b + 1) / 2 * 2));
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  if (sizes.size() < 2) throw InputError("host probe: at least two distinct copy sizes are needed");
+  current_gpu();  // a device, or the one-line reason there is none
+  const std::int64_t largest = (sizes.back() + 255) / 256 * 256;
+  DeviceArena arena(largest + (16 << 20));
+  DeviceBuffer device(arena, Category::workspace, largest);
+  MemoryCounter host_counter;
+  const detail::PinnedBuffer host(host_counter, Category::workspace, largest);
+  CUDA_CHECK(cudaMemset(device.data(), 0, std::size_t(largest)));
+  std::memset(host.as<char>(), 0, std::size_t(largest));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Stream stream;
+  std::vector<TransportSample> samples;
+  for (std::int64_t bytes : sizes)
+    for (const bool down : {true, false}) {
+      std::vector<double> times;
+      for (int k = -2; k < repeats; ++k) {  // two warm-up copies
+        const auto t0 = Clock::now();
+        if (down)
+          CUDA_CHECK(cudaMemcpyAsync(host.as<char>(), device.data(), std::size_t(bytes),
+                                     cudaMemcpyDeviceToHost, stream.get()));
+        else
+          CUDA_CHECK(cudaMemcpyAsync(device.data(), host.as<char>(), std::size_t(bytes),
+                                     cudaMemcpyHostToDevice, stream.get()));
+        CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+        if (k >= 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      std::sort(times.begin(), times.end());
+      samples.push_back({bytes, times[times.size() / 2]});
+    }
+  HostFit fit;
+  fit.copy = fit_transport(samples);
+  fit.optimizer_params_per_s = measure_optimizer_rate(options, params, repeats);
+  fit.copy_what = "cudaMemcpyAsync to and from pinned host memory";
+  return fit;
 }
 
 clusters::Cluster gpu_host_cluster(int ranks, const TransportFit& link) {

@@ -35,6 +35,18 @@ GpuInfo current_gpu();
 TransportFit measure_local_transport(const std::vector<std::int64_t>& sizes_bytes,
                                      int round_trips = 200);
 
+// What offload runs on in the CUDA executor, measured on the current GPU (`validate --backend
+// cuda` with an offload plan): a copy between a device buffer and pinned host memory
+// (cudaMemcpyAsync on a stream of its own, then cudaStreamSynchronize, timed on the host clock as
+// the worker's chunk moments wait for their evictions), each size `repeats` times each way after
+// two warm-ups, both directions' medians fitted together (exec::fit_transport: latency + bytes /
+// bandwidth); and the host's optimizer update (exec::measure_optimizer_rate: the CUDA worker's CPU
+// Adam is the same function in a host function). Sizes are rounded up to 2 bytes; at least two
+// distinct sizes. For exec::add_host with one core (host functions of different streams may be
+// serialized: CUDA runtime API, cudaLaunchHostFunc).
+HostFit measure_host(const std::vector<std::int64_t>& sizes_bytes, const TrainOptions& options,
+                     std::int64_t params = 1 << 20, int repeats = 20);
+
 // exec::gpu_host_cluster for the current GPU: its name and total memory, `ranks` devices, `link`
 // as the intra-node link, this host's memory. Throws a one-line InputError naming the GPU and the
 // presets when no device preset matches it.
