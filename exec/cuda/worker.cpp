@@ -214,9 +214,15 @@ CudaWorker::~CudaWorker() {
     h.resident = Tensor();
   // After an abort host functions may still wait behind stuck streams: their work stays (leaked),
   // never freed under them. Otherwise every stream was synchronised above.
-  if (transport_.aborted())
+  if (transport_.aborted()) {
     for (HostWork& w : host_work_)
       (void)w.work.release();
+    // So are the host memory they read and write: the chunks' pinned blocks and host state (CPU
+    // Adam, the tied add through UVA), optimizer offload's host chunks (CPU Adam, the transfer
+    // buffers). Moved into vectors that are never freed (their device tensors go with the arena).
+    (void)new std::vector<DataChunk>(std::move(data_chunks_));
+    (void)new std::vector<HostChunk>(std::move(host_chunks_));
+  }
   host_work_.clear();
   if (!transport_.aborted())
     for (void* block : pinned_all_)
