@@ -527,6 +527,71 @@ common::Json read_shard(const std::string& path, const std::vector<ShardTensor>&
   return shard.header();
 }
 
+ShardLayout::ShardLayout(const std::vector<std::int64_t>& parameters, std::vector<int> versions,
+                         std::vector<std::string> state,
+                         const std::vector<std::int64_t>& state_sizes)
+    : versions_(std::move(versions)), state_(std::move(state)), chunks_(parameters.size()) {
+  if (state_sizes.size() != parameters.size())
+    throw Error(fmt::format("checkpoint shard: {} state sizes for {} model chunks",
+                            state_sizes.size(), parameters.size()));
+  for (std::size_t i = 0; i < chunks_; ++i) {
+    for (int version : versions_)
+      tensors_.push_back({fmt::format("c{}.w{}", i, version), nullptr, parameters[i]});
+    for (const std::string& name : state_)
+      tensors_.push_back({fmt::format("c{}.{}", i, name), nullptr, state_sizes[i]});
+  }
+}
+
+std::size_t ShardLayout::index(std::size_t chunk, std::size_t k) const {
+  if (chunk >= chunks_ || k >= versions_.size() + state_.size())
+    throw Error(fmt::format("checkpoint shard: no tensor {} of model chunk {} ({} chunks of {})", k,
+                            chunk, chunks_, versions_.size() + state_.size()));
+  return chunk * (versions_.size() + state_.size()) + k;
+}
+
+ShardTensor& ShardLayout::weights(std::size_t chunk, std::size_t i) {
+  if (i >= versions_.size()) throw Error(fmt::format("checkpoint shard: no version {}", i));
+  return tensors_[index(chunk, i)];
+}
+ShardTensor& ShardLayout::state(std::size_t chunk, std::size_t which) {
+  if (which >= state_.size()) throw Error(fmt::format("checkpoint shard: no state {}", which));
+  return tensors_[index(chunk, versions_.size() + which)];
+}
+const ShardTensor& ShardLayout::weights(std::size_t chunk, std::size_t i) const {
+  return const_cast<ShardLayout*>(this)->weights(chunk, i);
+}
+const ShardTensor& ShardLayout::state(std::size_t chunk, std::size_t which) const {
+  return const_cast<ShardLayout*>(this)->state(chunk, which);
+}
+
+void ShardLayout::zero_tied_copy(std::size_t chunk, std::int64_t offset, std::int64_t size,
+                                 std::vector<std::vector<float>>* copies) {
+  if (copies) copies->reserve(copies->size() + versions_.size());  // no reallocation below
+  for (std::size_t i = 0; i < versions_.size(); ++i) {
+    ShardTensor& t = weights(chunk, i);
+    if (offset < 0 || size < 0 || offset + size > t.size || !t.data)
+      throw Error(fmt::format("checkpoint shard: tied copy [{}, {}) outside {} ({} floats)", offset,
+                              offset + size, t.name, t.size));
+    if (copies) {
+      copies->emplace_back(t.data, t.data + t.size);
+      t.data = copies->back().data();
+    }
+    std::fill_n(t.data + offset, size, 0.0f);
+  }
+}
+
+void ShardLayout::read_tied_copy(std::size_t chunk, std::int64_t offset, std::int64_t size,
+                                 const std::string& source, std::int64_t source_offset) {
+  for (std::size_t i = 0; i < versions_.size(); ++i) {
+    ShardTensor& t = weights(chunk, i);
+    if (offset < 0 || size < 0 || offset + size > t.size || !t.data)
+      throw Error(fmt::format("checkpoint shard: tied copy [{}, {}) outside {} ({} floats)", offset,
+                              offset + size, t.name, t.size));
+    read_shard_slice(source, fmt::format("c0.w{}", versions_[i]), source_offset, t.data + offset,
+                     size);
+  }
+}
+
 void read_shard_slice(const std::string& path, const std::string& name, std::int64_t offset,
                       float* out, std::int64_t count) {
   ShardFile shard(path);

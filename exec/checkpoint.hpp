@@ -77,6 +77,48 @@ struct ShardTensor {
   std::int64_t size = 0;  // floats
 };
 
+// A rank's shard in file order, the one rule both workers' checkpoints follow: per model chunk i,
+// each weight version it holds ("c{i}.w{v}", the chunk's `parameters[i]` floats each, in the
+// order of `versions`: ascending), then its optimizer state (one tensor per name of `state`,
+// "c{i}.{name}", `state_sizes[i]` floats each: the parameters whose state the rank keeps). The
+// CPU's state is {"m", "v"}, the GPU's {"master", "m", "v"} (its fp32 master beside the bf16
+// weights); "v" only with AdamW. Every tensor's data starts null: the worker points each at its
+// bytes (`weights`, `state`) before write_shard or read_shard.
+class ShardLayout {
+ public:
+  ShardLayout(const std::vector<std::int64_t>& parameters, std::vector<int> versions,
+              std::vector<std::string> state, const std::vector<std::int64_t>& state_sizes);
+  const std::vector<ShardTensor>& tensors() const { return tensors_; }
+  const std::vector<int>& versions() const { return versions_; }
+  std::size_t chunks() const { return chunks_; }
+  std::size_t states() const { return state_.size(); }
+  // Model chunk `chunk`'s weights of versions()[index]; its state tensor `which` (state's order).
+  ShardTensor& weights(std::size_t chunk, std::size_t index);
+  ShardTensor& state(std::size_t chunk, std::size_t which);
+  const ShardTensor& weights(std::size_t chunk, std::size_t index) const;
+  const ShardTensor& state(std::size_t chunk, std::size_t which) const;
+
+  // The last stage's copy of the tied tensor, floats [offset, offset + size) of chunk `chunk`'s
+  // weights, is stored as zeros (it may not have arrived yet for these versions, and what it holds
+  // until then depends on the run's history; resume takes it from stage 0's shard): zeroes it in
+  // every version's tensor. With `copies`, each of those tensors is first copied into it and
+  // pointed there (the worker's live weights stay as they are); without, zeroed in place (the
+  // tensors are the worker's scratch).
+  void zero_tied_copy(std::size_t chunk, std::int64_t offset, std::int64_t size,
+                      std::vector<std::vector<float>>* copies);
+  // On load: the same floats of every version's tensor from `source`'s (stage 0's shard) tensor
+  // "c0.w{v}" at `source_offset` (read_shard_slice).
+  void read_tied_copy(std::size_t chunk, std::int64_t offset, std::int64_t size,
+                      const std::string& source, std::int64_t source_offset);
+
+ private:
+  std::size_t index(std::size_t chunk, std::size_t k) const;
+  std::vector<int> versions_;
+  std::vector<std::string> state_;
+  std::size_t chunks_ = 0;
+  std::vector<ShardTensor> tensors_;
+};
+
 // Writes one rank's shard atomically. `header` gets "format" (pipewright.checkpoint-shard/2) set
 // and "tensors" (names, sizes, CRC-32s) added.
 void write_shard(const std::string& path, common::Json header,

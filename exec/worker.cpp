@@ -466,23 +466,32 @@ void Worker::offload_step(const Op& op) {
   s_.finish_step(op.step);
 }
 
-// The tensors of a shard: per chunk, every weight version held (ascending), then the optimizer's
-// state (momentum; AdamW's second moment) of the rank's parameters of the chunk (with the
-// distributed optimizer its shard of them).
-std::vector<ShardTensor> Worker::shard_tensors(const std::vector<int>& versions) {
-  std::vector<ShardTensor> tensors;
+// The rank's shard (exec::ShardLayout, both workers' rule): per chunk every weight version held,
+// then the optimizer's state (momentum; AdamW's second moment) of the parameters the rank updates
+// (with the distributed optimizer its shard of the chunk, [own_begin, own_end); with offload
+// chunks every parameter: gathered from the chunks, which each replica keeps its part of).
+ShardLayout Worker::shard_layout(const std::vector<int>& versions, bool whole) const {
+  std::vector<std::int64_t> parameters, state;
+  for (const Chunk& c : chunks_) {
+    parameters.push_back(c.sizes.parameters);
+    state.push_back(whole ? c.sizes.parameters : c.own_end - c.own_begin);
+  }
+  std::vector<std::string> names = {"m"};
+  if (s_.options->optimizer == "adamw") names.push_back("v");
+  return ShardLayout(parameters, versions, names, state);
+}
+
+// The shard over the rank's own buffers: each version's slot, the state where m_at, v_at point.
+ShardLayout Worker::shard_tensors(const std::vector<int>& versions) {
+  ShardLayout shard = shard_layout(versions, false);
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
-    for (int version : versions)
-      tensors.push_back({fmt::format("c{}.w{}", i, version),
-                         c.slots[slots_.slot_of(version)].data(), c.sizes.parameters});
-    // The optimizer state of the parameters the rank updates: with the distributed optimizer its
-    // shard of the chunk, [own_begin, own_end).
-    const std::int64_t owned = c.own_end - c.own_begin;
-    tensors.push_back({fmt::format("c{}.m", i), c.m_at, owned});
-    if (c.v_at) tensors.push_back({fmt::format("c{}.v", i), c.v_at, owned});
+    for (std::size_t j = 0; j < versions.size(); ++j)
+      shard.weights(i, j).data = c.slots[slots_.slot_of(versions[j])].data();
+    shard.state(i, 0).data = c.m_at;
+    if (shard.states() > 1) shard.state(i, 1).data = c.v_at;
   }
-  return tensors;
+  return shard;
 }
 
 // After `step` + 1 updates this rank holds what the next steps use: the newest version and, for
@@ -497,41 +506,30 @@ void Worker::save_checkpoint(int step) {
                          {"tp", tp_},
                          {"step", updates},
                          {"versions", versions}};
-  std::vector<ShardTensor> tensors;
   // Offload chunks: the same tensors as without (each model chunk's flat weights, m and v),
   // gathered.
   std::vector<Flats> gathered;  // the versions', then m, v
+  ShardLayout shard = chunked_ ? shard_layout(versions, true) : shard_tensors(versions);
   if (chunked_) {
     for (int version : versions)  // 2bw: both live versions, each from its part
       gathered.push_back(gather_chunks(0, version));
     for (int which = 1; which < 3; ++which)
       gathered.push_back(gather_chunks(which));
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      const std::int64_t n = chunks_[c].sizes.parameters;
       for (std::size_t i = 0; i < versions.size(); ++i)
-        tensors.push_back({fmt::format("c{}.w{}", c, versions[i]), gathered[i][c].data(), n});
-      tensors.push_back({fmt::format("c{}.m", c), gathered[versions.size()][c].data(), n});
-      tensors.push_back({fmt::format("c{}.v", c), gathered[versions.size() + 1][c].data(), n});
+        shard.weights(c, i).data = gathered[i][c].data();
+      for (std::size_t which = 0; which < shard.states(); ++which)
+        shard.state(c, which).data = gathered[versions.size() + which][c].data();
     }
-  } else {
-    tensors = shard_tensors(versions);
   }
-  // The last stage's copy of the tied tensor may not have arrived yet for these versions, and what
-  // its slot holds until then depends on the run's history. Resume takes the copy from stage 0's
-  // shard, so this shard stores it as zeros: the same bytes however the run got here.
+  // The last stage's copy of the tied tensor: zeros (ShardLayout::zero_tied_copy), on copies of
+  // the rank's live weights.
   std::vector<std::vector<float>> copies;
   const Chunk& last = chunks_.back();
-  if (zeroed_tied_copy(s_.plan(), last.last, last.tied_offset)) {  // run_common.hpp
-    const std::size_t chunk = chunks_.size() - 1;
-    for (ShardTensor& t : tensors) {
-      if (t.name.rfind(fmt::format("c{}.w", chunk), 0) != 0) continue;
-      copies.emplace_back(t.data, t.data + t.size);  // moving a vector keeps its buffer
-      std::fill_n(copies.back().begin() + last.tied_offset, last.tied_size, 0.0f);
-      t.data = copies.back().data();
-    }
-  }
+  if (zeroed_tied_copy(s_.plan(), last.last, last.tied_offset))  // run_common.hpp
+    shard.zero_tied_copy(chunks_.size() - 1, last.tied_offset, last.tied_size, &copies);
   write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), device_), header,
-              tensors);
+              shard.tensors());
 }
 
 void Worker::load_checkpoint(int step) {
@@ -542,21 +540,15 @@ void Worker::load_checkpoint(int step) {
       c.slots[1] =
           Buffer(chunked_ ? nullptr : memory_, Category::weight_versions, c.sizes.parameters);
   updates_ = step;
-  read_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, step), device_),
-             shard_tensors(versions));
-  load_tied_copy(step, versions);
-}
-
-// The last stage's shard may hold stale copies of the tied tensor (versions whose weights had not
-// arrived when it was written); stage 0's shard of the same replica holds every version fully.
-void Worker::load_tied_copy(int step, const std::vector<int>& versions) {
-  Chunk& c = chunks_.back();
+  ShardLayout shard = shard_tensors(versions);
+  const std::string dir = checkpoint_path(s_.options->checkpoint_dir, step);
+  read_shard(shard_path(dir, device_), shard.tensors());
+  // The last stage's shard may hold stale copies of the tied tensor (versions whose weights had
+  // not arrived when it was written); stage 0's shard of the same replica holds every version.
+  const Chunk& c = chunks_.back();
   if (!zeroed_tied_copy(s_.plan(), c.last, c.tied_offset)) return;
-  const TiedCopySource from = tied_copy_source(*s_.model, s_.plan(), replica_, tp_,
-                                               checkpoint_path(s_.options->checkpoint_dir, step));
-  for (int version : versions)
-    read_shard_slice(from.shard, fmt::format("c0.w{}", version), from.offset,
-                     c.slots[slots_.slot_of(version)].data() + c.tied_offset, c.tied_size);
+  const TiedCopySource from = tied_copy_source(*s_.model, s_.plan(), replica_, tp_, dir);
+  shard.read_tied_copy(chunks_.size() - 1, c.tied_offset, c.tied_size, from.shard, from.offset);
 }
 
 // A rank sharing its core keeps its turn from a compute op through the sends that follow it (so

@@ -286,10 +286,10 @@ class Worker {
   void tied_weights_in(const planner::Op& op, planner::TiedShard sh, bool hold);
   void tied_weights_gather(const planner::Op& op, planner::TiedShard sh);
   void sum_local_tied();
-  std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions);
+  ShardLayout shard_layout(const std::vector<int>& versions, bool whole) const;
+  ShardLayout shard_tensors(const std::vector<int>& versions);
   void save_checkpoint(int step);
   void load_checkpoint(int step);
-  void load_tied_copy(int step, const std::vector<int>& versions);
   void update(Chunk& c, int source, int target);
   const float* params(const Chunk& c, int version) const;
   void samples(const planner::Op& op, std::vector<std::int32_t>& tokens,

@@ -168,6 +168,58 @@ TEST(Checkpoint, TiedCopyOfTheLastStageComesFromStageZerosShard) {
 
 // A SIGKILL half-way through rank 0's shard of step 4 (a forked child, as a preempted job): the
 // step-4 checkpoint has no manifest, so resuming starts from step 2 and still ends bit-identical.
+// Both workers' shard rule: per model chunk its weight versions, then its state, named and sized
+// as the file holds them; the tied copy zeroed on copies (the live weights untouched) or in
+// place, and read back from another shard's "c0.w{v}".
+TEST(ShardLayout, OrderNamesTiedCopyAndBounds) {
+  ShardLayout shard({6, 4}, {3, 4}, {"master", "m", "v"}, {5, 2});
+  std::vector<std::string> names;
+  std::vector<std::int64_t> sizes;
+  for (const ShardTensor& t : shard.tensors()) {
+    names.push_back(t.name);
+    sizes.push_back(t.size);
+    EXPECT_EQ(t.data, nullptr);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"c0.w3", "c0.w4", "c0.master", "c0.m", "c0.v", "c1.w3",
+                                             "c1.w4", "c1.master", "c1.m", "c1.v"}));
+  EXPECT_EQ(sizes, (std::vector<std::int64_t>{6, 6, 5, 5, 5, 4, 4, 2, 2, 2}));
+  EXPECT_EQ(shard.weights(1, 1).name, "c1.w4");
+  EXPECT_EQ(shard.state(1, 2).name, "c1.v");
+  EXPECT_THROW(shard.weights(2, 0), Error);
+  EXPECT_THROW(shard.weights(0, 2), Error);
+  EXPECT_THROW(shard.state(0, 3), Error);
+  EXPECT_THROW(ShardLayout({6}, {0}, {"m"}, {6, 6}), Error);
+
+  // Zeroed on copies: what the worker holds stays.
+  std::vector<float> w3 = {1, 2, 3, 4}, w4 = {5, 6, 7, 8};
+  shard.weights(1, 0).data = w3.data();
+  shard.weights(1, 1).data = w4.data();
+  std::vector<std::vector<float>> copies;
+  shard.zero_tied_copy(1, 1, 2, &copies);
+  EXPECT_EQ(w3, (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ(std::vector<float>(shard.weights(1, 0).data, shard.weights(1, 0).data + 4),
+            (std::vector<float>{1, 0, 0, 4}));
+  EXPECT_EQ(std::vector<float>(shard.weights(1, 1).data, shard.weights(1, 1).data + 4),
+            (std::vector<float>{5, 0, 0, 8}));
+  EXPECT_THROW(shard.zero_tied_copy(1, 3, 2, &copies), Error);  // past the tensor
+  // In place, and back from a shard's c0.w3 / c0.w4 (floats 2 and 3 of each).
+  ShardLayout in_place({4}, {3, 4}, {"m"}, {4});
+  in_place.weights(0, 0).data = w3.data();
+  in_place.weights(0, 1).data = w4.data();
+  std::vector<float> m = {0, 0, 0, 0};
+  in_place.state(0, 0).data = m.data();
+  in_place.zero_tied_copy(0, 2, 2, nullptr);
+  EXPECT_EQ(w3, (std::vector<float>{1, 2, 0, 0}));
+  TempDir dir("shard_layout");
+  std::vector<float> s3 = {10, 11, 12, 13, 14}, s4 = {20, 21, 22, 23, 24}, sm = {0};
+  write_shard(dir.file("source.bin"), {{"step", 1}, {"rank", 0}},
+              {{"c0.w3", s3.data(), 5}, {"c0.w4", s4.data(), 5}, {"c0.m", sm.data(), 1}});
+  in_place.read_tied_copy(0, 2, 2, dir.file("source.bin"), 3);
+  EXPECT_EQ(w3, (std::vector<float>{1, 2, 13, 14}));
+  EXPECT_EQ(w4, (std::vector<float>{5, 6, 23, 24}));
+  EXPECT_THROW(in_place.read_tied_copy(0, 2, 2, dir.file("source.bin"), 4), Error);  // past c0.w3
+}
+
 TEST(Checkpoint, KillWhileWritingLeavesThePreviousCheckpointUsable) {
   const Plan p = make_plan(Schedule::two_bw, 1, 2, 4);
   TempDir tmp("ckpt_kill");

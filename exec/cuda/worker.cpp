@@ -1317,81 +1317,72 @@ void CudaWorker::offload_step(const Op& op) {
   end_of_step(op.step);
 }
 
-// Every weight version held (bf16 values as fp32, exact), then the fp32 master and moments of the
-// parameters the rank keeps the state of (the distributed optimizer: its shard of the chunk).
-std::vector<ShardTensor> CudaWorker::shard_tensors(const std::vector<int>& versions,
-                                                   std::vector<std::vector<float>>& host) {
-  std::vector<ShardTensor> tensors;
-  host.clear();
-  host.reserve(chunks_.size() * (versions.size() + 3));
+// The rank's shard (exec::ShardLayout, both workers' rule) over host scratch (`host`): every
+// weight version held (bf16 values as fp32, exact), then the fp32 master and moments of the
+// parameters the rank keeps the state of (the distributed optimizer: its shard of the chunk; under
+// optimizer offload the host's, its host-updated parameters [0, n_h); with offload chunks every
+// parameter's, in the chunks' state: chunk_checkpoint).
+ShardLayout CudaWorker::shard_tensors(const std::vector<int>& versions,
+                                      std::vector<std::vector<float>>& host) {
+  std::vector<std::int64_t> parameters, state;
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = chunks_[i];
-    const std::int64_t n = c.sizes.parameters;
-    for (int version : versions) {
-      host.emplace_back(std::size_t(n));
-      tensors.push_back({fmt::format("c{}.w{}", i, version), host.back().data(), n});
+    parameters.push_back(c.sizes.parameters);
+    state.push_back(offload_optimizer_ ? host_chunks_[i].n
+                    : chunked_         ? c.sizes.parameters
+                                       : c.own_end - c.own_begin);
+  }
+  std::vector<std::string> names = {"master", "m"};
+  if (s_.options->optimizer == "adamw") names.push_back("v");
+  ShardLayout shard(parameters, versions, names, state);
+  host.clear();
+  host.reserve(shard.tensors().size());  // no reallocation: the tensors point into it
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    for (std::size_t j = 0; j < versions.size(); ++j) {
+      host.emplace_back(std::size_t(parameters[i]));
+      shard.weights(i, j).data = host.back().data();
     }
-    // Under optimizer offload the host's: its host-updated parameters [0, n_h); with offload chunks
-    // every parameter's (in the chunks' state, chunk_checkpoint).
-    const std::int64_t n_h = offload_optimizer_ ? host_chunks_[i].n
-                             : chunked_         ? n
-                                                : c.own_end - c.own_begin;
-    for (const char* name : {"master", "m", "v"}) {
-      if (std::string(name) == "v" && s_.options->optimizer != "adamw") continue;
-      host.emplace_back(std::size_t(n_h));
-      tensors.push_back({fmt::format("c{}.{}", i, name), host.back().data(), n_h});
+    for (std::size_t which = 0; which < shard.states(); ++which) {
+      host.emplace_back(std::size_t(state[i]));
+      shard.state(i, which).data = host.back().data();
     }
   }
-  return tensors;
+  return shard;
 }
 
 void CudaWorker::save_checkpoint(int step) {
   const int updates = step + 1;
   const std::vector<int> versions = planner::initial_versions(s_.plan(), updates);
   std::vector<std::vector<float>> host;
-  const std::vector<ShardTensor> tensors = shard_tensors(versions, host);
-  if (chunked_) chunk_checkpoint(tensors, versions, true);
-  std::size_t k = 0;
-  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+  ShardLayout shard = shard_tensors(versions, host);
+  if (chunked_) chunk_checkpoint(shard, true);  // read out of the chunks
+  for (std::size_t i = 0; i < chunks_.size() && !chunked_; ++i) {
     const Chunk& c = chunks_[i];
     const std::int64_t n = c.sizes.parameters;
-    for (int version : versions) {
-      if (chunked_) {  // read out of the chunks above; the tied copy zeroed as below
-        if (exec::detail::zeroed_tied_copy(s_.plan(), c.last, c.tied_offset))
-          std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
-        ++k;
-        continue;
-      }
+    for (std::size_t j = 0; j < versions.size(); ++j) {
       std::vector<bf16> w(static_cast<std::size_t>(n));
       CUDA_CHECK(
-          cudaMemcpy(w.data(), params(c, version), std::size_t(2 * n), cudaMemcpyDeviceToHost));
+          cudaMemcpy(w.data(), params(c, versions[j]), std::size_t(2 * n), cudaMemcpyDeviceToHost));
       const std::vector<float> f = to_float(w.data(), n);
-      std::copy(f.begin(), f.end(), tensors[k].data);
-      // The last stage's copy of the tied tensor: zeros, as on the CPU (resume takes stage 0's).
-      if (exec::detail::zeroed_tied_copy(s_.plan(), c.last, c.tied_offset))
-        std::fill_n(tensors[k].data + c.tied_offset, c.tied_size, 0.0f);
-      ++k;
+      std::copy(f.begin(), f.end(), shard.weights(i, j).data);
     }
-    if (chunked_) {
-      k += tensors_per_state();
-      continue;
-    }
+    std::size_t which = 0;
     if (offload_optimizer_) {  // the host's (every host function of the step has run)
       const HostChunk& h = host_chunks_[i];
-      for (const Buffer* b : {&h.master, &h.m, &h.v}) {
-        if (b->empty()) continue;
-        std::copy_n(b->data(), h.n, tensors[k].data);
-        ++k;
-      }
+      for (const Buffer* b : {&h.master, &h.m, &h.v})
+        if (!b->empty()) std::copy_n(b->data(), h.n, shard.state(i, which++).data);
       continue;
     }
     for (const float* t : {c.master_at, c.m_at, c.v_at}) {
       if (!t) continue;
-      CUDA_CHECK(
-          cudaMemcpy(tensors[k].data, t, std::size_t(4 * tensors[k].size), cudaMemcpyDeviceToHost));
-      ++k;
+      ShardTensor& to = shard.state(i, which++);
+      CUDA_CHECK(cudaMemcpy(to.data, t, std::size_t(4 * to.size), cudaMemcpyDeviceToHost));
     }
   }
+  // The last stage's copy of the tied tensor: zeros, as on the CPU (resume takes stage 0's).
+  const Chunk& last = chunks_.back();
+  if (exec::detail::zeroed_tied_copy(s_.plan(), last.last, last.tied_offset))
+    shard.zero_tied_copy(chunks_.size() - 1, last.tied_offset, last.tied_size, nullptr);
   const common::Json header = {{"format", "pipewright.checkpoint-shard/2"},
                                {"backend", "cuda"},
                                {"rank", device_},
@@ -1401,7 +1392,7 @@ void CudaWorker::save_checkpoint(int step) {
                                {"step", updates},
                                {"versions", versions}};
   write_shard(shard_path(checkpoint_path(s_.options->checkpoint_dir, updates), device_), header,
-              tensors);
+              shard.tensors());
 }
 
 void CudaWorker::load_checkpoint(int step) {
@@ -1413,45 +1404,38 @@ void CudaWorker::load_checkpoint(int step) {
       c.slots[1] = tensor(Category::weight_versions, 2 * c.sizes.parameters);
   updates_ = step;
   std::vector<std::vector<float>> host;
-  const std::vector<ShardTensor> tensors = shard_tensors(versions, host);
+  ShardLayout shard = shard_tensors(versions, host);
   const std::string dir = checkpoint_path(s_.options->checkpoint_dir, step);
-  read_shard(shard_path(dir, device_), tensors);
+  read_shard(shard_path(dir, device_), shard.tensors());
   // The last stage's tied copy comes from stage 0's shard of this replica and TP index.
-  Chunk& last = chunks_.back();
+  const Chunk& last = chunks_.back();
   if (exec::detail::zeroed_tied_copy(p, last.last, last.tied_offset)) {
     const exec::detail::TiedCopySource from =
         exec::detail::tied_copy_source(*s_.model, p, replica_, tp_, dir);
-    const std::size_t base = (chunks_.size() - 1) * (versions.size() + tensors_per_state());
-    for (std::size_t j = 0; j < versions.size(); ++j)
-      read_shard_slice(from.shard, fmt::format("c0.w{}", versions[j]), from.offset,
-                       tensors[base + j].data + last.tied_offset, last.tied_size);
+    shard.read_tied_copy(chunks_.size() - 1, last.tied_offset, last.tied_size, from.shard,
+                         from.offset);
   }
-  if (chunked_) return chunk_checkpoint(tensors, versions, false);
-  std::size_t k = 0;
+  if (chunked_) return chunk_checkpoint(shard, false);
   for (std::size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = chunks_[i];
     const std::int64_t n = c.sizes.parameters;
-    for (int version : versions) {
+    for (std::size_t j = 0; j < versions.size(); ++j) {
       // bf16 values stored as fp32: rounding them back is exact.
-      const std::vector<bf16> w = to_bf16(tensors[k].data, n);
+      const std::vector<bf16> w = to_bf16(shard.weights(i, j).data, n);
       CUDA_CHECK(
-          cudaMemcpy(params(c, version), w.data(), std::size_t(2 * n), cudaMemcpyHostToDevice));
-      ++k;
+          cudaMemcpy(params(c, versions[j]), w.data(), std::size_t(2 * n), cudaMemcpyHostToDevice));
     }
+    std::size_t which = 0;
     if (offload_optimizer_) {
       HostChunk& h = host_chunks_[i];
-      for (Buffer* b : {&h.master, &h.m, &h.v}) {
-        if (b->empty()) continue;
-        std::copy_n(tensors[k].data, h.n, b->data());
-        ++k;
-      }
+      for (Buffer* b : {&h.master, &h.m, &h.v})
+        if (!b->empty()) std::copy_n(shard.state(i, which++).data, h.n, b->data());
       continue;
     }
     for (float* t : {c.master_at, c.m_at, c.v_at}) {
       if (!t) continue;
-      CUDA_CHECK(
-          cudaMemcpy(t, tensors[k].data, std::size_t(4 * tensors[k].size), cudaMemcpyHostToDevice));
-      ++k;
+      const ShardTensor& from = shard.state(i, which++);
+      CUDA_CHECK(cudaMemcpy(t, from.data, std::size_t(4 * from.size), cudaMemcpyHostToDevice));
     }
   }
 }

@@ -241,17 +241,14 @@ class CudaWorker {
   void* take_pinned(std::int64_t bytes, cudaStream_t writer);
   void give_pinned(void* block, std::int64_t bytes, cudaEvent_t last_read);
 
-  std::vector<ShardTensor> shard_tensors(const std::vector<int>& versions,
-                                         std::vector<std::vector<float>>& host);
+  ShardLayout shard_tensors(const std::vector<int>& versions,
+                            std::vector<std::vector<float>>& host);
   void save_checkpoint(int step);
   void load_checkpoint(int step);
-  // The optimizer state's tensors per model chunk in a shard: master, m (and v with AdamW).
-  std::size_t tensors_per_state() const { return s_.options->optimizer == "adamw" ? 3 : 2; }
-  // Offload chunks: the shard's tensors (shard_tensors' list: each model chunk's versions, then
-  // master, m, v, each whole) read out of the chunks (`save`) or written into them, wherever
-  // each tensor and its chunk's state are (every stream idle).
-  void chunk_checkpoint(const std::vector<ShardTensor>& tensors, const std::vector<int>& versions,
-                        bool save);
+  // Offload chunks: the shard's tensors (each model chunk's versions, then master, m, v, each
+  // whole) read out of the chunks (`save`) or written into them, wherever each tensor and its
+  // chunk's state are (every stream idle).
+  void chunk_checkpoint(const ShardLayout& shard, bool save);
 
   Tensor tensor(Category c, std::int64_t bytes);
   // Activations, messages and staging copies: counted, or with chunks (whose book counts the

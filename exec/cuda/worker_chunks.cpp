@@ -406,13 +406,14 @@ void CudaWorker::chunk_optimizer_step(const Op& op) {
   reclaim(false);  // the step's downloads' device tensors (the compute stream passed them)
 }
 
-void CudaWorker::chunk_checkpoint(const std::vector<ShardTensor>& tensors,
-                                  const std::vector<int>& versions, bool save) {
+void CudaWorker::chunk_checkpoint(const ShardLayout& shard, bool save) {
   const std::int64_t se = schedule_->layout.shard_elements;
-  std::size_t k = 0;
-  for (const Chunk& c : chunks_) {
-    for (int version : versions) {
-      float* flat = tensors.at(k++).data;
+  const std::vector<int>& versions = shard.versions();
+  for (std::size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = chunks_[i];
+    for (std::size_t j = 0; j < versions.size(); ++j) {
+      const int version = versions[j];
+      float* flat = shard.weights(i, j).data;
       for (const TensorSlot& slot : c.stage->layout()) {
         bf16* at = chunk_tensor(c.base + slot.offset, weight_part(version));
         std::vector<bf16> w(std::size_t(slot.size));
@@ -429,8 +430,8 @@ void CudaWorker::chunk_checkpoint(const std::vector<ShardTensor>& tensors,
     }
     // master, m, v: each tensor's elements of its chunk's state (a chunk's state covers its first
     // shard_elements, every parameter with w = 1).
-    for (std::size_t which = 0; which < tensors_per_state(); ++which) {
-      float* flat = tensors.at(k++).data;
+    for (std::size_t which = 0; which < shard.states(); ++which) {
+      float* flat = shard.state(i, which).data;
       for (const TensorSlot& slot : c.stage->layout()) {
         const auto [chunk, at] = book_.at(c.base + slot.offset);
         const std::int64_t n = std::min(at + slot.size, se) - at;
