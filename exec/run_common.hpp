@@ -81,9 +81,19 @@ struct StepBook {
   // A checkpoint is written after `step` (0-based) completes, i.e. holding step + 1 updates.
   bool checkpoint_after(int step) const;
   void add_loss(int step, double loss);
+  // Whether a device's losses go into the book: the last stage's, TP index 0's only (every member
+  // of a TP group computes the group's loss).
+  static bool reports_loss(bool last_stage, int tp) { return last_stage && tp == 0; }
   // Called by each rank when its optimizer step of `step` is done (its shard written). The last
   // step's manifest waits for write_final_manifest.
   void finish_step(int step);
+  // A rank's end of `step` in both workers: its checkpoint shard (`save(step)`) when one is due,
+  // then finish_step.
+  template <class Save>
+  void end_step(int step, Save&& save) {
+    if (checkpoint_after(step)) save(step);
+    finish_step(step);
+  }
   // After the run (every shard written): the final checkpoint's manifest, with the run's record.
   void write_final_manifest(const TrainResult& result) const;
   // The log line of `step` ending at `now_s` with these summed losses (finish_step's, and the

@@ -462,8 +462,7 @@ void Worker::offload_step(const Op& op) {
   ++updates_;
   // Sharded: the replicas' uploaded shards to one another, into the new version's slot.
   if (offload_sharded_) all_gather(op.step, slot);
-  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
-  s_.finish_step(op.step);
+  s_.end_step(op.step, [this](int done) { save_checkpoint(done); });
 }
 
 // The rank's shard (exec::ShardLayout, both workers' rule): per chunk every weight version held,
@@ -693,7 +692,8 @@ void Worker::forward(const Op& op) {
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
-  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);  // every TP member computes it
+  if (StepBook::reports_loss(c.last, tp_))
+    s_.add_loss(op.step, loss);  // every TP member computes it
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);
@@ -727,7 +727,7 @@ void Worker::forward_mixed(const Op& op, Chunk& c) {
         c.first ? nullptr : inputs_.at(key).data(), c.last ? targets.data() : nullptr, s_.plan().b,
         c.recomputed, stash.data(), kept.data(), c.last ? nullptr : out.data(), scratch.data());
   });
-  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  if (StepBook::reports_loss(c.last, tp_)) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   checkpoints_[key] = std::move(kept);
@@ -749,7 +749,7 @@ void Worker::forward_blocks(const Op& op, Chunk& c) {
                                    c.last ? targets.data() : nullptr, s_.plan().b, kept.data(),
                                    c.last ? nullptr : out.data(), scratch.data());
   });
-  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  if (StepBook::reports_loss(c.last, tp_)) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(kept);
   if (!c.last) outputs_[key] = std::move(out);
@@ -1062,8 +1062,7 @@ void Worker::optimizer_step(const Op& op) {
   record(planner::kComputeStream, t0, t1);
   if (sharded_) all_gather(op.step, target);
   slots_.end_update(op.version, target);
-  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
-  s_.finish_step(op.step);
+  s_.end_step(op.step, [this](int done) { save_checkpoint(done); });
 }
 
 // The last stage's copy of the tied tensor (d > 1) is not updated here: stage 0 sends it

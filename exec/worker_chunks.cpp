@@ -626,7 +626,7 @@ void Worker::chunk_forward(const Op& op) {
                             c.last ? nullptr : out.data(), rc ? scratch.data() : nullptr);
   });
   book_.check_none_pending("forward");
-  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  if (StepBook::reports_loss(c.last, tp_)) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);
@@ -650,7 +650,7 @@ void Worker::chunk_forward_blocks(const Op& op, Chunk& c) {
                                    c.last ? nullptr : out.data(), scratch.data());
   });
   book_.check_none_pending("forward");
-  if (c.last && tp_ == 0) s_.add_loss(op.step, loss);
+  if (StepBook::reports_loss(c.last, tp_)) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(kept);
   if (!c.last) outputs_[key] = std::move(out);
@@ -871,8 +871,7 @@ void Worker::chunk_optimizer_step(const Op& op) {
   std::fill(part_gathers_.begin(), part_gathers_.end(), 0);
   ++updates_;
   slots_.advance(op.version);  // the weights are in the chunks
-  if (s_.checkpoint_after(op.step)) save_checkpoint(op.step);
-  s_.finish_step(op.step);
+  s_.end_step(op.step, [this](int done) { save_checkpoint(done); });
   // Sharded chunks: their final parameters gathered while every replica is here (result() cannot;
   // the last stage's tied copy, whole, may still arrive after this), after the step's end: they
   // are the run's result, not its training, so the last step's time leaves them out.

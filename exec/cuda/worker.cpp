@@ -1009,7 +1009,8 @@ void CudaWorker::end_of_step(int step) {
   synchronize(compute_, fmt::format("optimizer step {}", step));
   for (Chunk& c : chunks_)
     if (c.first || c.last) c.stage->check_ids();
-  if (chunks_.back().last && tp_ == 0) {  // the TP group's losses are one (the group's sum)
+  if (exec::detail::StepBook::reports_loss(
+          chunks_.back().last, tp_)) {  // the TP group's losses are one (the group's sum)
     const int m = s_.plan().m;
     std::vector<float> losses(static_cast<std::size_t>(m));
     CUDA_CHECK(cudaMemcpy(losses.data(), losses_.as<float>() + (step % 2) * m,
@@ -1020,8 +1021,7 @@ void CudaWorker::end_of_step(int step) {
     s_.add_loss(step, sum);
   }
   resolve_timeline(false);
-  if (s_.checkpoint_after(step)) save_checkpoint(step);
-  s_.finish_step(step);
+  s_.end_step(step, [this](int done) { save_checkpoint(done); });
 }
 
 // ---- offload (docs/formulas.md section 9; the CPU worker's rules: exec/offload.hpp) ----------
