@@ -170,4 +170,36 @@ void route_chunk_op(W& w, ChunkBook& book, const planner::Op& op, int at, int ra
   }
 }
 
+// A layer's moment (ChunkBook::take), the one order both workers run its copies in: the evictions
+// in program order (a sharded unit without a gradient dropped, any other unit downloaded), then
+// `evictions_done(any)` (their device memory back before the uploads take theirs), the uploads
+// in program order (a sharded unit's part, or a whole unit), `uploads_done()`, and last the
+// uploaded parts that need the other replicas' parts (`part_gathered`) gathered, all at once. The
+// worker `W` provides (a unit u is chunk * parts + unit, `at` the op's index):
+//   void drop_chunk(int u), void download_chunk(int u, int at), void evictions_done(bool any)
+//   void upload_part(int u, int at), void upload_chunk(int u, int at), void uploads_done()
+//   bool part_gathered(int u) const, void gather_parts(const std::vector<std::pair<int, int>>&)
+template <class W>
+void run_chunk_moment(W& w, ChunkBook& book, int layer) {
+  const ChunkBook::Moment moment = book.take(layer);
+  for (const auto& [op, at] : moment.out) {
+    if (op.part)
+      w.drop_chunk(op.bucket);
+    else
+      w.download_chunk(op.bucket, at);
+  }
+  w.evictions_done(!moment.out.empty());
+  for (const auto& [op, at] : moment.in) {
+    if (op.part)
+      w.upload_part(op.bucket, at);
+    else
+      w.upload_chunk(op.bucket, at);
+  }
+  w.uploads_done();
+  std::vector<std::pair<int, int>> gathers;  // (unit, op index)
+  for (const auto& [op, at] : moment.in)
+    if (op.part && w.part_gathered(op.bucket)) gathers.emplace_back(op.bucket, at);
+  if (!gathers.empty()) w.gather_parts(gathers);
+}
+
 }  // namespace pw::exec::detail

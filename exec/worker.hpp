@@ -178,6 +178,13 @@ class Worker {
   void step_host(const planner::Op& op, int chunk);
   void step_device(const planner::Op& op, int chunk);
   void chunk_moment(int layer);  // the pending copies of the next compute op's `layer`
+  // run_chunk_moment's device calls (exec/chunk_book.hpp), with the copies below.
+  template <class W>
+  friend void run_chunk_moment(W& w, ChunkBook& book, int layer);
+  void evictions_done(bool) { d2h_->drain(); }  // the step's downloads too
+  void uploads_done() { h2d_->drain(); }
+  bool part_gathered(int u) const;
+  void gather_parts(const std::vector<std::pair<int, int>>& units);
   void chunk_collective(int chunk, int step, bool gather, int op);
   void chunk_update(int chunk, int update);
   CopyEngine::Ticket download_chunk(int c, int op);

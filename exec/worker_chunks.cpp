@@ -503,35 +503,25 @@ void Worker::download_part(int u, int step, int op) {
 // Before layer `layer` of the compute op under way: its moment's evictions (all of them ended:
 // they make the room; a sharded chunk's drop at once), then its uploads (ended: the layer reads
 // them), then the part uploads' all-gathers. Exposed, as the planner and the simulator run them.
+// A layer's moment: the shared order (run_chunk_moment, exec/chunk_book.hpp) over the engines;
+// the time the rank waits there counts as copy wait, not busy.
 void Worker::chunk_moment(int layer) {
   const auto t0 = Clock::now();
-  const auto [out, in] = book_.take(layer);
-  for (const auto& [op, at] : out) {
-    if (op.part)
-      drop_chunk(op.bucket);
-    else
-      download_chunk(op.bucket, at);  // a unit
-  }
-  d2h_->drain();
-  for (const auto& [op, at] : in) {
-    if (op.part)
-      upload_part(op.bucket, at);
-    else
-      upload_chunk(op.bucket, at);
-  }
-  h2d_->drain();
-  // The gathers wait for the other replicas without the core (ranks taking turns on a core would
-  // wait for each other's turn otherwise).
-  bool released = false;
-  for (const auto& [op, at] : in)
-    if (op.part && schedule_->layout.part_copy(op.bucket, true, false) ==
-                       planner::ChunkLayout::PartCopy::upload) {
-      if (!released) release_core();
-      released = true;
-      gather_part(op.bucket, at);
-    }
-  if (released) take_core();
+  run_chunk_moment(*this, book_, layer);
   copy_wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool Worker::part_gathered(int u) const {
+  return schedule_->layout.part_copy(u, true, false) == planner::ChunkLayout::PartCopy::upload;
+}
+
+// The gathers wait for the other replicas without the core (ranks taking turns on a core would
+// wait for each other's turn otherwise).
+void Worker::gather_parts(const std::vector<std::pair<int, int>>& units) {
+  release_core();
+  for (const auto& [u, at] : units)
+    gather_part(u, at);
+  take_core();
 }
 
 void Worker::chunk(const Op& op) {

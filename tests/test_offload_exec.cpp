@@ -1487,6 +1487,25 @@ struct ChunkLog {
   }
 };
 
+// A device that records what a layer's moment (run_chunk_moment) asks of it.
+struct MomentLog {
+  std::vector<std::string> calls;
+  std::vector<int> gathered;  // the units whose part needs the other replicas'
+  void drop_chunk(int u) { calls.push_back(fmt::format("drop {}", u)); }
+  void download_chunk(int u, int at) { calls.push_back(fmt::format("down {} op {}", u, at)); }
+  void evictions_done(bool any) { calls.push_back(any ? "evicted" : "nothing evicted"); }
+  void upload_part(int u, int at) { calls.push_back(fmt::format("part up {} op {}", u, at)); }
+  void upload_chunk(int u, int at) { calls.push_back(fmt::format("up {} op {}", u, at)); }
+  void uploads_done() { calls.push_back("uploaded"); }
+  bool part_gathered(int u) const {
+    return std::find(gathered.begin(), gathered.end(), u) != gathered.end();
+  }
+  void gather_parts(const std::vector<std::pair<int, int>>& units) {
+    for (const auto& [u, at] : units)
+      calls.push_back(fmt::format("gather {} op {}", u, at));
+  }
+};
+
 planner::Op chunk_op(planner::OpKind kind, int bucket, int layer = -1) {
   planner::Op op;
   op.kind = kind;
@@ -1548,6 +1567,40 @@ TEST(OffloadRules, ChunkOpsAreHeldRoutedOrRefusedInOneLine) {
               "on stage 2 (planner::message_buffers)");
   }
   EXPECT_NO_THROW(book.check_messages(0, 5, OpKind::forward, 2));
+}
+
+// A layer's moment, the order both workers run its copies in: evictions (drops of sharded units,
+// downloads of the rest) in program order, then the wait for them, then the uploads (parts and
+// whole units) in program order, their wait, then the parts that need the other replicas'
+// gathered; a later layer's copies stay held; an empty moment still waits.
+TEST(OffloadRules, AMomentEvictsThenUploadsThenGathers) {
+  using planner::OpKind;
+  detail::ChunkBook book;
+  const auto held = [](OpKind kind, int unit, int layer, bool part) {
+    planner::Op op = chunk_op(kind, unit, layer);
+    op.part = part;
+    return op;
+  };
+  book.hold(held(OpKind::copy_chunk_to_host, 3, 2, false), 10);
+  book.hold(held(OpKind::copy_chunk_to_device, 1, 2, true), 11);
+  book.hold(held(OpKind::copy_chunk_to_host, 4, 2, true), 12);
+  book.hold(held(OpKind::copy_chunk_to_device, 5, 2, false), 13);
+  book.hold(held(OpKind::copy_chunk_to_device, 7, 2, true), 14);
+  book.hold(held(OpKind::copy_chunk_to_host, 6, 3, false), 15);
+  MomentLog log;
+  log.gathered = {1};
+  detail::run_chunk_moment(log, book, 2);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"down 3 op 10", "drop 4", "evicted",
+                                                 "part up 1 op 11", "up 5 op 13", "part up 7 op 14",
+                                                 "uploaded", "gather 1 op 11"}));
+  EXPECT_TRUE(book.pending());
+  log.calls.clear();
+  detail::run_chunk_moment(log, book, 3);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"down 6 op 15", "evicted", "uploaded"}));
+  EXPECT_FALSE(book.pending());
+  log.calls.clear();
+  detail::run_chunk_moment(log, book, 4);
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"nothing evicted", "uploaded"}));
 }
 
 }  // namespace pw::exec

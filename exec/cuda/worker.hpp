@@ -418,8 +418,18 @@ class CudaWorker {
   void step_host(const planner::Op& op, int chunk);    // CPU Adam on the host stream
   void step_device(const planner::Op& op, int chunk);  // the optimizer kernel
   void chunk_moment(int layer);
+  // run_chunk_moment's device calls (exec/chunk_book.hpp): no sharded chunks here (a part's drop
+  // or upload throws; prepare_run refuses such plans first).
+  template <class W>
+  friend void exec::detail::run_chunk_moment(W& w, exec::detail::ChunkBook& book, int layer);
   void download_chunk(int u, int op);
   void upload_chunk(int u, int op);
+  void evictions_done(bool any);
+  void uploads_done() {}  // the compute stream waits for each tensor's (after_chunk_moves)
+  void drop_chunk(int u);
+  void upload_part(int u, int op);
+  bool part_gathered(int) const { return false; }
+  void gather_parts(const std::vector<std::pair<int, int>>&) {}
   // A compute op's view of the chunks (null without chunks): its weight version set, its
   // messages checked (`producing`: the one it makes), each layer's copies and activations on the
   // way (ChunkBook's `pass`).

@@ -278,30 +278,29 @@ void CudaWorker::upload_chunk(int u, int op) {
 // Before layer `layer` of the compute op under way: its moment's evictions, then (the host waits
 // for them: their device memory is what the uploads take, as the CPU worker drains its engine)
 // its uploads, which the layer's work waits for on the compute stream.
+// A layer's moment: the shared order (run_chunk_moment, exec/chunk_book.hpp); the host waits for
+// the evictions (their tensors back in the arena before the uploads take theirs), the compute
+// stream for the uploads (after_chunk_moves, per tensor).
 void CudaWorker::chunk_moment(int layer) {
-  const auto [out, in] = book_.take(layer);
-  for (const auto& [op, at] : out) {
-    if (op.part)
-      throw Error(
-          fmt::format("rank {}: a sharded chunk's drop; the cuda executor's chunks are "
-                      "not sharded",
-                      rank_));
-    download_chunk(op.bucket, at);
-  }
-  if (!out.empty()) {
-    const cudaEvent_t evicted = record(d2h_);
-    host_wait(evicted, "evict chunks");
-    pool_.push_back(evicted);
-    reclaim(false);
-  }
-  for (const auto& [op, at] : in) {
-    if (op.part)
-      throw Error(
-          fmt::format("rank {}: a sharded chunk's part upload; the cuda executor's "
-                      "chunks are not sharded",
-                      rank_));
-    upload_chunk(op.bucket, at);
-  }
+  exec::detail::run_chunk_moment(*this, book_, layer);
+}
+
+void CudaWorker::evictions_done(bool any) {
+  if (!any) return;
+  const cudaEvent_t evicted = record(d2h_);
+  host_wait(evicted, "evict chunks");
+  pool_.push_back(evicted);
+  reclaim(false);
+}
+
+void CudaWorker::drop_chunk(int) {
+  throw Error(fmt::format(
+      "rank {}: a sharded chunk's drop; the cuda executor's chunks are not sharded", rank_));
+}
+
+void CudaWorker::upload_part(int, int) {
+  throw Error(fmt::format(
+      "rank {}: a sharded chunk's part upload; the cuda executor's chunks are not sharded", rank_));
 }
 
 void CudaWorker::chunk(const Op& op) {
