@@ -21,15 +21,9 @@ traces::Trace profile_on([[maybe_unused]] const std::string& backend,
                          const models::ModelSpec& model, const std::vector<std::int64_t>& sizes,
                          int repeats, const models::Sharding& sharding, bool selective) {
 #ifdef PW_HAVE_CUDA
-  if (backend == "cuda") {
-    if (sharding.t > 1)
-      throw InputError(
-          "--tp: the cuda profiler times whole layers (t = 1); use --backend cpu for a TP shard");
-    if (selective)
-      throw InputError(
-          "--selective: the cuda profiler does not time selective recompute; use --backend cpu");
-    return exec::cuda::profile_cuda(model, sizes, repeats);
-  }
+  if (backend == "cuda")
+    return exec::cuda::profile_cuda(model, sizes, repeats, exec::ProfileStatistic::median, sharding,
+                                    selective);
 #endif
   return exec::profile_cpu(model, sizes, repeats, exec::ProfileStatistic::median, sharding,
                            selective);
@@ -63,13 +57,13 @@ void add_profile_command(CLI::App& app) {
       ->capture_default_str()
       ->check(count_range());
   cmd->add_option("--tp", a->t,
-                  "time one GPU of a tensor-parallel group of this size (cpu: TP rank 0's shard, "
-                  "its collectives left to the simulator; the trace's tensor_parallel)")
+                  "time one GPU of a tensor-parallel group of this size (TP rank 0's shard, its "
+                  "collectives left to the simulator; the trace's tensor_parallel)")
       ->capture_default_str()
       ->check(count_range());
   cmd->add_flag("--sp", a->sp, "with --tp: sequence parallelism");
   cmd->add_flag("--selective", a->selective,
-                "also time selective recompute (cpu): a block that keeps no attention "
+                "also time selective recompute: a block that keeps no attention "
                 "probabilities, its backward against the plain one's (the trace's "
                 "selective_recompute_s and activation_selective_bytes)");
   cmd->add_option("--out,-o", a->out, "output trace (default: standard output)");

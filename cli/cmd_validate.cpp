@@ -436,17 +436,13 @@ void run_and_compare(const ValidateArgs& a) {
   // What the executor would refuse (an offload it does not run, a budget the chunks do not fit),
   // before the profile and the probes take their minutes.
   (void)exec::detail::prepare_run(model, plan, a.train, a.backend);  // host-only, both backends
-  // Selective recompute: the profile times a selective block's backward too (the CPU profiler).
+  // Selective recompute: the profile times a selective block's backward too (both profilers).
   const bool selective = std::find(plan.recompute.begin(), plan.recompute.end(),
                                    planner::Recompute::selective) != plan.recompute.end();
-  if (selective && gpu)
-    throw InputError(
-        "plan: recompute: the cuda profiler does not time selective recompute (validate it with "
-        "--backend cpu)");
   if (plan.t > 1 && gpu)
     throw InputError(fmt::format(
-        "plan: t: the cuda executor does not run tensor parallelism yet (t = {}); validate it "
-        "with --backend cpu",
+        "plan: t: validate --backend cuda does not model a TP group's devices on its one GPU yet "
+        "(t = {}); validate it with --backend cpu, or train --backend cuda and simulate",
         plan.t));
   const models::Sharding sharding{plan.t, plan.sp};
   // Under mpirun: one rank per process; rank 0 profiles, simulates, compares and prints.
@@ -504,7 +500,8 @@ void run_and_compare(const ValidateArgs& a) {
       std::fflush(stdout);
 #ifdef PW_HAVE_CUDA
       if (gpu)
-        profiles.push_back(exec::cuda::profile_cuda(model, sizes, a.repeats, statistic));
+        profiles.push_back(
+            exec::cuda::profile_cuda(model, sizes, a.repeats, statistic, sharding, selective));
       else
 #endif
         profiles.push_back(

@@ -83,6 +83,13 @@ TEST(CudaProfile, RejectsWhatItCannotRunBeforeTouchingTheGpu) {
   odd.seq_len = 63;
   EXPECT_THROW(cu::profile_cuda(odd, {1}, 1), InputError);
   EXPECT_THROW(cu::profile_cuda(tiny_bf16(), {1}, 0), InputError);
+  // A TP size that does not divide the heads: the model check's line, before any GPU call.
+  try {
+    cu::profile_cuda(tiny_bf16(), {1}, 1, exec::ProfileStatistic::median, {3, false});
+    FAIL() << "t = 3 accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("3"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CudaProfile, WithoutAGpuTheProbesSayWhy) {
@@ -171,6 +178,30 @@ TEST(CudaProfile, SkipsASizeThatDoesNotFit) {
     EXPECT_NE(what.find("no microbatch size"), std::string::npos) << what;
     EXPECT_EQ(what.find('\n'), std::string::npos) << what;
   }
+}
+
+// One TP rank's shard (t = 2, SP) timed alone, and a selective block's extra backward: the
+// trace says its sharding, its memory fields are the shard's stages' sizes (derive_costs at that
+// sharding), the selective stash is smaller than the plain one and its extra time is measured.
+// GPU-owed: never ran.
+TEST(CudaProfile, ShardAndSelectiveAreTimed) {
+  PW_SKIP_WITHOUT_GPU();
+  const models::ModelSpec m = tiny_bf16();
+  const models::Sharding sharding{2, true};
+  const traces::Trace t =
+      cu::profile_cuda(m, {2}, 2, exec::ProfileStatistic::median, sharding, true);
+  EXPECT_EQ(t.sharding.t, 2);
+  EXPECT_TRUE(t.sharding.sp);
+  const traces::Entry& e = t.at(2);
+  const auto& K = e.layers[LayerKind::block];
+  const traces::Entry expected =
+      profiling::measured_entry(models::derive_costs(m, sharding), 2, {}, 0.0);
+  EXPECT_EQ(K.activation_bytes, expected.layers[LayerKind::block].activation_bytes);
+  EXPECT_EQ(K.output_bytes, expected.layers[LayerKind::block].output_bytes);
+  EXPECT_LT(K.activation_selective_bytes, K.activation_bytes);
+  EXPECT_GT(K.forward_s, 0);
+  EXPECT_GT(K.backward_s, 0);
+  EXPECT_GE(K.selective_recompute_s, 0);
 }
 
 TEST(CudaProfile, ArenaOutOfRoomIsDeviceMemoryError) {

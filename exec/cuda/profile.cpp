@@ -32,12 +32,13 @@ namespace {
 class ProfiledStage {
  public:
   ProfiledStage(const models::ModelSpec& model, bool embedding, bool head, int b,
-                DeviceArena& arena, cudaStream_t stream)
+                DeviceArena& arena, cudaStream_t stream, const models::Sharding& sharding,
+                bool selective = false)
       : embedding_(embedding),
         head_(head),
         b_(b),
         stream_(stream),
-        stage_(profiling::single_block_stage(model, embedding, head), arena, stream),
+        stage_(spec_of(model, embedding, head, sharding, selective), arena, stream),
         sizes_(stage_.sizes(b)) {
     const StageSizes& z = sizes_;
     auto take = [&](std::int64_t elements, Category c) {
@@ -54,11 +55,17 @@ class ProfiledStage {
     input_ = take(z.input, Category::activations);
     work_ = take(z.workspace, Category::workspace);
     scratch_ = take(z.scratch, Category::workspace);
-    // A padded vocabulary's cross-entropy keeps its row statistics in the workspace (t = 1: no
-    // TP sums).
+    // A padded vocabulary's cross-entropy keeps its row statistics in the workspace, and so do SP's
+    // gathers and a selective forward's probabilities, as in the worker. One TP rank alone: its
+    // collectives do nothing (a sum of one; a gather leaves the other ranks' rows as they were),
+    // so only its compute is timed, as profile_cpu times it.
     CudaGptStage::Tp tp;
     tp.workspace = work_.as<bf16>();
     tp.workspace_elements = z.workspace;
+    if (sharding.t > 1) {
+      tp.sum = [](void*, std::int64_t, bool) {};
+      tp.all_gather = tp.reduce_scatter = [](bf16*, std::int64_t) {};
+    }
     stage_.set_tp(std::move(tp));
     const profiling::Batch batch = profiling::synthetic_batch(model, b);
     const auto id_bytes = std::int64_t(batch.tokens.size() * sizeof(std::int32_t));
@@ -99,6 +106,12 @@ class ProfiledStage {
   void check_ids() { stage_.check_ids(); }
 
  private:
+  static StageSpec spec_of(const models::ModelSpec& model, bool embedding, bool head,
+                           const models::Sharding& sharding, bool selective) {
+    StageSpec spec = profiling::single_block_stage(model, embedding, head, sharding);
+    spec.selective = selective;
+    return spec;
+  }
   void copy_into(const DeviceBuffer& dst, const DeviceBuffer& src) const {
     if (dst.bytes() != src.bytes())
       throw Error(fmt::format("profile: a {}-byte activation fed to a {}-byte buffer", src.bytes(),
@@ -122,12 +135,16 @@ class ProfiledStage {
       tokens_, targets_;
 };
 
-// The lone block, embedding + block and block + head, timed round-robin with CUDA events.
+// The lone block, embedding + block and block + head, timed round-robin with CUDA events; with
+// `selective` (else -1 there) the extra time of a selective block's backward over the plain one's.
 std::array<profiling::StageTimes, 3> time_stages(const models::ModelSpec& model, int b, int repeats,
                                                  ProfileStatistic statistic, DeviceArena& arena,
-                                                 cudaStream_t stream) {
-  ProfiledStage block(model, false, false, b, arena, stream),
-      embedding(model, true, false, b, arena, stream), head(model, false, true, b, arena, stream);
+                                                 cudaStream_t stream,
+                                                 const models::Sharding& sharding, bool selective,
+                                                 double& selective_s) {
+  ProfiledStage block(model, false, false, b, arena, stream, sharding),
+      embedding(model, true, false, b, arena, stream, sharding),
+      head(model, false, true, b, arena, stream, sharding);
   EventTimer timer(stream);
   // Two seconds of warm-up before the first timed run. On an H100 (2026-11-24, docs/performance.md,
   // "On a GPU") one round of warm-up left a block's forward at b = 4 anywhere from 440 to 780 us
@@ -138,6 +155,22 @@ std::array<profiling::StageTimes, 3> time_stages(const models::ModelSpec& model,
       2.0);
   embedding.check_ids();
   head.check_ids();
+  selective_s = -1;
+  if (!selective) return times;
+  // As profile_cpu: the same input and output gradient as the plain block (the softmax's time
+  // depends on the values); pairs alternate, so a slow spell of the GPU falls on both.
+  ProfiledStage sel(model, false, false, b, arena, stream, sharding, true);
+  sel.feed(embedding.output());
+  sel.feed_gradient(head.d_input());
+  std::vector<double> extra;
+  for (int i = 0; i <= repeats; ++i) {  // the first pair warms the selective stage up
+    block.forward();
+    const double plain = timer.seconds([&] { block.backward(); });
+    sel.forward();
+    const double again = timer.seconds([&] { sel.backward(); });
+    if (i > 0) extra.push_back(again - plain);
+  }
+  selective_s = std::max(0.0, profiling::summarize(extra, statistic));
   return times;
 }
 
@@ -175,18 +208,19 @@ std::string gib(std::int64_t bytes) {
 
 traces::Trace profile_cuda(const models::ModelSpec& model,
                            const std::vector<std::int64_t>& microbatch_sizes, int repeats,
-                           ProfileStatistic statistic) {
+                           ProfileStatistic statistic, const models::Sharding& sharding,
+                           bool selective) {
   check_gpu_model(model);
   if (repeats < 1) throw InputError("profile: --repeats must be at least 1");
   const std::vector<std::int64_t> sizes = profiling::distinct_sorted(microbatch_sizes);
   if (sizes.empty() || sizes.front() < 1)
     throw InputError("profile: microbatch sizes must be at least 1");
   // The model's shape is checked (GPT-2 style, even seq_len) before anything touches the GPU.
+  const models::ModelCosts mc = models::derive_costs(model, sharding);  // t against the model
   for (const bool head : {false, true})
-    (void)exec::GptLayout(profiling::single_block_stage(model, !head, head), models::DType::bf16,
-                          "cuda");
-  const GpuInfo gpu = current_gpu();
-  const models::ModelCosts mc = models::derive_costs(model);  // 2-byte sizes: the stages' own
+    (void)exec::GptLayout(profiling::single_block_stage(model, !head, head, sharding),
+                          models::DType::bf16, "cuda");
+  const GpuInfo gpu = current_gpu();  // mc: 2-byte sizes, the stages' own
 
   const std::int64_t capacity = default_arena_bytes();
   if (capacity < (std::int64_t(64) << 20))
@@ -197,10 +231,14 @@ traces::Trace profile_cuda(const models::ModelSpec& model,
   const Stream stream;
   traces::Trace t = profiling::measured_trace(
       model, gpu.name, model.dtype, gpu.name, gpu.versions,
-      fmt::format("pipewright {} profile --backend cuda (bf16, {} of {} round-robin runs, CUDA "
-                  "events)",
-                  PW_VERSION, profiling::statistic_name(statistic), repeats),
-      2, [&](std::int64_t parameters) {
+      fmt::format(
+          "pipewright {} profile --backend cuda{}{} (bf16, {} of {} round-robin runs, CUDA "
+          "events)",
+          PW_VERSION,
+          sharding.t > 1 ? fmt::format(" --tp {}{}", sharding.t, sharding.sp ? " --sp" : "") : "",
+          selective ? " --selective" : "", profiling::statistic_name(statistic), repeats),
+      2,
+      [&](std::int64_t parameters) {
         try {
           return optimizer_time(parameters, repeats, statistic, arena, stream.get());
         } catch (const DeviceMemoryError& e) {
@@ -208,12 +246,15 @@ traces::Trace profile_cuda(const models::ModelSpec& model,
               fmt::format("profile: AdamW over {} parameters does not fit in {}'s {} arena: {}",
                           parameters, gpu.name, gib(capacity), e.what()));
         }
-      });
+      },
+      sharding);
   std::string last_error;
   for (std::int64_t b : sizes) {
     try {
-      t.entries.push_back(profiling::measured_entry(
-          mc, b, time_stages(model, int(b), repeats, statistic, arena, stream.get())));
+      double selective_s = -1;
+      const auto times = time_stages(model, int(b), repeats, statistic, arena, stream.get(),
+                                     sharding, selective, selective_s);
+      t.entries.push_back(profiling::measured_entry(mc, b, times, selective_s));
     } catch (const DeviceMemoryError& e) {
       // Every block is back in the arena (the buffers are gone); let the work queued before the
       // failure finish before the next size reuses the memory.

@@ -27,8 +27,15 @@ namespace pw::exec::cuda {
 //
 // Device memory: one arena of the free memory less a reserve; a microbatch size whose stages do
 // not fit in it is skipped with a one-line note on stderr; when none fits, a one-line InputError.
+//
+// As profile_cpu: with `sharding` (t > 1, SP) one TP rank's shard of each stage, timed alone (its
+// TP collectives do nothing, so only its compute counts; the simulator adds the collectives), and
+// with `selective` also a selective block's extra backward time over the plain one's (pairs of
+// backwards alternating, the same input and output gradient). Compile-checked only: never run on
+// a GPU (`CudaProfile.ShardAndSelectiveAreTimed` is owed).
 traces::Trace profile_cuda(const models::ModelSpec& model,
                            const std::vector<std::int64_t>& microbatch_sizes, int repeats = 3,
-                           ProfileStatistic statistic = ProfileStatistic::median);
+                           ProfileStatistic statistic = ProfileStatistic::median,
+                           const models::Sharding& sharding = {}, bool selective = false);
 
 }  // namespace pw::exec::cuda
