@@ -275,11 +275,9 @@ void CudaWorker::upload_chunk(int u, int op) {
   wait(compute_, d.up[unit]);
 }
 
-// Before layer `layer` of the compute op under way: its moment's evictions, then (the host waits
-// for them: their device memory is what the uploads take, as the CPU worker drains its engine)
-// its uploads, which the layer's work waits for on the compute stream.
-// A layer's moment: the shared order (run_chunk_moment, exec/chunk_book.hpp); the host waits for
-// the evictions (their tensors back in the arena before the uploads take theirs), the compute
+// Before layer `layer` of the compute op under way, its moment in the shared order
+// (run_chunk_moment, exec/chunk_book.hpp): the host waits for the evictions (their tensors back in
+// the arena before the uploads take theirs, as the CPU worker drains its engine), the compute
 // stream for the uploads (after_chunk_moves, per tensor).
 void CudaWorker::chunk_moment(int layer) {
   exec::detail::run_chunk_moment(*this, book_, layer);
