@@ -692,8 +692,8 @@ void Worker::forward(const Op& op) {
   const auto t1 = Clock::now();
   busy_s_ += std::chrono::duration<double>(t1 - t0).count();
   record(planner::kComputeStream, t0, t1);
-  if (StepBook::reports_loss(c.last, tp_))
-    s_.add_loss(op.step, loss);  // every TP member computes it
+  // Every TP member computes the loss; TP index 0 reports it.
+  if (StepBook::reports_loss(c.last, tp_)) s_.add_loss(op.step, loss);
   inputs_.erase(key);
   stash_[key] = std::move(stash);
   if (!c.last) outputs_[key] = std::move(out);

@@ -1009,8 +1009,8 @@ void CudaWorker::end_of_step(int step) {
   synchronize(compute_, fmt::format("optimizer step {}", step));
   for (Chunk& c : chunks_)
     if (c.first || c.last) c.stage->check_ids();
-  if (exec::detail::StepBook::reports_loss(
-          chunks_.back().last, tp_)) {  // the TP group's losses are one (the group's sum)
+  // The TP group's losses are one (the group's sum): TP index 0 reports them.
+  if (exec::detail::StepBook::reports_loss(chunks_.back().last, tp_)) {
     const int m = s_.plan().m;
     std::vector<float> losses(static_cast<std::size_t>(m));
     CUDA_CHECK(cudaMemcpy(losses.data(), losses_.as<float>() + (step % 2) * m,
