@@ -196,4 +196,20 @@ void ChunkBook::check_none_pending(const char* what) const {
                             rank_, pending_.front().first.layer, what));
 }
 
+std::vector<int> unit_parts(int parts, int unit) {
+  if (parts == 1) return {0, 2};  // the parameters and their gradient half
+  return {unit};
+}
+
+bool edge_segment(int parts, int updates, int first_step, int steps) {
+  return parts > 1 && (updates == first_step || updates == first_step + steps - 1);
+}
+
+void check_unit_move(int rank, int parts, int u, bool on_device, bool to_device) {
+  if (on_device != to_device) return;
+  throw Error(fmt::format("rank {}: chunk {}{} to the {}, where it is already", rank, u / parts,
+                          parts > 1 ? fmt::format(" (part {})", u % parts) : std::string(),
+                          to_device ? "device" : "host"));
+}
+
 }  // namespace pw::exec::detail

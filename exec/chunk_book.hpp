@@ -121,6 +121,17 @@ class ChunkBook {
   std::deque<std::pair<planner::Op, int>> pending_;
 };
 
+// The parts of a chunk that unit `unit`'s copy moves: with the flush schedules (parts = 1) the
+// chunk's parameters (part 0) and gradient half (part 2); with 2bw (parts = 3) the unit's own part.
+std::vector<int> unit_parts(int parts, int unit);
+// 2bw: whether the copies issued now belong to the run's first or last segment (the one ending
+// with the optimizer step of update `updates`, the run's steps [first_step, first_step + steps)),
+// whose bytes the report gives apart; false with the flush schedules.
+bool edge_segment(int parts, int updates, int first_step, int steps);
+// Unit u (chunk * parts + unit) about to move to the device (`to_device`) or the host while it is
+// `on_device`: throws "rank R: chunk K (part P) to the host, where it is already" when it is there.
+void check_unit_move(int rank, int parts, int u, bool on_device, bool to_device);
+
 // The four chunk ops' checks and routing (interpret.hpp's `chunk`), the one rule both workers give
 // them: a copy names a unit (chunk * parts + unit), an Adam step a chunk; a copy tagged with a
 // layer is held in `book` (op index `at`) until that layer; an untagged one is the optimizer

@@ -160,7 +160,6 @@ class Worker {
   int parts_ = 1;          // ChunkLayout::parts: 3 with 2bw
   int chunk_version_ = 0;  // the weight version of the compute op under way
   // The parts unit `unit` of its chunk moves, and where a version's weights and the gradient are.
-  std::vector<int> unit_parts(int unit) const;
   int weight_part(int version) const { return parts_ == 1 ? 0 : version % 2; }
   int gradient_unit() const { return parts_ == 1 ? 0 : 2; }  // the unit holding the gradient
   class ChunkMemory;

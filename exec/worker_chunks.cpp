@@ -122,7 +122,7 @@ void Worker::setup_chunks() {
       d.on_device[u] = schedule_->start_on_device[std::size_t(k * parts_ + u)];
       MemoryCounter* where = d.on_device[u] ? memory_ : &host_;
       if (L.is_sharded(k) && !d.on_device[u]) continue;  // its part only, below
-      for (int part : unit_parts(u))
+      for (int part : unit_parts(parts_, u))
         d.part[part] = Buffer(where, part == 2 ? Category::gradients : Category::weights, e);
     }
     for (int slot = 0; part_only(k) && slot < std::min(parts_, 2); ++slot)
@@ -306,16 +306,8 @@ void Worker::part_update(int k, int update) {
   optimizer_update(*s_.options, update, params, params, grad, d.m.data(), d.v.data(), hi - lo);
 }
 
-// 2bw: the segment under way is the one ending with step updates_'s optimizer step.
 bool Worker::edge_segment() const {
-  if (parts_ == 1) return false;
-  const int first = s_.first_step, last = s_.first_step + s_.programs->steps - 1;
-  return updates_ == first || updates_ == last;
-}
-
-std::vector<int> Worker::unit_parts(int unit) const {
-  if (parts_ == 1) return {0, 2};  // the parameters and their gradient half
-  return {unit};
+  return detail::edge_segment(parts_, updates_, s_.first_step, s_.programs->steps);
 }
 
 // A unit (a chunk, or with 2bw one of its parts) to the host on the device-to-host engine: the
@@ -324,11 +316,9 @@ std::vector<int> Worker::unit_parts(int unit) const {
 CopyEngine::Ticket Worker::download_chunk(int u, int op) {
   const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (!d.on_device[unit])
-    throw Error(fmt::format("rank {}: chunk {}{} to the host, where it is already", rank_, k,
-                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
+  check_unit_move(rank_, parts_, u, d.on_device[unit], false);
   const std::int64_t e = schedule_->layout.chunk_elements;
-  const std::vector<int> parts = unit_parts(unit);
+  const std::vector<int> parts = unit_parts(parts_, unit);
   // A sharded chunk with its gradient comes down whole: its parameters' part is in it (the
   // parameters stay as they are beside the gradient half), so the host's part goes. (With 2bw
   // only a gradient part comes down whole; the versions' parts stay.)
@@ -364,11 +354,9 @@ CopyEngine::Ticket Worker::download_chunk(int u, int op) {
 void Worker::upload_chunk(int u, int op) {
   const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (d.on_device[unit])
-    throw Error(fmt::format("rank {}: chunk {}{} to the device, where it is already", rank_, k,
-                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
+  check_unit_move(rank_, parts_, u, d.on_device[unit], true);
   const std::int64_t e = schedule_->layout.chunk_elements;
-  const std::vector<int> parts = unit_parts(unit);
+  const std::vector<int> parts = unit_parts(parts_, unit);
   auto device = std::make_shared<std::vector<Buffer>>();
   for (int part : parts)
     device->emplace_back(memory_, part == 2 ? Category::gradients : Category::weights, e, &pool_);
@@ -421,7 +409,7 @@ Worker::DataChunk& Worker::sharded_chunk(int u, bool on_device, const char* what
 void Worker::drop_chunk(int u) {
   DataChunk& d = sharded_chunk(u, true, "a drop");
   d.on_device[u % parts_] = false;
-  for (int part : unit_parts(u % parts_))
+  for (int part : unit_parts(parts_, u % parts_))
     d.part[part] = Buffer();
 }
 
@@ -434,7 +422,7 @@ void Worker::upload_part(int u, int op) {
   const planner::ChunkLayout& L = schedule_->layout;
   const std::int64_t e = L.chunk_elements;
   const int unit = u % parts_;
-  for (int part : unit_parts(unit))
+  for (int part : unit_parts(parts_, unit))
     d.part[part] = Buffer(memory_, part == 2 ? Category::gradients : Category::weights, e, &pool_);
   d.on_device[unit] = true;
   if (L.part_copy(u, true, false) == planner::ChunkLayout::PartCopy::zero_fill) {
@@ -487,7 +475,7 @@ void Worker::download_part(int u, int step, int op) {
   DataChunk* dc = &d;
   Worker* w = this;
   const bool edge = edge_segment();
-  const std::vector<int> parts = unit_parts(unit);
+  const std::vector<int> parts = unit_parts(parts_, unit);
   d.down[unit] = d2h_->submit([w, dc, pb = pb, pe = pe, op, edge, parts] {
     const auto t0 = Clock::now();
     std::copy_n(dc->part[2].data() + pb, pe - pb, dc->grad_part.data());

@@ -1569,6 +1569,29 @@ TEST(OffloadRules, ChunkOpsAreHeldRoutedOrRefusedInOneLine) {
   EXPECT_NO_THROW(book.check_messages(0, 5, OpKind::forward, 2));
 }
 
+// The unit rules both workers' copies use: which parts a unit moves, 2bw's edge segments, and a
+// unit moved to where it is already, in one line.
+TEST(OffloadRules, UnitPartsEdgeSegmentsAndMovesToWhereItIs) {
+  EXPECT_EQ(detail::unit_parts(1, 0), (std::vector<int>{0, 2}));
+  EXPECT_EQ(detail::unit_parts(3, 2), (std::vector<int>{2}));
+  EXPECT_FALSE(detail::edge_segment(1, 0, 0, 4));
+  EXPECT_TRUE(detail::edge_segment(3, 2, 2, 4));   // the first step of a run resumed at 2
+  EXPECT_TRUE(detail::edge_segment(3, 5, 2, 4));   // its last
+  EXPECT_FALSE(detail::edge_segment(3, 3, 2, 4));  // between them
+  EXPECT_NO_THROW(detail::check_unit_move(0, 3, 7, true, false));
+  EXPECT_NO_THROW(detail::check_unit_move(0, 1, 2, false, true));
+  const auto error = [](int parts, int u, bool on, bool to) {
+    try {
+      detail::check_unit_move(4, parts, u, on, to);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error(3, 7, true, true), "rank 4: chunk 2 (part 1) to the device, where it is already");
+  EXPECT_EQ(error(1, 2, false, false), "rank 4: chunk 2 to the host, where it is already");
+}
+
 // A layer's moment, the order both workers run its copies in: evictions (drops of sharded units,
 // downloads of the rest) in program order, then the wait for them, then the uploads (parts and
 // whole units) in program order, their wait, then the parts that need the other replicas'

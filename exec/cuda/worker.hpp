@@ -399,7 +399,6 @@ class CudaWorker {
   exec::detail::ChunkBook book_;
   MemoryCounter uncounted_;  // the arena blocks the book counts instead (activations, messages)
   std::int64_t edge_bytes_out_ = 0, edge_bytes_in_ = 0;  // 2bw: the run's first and last segments
-  std::vector<int> unit_parts(int unit) const;
   int weight_part(int version) const { return parts_ == 1 ? 0 : version % 2; }
   int gradient_unit() const { return parts_ == 1 ? 0 : 2; }
   bool edge_segment() const;

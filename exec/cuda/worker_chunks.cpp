@@ -88,16 +88,8 @@ class CudaWorker::ChunkMemory : public DeviceLayerMemory {
   Tensor core_;
 };
 
-std::vector<int> CudaWorker::unit_parts(int unit) const {
-  if (parts_ == 1) return {0, 2};  // the parameters and their gradient half
-  return {unit};
-}
-
-// 2bw: the segment under way is the one ending with step updates_'s optimizer step.
 bool CudaWorker::edge_segment() const {
-  if (parts_ == 1) return false;
-  const int first = s_.first_step, last = s_.first_step + s_.programs->steps - 1;
-  return updates_ == first || updates_ == last;
+  return exec::detail::edge_segment(parts_, updates_, s_.first_step, s_.programs->steps);
 }
 
 bf16* CudaWorker::host_part(DataChunk& d, int part) const {
@@ -167,7 +159,7 @@ void CudaWorker::setup_chunks(const std::vector<std::vector<float>>& initial) {
     std::memcpy(d.host.as<void>(), images[std::size_t(k)].data(), std::size_t(2 * host_parts * e));
     for (int u = 0; u < parts_; ++u) {
       d.on_device[u] = schedule_->start_on_device[std::size_t(k * parts_ + u)];
-      for (int part : unit_parts(u)) {
+      for (int part : exec::detail::unit_parts(parts_, u)) {
         if (!d.on_device[u]) {
           host_.add(part_category(part), 2 * e);
           continue;
@@ -216,11 +208,9 @@ void CudaWorker::after_chunk_moves(std::int64_t flat) {
 void CudaWorker::download_chunk(int u, int op) {
   const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (!d.on_device[unit])
-    throw Error(fmt::format("rank {}: chunk {}{} to the host, where it is already", rank_, k,
-                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
+  exec::detail::check_unit_move(rank_, parts_, u, d.on_device[unit], false);
   const std::int64_t e = schedule_->layout.chunk_elements;
-  const std::vector<int> parts = unit_parts(unit);
+  const std::vector<int> parts = exec::detail::unit_parts(parts_, unit);
   const cudaEvent_t before = record(compute_);
   wait(d2h_, before);
   pool_.push_back(before);
@@ -247,11 +237,9 @@ void CudaWorker::download_chunk(int u, int op) {
 void CudaWorker::upload_chunk(int u, int op) {
   const int k = u / parts_, unit = u % parts_;
   DataChunk& d = data_chunks_.at(std::size_t(k));
-  if (d.on_device[unit])
-    throw Error(fmt::format("rank {}: chunk {}{} to the device, where it is already", rank_, k,
-                            parts_ > 1 ? fmt::format(" (part {})", unit) : std::string()));
+  exec::detail::check_unit_move(rank_, parts_, u, d.on_device[unit], true);
   const std::int64_t e = schedule_->layout.chunk_elements;
-  const std::vector<int> parts = unit_parts(unit);
+  const std::vector<int> parts = exec::detail::unit_parts(parts_, unit);
   const cudaEvent_t before = record(compute_);
   wait(h2d_, before);
   pool_.push_back(before);
