@@ -6,11 +6,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "exec/cuda/arena.hpp"
 #include "exec/cuda/device.hpp"
+#include "exec/cuda/runtime.hpp"
 
 // Every GPU test starts with this: without a device it reports itself skipped, with the reason.
 #define PW_SKIP_WITHOUT_GPU()                                            \
@@ -108,6 +111,31 @@ inline DeviceBuffer zeros(DeviceArena& arena, std::int64_t bytes,
   DeviceBuffer b(arena, c, bytes);
   if (bytes > 0) CUDA_CHECK(cudaMemset(b.data(), 0, std::size_t(bytes)));
   return b;
+}
+
+// A 4-step run of `plan` against the same run stopped after 2 steps (a checkpoint in `dir`, which
+// is removed afterwards) and resumed: the later losses and the final weights the unbroken run's,
+// bit for bit.
+inline void expect_resume_is_exact(const models::ModelSpec& model, const planner::Plan& plan,
+                                   exec::TrainOptions o, const std::string& dir) {
+  o.steps = 4;
+  o.checkpoint_dir.clear();
+  o.resume = false;
+  const exec::TrainResult unbroken = exec::cuda::train_cuda(model, plan, o);
+  std::filesystem::remove_all(dir);
+  o.checkpoint_dir = dir;
+  o.steps = 2;
+  exec::cuda::train_cuda(model, plan, o);
+  o.steps = 4;
+  o.resume = true;
+  const exec::TrainResult resumed = exec::cuda::train_cuda(model, plan, o);
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(resumed.first_step, 2);
+  ASSERT_EQ(resumed.steps.size(), 2u);
+  EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
+  EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
+  for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
+    EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
 }
 
 }  // namespace pw::testing

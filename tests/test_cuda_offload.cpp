@@ -593,24 +593,10 @@ TEST(CudaOffload, TensorParallelMatchesNoOffload) {
   }
 }
 
-// A 4-step run of `p` against the same run stopped after 2 steps (a checkpoint in `name`'s
-// directory) and resumed: the later losses and the final weights the unbroken run's, bit for bit.
-void expect_resume_is_exact(const Plan& p, TrainOptions o, const std::string& name) {
-  o.steps = 4;
-  const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
-  o.checkpoint_dir = temp_dir(name).string();
-  o.steps = 2;
-  pw::exec::cuda::train_cuda(kGpu, p, o);
-  o.steps = 4;
-  o.resume = true;
-  const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
-  ASSERT_EQ(resumed.first_step, 2);
-  ASSERT_EQ(resumed.steps.size(), 2u);
-  EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
-  EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
-  for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
-    EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
-  fs::remove_all(o.checkpoint_dir);
+// A 4-step run against the same run stopped after 2 steps and resumed, bit for bit
+// (cuda_test_util.hpp).
+void expect_resume_is_exact(const Plan& p, const TrainOptions& o, const std::string& name) {
+  pw::testing::expect_resume_is_exact(kGpu, p, o, temp_dir(name).string());
 }
 
 // The host's optimizer state is in the checkpoint: stopped after 2 of 4 steps and resumed, the

@@ -237,26 +237,10 @@ TEST(CudaRuntime, ResumeIsExact) {
   PW_SKIP_WITHOUT_GPU();
   for (Schedule s : {Schedule::one_f_one_b, Schedule::two_bw}) {
     SCOPED_TRACE(pw::planner::to_string(s));
-    const Plan p = make_plan(s, 1, 2, 2, 4);
     TrainOptions o;
-    o.steps = 4;
     o.seed = 7;
-    o.checkpoint_dir = temp_dir("unbroken").string();
-    const TrainResult unbroken = pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.checkpoint_dir = temp_dir("resumed").string();
-    o.steps = 2;
-    pw::exec::cuda::train_cuda(kGpu, p, o);
-    o.steps = 4;
-    o.resume = true;
-    const TrainResult resumed = pw::exec::cuda::train_cuda(kGpu, p, o);
-    ASSERT_EQ(resumed.first_step, 2);
-    ASSERT_EQ(resumed.steps.size(), 2u);
-    EXPECT_EQ(resumed.steps[0].loss, unbroken.steps[2].loss);
-    EXPECT_EQ(resumed.steps[1].loss, unbroken.steps[3].loss);
-    for (std::size_t r = 0; r < unbroken.ranks.size(); ++r)
-      EXPECT_EQ(resumed.ranks[r].weights, unbroken.ranks[r].weights) << "rank " << r;
-    fs::remove_all(temp_dir("unbroken"));
-    fs::remove_all(temp_dir("resumed"));
+    pw::testing::expect_resume_is_exact(kGpu, make_plan(s, 1, 2, 2, 4), o,
+                                        temp_dir("resumed").string());
   }
 }
 
