@@ -196,6 +196,14 @@ void ChunkBook::check_none_pending(const char* what) const {
                             rank_, pending_.front().first.layer, what));
 }
 
+std::shared_ptr<const planner::ChunkSchedule> stage_chunk_schedule(
+    const planner::Programs& programs, int stage, int rank) {
+  if (!programs.chunks || stage < 0 || int(programs.chunks->size()) <= stage)
+    throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank));
+  return std::shared_ptr<const planner::ChunkSchedule>(programs.chunks,
+                                                       &(*programs.chunks)[std::size_t(stage)]);
+}
+
 std::vector<int> unit_parts(int parts, int unit) {
   if (parts == 1) return {0, 2};  // the parameters and their gradient half
   return {unit};

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -120,6 +121,11 @@ class ChunkBook {
   std::int64_t message_elements_ = 0;
   std::deque<std::pair<planner::Op, int>> pending_;
 };
+
+// Stage `stage`'s chunk schedule in `programs` (sharing their ownership); throws "rank R: offload
+// chunks without a chunk schedule" when the programs have none for it.
+std::shared_ptr<const planner::ChunkSchedule> stage_chunk_schedule(
+    const planner::Programs& programs, int stage, int rank);
 
 // The parts of a chunk that unit `unit`'s copy moves: with the flush schedules (parts = 1) the
 // chunk's parameters (part 0) and gradient half (part 2); with 2bw (parts = 3) the unit's own part.

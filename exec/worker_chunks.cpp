@@ -89,11 +89,7 @@ class Worker::ChunkMemory : public LayerMemory {
 // Adam state on the device for chunks 0 .. K-1, else on the host. The stage's initial (or resumed)
 // parameters and Adam state come from the staging buffers the constructor filled, then those go.
 void Worker::setup_chunks() {
-  if (s_.programs->chunks && int(s_.programs->chunks->size()) > stage_)
-    schedule_ = std::shared_ptr<const planner::ChunkSchedule>(
-        s_.programs->chunks, &(*s_.programs->chunks)[std::size_t(stage_)]);
-  if (!schedule_)
-    throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
+  schedule_ = stage_chunk_schedule(*s_.programs, stage_, rank_);
   const planner::ChunkLayout& L = schedule_->layout;
   // Where each tensor lives, each layer's activation bytes, the messages (exec/chunk_book.hpp).
   std::vector<BookChunk> book;

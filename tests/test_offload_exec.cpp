@@ -1590,6 +1590,18 @@ TEST(OffloadRules, UnitPartsEdgeSegmentsAndMovesToWhereItIs) {
   };
   EXPECT_EQ(error(3, 7, true, true), "rank 4: chunk 2 (part 1) to the device, where it is already");
   EXPECT_EQ(error(1, 2, false, false), "rank 4: chunk 2 to the host, where it is already");
+  // A stage's chunk schedule, or one line when the programs have none for it.
+  planner::Programs programs;
+  try {
+    detail::stage_chunk_schedule(programs, 0, 5);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 5: offload chunks without a chunk schedule");
+  }
+  auto schedules = std::make_shared<std::vector<planner::ChunkSchedule>>(2);
+  programs.chunks = schedules;
+  EXPECT_EQ(detail::stage_chunk_schedule(programs, 1, 0).get(), &(*schedules)[1]);
+  EXPECT_THROW(detail::stage_chunk_schedule(programs, 2, 0), Error);
 }
 
 // A layer's moment, the order both workers run its copies in: evictions (drops of sharded units,

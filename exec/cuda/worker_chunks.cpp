@@ -103,11 +103,7 @@ bf16* CudaWorker::host_part(DataChunk& d, int part) const {
 // fp32 initial weights.
 void CudaWorker::setup_chunks(const std::vector<std::vector<float>>& initial) {
   const planner::Plan& p = s_.plan();
-  if (s_.programs->chunks && int(s_.programs->chunks->size()) > stage_)
-    schedule_ = std::shared_ptr<const planner::ChunkSchedule>(
-        s_.programs->chunks, &(*s_.programs->chunks)[std::size_t(stage_)]);
-  if (!schedule_)
-    throw Error(fmt::format("rank {}: offload chunks without a chunk schedule", rank_));
+  schedule_ = exec::detail::stage_chunk_schedule(*s_.programs, stage_, rank_);
   const planner::ChunkLayout& L = schedule_->layout;
   // What prepare_run lets through (w = 1, m > 1), checked against the schedule itself.
   if (L.replicas != 1 || L.part_bytes > 0)
